@@ -1,0 +1,102 @@
+"""Audio in and out: read any format soundfile reads, mix to mono, resample (soxr), write PCM16 WAV."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+class AudioError(ValueError):
+    """Audio that cannot be used; the message names the file and the problem."""
+
+
+def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """Samples `[frames, channels]` float32 in [-1, 1] and the file's rate."""
+    import soundfile as sf
+
+    path = Path(path)
+    if not path.exists():
+        raise AudioError(f"{path}: no such file")
+    if path.is_dir():
+        raise AudioError(f"{path}: is a directory, not an audio file")
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
+        raise AudioError(f"{path}: not a readable audio file ({str(e).strip() or type(e).__name__})") from None
+    return data, int(rate)
+
+
+def to_mono(samples: np.ndarray) -> np.ndarray:
+    """Average the channels of `[frames, channels]` (a 1-D input is already mono)."""
+    samples = np.asarray(samples, dtype=np.float32)
+    if samples.ndim == 1:
+        return samples
+    if samples.ndim != 2:
+        raise AudioError(f"audio must be [frames] or [frames, channels], got shape {samples.shape}")
+    return samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
+
+
+def resample(samples: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
+    """Mono float32 at `rate_out` (soxr, high quality); unchanged when the rates agree."""
+    if rate_in <= 0:
+        raise AudioError(f"sample rate must be positive, got {rate_in}")
+    samples = np.ascontiguousarray(samples, dtype=np.float32)
+    if rate_in == rate_out:
+        return samples
+    import soxr
+
+    return soxr.resample(samples, rate_in, rate_out, quality="HQ").astype(np.float32, copy=False)
+
+
+def check_samples(samples: np.ndarray, name: str = "audio") -> np.ndarray:
+    samples = np.asarray(samples)
+    if samples.size == 0:
+        raise AudioError(f"{name}: contains no samples")
+    if not np.issubdtype(samples.dtype, np.floating):
+        raise AudioError(f"{name}: expected float samples in [-1, 1], got {samples.dtype}")
+    if not np.all(np.isfinite(samples)):
+        raise AudioError(f"{name}: contains NaN or infinite samples")
+    return samples
+
+
+def load_audio(source: str | os.PathLike | np.ndarray, rate: int, sample_rate: int | None = None) -> np.ndarray:
+    """Mono float32 at `rate` from a file path or an array (`sample_rate` says the array's rate)."""
+    if isinstance(source, (str, os.PathLike)):
+        data, file_rate = read_audio(source)
+        name = str(source)
+        if sample_rate is not None and sample_rate != file_rate:
+            raise AudioError(f"{name}: file is {file_rate} Hz but sample_rate={sample_rate} was given")
+        sample_rate = file_rate
+    else:
+        data = np.asarray(source)
+        name = "audio array"
+        if sample_rate is None:
+            raise AudioError("audio array: give its sample_rate")
+    data = check_samples(data, name)
+    return resample(to_mono(data), sample_rate, rate)
+
+
+def write_wav(path: str | os.PathLike, samples: np.ndarray, rate: int) -> Path:
+    """Write mono PCM16 WAV atomically: a temp file beside `path`, renamed once complete."""
+    import soundfile as sf
+
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise AudioError(f"{path}: directory {parent} does not exist")
+    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+    if not np.all(np.isfinite(samples)):
+        raise AudioError(f"{path}: refusing to write NaN or infinite samples")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            sf.write(f, np.clip(samples, -1.0, 1.0), rate, subtype="PCM_16", format="WAV")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path

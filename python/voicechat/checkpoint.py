@@ -1,0 +1,312 @@
+"""Find a checkpoint, read its safetensors lazily, and load it into modules strictly.
+
+A checkpoint is a directory (or a hub id resolved with huggingface_hub) holding `config.json`,
+`model.safetensors` or `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
+`tokenizer.json` and optionally `rnnt_tokenizer/vocab.json`.
+
+Published checkpoints store tensors in the PyTorch layout (Conv1d `[out, in, k]`, Conv2d
+`[out, in, kh, kw]`, ConvTranspose1d `[in, out, k]`, LSTM `weight_ih_l{n}` ...). They are
+converted to MLX's layout once, at load, gated on shape: a tensor that already has the MLX shape
+is left alone, so MLX-layout files load too and a second conversion is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .config import ConfigError, VoiceChatConfig
+
+# Modules the published checkpoints quantize; nothing else may be (the speech encoder, RNNT, TTS
+# and codec stay dense).
+QUANTIZABLE = re.compile(
+    r"^stt_model\.(embed_tokens|lm_head|function_head"
+    r"|llm\.layers\.\d+\.mixer\.(in_proj|out_proj|q_proj|k_proj|v_proj|o_proj|up_proj|down_proj))$"
+)
+_QUANT_PARTS = (".scales", ".biases")
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+# --------------------------------------------------------------------------- finding files
+
+def resolve(path_or_id: str | os.PathLike) -> Path:
+    """A local directory as is; otherwise a hub id, downloaded (or taken from the cache)."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    text = str(path_or_id)
+    if path.exists():
+        raise CheckpointError(f"{text}: is a file; a checkpoint is a directory with config.json")
+    if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
+        raise CheckpointError(f"{text}: no such checkpoint directory")
+    return _download(text)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        raise CheckpointError(f"{repo_id}: not a local directory, and huggingface_hub is not installed")
+    patterns = ["*.json", "*.safetensors", "rnnt_tokenizer/*", "*.txt", "*.model"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        pass
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo_id}: no such model on the Hugging Face hub (and no such directory)") from None
+    except LocalEntryNotFoundError:
+        raise CheckpointError(
+            f"{repo_id}: not in the local Hugging Face cache and the hub cannot be reached "
+            "(offline?); download it once with network access or pass a local directory") from None
+    except Exception as e:  # network errors come in many types
+        raise CheckpointError(
+            f"{repo_id}: could not download from the Hugging Face hub ({type(e).__name__}: {e}); "
+            "pass a local directory or retry with network access") from None
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of a checkpoint: the index's shards, or the single model.safetensors."""
+    index = directory / _SAFETENSORS_INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (directory / f).exists()]
+        if missing:
+            raise CheckpointError(f"{directory}: missing shard(s) named in {_SAFETENSORS_INDEX}: {', '.join(missing)}")
+        return [directory / f for f in files]
+    single = directory / "model.safetensors"
+    if single.exists():
+        return [single]
+    shards = sorted(directory.glob("model-*-of-*.safetensors"))
+    if shards:
+        raise CheckpointError(f"{directory}: sharded weights without {_SAFETENSORS_INDEX}")
+    raise CheckpointError(f"{directory}: no model.safetensors (or sharded model-*.safetensors + index)")
+
+
+def read_tensors(files: Iterable[Path]) -> dict[str, mx.array]:
+    """All tensors of the files, lazily: nothing is read from disk until a tensor is evaluated."""
+    tensors: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            part = mx.load(str(f))
+        except Exception as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+        dup = tensors.keys() & part.keys()
+        if dup:
+            raise CheckpointError(f"{f}: tensor {sorted(dup)[0]} is also in another shard")
+        tensors.update(part)
+    return tensors
+
+
+# --------------------------------------------------------------------------- quantization
+
+def quantization_map(config: VoiceChatConfig) -> dict[str, dict[str, int]]:
+    """Module path -> {group_size, bits} for the modules config.json says are quantized."""
+    q = config.quantization or config.quantization_config
+    if not q:
+        return {}
+    default = {"group_size": int(q.get("group_size", 64)), "bits": int(q.get("bits", 4))}
+    out: dict[str, dict[str, int]] = {}
+    for key, value in q.items():
+        if key in ("group_size", "bits", "mode", "quant_method"):
+            continue
+        if value is False:
+            continue
+        params = dict(default)
+        if isinstance(value, dict):
+            params.update({k: int(v) for k, v in value.items() if k in ("group_size", "bits")})
+        elif value is not True:
+            raise ConfigError(f"config.json: quantization.{key}: expected an object or a boolean, got {value!r}")
+        if not QUANTIZABLE.match(key):
+            raise ConfigError(f"config.json: quantization.{key}: this module is never quantized "
+                              "(only embed_tokens, the two heads and the Nemotron-H mixer projections are)")
+        if params["bits"] not in (4, 8) or params["group_size"] not in (32, 64, 128):
+            raise ConfigError(f"config.json: quantization.{key}: unsupported bits={params['bits']} "
+                              f"group_size={params['group_size']} (bits 4 or 8, group 32/64/128)")
+        out[key] = params
+    return out
+
+
+def quantize_modules(module: nn.Module, qmap: dict[str, dict[str, int]], prefix: str = "") -> None:
+    """Swap in quantized layers for the map's modules under `prefix` (before loading weights)."""
+    def predicate(path: str, m: nn.Module):
+        return qmap.get(prefix + path, False)
+
+    nn.quantize(module, class_predicate=predicate)
+
+
+# --------------------------------------------------------------------------- layout conversion
+
+def _rename_torch_keys(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Torch-only key names to ours: LSTM gates, and buffers whose names start with '_'."""
+    out: dict[str, mx.array] = {}
+    lstm_bias: dict[str, dict[str, mx.array]] = {}
+    for key, value in tensors.items():
+        m = re.match(r"^(.*)\.(weight_ih|weight_hh|bias_ih|bias_hh)_l(\d+)$", key)
+        if m:
+            base, kind, n = m.groups()
+            if kind == "weight_ih":
+                out[f"{base}.{n}.Wx"] = value
+            elif kind == "weight_hh":
+                out[f"{base}.{n}.Wh"] = value
+            else:
+                lstm_bias.setdefault(f"{base}.{n}.bias", {})[kind] = value
+            continue
+        key = key.replace("._variance_list.", ".variance_list.")
+        key = re.sub(r"(^|\.)_control_codes$", r"\1control_codes", key)
+        out[key] = value
+    for key, parts in lstm_bias.items():
+        if set(parts) != {"bias_ih", "bias_hh"}:
+            missing = "bias_hh" if "bias_ih" in parts else "bias_ih"
+            raise CheckpointError(f"{key}: torch LSTM bias is missing its {missing} half")
+        # One bias for both products; summed in float32 so no rounding is added.
+        out[key] = parts["bias_ih"].astype(mx.float32) + parts["bias_hh"].astype(mx.float32)
+    return out
+
+
+def _layout_rules(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Parameter path -> permutation that takes the torch layout to MLX's, for conv kernels."""
+    rules: dict[str, tuple[int, ...]] = {}
+    for path, m in module.named_modules():
+        join = (lambda name: f"{path}.{name}") if path else (lambda name: name)
+        if isinstance(m, nn.ConvTranspose1d):
+            rules[join("weight")] = (1, 2, 0)  # [in, out, k] -> [out, k, in]
+        elif isinstance(m, nn.Conv1d):
+            rules[join("weight")] = (0, 2, 1)  # [out, in, k] -> [out, k, in]
+        elif isinstance(m, nn.Conv2d):
+            rules[join("weight")] = (0, 2, 3, 1)  # [out, in, kh, kw] -> [out, kh, kw, in]
+        # Raw kernels held outside nn.Conv* declare theirs: `TORCH_LAYOUT = {name: permutation}`.
+        for name, perm in getattr(type(m), "TORCH_LAYOUT", {}).items():
+            rules[join(name)] = tuple(perm)
+    return rules
+
+
+def to_mlx_layout(tensors: dict[str, mx.array], module: nn.Module) -> dict[str, mx.array]:
+    """Rename torch-only keys and transpose torch-layout kernels whose shape says so."""
+    tensors = _rename_torch_keys(tensors)
+    expected = dict(tree_flatten(module.parameters()))
+    rules = _layout_rules(module)
+    out = {}
+    for key, value in tensors.items():
+        perm = rules.get(key)
+        want = expected.get(key)
+        if perm is not None and want is not None and value.shape != want.shape and value.ndim == len(perm):
+            moved = tuple(value.shape[p] for p in perm)
+            if moved == tuple(want.shape):
+                value = mx.transpose(value, perm)
+        out[key] = value
+    return out
+
+
+# --------------------------------------------------------------------------- strict loading
+
+def check_weights(module: nn.Module, tensors: dict[str, mx.array], prefix: str = "") -> None:
+    """Every missing, unexpected or misshapen tensor, reported all at once (keys with prefix)."""
+    expected = dict(tree_flatten(module.parameters()))
+    problems: list[str] = []
+    for key in sorted(expected.keys() - tensors.keys()):
+        problems.append(f"missing tensor {prefix}{key} {tuple(expected[key].shape)}")
+    for key in sorted(tensors.keys() - expected.keys()):
+        problems.append(f"unexpected tensor {prefix}{key} {tuple(tensors[key].shape)}")
+    for key in sorted(expected.keys() & tensors.keys()):
+        want, got = expected[key], tensors[key]
+        if tuple(want.shape) != tuple(got.shape):
+            problems.append(f"tensor {prefix}{key} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        elif key.endswith(".weight") and want.dtype == mx.uint32 and got.dtype != mx.uint32:
+            problems.append(f"tensor {prefix}{key} is {got.dtype}, expected packed uint32 (quantized)")
+    if problems:
+        head = f"checkpoint does not match the model ({len(problems)} problem{'s' * (len(problems) > 1)}): "
+        raise CheckpointError(head + "; ".join(problems))
+
+
+def _check_quantization(module: nn.Module, tensors: dict[str, mx.array], prefix: str) -> None:
+    """A module's `.scales` in the file must agree with its being quantized in the model."""
+    modules = dict(module.named_modules())
+    quantized = {path for path, m in modules.items() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    # Scales of modules the model does not have are reported as unexpected tensors later.
+    stored = {k[: -len(".scales")] for k in tensors if k.endswith(".scales")} & modules.keys()
+    problems = []
+    for path in sorted(stored - quantized):
+        problems.append(f"{prefix}{path}.scales is stored (a quantized module) but config.json's "
+                        "quantization map does not list it")
+    for path in sorted(quantized - stored):
+        problems.append(f"{prefix}{path} is quantized in config.json but the checkpoint stores it "
+                        f"dense (no {prefix}{path}.scales)")
+    if problems:
+        raise CheckpointError("quantization mismatch: " + "; ".join(problems))
+
+
+def load_weights(module: nn.Module, tensors: dict[str, mx.array], prefix: str = "") -> None:
+    """Load `tensors` (keys relative to `module`) strictly, converting torch layouts once.
+
+    `prefix` is only used to name keys in errors. Quantized modules must already be swapped in
+    (`quantize_modules`). Tensors keep their stored dtype.
+    """
+    _check_quantization(module, tensors, prefix)
+    tensors = to_mlx_layout(tensors, module)
+    check_weights(module, tensors, prefix)
+    module.update(tree_unflatten(list(tensors.items())))
+
+
+def subtree(tensors: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:
+    """The tensors under `prefix` ("a.b."), with the prefix removed."""
+    n = len(prefix)
+    return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# --------------------------------------------------------------------------- the checkpoint
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its directory, parsed config, and lazily read tensors."""
+
+    path: Path
+    config: VoiceChatConfig
+    tensors: dict[str, mx.array] = field(repr=False)
+
+    @property
+    def quantization(self) -> dict[str, dict[str, int]]:
+        return quantization_map(self.config)
+
+    def load_into(self, module: nn.Module, prefix: str) -> None:
+        """Quantize `module` as config.json says, then load the tensors under `prefix` into it."""
+        quantize_modules(module, self.quantization, prefix)
+        load_weights(module, subtree(self.tensors, prefix), prefix)
+
+    def unused(self, prefixes: Iterable[str]) -> list[str]:
+        prefixes = tuple(prefixes)
+        return sorted(k for k in self.tensors if not k.startswith(prefixes))
+
+
+def open_checkpoint(path_or_id: str | os.PathLike) -> Checkpoint:
+    directory = resolve(path_or_id)
+    config = VoiceChatConfig.from_file(directory / "config.json")
+    tensors = read_tensors(safetensors_files(directory))
+    return Checkpoint(directory, config, tensors)
+
+
+def file_metadata(directory: Path) -> dict[str, Any]:
+    """Names, shapes and dtypes of every stored tensor, without reading any data."""
+    tensors = read_tensors(safetensors_files(directory))
+    return {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}

@@ -1,0 +1,37 @@
+"""Import `voicechat._ext`, refusing clearly when it was built against another mlx."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx  # the extension links the libmlx that mlx.core has loaded
+
+
+def _load():
+    try:
+        from .. import _build_config
+    except ImportError:
+        raise ImportError(
+            "voicechat._ext is not built; install the package with `pip install .` (or run "
+            "tools/dev-build.sh in a source checkout)") from None
+    if _build_config.MLX_VERSION != mx.__version__:
+        raise ImportError(
+            f"voicechat._ext was built against mlx {_build_config.MLX_VERSION} but mlx "
+            f"{mx.__version__} is installed; reinstall voicechat (`pip install --force-reinstall "
+            f"--no-build-isolation voicechat`) or install mlx=={_build_config.MLX_VERSION}.")
+    from .. import _ext
+
+    return _ext
+
+
+ext = _load()
+
+
+def build_info() -> dict:
+    """Which mlx version and backend the extension was built with."""
+    return dict(ext.build_info())
+
+
+def use_reference() -> bool:
+    """True when VOICECHAT_REFERENCE asks for the pure-MLX reference paths everywhere."""
+    return os.environ.get("VOICECHAT_REFERENCE", "") not in ("", "0", "false", "no")

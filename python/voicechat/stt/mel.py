@@ -1,0 +1,91 @@
+"""The log-mel frontend: preemphasis, 25 ms Hann STFT every 10 ms, Slaney mel, natural log.
+
+Exactly the checkpoint's featurizer (no dither, no normalization):
+  x'[0] = x[0], x'[n] = x[n] - 0.97 x[n-1]
+  reflect-pad 256 on both sides (the edge sample is not repeated), frames of 512 every 160,
+  window = symmetric hann(400) zero-padded 56 + 56 to 512, |rfft|^2 over 257 bins,
+  mel = fb[128, 257] @ power, log(mel + 2^-24).
+Output `[1, T, 128]` with `T = 1 + len // 160`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import PreprocessorConfig
+
+
+def hz_to_mel(f: np.ndarray) -> np.ndarray:
+    """Slaney's mel scale: linear below 1 kHz, logarithmic above."""
+    f = np.asarray(f, dtype=np.float64)
+    f_sp, min_log_hz = 200.0 / 3.0, 1000.0
+    min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
+    return np.where(f >= min_log_hz, min_log_mel + np.log(np.maximum(f, 1e-10) / min_log_hz) / logstep, f / f_sp)
+
+
+def mel_to_hz(m: np.ndarray) -> np.ndarray:
+    m = np.asarray(m, dtype=np.float64)
+    f_sp, min_log_hz = 200.0 / 3.0, 1000.0
+    min_log_mel, logstep = min_log_hz / f_sp, math.log(6.4) / 27.0
+    return np.where(m >= min_log_mel, min_log_hz * np.exp(logstep * (m - min_log_mel)), f_sp * m)
+
+
+def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int, fmin: float = 0.0, fmax: float | None = None) -> np.ndarray:
+    """Slaney-normalized triangular filters on the Slaney mel scale, `[n_mels, n_fft // 2 + 1]` float32."""
+    fmax = sample_rate / 2 if fmax is None else fmax
+    fft_freqs = np.linspace(0.0, sample_rate / 2, n_fft // 2 + 1)
+    hz = mel_to_hz(np.linspace(hz_to_mel(fmin), hz_to_mel(fmax), n_mels + 2))
+    fdiff = np.diff(hz)
+    ramps = hz[:, None] - fft_freqs[None, :]
+    lower = -ramps[:-2] / fdiff[:-1, None]
+    upper = ramps[2:] / fdiff[1:, None]
+    weights = np.maximum(0.0, np.minimum(lower, upper))
+    weights *= (2.0 / (hz[2:] - hz[:-2]))[:, None]
+    return weights.astype(np.float32)
+
+
+def hann_window(length: int) -> np.ndarray:
+    """Symmetric Hann window (denominator length - 1), float32."""
+    n = np.arange(length, dtype=np.float64)
+    return (0.5 - 0.5 * np.cos(2.0 * math.pi * n / (length - 1))).astype(np.float32)
+
+
+def num_frames(num_samples: int, cfg: PreprocessorConfig) -> int:
+    return 1 + num_samples // cfg.hop_length
+
+
+def log_mel(
+    audio: mx.array,
+    cfg: PreprocessorConfig,
+    filterbank: mx.array | None = None,
+    window: mx.array | None = None,
+) -> mx.array:
+    """`audio` `[N]` float at `cfg.sample_rate` -> log-mel `[1, T, features]` float32.
+
+    `filterbank` `[features, n_fft//2+1]` (or the checkpoint's `[1, features, bins]`) and `window`
+    `[win_length]` default to the formula's own; the checkpoint stores the same values.
+    """
+    x = audio.astype(mx.float32).reshape(-1)
+    n = x.shape[0]
+    pad = cfg.n_fft // 2
+    if n <= pad:
+        raise ValueError(f"audio of {n} samples is too short for the {cfg.n_fft}-point frontend (need > {pad})")
+    x = mx.concatenate([x[:1], x[1:] - cfg.preemph * x[:-1]])
+    # Reflect without repeating the edge sample: x[pad:0:-1] ... x[-2:-pad-2:-1].
+    x = mx.concatenate([x[1 : pad + 1][::-1], x, x[-pad - 1 : -1][::-1]])
+    hop, frames = cfg.hop_length, num_frames(n, cfg)
+    strided = mx.as_strided(x, shape=(frames, cfg.n_fft), strides=(hop, 1))
+    if window is None:
+        window = mx.array(hann_window(cfg.win_length))
+    left = (cfg.n_fft - window.shape[0]) // 2
+    window = mx.pad(window.astype(mx.float32), (left, cfg.n_fft - window.shape[0] - left))
+    spec = mx.fft.rfft(strided * window, axis=-1)
+    power = mx.square(mx.real(spec)) + mx.square(mx.imag(spec))
+    if filterbank is None:
+        filterbank = mx.array(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.features))
+    fb = filterbank.astype(mx.float32).reshape(-1, cfg.n_fft // 2 + 1)
+    mel = power @ fb.T
+    return mx.log(mel + cfg.log_zero_guard_value)[None]

@@ -289,10 +289,16 @@ class Checkpoint:
     def quantization(self) -> dict[str, dict[str, int]]:
         return quantization_map(self.config)
 
-    def load_into(self, module: nn.Module, prefix: str) -> None:
-        """Quantize `module` as config.json says, then load the tensors under `prefix` into it."""
+    def load_into(self, module: nn.Module, prefix: str, ignore: Iterable[str] = ()) -> None:
+        """Quantize `module` as config.json says, then load the tensors under `prefix` into it.
+
+        `ignore`: key prefixes (relative to `prefix`) that belong to other modules, for loading
+        one part of a subtree on its own.
+        """
+        ignore = tuple(ignore)
         quantize_modules(module, self.quantization, prefix)
-        load_weights(module, subtree(self.tensors, prefix), prefix)
+        tensors = {k: v for k, v in subtree(self.tensors, prefix).items() if not (ignore and k.startswith(ignore))}
+        load_weights(module, tensors, prefix)
 
     def unused(self, prefixes: Iterable[str]) -> list[str]:
         prefixes = tuple(prefixes)

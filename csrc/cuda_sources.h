@@ -1,0 +1,42 @@
+// Every CUDA kernel source the extension can JIT through mlx::core::fast::cuda_kernel, with the
+// template instances it is used at, so that tests can compile each one with nvcc without a GPU.
+#pragma once
+
+#include <deque>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mlx/stream.h"
+
+namespace voicechat {
+
+// One way a kernel is instantiated: CUDA type names of inputs and outputs ("float",
+// "__nv_bfloat16", "int32_t", "uint32_t", ...) and template args as MLX writes them
+// ({"N", "int:4"}, {"T", "type:float"}, {"FLAG", "bool:true"}).
+struct CudaInstance {
+  std::vector<std::string> input_types;
+  std::vector<std::string> output_types;
+  std::vector<std::pair<std::string, std::string>> template_args;
+};
+
+struct CudaSource {
+  std::string name;
+  std::vector<std::string> input_names;
+  std::vector<std::string> output_names;
+  std::string source;  // the kernel body, as given to fast::cuda_kernel
+  std::string header;  // code placed before the kernel (device helpers)
+  std::vector<CudaInstance> instances;
+};
+
+// Returns its argument, so a kernel file can write
+//   static const auto& kSrc = register_cuda_source({...});
+const CudaSource& register_cuda_source(CudaSource source);
+
+const std::deque<CudaSource>& cuda_sources();
+
+// Backend facts for dispatch.
+bool cuda_build();  // built against mlx-cuda
+bool gpu_stream(const mlx::core::Stream& s);
+
+}  // namespace voicechat

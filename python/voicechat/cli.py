@@ -1,0 +1,165 @@
+"""vc-generate: speech in, transcript + answer text + spoken answer out.
+
+    vc-generate -m mlx-community/NemotronLabs-VoiceChat-11B-4bit --audio question.wav \\
+        --output-audio answer.wav -p "Be concise and answer in one sentence."
+    vc-generate --demo      # offline, on a tiny synthetic checkpoint and a bundled question
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+DEFAULT_MODEL = "mlx-community/NemotronLabs-VoiceChat-11B-4bit"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vc-generate",
+        description="Run NemotronLabs VoiceChat on a WAV: prints the user's transcript and the assistant's "
+                    "answer, and writes the spoken answer (22.05 kHz mono PCM16).")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"checkpoint directory or hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--audio", help="input audio (any format soundfile reads; resampled to 16 kHz mono)")
+    p.add_argument("--output-audio", help="where to write the spoken answer (WAV)")
+    p.add_argument("-p", "--system-prompt", default=None, help="system prompt (empty: none)")
+    p.add_argument("--extra-decoding-seconds", type=float, default=3.0,
+                   help="seconds of silence appended so the model can finish answering (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the speech sampler (default: 0)")
+    p.add_argument("--output-json", help="write the result (everything but the samples) and timings as JSON")
+    p.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help="ignored: the answer is as long as the input timeline (+ extra decoding seconds)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the answer lines (no progress, no timing)")
+    p.add_argument("--demo", action="store_true",
+                   help="run offline on a freshly made tiny synthetic checkpoint and a bundled spoken question "
+                        "(random weights: shows the pipeline working, not a real answer)")
+    return p
+
+
+def _check_output_path(path: str | None, what: str) -> None:
+    if path is None:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise _UsageError(f"{what} {path}: is a directory")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise _UsageError(f"{what} {path}: directory {parent} does not exist")
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _demo_inputs(workdir: Path) -> tuple[str, str]:
+    from .testing import make_checkpoint
+
+    checkpoint = make_checkpoint(workdir / "tiny-voicechat", "tiny")
+    question = resources.files("voicechat") / "data" / "question.wav"
+    return str(checkpoint), str(question)
+
+
+class _Progress:
+    """A tqdm bar over timeline frames, on a terminal only."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        self.enabled = enabled
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="frame", desc="timeline", leave=False, file=sys.stderr)
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    if args.demo and args.audio:
+        raise _UsageError("--demo brings its own audio; drop --audio (or drop --demo)")
+    if not args.demo and not args.audio:
+        raise _UsageError("--audio is required (or use --demo)")
+    _check_output_path(args.output_audio, "--output-audio")
+    _check_output_path(args.output_json, "--output-json")
+    if args.max_tokens is not None:
+        say("note: -n is ignored; the answer is as long as the input timeline plus --extra-decoding-seconds")
+
+    # Deferred: importing mlx and the extension takes a moment, and argument errors should not wait.
+    from .audio import write_wav
+    from .session import load
+
+    with tempfile.TemporaryDirectory(prefix="vc-demo-") as tmp:
+        model, audio = args.model, args.audio
+        if args.demo:
+            model, audio = _demo_inputs(Path(tmp))
+            say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
+        start = time.perf_counter()
+        chat = load(model)
+        load_s = time.perf_counter() - start
+        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+        try:
+            result = chat.generate(audio, system_prompt=args.system_prompt,
+                                   extra_decoding_seconds=args.extra_decoding_seconds, seed=args.seed,
+                                   progress=progress)
+        finally:
+            progress.close()
+
+    if args.output_audio:
+        write_wav(args.output_audio, result.audio, result.sample_rate)
+    timings = {"load_s": load_s, **result.timings}
+    if args.output_json:
+        _write_json_atomic(args.output_json, {**result.to_json(), "timings": timings})
+
+    print(f"[user] {result.user_transcript}")
+    print(result.text)
+    if result.function_text:
+        print(f"[function] {result.function_text}")
+    frames = result.prompt_frames + result.frames
+    gen = result.timings["generate_s"]
+    audio_s = result.frames * chat.config.frame_duration
+    say(f"{result.frames} frames ({audio_s:.2f} s), {1000 * gen / max(frames, 1):.1f} ms/frame, "
+        f"real-time factor {gen / max(audio_s, 1e-9):.3f}, load {load_s:.1f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:  # our errors are ValueErrors naming the problem
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, _UsageError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

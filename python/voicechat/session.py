@@ -1,0 +1,313 @@
+"""The offline timeline: one 80 ms frame at a time through listening, the LLM and speaking.
+
+    chat = voicechat.load("mlx-community/NemotronLabs-VoiceChat-11B-4bit")
+    result = chat.generate("question.wav", system_prompt="Be concise.")
+
+Per timeline position t: the LLM input is `E(text[t-1]) + audio[t] + 2 E(function[t-1])`; its two
+heads give `text[t]` and `function[t]` (greedy, after the system prompt); from t >= 1 the TTS turns
+`text[t]` into one frame of 31 codec codes. The loop never waits for the device: ids stay on the
+device and feed the next frame, evaluation is pipelined with `mx.async_eval`, and the host syncs
+only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .audio import AudioError, load_audio
+from .checkpoint import Checkpoint, open_checkpoint
+from .config import VoiceChatConfig
+from .model import VoiceChatModel
+from .stt.rnnt import greedy_decode
+from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
+
+SYNC_EVERY = 32  # frames between host syncs in the timeline loop
+
+
+class InputError(ValueError):
+    """A generate() argument that cannot be used (too long, bad prompt, ...)."""
+
+
+@dataclass
+class Result:
+    """What one `generate` call produced. `audio` is float32 mono at `sample_rate` (22050 Hz)."""
+
+    user_transcript: str
+    text: str
+    function_text: str
+    audio: np.ndarray = field(repr=False)
+    sample_rate: int
+    text_tokens: list[int]
+    function_tokens: list[int]
+    audio_codes: list[list[int]] = field(repr=False)  # [frames][31] as generated (before control-code replacement)
+    timings: dict[str, float] = field(default_factory=dict)
+    frames: int = 0
+    prompt_frames: int = 0
+    host_syncs: int = 0
+
+    def to_json(self) -> dict:
+        """Everything but the samples, with the same field names."""
+        return {
+            "user_transcript": self.user_transcript, "text": self.text, "function_text": self.function_text,
+            "sample_rate": self.sample_rate, "text_tokens": self.text_tokens,
+            "function_tokens": self.function_tokens, "audio_codes": self.audio_codes, "frames": self.frames,
+            "prompt_frames": self.prompt_frames, "timings": dict(self.timings),
+        }
+
+
+class VoiceChat:
+    """A loaded model: `generate()` runs the offline timeline on one input."""
+
+    def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
+                 rnnt_pieces: list[str]):
+        self.checkpoint = checkpoint
+        self.config: VoiceChatConfig = checkpoint.config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.rnnt_pieces = rnnt_pieces
+        self.stt = model.stt_model
+        self.tts = model.tts_model
+        self._prompt_codes: mx.array | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.output_sample_rate
+
+    def warmup_codes(self) -> mx.array:
+        """The speaker prompt's codes `[1, 37, 31]`: the codec's codes of 38 frames of silence, frames
+        0 and 36 masked, the last dropped (spec "Warmup"). The same every session: made once."""
+        if self._prompt_codes is None:
+            frames = self.tts.audio_prompt_latents[self.config.speaker].shape[1]
+            spf = self.config.samples_per_frame
+            codes = self.tts.audio_codec.encode(mx.zeros((1, (frames + 1) * spf)))  # [1, Q, frames + 1]
+            codes = codes.transpose(0, 2, 1)[:, :frames]  # [1, frames, Q]
+            masked = np.zeros((1, frames, 1), dtype=bool)
+            masked[:, [0, frames - 1]] = True
+            mask_code = self.config.tts_config.codebook_size
+            self._prompt_codes = mx.where(mx.array(masked), mask_code, codes).astype(mx.int32)
+            mx.eval(self._prompt_codes)
+        return self._prompt_codes
+
+    def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        if not system_prompt:
+            return []
+        c = self.config
+        return [c.bos_token_id] + self.tokenizer.encode(system_prompt) + [c.eos_token_id]
+
+    def _input_audio(self, audio, sample_rate: int | None, extra_decoding_seconds: float) -> np.ndarray:
+        if extra_decoding_seconds < 0:
+            raise InputError(f"extra_decoding_seconds must be >= 0, got {extra_decoding_seconds}")
+        wave = load_audio(audio, self.config.input_sample_rate, sample_rate)
+        extra = int(round(extra_decoding_seconds * self.config.input_sample_rate))
+        if extra:
+            wave = np.concatenate([wave, np.zeros(extra, dtype=np.float32)])
+        if len(wave) <= self.config.audio_config.preprocessor.n_fft // 2:
+            raise AudioError(f"audio is too short ({len(wave)} samples at {self.config.input_sample_rate} Hz)")
+        return wave
+
+    def _check_length(self, prompt_frames: int, frames: int) -> None:
+        limit = self.config.text_config.max_position_embeddings
+        if prompt_frames + frames > limit:
+            secs = limit * self.config.frame_duration
+            raise InputError(
+                f"input too long: {prompt_frames} system-prompt tokens + {frames} audio frames exceed the "
+                f"model's context of {limit} positions ({secs / 60:.1f} min of audio)")
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(
+        self,
+        audio: str | os.PathLike | np.ndarray,
+        system_prompt: str | None = None,
+        extra_decoding_seconds: float = 3.0,
+        seed: int = 0,
+        *,
+        sample_rate: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Result:
+        """Run the timeline on `audio` (a path, or a float32 array at `sample_rate`).
+
+        `progress(done, total)` is called as timeline frames are queued.
+        """
+        c = self.config
+        timings: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            timings[name] = now - clock
+            clock = now
+
+        wave = self._input_audio(audio, sample_rate, extra_decoding_seconds)
+        lap("audio_s")
+
+        perception = self.stt.perception
+        mel = perception.log_mel(mx.array(wave))
+        audio_embeds, lengths, encoded = perception(mel)
+        mx.eval(audio_embeds, encoded)
+        frames = int(lengths[0].item()) if lengths is not None else audio_embeds.shape[1]
+        audio_embeds, encoded = audio_embeds[:, :frames], encoded[:, :frames]
+        lap("perception_s")
+
+        ids = self.prompt_ids(system_prompt)
+        prompt_frames = len(ids)
+        self._check_length(prompt_frames, frames)
+
+        tts = self.tts.tts_model
+        tts_cache = tts.make_cache()
+        previous_code = tts.warmup(self.tts.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
+        mx.eval(previous_code)
+        lap("tts_warmup_s")
+
+        text_ids, function_ids, codes, syncs = self._timeline(
+            audio_embeds, ids, previous_code, tts_cache, seed, progress)
+        lap("timeline_s")
+
+        codes = codes[prompt_frames:]  # [frames, Q]
+        wave_out = self._decode_audio(codes)
+        lap("codec_s")
+
+        transcript_ids = greedy_decode(encoded, self.stt.rnnt_decoder, self.stt.rnnt_joint, c.rnnt_blank_id,
+                                       c.audio_config.max_symbols)
+        user = decode_pieces(transcript_ids, self.rnnt_pieces)
+        lap("transcript_s")
+
+        text_ids = text_ids[prompt_frames:]
+        function_ids = function_ids[prompt_frames:]
+        skip = {c.pad_token_id, c.silence_token_id, c.bos_token_id, c.eos_token_id}
+        timings["generate_s"] = sum(timings.values())
+        return Result(
+            user_transcript=user,
+            text=self.tokenizer.decode(text_ids, skip=skip).strip(),
+            function_text=self.tokenizer.decode(function_ids, skip=skip).strip(),
+            audio=wave_out,
+            sample_rate=c.output_sample_rate,
+            text_tokens=text_ids,
+            function_tokens=function_ids,
+            audio_codes=codes.tolist(),
+            timings=timings,
+            frames=frames,
+            prompt_frames=prompt_frames,
+            host_syncs=syncs,
+        )
+
+    def _timeline(self, audio_embeds, ids, previous_code, tts_cache, seed, progress):
+        """The frame loop. Returns (text ids, function ids, codes [T, Q] numpy, host syncs)."""
+        c = self.config
+        stt, tts = self.stt, self.tts.tts_model
+        pad = mx.array([[c.pad_token_id]], dtype=mx.int32)
+        silence = self.tts.codec_silence_tokens
+        q = c.tts_config.num_quantizers
+        cache = stt.make_cache()
+        key = mx.random.key(seed)
+        prompt_frames, frames = len(ids), audio_embeds.shape[1]
+        total = prompt_frames + frames
+
+        text_out: list[mx.array] = []
+        function_out: list[mx.array] = []
+        code_out: list[mx.array] = [mx.zeros((1, 1, q), dtype=mx.int32)]  # no TTS at t = 0
+        syncs = 0
+
+        # The system prompt enters on the audio channel; its positions emit pad, so the LLM takes
+        # them in one call. The TTS still steps through them (on pad) to keep its timeline.
+        if prompt_frames:
+            prompt = stt.embed(mx.array([ids], dtype=mx.int32))
+            fused = stt.fused_input(mx.broadcast_to(pad, (1, prompt_frames)), prompt,
+                                    mx.broadcast_to(pad, (1, prompt_frames)))
+            stt.step(fused, cache)
+            text_out += [pad[0]] * prompt_frames
+            function_out += [pad[0]] * prompt_frames
+            for t in range(1, prompt_frames):
+                previous_code, key = tts.step(previous_code, pad[0], tts_cache, key, silence)
+                code_out.append(previous_code)
+            mx.async_eval(previous_code, key, *cache.state())
+        prev_text, prev_function = pad, pad
+
+        for i in range(frames):
+            t = prompt_frames + i
+            fused = stt.fused_input(prev_text, audio_embeds[:, i : i + 1], prev_function)
+            out = stt.step(fused, cache)
+            text_id, function_id = out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32)
+            text_out.append(text_id)
+            function_out.append(function_id)
+            if t >= 1:
+                previous_code, key = tts.step(previous_code, text_id, tts_cache, key, silence)
+                code_out.append(previous_code)
+            prev_text, prev_function = text_id[None], function_id[None]
+            mx.async_eval(text_id, function_id, previous_code, key)
+            if (i + 1) % SYNC_EVERY == 0:
+                mx.eval(text_id, previous_code)
+                syncs += 1
+            if progress is not None:
+                progress(t + 1, total)
+
+        text = mx.concatenate(text_out).tolist()
+        function = mx.concatenate(function_out).tolist()
+        codes = np.array(mx.concatenate(code_out, axis=1)[0])  # [T, Q]
+        return text, function, codes, syncs + 1
+
+    def _decode_audio(self, codes: np.ndarray) -> np.ndarray:
+        """Control codes -> silence codes, then the codec over the whole answer."""
+        control = np.array(self.tts.control_codes)
+        silence = np.array(self.tts.codec_silence_tokens)
+        codes = np.where(np.isin(codes, control), silence[None, :], codes)
+        wave = self.tts.audio_codec.decode(mx.array(codes.T[None].astype(np.int32)))
+        return np.array(wave[0].astype(mx.float32))
+
+    # ------------------------------------------------------------------ reference
+
+    def text_ids_full_history(self, audio, system_prompt: str | None = None, extra_decoding_seconds: float = 3.0,
+                              *, sample_rate: int | None = None) -> tuple[list[int], list[int]]:
+        """Text and function ids recomputed over the whole history at every position, no caches.
+
+        Slow (quadratic): kept as the reference the cached loop is tested against.
+        """
+        c = self.config
+        stt = self.stt
+        wave = self._input_audio(audio, sample_rate, extra_decoding_seconds)
+        audio_embeds, lengths, _ = stt.perception(stt.perception.log_mel(mx.array(wave)))
+        frames = int(lengths[0].item()) if lengths is not None else audio_embeds.shape[1]
+        ids = self.prompt_ids(system_prompt)
+        audio_channel = audio_embeds[:, :frames]
+        if ids:
+            audio_channel = mx.concatenate([stt.embed(mx.array([ids], dtype=mx.int32)), audio_channel], axis=1)
+        text = [c.pad_token_id] * len(ids)
+        function = [c.pad_token_id] * len(ids)
+        for t in range(len(ids), len(ids) + frames):
+            prev_text = mx.array([[c.pad_token_id] + text[: t]], dtype=mx.int32)[:, : t + 1]
+            prev_function = mx.array([[c.pad_token_id] + function[: t]], dtype=mx.int32)[:, : t + 1]
+            fused = stt.fused_input(prev_text, audio_channel[:, : t + 1], prev_function)
+            out = stt.step(fused, None)
+            text.append(int(out.text_ids.item()))
+            function.append(int(out.function_ids.item()))
+        return text[len(ids):], function[len(ids):]
+
+
+def load(path_or_id: str | os.PathLike) -> VoiceChat:
+    """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory)."""
+    checkpoint = open_checkpoint(path_or_id)
+    config = checkpoint.config
+    model = VoiceChatModel(config)
+    checkpoint.load_into(model, "")
+    tokenizer = TextTokenizer(Path(checkpoint.path) / "tokenizer.json")
+    if tokenizer.vocab_size > config.text_config.vocab_size:
+        raise InputError(f"tokenizer.json has {tokenizer.vocab_size} ids but the model only "
+                         f"{config.text_config.vocab_size}")
+    pieces = load_rnnt_pieces(checkpoint.path, config.rnnt_vocabulary, config.audio_config.decoder.vocab_size)
+    model.stt_model.prepare()
+    model.tts_model.tts_model.set_tokenizer(tokenizer)
+    model.tts_model.tts_model.prepare()
+    mx.eval(model.parameters())
+    chat = VoiceChat(checkpoint, model, tokenizer, pieces)
+    chat.warmup_codes()
+    return chat

@@ -214,6 +214,7 @@ class PRVQ(nn.Module):
 
 # --------------------------------------------------------------------------- the codec
 
+@mx.compile
 def _spectrum(features: mx.array) -> mx.array:
     """Decoder output [B, F, 2 * bins] (magnitude logits, phases) -> (real, imaginary) parts.
 

@@ -93,11 +93,18 @@ def stft(wave: mx.array, n_fft: int = 16, hop: int = 4) -> mx.array:
 def istft(features: mx.array, n_fft: int = 16, hop: int = 4) -> mx.array:
     """Features [B, F, n_fft + 2] (real parts, then imaginary) -> waveform [B, F * hop] float32."""
     _check(n_fft, hop)
-    batch, frames, channels = features.shape
+    _, frames, channels = features.shape
     if channels != n_fft + 2:
         raise ValueError(f"expected {n_fft + 2} STFT channels, got {channels}")
     window, _, inverse = _bases(n_fft)
-    framed = features.astype(mx.float32) @ inverse  # [B, F, n_fft]
+    return _synthesize(features.astype(mx.float32), window, inverse, _envelope(frames, n_fft, hop), hop)
+
+
+@mx.compile
+def _synthesize(features, window, inverse, envelope, hop: int):
+    batch, frames, _ = features.shape
+    n_fft = window.shape[0]
+    framed = features @ inverse  # [B, F, n_fft]
     framed = mx.clip(framed, -window, window) * window
     per_frame = n_fft // hop
     # Overlap-add: the j-th hop of frame f lands on output hop f + j.
@@ -105,9 +112,9 @@ def istft(features: mx.array, n_fft: int = 16, hop: int = 4) -> mx.array:
     for j in range(per_frame):
         part = mx.pad(framed[..., j * hop : (j + 1) * hop], ((0, 0), (j, per_frame - 1 - j), (0, 0)))
         out = part if out is None else out + part
-    left, right = padding(n_fft, hop)
-    out = out.reshape(batch, (frames + per_frame - 1) * hop)[:, left : (frames + per_frame - 1) * hop - right]
-    return out / _envelope(frames, n_fft, hop)
+    left = (n_fft - hop) // 2
+    out = out.reshape(batch, (frames + per_frame - 1) * hop)[:, left : left + frames * hop]
+    return out / envelope
 
 
 # --------------------------------------------------------------------------- references

@@ -296,7 +296,11 @@ class AudioCodec(nn.Module):
         return istft(_spectrum(features), self.config.n_fft, self.config.hop_length)
 
     def decode(self, codes: mx.array) -> mx.array:
-        """codes [B, Q, T] -> wave [B, T * 1764] float32 (full history: every frame recomputed)."""
+        """codes [B, Q, T] -> wave [B, T * 1764] float32 (full history: every frame recomputed).
+
+        Every code must lie in [0, codebook_size): control codes are replaced by the caller
+        (with the per-codebook silence codes) before decoding; nothing here syncs to check.
+        """
         if use_reference():
             return self.decode_latent_reference(self.prvq.decode_reference(codes))
         return self.decode_latent(self.prvq.decode(codes))

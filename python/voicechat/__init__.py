@@ -5,4 +5,10 @@
     result = chat.generate("question.wav")
 """
 
+import os
+
+# Greedy ids must equal a float32 computation: keep MLX's CUDA backend from running float32
+# matmuls through TF32 tensor cores (its default). Read once, at the first matmul.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
 __version__ = "0.1.0"

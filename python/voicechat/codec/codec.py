@@ -1,0 +1,327 @@
+"""The audio codec (`tts_model.audio_codec.*`): 22.05 kHz waveform <-> 31 codes per 80 ms frame.
+
+    encode: wave [B, N] -> STFT [B, N/4, 18] -> encoder -> latent [B, N/1764, 512] -> PRVQ -> codes
+    decode: codes [B, 31, T] -> sum of means [B, T, 512] -> decoder -> [B, 441 T, 18]
+            -> magnitude / phase -> iSTFT -> wave [B, 1764 T]
+
+Lengths. The STFT pads 6 zeros on each side, so N samples give (N + 12 - 16) / 4 + 1 = N / 4
+frames; the encoder's strided convolutions (kernel = stride = 7, 7, 9, no padding) divide that
+by 441, so N = 1764 T samples give exactly T code frames (N must be a multiple of 1764). The
+decoder's transposed convolutions (kernel = stride = 9, 7, 7) give 441 T STFT frames; the
+overlap-add is (441 T - 1) * 4 + 16 = 1764 T + 12 samples long and loses 6 at each end: 1764 T.
+
+Causality. Every ConvNeXt depthwise convolution is left-padded (k - 1 = 6 frames, no look-ahead)
+and the (transposed) strided convolutions never mix code frames, so decoder STFT frame f depends
+only on code frames <= f // 441. The iSTFT frame f covers output samples 4 f - 6 .. 4 f + 9, and
+the periodic Hann window is 0 at its first tap, so code frame t + 1 first touches output sample
+1764 (t + 1) - 5: the last 5 samples of each frame wait for the next one. An incremental decoder
+keeps the 6-frame left context of every block (and the iSTFT overlap) between calls.
+
+Weights are loaded strictly below `tts_model.audio_codec.`; the loader converts the published
+torch layouts (Conv1d [out, in, k], ConvTranspose1d [in, out, k]) by module type. Loading casts
+every weight to float32 once (the codec computes in float32), so nothing is converted per call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..config import CodecConfig
+from ..kernels import use_reference
+from ..kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
+from .stft import istft, istft_reference, stft, stft_reference
+
+MAX_MAGNITUDE = 100.0
+LAYER_NORM_EPS = 1e-6
+
+
+# --------------------------------------------------------------------------- layers
+
+@mx.compile
+def _convnext(x, dw_w, dw_b, ln_w, ln_b, w1, b1, w2, b2):
+    """Causal ConvNeXt block on [B, T, C]; the depthwise conv as k shifted multiply-adds."""
+    k, t = dw_w.shape[1], x.shape[1]
+    padded = mx.pad(x, ((0, 0), (k - 1, 0), (0, 0)))
+    h = dw_b + padded[:, 0:t] * dw_w[:, 0, 0]
+    for j in range(1, k):
+        h = h + padded[:, j : j + t] * dw_w[:, j, 0]
+    h = mx.fast.layer_norm(h, ln_w, ln_b, LAYER_NORM_EPS)
+    h = nn.gelu(h @ w1.reshape(w1.shape[0], -1).T + b1)
+    return x + (h @ w2.reshape(w2.shape[0], -1).T + b2)
+
+
+class ConvNeXtBlock(nn.Module):
+    """dwconv (depthwise k7, bias, causal) -> LayerNorm(1e-6) -> pwconv1 (C -> 4C) -> GELU(erf)
+    -> pwconv2 (4C -> C) -> + input."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.dwconv = nn.Conv1d(channels, channels, kernel_size, groups=channels)
+        self.norm = nn.LayerNorm(channels, eps=LAYER_NORM_EPS)
+        self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
+        self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return _convnext(x, self.dwconv.weight, self.dwconv.bias, self.norm.weight, self.norm.bias,
+                         self.pwconv1.weight, self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias)
+
+    def reference(self, x: mx.array) -> mx.array:
+        k = self.dwconv.weight.shape[1]
+        h = self.dwconv(mx.pad(x, ((0, 0), (k - 1, 0), (0, 0))))
+        mean = h.mean(axis=-1, keepdims=True)
+        var = mx.square(h - mean).mean(axis=-1, keepdims=True)
+        h = (h - mean) * mx.rsqrt(var + LAYER_NORM_EPS) * self.norm.weight + self.norm.bias
+        h = self.pwconv1(h)
+        h = 0.5 * h * (1.0 + mx.erf(h / math.sqrt(2.0)))
+        return x + self.pwconv2(h)
+
+
+def _downsample(x: mx.array, conv: nn.Conv1d) -> mx.array:
+    """Conv1d with kernel = stride, no padding, no bias, as one matmul: [B, T, C] -> [B, T/k, out]."""
+    out, k, c = conv.weight.shape
+    b, t, _ = x.shape
+    return x.reshape(b, t // k, k * c) @ conv.weight.reshape(out, k * c).T
+
+
+def _upsample(x: mx.array, conv: nn.ConvTranspose1d) -> mx.array:
+    """ConvTranspose1d with kernel = stride, no bias: each input frame becomes k output frames."""
+    out, k, c = conv.weight.shape
+    b, t, _ = x.shape
+    y = x @ conv.weight.reshape(out * k, c).T  # [B, T, out * k], index o * k + j
+    return y.reshape(b, t, out, k).transpose(0, 1, 3, 2).reshape(b, t * k, out)
+
+
+def _stages(cfg: CodecConfig):
+    chans = cfg.stage_channels
+    outs = chans[1:] + [cfg.latent_dim]
+    return list(zip(chans, cfg.downsample_rates, outs))
+
+
+class AudioEncoder(nn.Module):
+    """layers: 0 Conv1d(18 -> C0, k1); per stage 3 ConvNeXt blocks + Conv1d(C -> next, k = s = rate)."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv1d(cfg.stft_channels, cfg.stage_channels[0], 1, bias=False)]
+        for ch, rate, nxt in _stages(cfg):
+            layers += [ConvNeXtBlock(ch, cfg.block_kernel_size) for _ in range(cfg.blocks_per_stage)]
+            layers.append(nn.Conv1d(ch, nxt, rate, stride=rate, bias=False))
+        self.layers = layers
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """STFT features [B, F, 18] -> latent [B, F / prod(rates), latent_dim]."""
+        for layer in self.layers:
+            x = layer(x) if isinstance(layer, ConvNeXtBlock) else _downsample(x, layer)
+        return x
+
+    def reference(self, x: mx.array) -> mx.array:
+        for layer in self.layers:
+            x = layer.reference(x) if isinstance(layer, ConvNeXtBlock) else layer(x)
+        return x
+
+
+class AudioDecoder(nn.Module):
+    """layers: per stage, deepest first, ConvTranspose1d(src -> C, k = s = rate) + 3 ConvNeXt
+    blocks; last Conv1d(C0 -> 18, k1)."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        layers: list[nn.Module] = []
+        src = cfg.latent_dim
+        for ch, rate, _ in reversed(_stages(cfg)):
+            layers.append(nn.ConvTranspose1d(src, ch, rate, stride=rate, bias=False))
+            layers += [ConvNeXtBlock(ch, cfg.block_kernel_size) for _ in range(cfg.blocks_per_stage)]
+            src = ch
+        layers.append(nn.Conv1d(src, cfg.stft_channels, 1, bias=False))
+        self.layers = layers
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """Latent [B, T, latent_dim] -> decoder features [B, T * prod(rates), 18]."""
+        for layer in self.layers:
+            if isinstance(layer, ConvNeXtBlock):
+                x = layer(x)
+            elif isinstance(layer, nn.ConvTranspose1d):
+                x = _upsample(x, layer)
+            else:
+                x = _downsample(x, layer)
+        return x
+
+    def reference(self, x: mx.array) -> mx.array:
+        for layer in self.layers:
+            x = layer.reference(x) if isinstance(layer, ConvNeXtBlock) else layer(x)
+        return x
+
+
+# --------------------------------------------------------------------------- quantizer
+
+class _Variance(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.variance = mx.array(1.0)
+
+
+class PRVQ(nn.Module):
+    """Residual quantizer over `num_quantizers` codebooks of means `mus_list.{q}` [K, latent_dim].
+
+    encode: code[q] = nearest mean to the residual, residual -= that mean, q = 0 .. Q-1.
+    decode: the sum of the selected means. `variance_list.{q}.variance` is loaded, never used.
+    """
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.mus_list = [mx.zeros((cfg.codebook_size, cfg.latent_dim)) for _ in range(cfg.num_quantizers)]
+        self.variance_list = [_Variance() for _ in range(cfg.num_quantizers)]
+        self._held: tuple = ()
+
+    def codebooks(self) -> tuple[mx.array, mx.array]:
+        """The means stacked as float32 [Q, K, D] and their squared norms [Q, K].
+
+        Built once per set of loaded means: `mus_list` then holds views of the stack, so the
+        means are stored once. Holding the arrays keeps their ids from being reused.
+        """
+        if len(self._held) != len(self.mus_list) or any(a is not b for a, b in zip(self._held, self.mus_list)):
+            book = mx.stack([m.astype(mx.float32) for m in self.mus_list])
+            self.mus_list = [book[q] for q in range(book.shape[0])]
+            self._held = tuple(self.mus_list)
+            self._book, self._norms = book, codebook_norms(book)
+        return self._book, self._norms
+
+    def encode(self, latent: mx.array) -> mx.array:
+        """latent [B, T, D] -> codes [B, Q, T] int32."""
+        b, t, d = latent.shape
+        book, norms = self.codebooks()
+        codes, _ = rvq_search(latent.astype(mx.float32).reshape(b * t, d), book, 0, book.shape[0], norms)
+        return codes.reshape(b, t, -1).transpose(0, 2, 1)
+
+    def decode(self, codes: mx.array) -> mx.array:
+        """codes [B, Q', T] (Q' <= Q: the first Q' codebooks) -> latent [B, T, D] float32."""
+        book, _ = self.codebooks()
+        if codes.ndim != 3 or codes.shape[1] > book.shape[0]:
+            raise ValueError(f"codes must be [batch, <= {book.shape[0]} codebooks, frames], got {codes.shape}")
+        q = mx.arange(codes.shape[1])[None, :, None]
+        return book[q, codes.astype(mx.int32)].sum(axis=1)
+
+    def decode_reference(self, codes: mx.array) -> mx.array:
+        latent = mx.zeros((codes.shape[0], codes.shape[2], self.mus_list[0].shape[-1]))
+        for q in range(codes.shape[1]):
+            latent = latent + self.mus_list[q].astype(mx.float32)[codes[:, q]]
+        return latent
+
+
+# --------------------------------------------------------------------------- the codec
+
+@mx.compile
+def _spectrum(features: mx.array) -> mx.array:
+    """Decoder output [B, F, 2 * bins] (magnitude logits, phases) -> (real, imaginary) parts.
+
+    magnitude = 100 exp(-softplus(ln 100 - m)) = 100 sigmoid(m - ln 100). The imaginary parts of
+    the DC and Nyquist bins are dropped by `istft`'s inverse basis (they are forced to zero).
+    """
+    bins = features.shape[-1] // 2
+    x = features.astype(mx.float32)
+    magnitude = MAX_MAGNITUDE * mx.sigmoid(x[..., :bins] - math.log(MAX_MAGNITUDE))
+    phase = x[..., bins:]
+    return mx.concatenate([magnitude * mx.cos(phase), magnitude * mx.sin(phase)], axis=-1)
+
+
+def _spectrum_reference(features: mx.array) -> mx.array:
+    bins = features.shape[-1] // 2
+    x = features.astype(mx.float32)
+    magnitude = MAX_MAGNITUDE * mx.exp(-nn.softplus(-x[..., :bins] + math.log(MAX_MAGNITUDE)))
+    phase = x[..., bins:]
+    imag = magnitude * mx.sin(phase)
+    keep = mx.array([0.0] + [1.0] * (bins - 2) + [0.0])
+    return mx.concatenate([magnitude * mx.cos(phase), imag * keep], axis=-1)
+
+
+class AudioCodec(nn.Module):
+    """The codec network: `encoder`, `decoder`, `prvq` under `tts_model.audio_codec.`.
+
+    Computes in float32 throughout (the checkpoint stores bf16): loading casts every weight to
+    float32 once. A bf16 network was tried and is not offered: on random weights its decoder
+    phases (tens of radians) lose ~0.25 rad, a 14 % RMS waveform error.
+    """
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        self.config = cfg
+        self.encoder = AudioEncoder(cfg)
+        self.decoder = AudioDecoder(cfg)
+        self.prvq = PRVQ(cfg)
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.config.samples_per_frame
+
+    def update(self, parameters: dict, strict: bool = True) -> "AudioCodec":
+        """Load parameters (the checkpoint loader calls this), then cast them to float32 once."""
+        super().update(parameters, strict)
+        changed = [(k, v.astype(mx.float32)) for k, v in tree_flatten(self.parameters())
+                   if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32]
+        if changed:
+            super().update(tree_unflatten(changed))
+        return self
+
+    # ----------------------------------------------------------------------- encode
+
+    def _check_wave(self, wave: mx.array) -> None:
+        spf = self.samples_per_frame
+        if wave.ndim != 2 or wave.shape[1] == 0 or wave.shape[1] % spf:
+            raise ValueError(f"codec input must be [batch, samples] with samples a positive multiple "
+                             f"of {spf} (one code frame), got shape {tuple(wave.shape)}")
+
+    def encode_latent(self, wave: mx.array) -> mx.array:
+        """wave [B, N] -> latent [B, N / 1764, latent_dim] float32."""
+        self._check_wave(wave)
+        if use_reference():
+            return self.encode_latent_reference(wave)
+        features = stft(wave, self.config.n_fft, self.config.hop_length)
+        return self.encoder(features)
+
+    def encode(self, wave: mx.array) -> mx.array:
+        """wave [B, N] float (N a multiple of 1764) -> codes [B, num_quantizers, N / 1764] int32."""
+        return self.prvq.encode(self.encode_latent(wave))
+
+    # ----------------------------------------------------------------------- decode
+
+    def decode_latent(self, latent: mx.array) -> mx.array:
+        """latent [B, T, latent_dim] -> wave [B, T * 1764] float32."""
+        if use_reference():
+            return self.decode_latent_reference(latent)
+        features = self.decoder(latent.astype(mx.float32))
+        return istft(_spectrum(features), self.config.n_fft, self.config.hop_length)
+
+    def decode(self, codes: mx.array) -> mx.array:
+        """codes [B, Q, T] -> wave [B, T * 1764] float32 (full history: every frame recomputed).
+
+        Every code must lie in [0, codebook_size): control codes are replaced by the caller
+        (with the per-codebook silence codes) before decoding; nothing here syncs to check.
+        """
+        if use_reference():
+            return self.decode_latent_reference(self.prvq.decode_reference(codes))
+        return self.decode_latent(self.prvq.decode(codes))
+
+    # ----------------------------------------------------------------------- references
+
+    def encode_latent_reference(self, wave: mx.array) -> mx.array:
+        self._check_wave(wave)
+        features = stft_reference(wave, self.config.n_fft, self.config.hop_length)
+        return self.encoder.reference(features)
+
+    def encode_reference(self, wave: mx.array) -> mx.array:
+        latent = self.encode_latent_reference(wave)
+        b, t, d = latent.shape
+        book, norms = self.prvq.codebooks()
+        codes, _ = rvq_search_reference(latent.reshape(b * t, d), book, 0, book.shape[0], norms)
+        return codes.reshape(b, t, -1).transpose(0, 2, 1)
+
+    def decode_latent_reference(self, latent: mx.array) -> mx.array:
+        features = self.decoder.reference(latent.astype(mx.float32))
+        return istft_reference(_spectrum_reference(features), self.config.n_fft, self.config.hop_length)
+
+    def decode_reference(self, codes: mx.array) -> mx.array:
+        return self.decode_latent_reference(self.prvq.decode_reference(codes))

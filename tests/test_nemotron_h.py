@@ -201,6 +201,17 @@ def test_prefix_then_steps_equals_all_steps(lm):
         np_close(a, b)
 
 
+def test_prefix_after_steps_equals_full(lm):
+    # A multi-position call on a non-empty cache: the causal mask must align to the cached keys.
+    fused = timeline(lm, 9, seed=10)
+    cache = lm.make_cache()
+    first = [lm.step(fused[:, t : t + 1], cache) for t in range(3)]
+    middle = lm.step(fused[:, 3:7], cache)
+    last = [lm.step(fused[:, t : t + 1], cache) for t in range(7, 9)]
+    got = mx.concatenate([o.hidden for o in first] + [middle.hidden] + [o.hidden for o in last], axis=1)
+    np_close(got, lm.llm(fused), 1e-4, 1e-4)
+
+
 def test_cache_copy_is_a_snapshot_and_reset_empties(lm):
     fused = timeline(lm, 6, seed=4)
     cache = lm.make_cache()

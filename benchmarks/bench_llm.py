@@ -41,8 +41,7 @@ def _full_size_lm() -> DuplexLM:
     mx.eval(lm.embed_tokens.parameters())
     for layer in lm.llm.layers:
         mx.eval(layer.parameters())
-    mx.eval(lm.parameters())
-    return lm
+    return lm.prepare()
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +52,7 @@ def lm(tmp_path_factory) -> DuplexLM:
     ckpt = open_checkpoint(path)
     model = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
     ckpt.load_into(model, "stt_model.", ignore=("perception.", "rnnt_decoder.", "rnnt_joint."))
-    mx.eval(model.parameters())
-    return model
+    return model.prepare()
 
 
 def _audio(lm: DuplexLM, length: int) -> mx.array:

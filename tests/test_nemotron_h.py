@@ -11,7 +11,7 @@ import pytest
 from voicechat.checkpoint import CheckpointError, open_checkpoint
 from voicechat.kernels import use_reference
 from voicechat.llm.nemotron_h import DuplexLM, KVCache, MambaCache, count_step_ops
-from voicechat.llm.opcount import kernel_count
+from voicechat.llm.opcount import count_ops, kernel_count
 from voicechat.testing import make_checkpoint
 
 OTHERS = ("perception.", "rnnt_decoder.", "rnnt_joint.")
@@ -313,6 +313,23 @@ def test_bf16_q4_checkpoint_runs_in_float32_and_caches_agree(tiny_checkpoint_q4)
 
 
 # --------------------------------------------------------------------------- op budget
+
+
+def test_prepare_casts_once_and_changes_nothing(tiny_checkpoint_q4):
+    raw, prepared = load_lm(tiny_checkpoint_q4), load_lm(tiny_checkpoint_q4).prepare()
+    assert prepared.lm_head.scales.dtype == mx.float32 and prepared.lm_head.weight.dtype == mx.uint32
+    assert prepared.llm.norm_f.weight.dtype == mx.float32
+    fused = timeline(raw, 5, seed=12)
+    caches = raw.make_cache(), prepared.make_cache()
+    for t in range(5):
+        a, b = raw.step(fused[:, t : t + 1], caches[0]), prepared.step(fused[:, t : t + 1], caches[1])
+        np.testing.assert_array_equal(np.array(a.text_logits), np.array(b.text_logits))
+        np.testing.assert_array_equal(np.array(a.function_logits), np.array(b.function_logits))
+    # No per-step casts of weights left in the layers and heads (bf16 scales would cast per call).
+    mx.eval(fused, caches[1].state)
+    out = prepared.step(fused[:, 4:5], caches[1])
+    assert "AsType" not in count_ops(out.text_ids, out.function_ids, caches[1].state)
+    assert "AsType" in count_ops(raw.step(fused[:, 4:5], caches[0]).text_ids)  # the check can fail
 
 
 def test_step_op_count_is_reported_and_flat_in_length(lm):

@@ -11,6 +11,9 @@ Key tree below `stt_model.`:
 Every block is `x + mixer(RMSNorm(x))`. The LLM never looks up token ids: it runs on embeddings
 (`DuplexLM.fused_input` builds them). Activations are float32 whatever the weight dtype.
 
+After loading, `DuplexLM.prepare()` casts quantization scales / biases and the small vectors to
+float32 once, so that no step casts weights again (see its docstring).
+
 Decoding state lives in a `NemotronHCache` (`NemotronH.make_cache()`): one entry per layer, a
 `MambaCache` (conv window + SSM state), a `KVCache` or None (MLP). A session owns it; `copy()`
 snapshots it (cheap: arrays are immutable and shared until either side steps) and `reset()`
@@ -310,6 +313,27 @@ class DuplexLM(nn.Module):
 
     def make_cache(self) -> NemotronHCache:
         return self.llm.make_cache()
+
+    def prepare(self) -> "DuplexLM":
+        """Load-time conversions for decoding; call once after loading weights. Returns self.
+
+        Activations are float32, so every op mixing them with bf16 quantization scales / biases,
+        norm weights or Mamba vectors would cast those to float32 on every step (for the scales of
+        the two 131072-wide heads alone, a full copy per step). Cast them once here instead; the
+        values are unchanged (bf16 -> float32 is exact). Packed 4/8-bit weights stay as they are,
+        and so do dense matrices (a bf16 checkpoint keeps its memory; its GEMVs promote per call).
+        """
+        def small(path: str, a: mx.array) -> mx.array:
+            dense_matrix = a.ndim == 2 and path.endswith(".weight") and a.dtype != mx.uint32
+            keep = dense_matrix or not mx.issubdtype(a.dtype, mx.floating) or a.dtype == mx.float32
+            return a if keep else a.astype(mx.float32)
+
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        params = [(k, small(k, v)) for k, v in tree_flatten(self.parameters())]
+        self.update(tree_unflatten(params))
+        mx.eval(self.parameters())
+        return self
 
     def embed(self, ids: mx.array) -> mx.array:
         """Token embeddings in float32 (the system prompt enters the audio channel this way)."""

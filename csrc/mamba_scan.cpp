@@ -183,12 +183,16 @@ class MambaScan : public mx::Primitive {
 
 // ---------------------------------------------------------------- CUDA
 
-// One warp per (batch, head, head channel) row; each lane holds the state entries n = lane,
-// lane + 32, ... in registers across all L positions, so the state is read and written once per
-// call. y is the warp-sum of s * C. The clip limits arrive as float bit patterns (template ints);
-// L and the batch come from the `dims` input so that any prefix length reuses one compiled kernel.
+// The kernel reads the packed buffers the Mamba mixer already has, so no slice is copied:
+// `xbc` [b, L, H*P + 2*G*N] (x | B | C per position, the conv output) and `dt` [b, L, DT_W]
+// with the H step values at column DT_OFF (in_proj's output). One warp per (batch, head, head
+// channel) row; each lane keeps the state entries n = lane, lane + 32, ... in registers over all
+// L positions, so the state is read and written once per call; y is the warp-sum of s * C. The
+// clip limits arrive as float bit patterns (template ints); L and the batch come from the `dims`
+// input, so every prefix length reuses one compiled kernel.
 constexpr const char* kCudaSource = R"(
   constexpr int PER_LANE = (N + 31) / 32;
+  constexpr int XBC_W = H * P + 2 * G * N;
   const int L = dims[0];
   const int rows = dims[1] * H * P;
   const int row = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
@@ -213,13 +217,14 @@ constexpr const char* kCudaSource = R"(
   }
   for (int t = 0; t < L; ++t) {
     const size_t bt = (size_t)bi * L + t;
-    const float v = static_cast<float>(dt[bt * H + h]) + bias;
+    const T* at = xbc + bt * XBC_W;
+    const float v = static_cast<float>(dt[bt * DT_W + DT_OFF + h]) + bias;
     const float step = fminf(fmaxf(v > 20.0f ? v : log1pf(expf(v)), lo), hi);
     const float decay = expf(step * A);
-    const float xv = static_cast<float>(x[(bt * H + h) * P + p]);
+    const float xv = static_cast<float>(at[h * P + p]);
     const float dx = step * xv;
-    const T* Bt = B + (bt * G + g) * N;
-    const T* Ct = C + (bt * G + g) * N;
+    const T* Bt = at + H * P + g * N;
+    const T* Ct = at + H * P + G * N + g * N;
     float acc = 0.0f;
     for (int j = 0; j < PER_LANE; ++j) {
       const int n = lane + 32 * j;
@@ -254,22 +259,24 @@ int float_bits(float f) {
 const CudaSource& cuda_source() {
   static const CudaSource& src = register_cuda_source({
       "mamba_scan",
-      {"x", "dt", "A_log", "B", "C", "D", "dt_bias", "state", "dims"},
+      {"xbc", "dt", "A_log", "D", "dt_bias", "state", "dims"},
       {"y", "state_out"},
       kCudaSource,
       "",
       {
-          // The published model: bf16 weights but float32 activations; limit (0, inf).
-          {{"float", "float", "float", "float", "float", "__nv_bfloat16", "__nv_bfloat16", "float", "int32_t"},
+          // The published model: float32 activations read from in_proj's output (22656 wide, dt at
+          // 22528), bf16 D / dt_bias, float32 A_log and state, limit (0, inf).
+          {{"float", "float", "float", "__nv_bfloat16", "__nv_bfloat16", "float", "int32_t"},
            {"float", "float"},
            {{"T", "type:float"}, {"H", "int:128"}, {"P", "int:80"}, {"G", "int:8"}, {"N", "int:128"},
-            {"HAS_STATE", "bool:true"}, {"LO_BITS", "int:0"}, {"HI_BITS", "int:2139095040"}}},
-          // bf16 activations, a group size that is not a multiple of 32, no initial state.
-          {{"__nv_bfloat16", "__nv_bfloat16", "float", "__nv_bfloat16", "__nv_bfloat16", "float", "float",
-            "float", "int32_t"},
+            {"DT_W", "int:22656"}, {"DT_OFF", "int:22528"}, {"HAS_STATE", "bool:true"}, {"LO_BITS", "int:0"},
+            {"HI_BITS", "int:2139095040"}}},
+          // bf16 activations, a state size that is not a multiple of 32, no initial state, a limit.
+          {{"__nv_bfloat16", "__nv_bfloat16", "float", "float", "float", "float", "int32_t"},
            {"__nv_bfloat16", "float"},
            {{"T", "type:__nv_bfloat16"}, {"H", "int:8"}, {"P", "int:16"}, {"G", "int:2"}, {"N", "int:24"},
-            {"HAS_STATE", "bool:false"}, {"LO_BITS", "int:0"}, {"HI_BITS", "int:1036831949"}}},
+            {"DT_W", "int:8"}, {"DT_OFF", "int:0"}, {"HAS_STATE", "bool:false"}, {"LO_BITS", "int:0"},
+            {"HI_BITS", "int:1036831949"}}},
       },
   });
   return src;
@@ -283,34 +290,54 @@ mx::array dims_array(int L, int b) {
   const int64_t key = (static_cast<int64_t>(L) << 32) | static_cast<uint32_t>(b);
   auto it = cache->find(key);
   if (it == cache->end()) {
-    mx::array a({L, b}, {2}, mx::int32);
+    mx::array a(std::initializer_list<int>{L, b}, mx::Shape{2}, mx::int32);
     mx::eval(a);
     it = cache->emplace(key, a).first;
   }
   return it->second;
 }
 
-std::vector<mx::array> mamba_scan_cuda(const mx::array& x, const mx::array& dt, const mx::array& A_log,
-                                       const mx::array& B, const mx::array& C, const mx::array& D,
-                                       const mx::array& dt_bias, const std::optional<mx::array>& state, float lo,
-                                       float hi, mx::Stream s) {
+// Packed problem shape: xbc [b, L, H*P + 2*G*N], dt_src [b, L, dt_width] with dt at dt_offset.
+struct Packed {
+  int H, P, G, N, dt_offset;
+};
+
+std::vector<mx::array> mamba_scan_cuda(const mx::array& xbc, const mx::array& dt_src, const Packed& k,
+                                       const mx::array& A_log, const mx::array& D, const mx::array& dt_bias,
+                                       const std::optional<mx::array>& state, float lo, float hi, mx::Stream s) {
   static auto kernel = [] {
     const auto& src = cuda_source();
     return mx::fast::cuda_kernel(src.name, src.input_names, src.output_names, src.source, src.header);
   }();
-  const int b = x.shape(0), L = x.shape(1), H = x.shape(2), P = x.shape(3);
-  const int G = B.shape(2), N = B.shape(3);
+  const int b = xbc.shape(0), L = xbc.shape(1);
   // Without a state (HAS_STATE false) the kernel never reads `state`: any array fills the slot.
   const auto& st = state ? *state : dt_bias;
-  const int rows = b * H * P;
-  return kernel({x, dt, A_log, B, C, D, dt_bias, st, dims_array(L, b)}, {x.shape(), {b, H, P, N}},
-                {x.dtype(), mx::float32}, {rows * 32, 1, 1}, {kCudaThreads, 1, 1},
-                {{"T", x.dtype()}, {"H", H}, {"P", P}, {"G", G}, {"N", N}, {"HAS_STATE", state.has_value()},
-                 {"LO_BITS", float_bits(lo)}, {"HI_BITS", float_bits(hi)}},
+  const int rows = b * k.H * k.P;
+  return kernel({xbc, dt_src, A_log, D, dt_bias, st, dims_array(L, b)}, {{b, L, k.H, k.P}, {b, k.H, k.P, k.N}},
+                {xbc.dtype(), mx::float32}, {rows * 32, 1, 1}, {kCudaThreads, 1, 1},
+                {{"T", xbc.dtype()}, {"H", k.H}, {"P", k.P}, {"G", k.G}, {"N", k.N},
+                 {"DT_W", static_cast<int>(dt_src.shape(2))}, {"DT_OFF", k.dt_offset},
+                 {"HAS_STATE", state.has_value()}, {"LO_BITS", float_bits(lo)}, {"HI_BITS", float_bits(hi)}},
                 std::nullopt, false, s);
 }
 
 // ---------------------------------------------------------------- the op
+
+// The per-head vectors and the state, for a problem of batch b, H heads of P channels, N states.
+void check_params(const mx::array& A_log, const mx::array& D, const mx::array& dt_bias,
+                  const std::optional<mx::array>& state, int b, int H, int P, int N) {
+  for (const auto* v : {&A_log, &D, &dt_bias}) {
+    if (v->shape() != mx::Shape{H}) {
+      throw std::invalid_argument("mamba_scan: A_log, D and dt_bias must have shape [H]");
+    }
+    if (!mx::issubdtype(v->dtype(), mx::floating)) {
+      throw std::invalid_argument("mamba_scan: inputs must be floating point");
+    }
+  }
+  if (state && state->shape() != mx::Shape{b, H, P, N}) {
+    throw std::invalid_argument("mamba_scan: state must have shape [b, H, P, N]");
+  }
+}
 
 void check_args(const mx::array& x, const mx::array& dt, const mx::array& A_log, const mx::array& B,
                 const mx::array& C, const mx::array& D, const mx::array& dt_bias,
@@ -326,19 +353,28 @@ void check_args(const mx::array& x, const mx::array& dt, const mx::array& A_log,
   if (G < 1 || H % G != 0) {
     throw std::invalid_argument("mamba_scan: the group count must divide the head count");
   }
-  for (const auto* v : {&A_log, &D, &dt_bias}) {
-    if (v->shape() != mx::Shape{H}) {
-      throw std::invalid_argument("mamba_scan: A_log, D and dt_bias must have shape [H]");
-    }
-  }
-  if (state && state->shape() != mx::Shape{b, H, P, N}) {
-    throw std::invalid_argument("mamba_scan: state must have shape [b, H, P, N]");
-  }
-  for (const auto* v : {&x, &dt, &A_log, &B, &C, &D, &dt_bias}) {
+  for (const auto* v : {&x, &dt, &B, &C}) {
     if (!mx::issubdtype(v->dtype(), mx::floating)) {
       throw std::invalid_argument("mamba_scan: inputs must be floating point");
     }
   }
+  check_params(A_log, D, dt_bias, state, b, H, P, N);
+}
+
+std::vector<mx::array> cpu_scan(const mx::array& x, const mx::array& dt, const mx::array& A_log,
+                                const mx::array& B, const mx::array& C, const mx::array& D,
+                                const mx::array& dt_bias, const std::optional<mx::array>& state, float lo,
+                                float hi, mx::Stream s) {
+  const int b = x.shape(0), H = x.shape(2), P = x.shape(3), N = B.shape(3);
+  std::vector<mx::array> inputs = {x, dt, A_log, B, C, D, dt_bias};
+  if (state) inputs.push_back(*state);
+  return mx::array::make_arrays({x.shape(), {b, H, P, N}}, {x.dtype(), mx::float32},
+                                std::make_shared<MambaScan>(s, lo, hi, state.has_value()), inputs);
+}
+
+// One element type for the per-position inputs, a float32 state.
+mx::array as_dtype(const mx::array& a, mx::Dtype dtype, mx::Stream s) {
+  return a.dtype() == dtype ? a : mx::astype(a, dtype, s);
 }
 
 // method: "auto" / "fused" (the C++ or CUDA kernel) or "composed" (MLX ops).
@@ -347,25 +383,57 @@ std::vector<mx::array> mamba_scan(const mx::array& x, mx::array dt, const mx::ar
                                   std::optional<mx::array> state, float lo, float hi, const std::string& method) {
   check_args(x, dt, A_log, B, C, D, dt_bias, state);
   auto s = mx::default_stream(mx::default_device());
-  if (method == "composed") {
+  if (method == "composed" || (gpu_stream(s) && !cuda_build())) {
     return mamba_scan_composed(x, dt, A_log, B, C, D, dt_bias, state, lo, hi, s);
   }
-  // One element type for the per-position inputs (they come from one projection in the model).
-  if (dt.dtype() != x.dtype()) dt = mx::astype(dt, x.dtype(), s);
-  if (B.dtype() != x.dtype()) B = mx::astype(B, x.dtype(), s);
-  if (C.dtype() != x.dtype()) C = mx::astype(C, x.dtype(), s);
-  if (state && state->dtype() != mx::float32) state = mx::astype(*state, mx::float32, s);
+  dt = as_dtype(dt, x.dtype(), s);
+  B = as_dtype(B, x.dtype(), s);
+  C = as_dtype(C, x.dtype(), s);
+  if (state) state = as_dtype(*state, mx::float32, s);
   if (gpu_stream(s)) {
-    if (cuda_build()) {
-      return mamba_scan_cuda(x, dt, A_log, B, C, D, dt_bias, state, lo, hi, s);
-    }
-    return mamba_scan_composed(x, dt, A_log, B, C, D, dt_bias, state, lo, hi, s);
+    const int b = x.shape(0), L = x.shape(1), H = x.shape(2), P = x.shape(3), G = B.shape(2), N = B.shape(3);
+    auto xbc = mx::concatenate({mx::reshape(x, {b, L, H * P}, s), mx::reshape(B, {b, L, G * N}, s),
+                                mx::reshape(C, {b, L, G * N}, s)}, 2, s);
+    return mamba_scan_cuda(xbc, dt, {H, P, G, N, 0}, A_log, D, dt_bias, state, lo, hi, s);
   }
-  const int b = x.shape(0), H = x.shape(2), P = x.shape(3), N = B.shape(3);
-  std::vector<mx::array> inputs = {x, dt, A_log, B, C, D, dt_bias};
-  if (state) inputs.push_back(*state);
-  return mx::array::make_arrays({x.shape(), {b, H, P, N}}, {x.dtype(), mx::float32},
-                                std::make_shared<MambaScan>(s, lo, hi, state.has_value()), inputs);
+  return cpu_scan(x, dt, A_log, B, C, D, dt_bias, state, lo, hi, s);
+}
+
+// The mixer's own buffers: xbc [b, L, H*P + 2*G*N] (x | B | C) and dt_src [b, L, W] holding the H
+// step inputs at columns [dt_offset, dt_offset + H). The CUDA kernel reads them in place; other
+// paths take views.
+std::vector<mx::array> mamba_scan_packed(const mx::array& xbc, const mx::array& dt_src, int dt_offset,
+                                         const mx::array& A_log, const mx::array& D, const mx::array& dt_bias,
+                                         std::optional<mx::array> state, int heads, int head_dim, int groups,
+                                         int state_size, float lo, float hi, const std::string& method) {
+  const int H = heads, P = head_dim, G = groups, N = state_size;
+  if (xbc.ndim() != 3 || dt_src.ndim() != 3 || xbc.shape(0) != dt_src.shape(0) ||
+      xbc.shape(1) != dt_src.shape(1)) {
+    throw std::invalid_argument("mamba_scan_packed: expected xbc [b, L, C] and dt_src [b, L, W]");
+  }
+  if (H < 1 || P < 1 || G < 1 || N < 1 || xbc.shape(2) != H * P + 2 * G * N) {
+    throw std::invalid_argument("mamba_scan_packed: xbc's width is not heads * head_dim + 2 * groups * state_size");
+  }
+  if (dt_offset < 0 || dt_offset + H > dt_src.shape(2)) {
+    throw std::invalid_argument("mamba_scan_packed: dt columns [dt_offset, dt_offset + heads) out of range");
+  }
+  auto s = mx::default_stream(mx::default_device());
+  const int b = xbc.shape(0), L = xbc.shape(1);
+  if (gpu_stream(s) && cuda_build() && method != "composed") {
+    if (H % G != 0 || !mx::issubdtype(xbc.dtype(), mx::floating) || !mx::issubdtype(dt_src.dtype(), mx::floating)) {
+      throw std::invalid_argument("mamba_scan_packed: groups must divide heads; inputs must be floating point");
+    }
+    check_params(A_log, D, dt_bias, state, b, H, P, N);
+    if (state) state = as_dtype(*state, mx::float32, s);
+    return mamba_scan_cuda(xbc, as_dtype(dt_src, xbc.dtype(), s), {H, P, G, N, dt_offset}, A_log, D, dt_bias,
+                           state, lo, hi, s);
+  }
+  const int HP = H * P, GN = G * N;
+  auto x = mx::reshape(mx::slice(xbc, {0, 0, 0}, {b, L, HP}, s), {b, L, H, P}, s);
+  auto B = mx::reshape(mx::slice(xbc, {0, 0, HP}, {b, L, HP + GN}, s), {b, L, G, N}, s);
+  auto C = mx::reshape(mx::slice(xbc, {0, 0, HP + GN}, {b, L, HP + 2 * GN}, s), {b, L, G, N}, s);
+  auto dt = mx::slice(dt_src, {0, 0, dt_offset}, {b, L, dt_offset + H}, s);
+  return mamba_scan(x, dt, A_log, B, C, D, dt_bias, state, lo, hi, method);
 }
 
 void bind(py::module_& m) {
@@ -375,6 +443,12 @@ void bind(py::module_& m) {
         py::arg("hi") = std::numeric_limits<float>::infinity(), py::arg("method") = "auto",
         "Mamba-2 selective scan over L positions from `state` (zeros when None): (y [b, L, H, P] in x's "
         "dtype, final state [b, H, P, N] float32).");
+  m.def("mamba_scan_packed", &mamba_scan_packed, py::arg("xbc"), py::arg("dt_src"), py::arg("dt_offset"),
+        py::arg("A_log"), py::arg("D"), py::arg("dt_bias"), py::arg("state"), py::arg("heads"),
+        py::arg("head_dim"), py::arg("groups"), py::arg("state_size"), py::arg("lo") = 0.0f,
+        py::arg("hi") = std::numeric_limits<float>::infinity(), py::arg("method") = "auto",
+        "mamba_scan on the mixer's packed buffers: xbc [b, L, H*P + 2*G*N] (x | B | C) and dt_src [b, L, W] "
+        "with dt at columns [dt_offset, dt_offset + H).");
 }
 
 }  // namespace

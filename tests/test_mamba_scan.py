@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat.kernels.mamba_scan import mamba_scan, mamba_scan_reference
+from voicechat.kernels.mamba_scan import (mamba_scan, mamba_scan_packed, mamba_scan_packed_reference,
+                                         mamba_scan_reference)
 
 
 def _case(b, L, H, P, G, N, dtype, seed, with_state=True):
@@ -40,6 +41,39 @@ def test_kernel_equals_reference(dtype, H, P, G, N, L, with_state, method):
     assert s.shape == (args[0].shape[0], H, P, N) and s.dtype == mx.float32
     _close(y, y_ref, dtype)
     _close(s, s_ref, dtype)
+
+
+def _packed(x, dt, B, C, gate_width=5):
+    """The mixer's layout: xbc = x | B | C per position, dt at the end of a wider projection."""
+    b, L = x.shape[:2]
+    xbc = mx.concatenate([x.reshape(b, L, -1), B.reshape(b, L, -1), C.reshape(b, L, -1)], axis=-1)
+    dt_src = mx.concatenate([mx.zeros((b, L, gate_width), dt.dtype), xbc, dt], axis=-1)
+    return xbc, dt_src, gate_width + xbc.shape[-1]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("H,P,G,N", [(8, 16, 1, 24), (8, 16, 8, 24), (16, 80, 8, 128)])
+@pytest.mark.parametrize("L,with_state", [(1, True), (6, False), (6, True)])
+@pytest.mark.parametrize("method", ["fused", "composed"])
+def test_packed_kernel_equals_reference(dtype, H, P, G, N, L, with_state, method):
+    x, dt, A_log, B, C, D, dt_bias, state = _case(1, L, H, P, G, N, dtype, seed=L + N, with_state=with_state)
+    xbc, dt_src, offset = _packed(x, dt, B, C)
+    y, s = mamba_scan_packed(xbc, dt_src, offset, A_log, D, dt_bias, state, H, P, G, N, method=method)
+    y_ref, s_ref = mamba_scan_reference(x, dt, A_log, B, C, D, dt_bias, state)
+    assert y.shape == x.shape and y.dtype == dtype and s.dtype == mx.float32
+    _close(y, y_ref, dtype)
+    _close(s, s_ref, dtype)
+    y_pr, s_pr = mamba_scan_packed_reference(xbc, dt_src, offset, A_log, D, dt_bias, state, H, P, G, N)
+    _close(y_pr, y_ref, dtype)
+
+
+def test_packed_bad_layout_is_an_error():
+    x, dt, A_log, B, C, D, dt_bias, state = _case(1, 2, 8, 16, 2, 24, mx.float32, seed=6)
+    xbc, dt_src, offset = _packed(x, dt, B, C)
+    with pytest.raises(ValueError, match="width"):
+        mamba_scan_packed(xbc[..., 1:], dt_src, offset, A_log, D, dt_bias, state, 8, 16, 2, 24)
+    with pytest.raises(ValueError, match="out of range"):
+        mamba_scan_packed(xbc, dt_src, offset + 1, A_log, D, dt_bias, state, 8, 16, 2, 24)
 
 
 def test_strided_inputs_like_in_proj_slices():

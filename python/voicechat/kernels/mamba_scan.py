@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ._native import ext, use_reference
 
-__all__ = ["mamba_scan", "mamba_scan_reference"]
+__all__ = ["mamba_scan", "mamba_scan_reference", "mamba_scan_packed", "mamba_scan_packed_reference"]
 
 _NO_LIMIT = (0.0, math.inf)
 
@@ -104,4 +104,45 @@ def mamba_scan(
     if use_reference():
         return mamba_scan_reference(x, dt, A_log, B, C, D, dt_bias, state, time_step_limit)
     y, s = ext.mamba_scan(x, dt, A_log, B, C, D, dt_bias, state, time_step_limit[0], time_step_limit[1], method)
+    return y, s
+
+
+def _unpack(xbc, dt_src, dt_offset, heads, head_dim, groups, state_size):
+    b, L, _ = xbc.shape
+    hp, gn = heads * head_dim, groups * state_size
+    x = xbc[..., :hp].reshape(b, L, heads, head_dim)
+    B = xbc[..., hp : hp + gn].reshape(b, L, groups, state_size)
+    C = xbc[..., hp + gn : hp + 2 * gn].reshape(b, L, groups, state_size)
+    return x, dt_src[..., dt_offset : dt_offset + heads], B, C
+
+
+def mamba_scan_packed_reference(
+    xbc: mx.array, dt_src: mx.array, dt_offset: int, A_log: mx.array, D: mx.array, dt_bias: mx.array,
+    state: mx.array | None, heads: int, head_dim: int, groups: int, state_size: int,
+    time_step_limit: tuple[float, float] = _NO_LIMIT,
+) -> tuple[mx.array, mx.array]:
+    """`mamba_scan_reference` on the mixer's packed buffers (see `mamba_scan_packed`)."""
+    if xbc.shape[-1] != heads * head_dim + 2 * groups * state_size:
+        raise ValueError("mamba_scan_packed: xbc's width is not heads * head_dim + 2 * groups * state_size")
+    if not 0 <= dt_offset <= dt_src.shape[-1] - heads:
+        raise ValueError("mamba_scan_packed: dt columns [dt_offset, dt_offset + heads) out of range")
+    x, dt, B, C = _unpack(xbc, dt_src, dt_offset, heads, head_dim, groups, state_size)
+    return mamba_scan_reference(x, dt, A_log, B, C, D, dt_bias, state, time_step_limit)
+
+
+def mamba_scan_packed(
+    xbc: mx.array, dt_src: mx.array, dt_offset: int, A_log: mx.array, D: mx.array, dt_bias: mx.array,
+    state: mx.array | None, heads: int, head_dim: int, groups: int, state_size: int,
+    time_step_limit: tuple[float, float] = _NO_LIMIT, *, method: str = "auto",
+) -> tuple[mx.array, mx.array]:
+    """The scan on the Mamba mixer's own buffers, so that the GPU kernel copies no slice.
+
+    xbc [b, L, H*P + 2*G*N] holds x | B | C per position (the conv output); dt_src [b, L, W]
+    holds the H step inputs at columns [dt_offset, dt_offset + H) (in_proj's output).
+    """
+    if use_reference():
+        return mamba_scan_packed_reference(xbc, dt_src, dt_offset, A_log, D, dt_bias, state, heads, head_dim,
+                                           groups, state_size, time_step_limit)
+    y, s = ext.mamba_scan_packed(xbc, dt_src, dt_offset, A_log, D, dt_bias, state, heads, head_dim, groups,
+                                 state_size, time_step_limit[0], time_step_limit[1], method)
     return y, s

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
-from ..kernels.mamba_scan import mamba_scan
+from ..kernels.mamba_scan import mamba_scan_packed
 
 # --------------------------------------------------------------------------- caches
 
@@ -176,9 +176,7 @@ class Mamba2Mixer(nn.Module):
         self.eps = cfg.layer_norm_epsilon
         self._time_step_limit = tuple(cfg.time_step_limit)
         self._conv_has_bias = cfg.use_conv_bias
-        # gate | conv input (x, B, C) | dt, as in_proj lays them out.
-        self._split = (self.inner, self.inner + self.conv_dim)
-        self._xbc_split = (self.inner, self.inner + self.n_groups * self.state_size)
+        self._dt_offset = self.inner + self.conv_dim  # in_proj: gate | conv input (x, B, C) | dt
 
         self.in_proj = nn.Linear(cfg.hidden_size, cfg.mamba_in_proj_size, bias=cfg.mamba_proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
@@ -191,18 +189,19 @@ class Mamba2Mixer(nn.Module):
 
     def __call__(self, x: mx.array, cache: MambaCache | None) -> mx.array:
         b, L, _ = x.shape
-        gate, xbc, dt = mx.split(self.in_proj(x), self._split, axis=-1)
+        projected = self.in_proj(x)  # gate | x B C | dt
+        gate, xbc = projected[..., : self.inner], projected[..., self.inner : self.inner + self.conv_dim]
 
         conv_state = cache.conv if cache is not None and cache.conv is not None else \
             mx.zeros((b, self.kernel - 1, self.conv_dim), mx.float32)
         bias = self.conv1d.bias if self._conv_has_bias else mx.zeros((1,))
         xbc, conv_state = _conv_silu(conv_state, xbc, self.conv1d.weight, bias)
 
-        xs, B, C = mx.split(xbc, self._xbc_split, axis=-1)
-        y, ssm = mamba_scan(
-            xs.reshape(b, L, self.num_heads, self.head_dim), dt, self.A_log,
-            B.reshape(b, L, self.n_groups, self.state_size), C.reshape(b, L, self.n_groups, self.state_size),
-            self.D, self.dt_bias, cache.ssm if cache is not None else None, self._time_step_limit)
+        # The scan reads x, B, C from the conv output and dt from the projection in place.
+        y, ssm = mamba_scan_packed(
+            xbc, projected, self._dt_offset, self.A_log, self.D, self.dt_bias,
+            cache.ssm if cache is not None else None, self.num_heads, self.head_dim, self.n_groups,
+            self.state_size, self._time_step_limit)
         if cache is not None:
             cache.conv, cache.ssm = conv_state, ssm
 
@@ -330,9 +329,11 @@ class DuplexLM(nn.Module):
 
         from mlx.utils import tree_flatten, tree_unflatten
 
-        params = [(k, small(k, v)) for k, v in tree_flatten(self.parameters())]
-        self.update(tree_unflatten(params))
-        mx.eval(self.parameters())
+        # Only this network's parts: a subclass (the STT model) adds modules with rules of their own.
+        for part in (self.embed_tokens, self.llm, self.lm_head, self.function_head):
+            params = [(k, small(k, v)) for k, v in tree_flatten(part.parameters())]
+            part.update(tree_unflatten(params))
+            mx.eval(part.parameters())
         return self
 
     def embed(self, ids: mx.array) -> mx.array:

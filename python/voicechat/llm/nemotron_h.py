@@ -184,7 +184,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = mx.ones((self.num_heads,))
         self.A_log = mx.zeros((self.num_heads,))
         self.D = mx.ones((self.num_heads,))
-        self.norm = nn.RMSNorm(self.inner, eps=self.eps)
+        self.norm = nn.RMSNorm(self.inner, eps=self.eps)  # holds the gated norm's weight (_gated_rms_norm)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
 
     def __call__(self, x: mx.array, cache: MambaCache | None) -> mx.array:

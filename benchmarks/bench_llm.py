@@ -1,0 +1,97 @@
+"""Nemotron-H duplex LM: one decode step (fused input, all layers, both heads' argmax, cache update)
+and a 64-position prefix.
+
+    PYTHONPATH=python pytest benchmarks/bench_llm.py --benchmark-enable            # tiny, 4-bit checkpoint
+    VOICECHAT_BENCH_SIZE=full pytest benchmarks/bench_llm.py --benchmark-enable    # published shapes, 4-bit (GPU)
+
+Full size builds DuplexLM from the default config with random weights and `nn.quantize`s it
+(group 64, 4 bits: embed_tokens, both 131072-wide heads and every mixer projection), no checkpoint
+file. `extra_info` records the primitives per step (`ops_total`, `ops_kernels`; see
+voicechat.llm.opcount).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from voicechat.checkpoint import open_checkpoint
+from voicechat.config import VoiceChatConfig
+from voicechat.llm.nemotron_h import DuplexLM, count_step_ops
+from voicechat.llm.opcount import kernel_count
+from voicechat.testing import make_checkpoint
+
+SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
+CONTEXT = 64  # positions already in the cache when a step is timed
+PAD = 12
+
+
+def _full_size_lm() -> DuplexLM:
+    cfg = VoiceChatConfig()
+    lm = DuplexLM(cfg.text_config, cfg.function_channel_weight)
+    lm.set_dtype(mx.bfloat16)  # dense parts bf16 and scales bf16, as in the published files
+    for layer in lm.llm.layers:
+        if layer.kind == "mamba":
+            layer.mixer.A_log = layer.mixer.A_log.astype(mx.float32)  # stored float32, as published
+    nn.quantize(lm, group_size=64, bits=4)
+    # Materialize one module at a time so the float weights never all exist at once.
+    mx.eval(lm.embed_tokens.parameters())
+    for layer in lm.llm.layers:
+        mx.eval(layer.parameters())
+    return lm.prepare()
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory) -> DuplexLM:
+    if SIZE == "full":
+        return _full_size_lm()
+    path = make_checkpoint(tmp_path_factory.mktemp("bench-llm") / "tiny-q4", "tiny", quantize=4, dtype="bfloat16")
+    ckpt = open_checkpoint(path)
+    model = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
+    ckpt.load_into(model, "stt_model.", ignore=("perception.", "rnnt_decoder.", "rnnt_joint."))
+    return model.prepare()
+
+
+def _audio(lm: DuplexLM, length: int) -> mx.array:
+    a = mx.random.normal((1, length, lm.llm.config.hidden_size), key=mx.random.key(0))
+    mx.eval(a)
+    return a
+
+
+def test_llm_step(benchmark, lm):
+    audio = _audio(lm, CONTEXT + 1)
+    pad = mx.full((1, CONTEXT), PAD, dtype=mx.int32)
+    primed = lm.make_cache()
+    out = lm.step(lm.fused_input(pad, audio[:, :CONTEXT], pad), primed)
+    mx.eval(out, primed.state)
+    frame = audio[:, CONTEXT:]
+
+    def step():
+        cache = primed.copy()  # every round steps from the same CONTEXT positions
+        res = lm.step(lm.fused_input(out.text_ids[:, None], frame, out.function_ids[:, None]), cache)
+        mx.eval(res.text_ids, res.function_ids, cache.state)
+        return res
+
+    res = benchmark(step)
+    assert res.text_ids.shape == (1,)
+    counts = count_step_ops(lm, 1, primed.copy())
+    benchmark.extra_info.update(size=SIZE, context=CONTEXT, ops_total=sum(counts.values()),
+                                ops_kernels=kernel_count(counts), ops=dict(counts))
+
+
+def test_llm_prefix64(benchmark, lm):
+    audio = _audio(lm, 64)
+    pad = mx.full((1, 64), PAD, dtype=mx.int32)
+
+    def prefix():
+        cache = lm.make_cache()
+        res = lm.step(lm.fused_input(pad, audio, pad), cache)
+        mx.eval(res.text_ids, res.function_ids, cache.state)
+        return res
+
+    res = benchmark(prefix)
+    assert res.hidden.shape[:2] == (1, 64)
+    benchmark.extra_info.update(size=SIZE, positions=64)

@@ -1,0 +1,386 @@
+"""Nemotron-H (Mamba-2 / attention / MLP hybrid) with the duplex model's fused input and two heads.
+
+Key tree below `stt_model.`:
+
+    embed_tokens                     Embedding(vocab, H)          (quantized in the published files)
+    llm.layers.{i}.norm              RMSNorm(H), eps 1e-5
+    llm.layers.{i}.mixer.*           Mamba-2 ('M'), attention ('*') or MLP ('-'), per hybrid_override_pattern
+    llm.norm_f                       RMSNorm(H)
+    lm_head, function_head           Linear(H, vocab, bias=False)
+
+Every block is `x + mixer(RMSNorm(x))`. The LLM never looks up token ids: it runs on embeddings
+(`DuplexLM.fused_input` builds them). Activations are float32 whatever the weight dtype.
+
+After loading, `DuplexLM.prepare()` casts quantization scales / biases and the small vectors to
+float32 once, so that no step casts weights again (see its docstring).
+
+Decoding state lives in a `NemotronHCache` (`NemotronH.make_cache()`): one entry per layer, a
+`MambaCache` (conv window + SSM state), a `KVCache` or None (MLP). A session owns it; `copy()`
+snapshots it (cheap: arrays are immutable and shared until either side steps) and `reset()`
+empties it. The same call handles a many-position prefix and a one-position step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import TextConfig
+from ..kernels.mamba_scan import mamba_scan_packed
+
+# --------------------------------------------------------------------------- caches
+
+
+class MambaCache:
+    """The last `conv_kernel - 1` conv inputs [b, K-1, C] and the SSM state [b, H, P, N] (float32)."""
+
+    def __init__(self, conv: mx.array | None = None, ssm: mx.array | None = None):
+        self.conv = conv
+        self.ssm = ssm
+
+    def copy(self) -> "MambaCache":
+        return MambaCache(self.conv, self.ssm)
+
+    def reset(self) -> None:
+        self.conv = None
+        self.ssm = None
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.conv, self.ssm) if a is not None]
+
+
+class KVCache:
+    """Keys and values [b, kv_heads, capacity, head_dim], grown `step` positions at a time.
+
+    Updates rebind the attributes (functional `slice_update`), never write into an array another
+    copy might hold.
+    """
+
+    step = 256
+
+    def __init__(self, keys: mx.array | None = None, values: mx.array | None = None, offset: int = 0):
+        self.keys = keys
+        self.values = values
+        self.offset = offset
+
+    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        """Append k, v [b, kv_heads, L, head_dim]; return every cached position."""
+        start, length = self.offset, k.shape[2]
+        end = start + length
+        if self.keys is None or end > self.keys.shape[2]:
+            capacity = -(-end // self.step) * self.step
+            self.keys = self._grown(self.keys, k, capacity)
+            self.values = self._grown(self.values, v, capacity)
+        at = mx.array([start], dtype=mx.int32)
+        self.keys = mx.slice_update(self.keys, k, at, axes=(2,))
+        self.values = mx.slice_update(self.values, v, at, axes=(2,))
+        self.offset = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _grown(self, old: mx.array | None, like: mx.array, capacity: int) -> mx.array:
+        b, heads, _, dim = like.shape
+        new = mx.zeros((b, heads, capacity, dim), like.dtype)
+        if old is not None and self.offset:
+            new[:, :, : self.offset] = old[:, :, : self.offset]
+        return new
+
+    def copy(self) -> "KVCache":
+        return KVCache(self.keys, self.values, self.offset)
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.offset = 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+
+class NemotronHCache(list):
+    """Per-layer caches of one decoding session (None for MLP layers)."""
+
+    def copy(self) -> "NemotronHCache":
+        return NemotronHCache(c.copy() if c is not None else None for c in self)
+
+    def reset(self) -> None:
+        for c in self:
+            if c is not None:
+                c.reset()
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Every array the caches hold (to `mx.eval` after a step)."""
+        return [a for c in self if c is not None for a in c.state]
+
+    @property
+    def offset(self) -> int:
+        """Positions seen so far (from the attention caches; 0 without attention layers)."""
+        for c in self:
+            if isinstance(c, KVCache):
+                return c.offset
+        return 0
+
+
+# --------------------------------------------------------------------------- fused elementwise chains
+
+
+@mx.compile
+def _conv_silu(conv_state: mx.array, xbc: mx.array, weight: mx.array, bias: mx.array):
+    """Causal depthwise conv (kernel K) over [conv_state; xbc], then SiLU; also the next conv state.
+
+    conv_state [b, K-1, C], xbc [b, L, C], weight [C, K, 1] (nn.Conv1d depthwise layout), bias [C].
+    """
+    window = mx.concatenate([conv_state, xbc.astype(conv_state.dtype)], axis=1)
+    K, L = weight.shape[1], xbc.shape[1]
+    out = bias.astype(mx.float32)
+    for k in range(K):
+        out = out + window[:, k : k + L] * weight[:, k, 0]
+    return nn.silu(out), window[:, L:]
+
+
+@mx.compile
+def _gated_rms_norm(y: mx.array, gate: mx.array, weight: mx.array, groups: int, eps: float) -> mx.array:
+    """RMSNorm of y * silu(gate) over `groups` equal groups of channels, then the weight."""
+    h = y * nn.silu(gate)
+    shape = h.shape
+    h = mx.fast.rms_norm(h.reshape(*shape[:-1], groups, shape[-1] // groups), None, eps)
+    return h.reshape(shape) * weight
+
+
+@mx.compile
+def _relu_squared(x: mx.array) -> mx.array:
+    return mx.square(nn.relu(x))
+
+
+@mx.compile
+def _fuse(text: mx.array, audio: mx.array, function: mx.array, weight: float) -> mx.array:
+    return text.astype(mx.float32) + audio.astype(mx.float32) + weight * function.astype(mx.float32)
+
+
+# --------------------------------------------------------------------------- mixers
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads = cfg.mamba_num_heads
+        self.head_dim = cfg.mamba_head_dim
+        self.n_groups = cfg.n_groups
+        self.state_size = cfg.ssm_state_size
+        self.inner = cfg.mamba_inner_size
+        self.conv_dim = cfg.mamba_conv_dim
+        self.kernel = cfg.conv_kernel
+        self.eps = cfg.layer_norm_epsilon
+        self._time_step_limit = tuple(cfg.time_step_limit)
+        self._conv_has_bias = cfg.use_conv_bias
+        self._dt_offset = self.inner + self.conv_dim  # in_proj: gate | conv input (x, B, C) | dt
+
+        self.in_proj = nn.Linear(cfg.hidden_size, cfg.mamba_in_proj_size, bias=cfg.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
+                                bias=cfg.use_conv_bias)
+        self.dt_bias = mx.ones((self.num_heads,))
+        self.A_log = mx.zeros((self.num_heads,))
+        self.D = mx.ones((self.num_heads,))
+        self.norm = nn.RMSNorm(self.inner, eps=self.eps)  # holds the gated norm's weight (_gated_rms_norm)
+        self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
+
+    def __call__(self, x: mx.array, cache: MambaCache | None) -> mx.array:
+        b, L, _ = x.shape
+        projected = self.in_proj(x)  # gate | x B C | dt
+        gate, xbc = projected[..., : self.inner], projected[..., self.inner : self.inner + self.conv_dim]
+
+        conv_state = cache.conv if cache is not None and cache.conv is not None else \
+            mx.zeros((b, self.kernel - 1, self.conv_dim), mx.float32)
+        bias = self.conv1d.bias if self._conv_has_bias else mx.zeros((1,))
+        xbc, conv_state = _conv_silu(conv_state, xbc, self.conv1d.weight, bias)
+
+        # The scan reads x, B, C from the conv output and dt from the projection in place.
+        y, ssm = mamba_scan_packed(
+            xbc, projected, self._dt_offset, self.A_log, self.D, self.dt_bias,
+            cache.ssm if cache is not None else None, self.num_heads, self.head_dim, self.n_groups,
+            self.state_size, self._time_step_limit)
+        if cache is not None:
+            cache.conv, cache.ssm = conv_state, ssm
+
+        y = _gated_rms_norm(y.reshape(b, L, self.inner), gate, self.norm.weight, self.n_groups, self.eps)
+        return self.out_proj(y)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal attention, no positional encoding."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+
+    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+        b, L, _ = x.shape
+        q = self.q_proj(x).reshape(b, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if cache is not None:
+            k, v = cache.update(k, v)
+        # "causal" aligns the last query with the last key, so it also covers a prefix after a cache.
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal" if L > 1 else None)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def __call__(self, x: mx.array, cache: None = None) -> mx.array:
+        return self.down_proj(_relu_squared(self.up_proj(x)))
+
+
+_MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TextConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
+        self.mixer = _MIXERS[kind](cfg)
+
+    def __call__(self, x: mx.array, cache) -> mx.array:
+        return x + self.mixer(self.norm(x), cache)
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+class NemotronH(nn.Module):
+    """The hybrid stack on embeddings: [b, L, H] in, hidden states after norm_f out."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.config = cfg
+        self.layers = [Block(cfg, kind) for kind in cfg.block_types]
+        self.norm_f = nn.RMSNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
+
+    def make_cache(self) -> NemotronHCache:
+        kinds = {"mamba": MambaCache, "attention": KVCache, "mlp": lambda: None}
+        return NemotronHCache(kinds[k]() for k in self.config.block_types)
+
+    def __call__(self, embeds: mx.array, cache: list | None = None) -> mx.array:
+        """embeds [b, L, H] -> hidden [b, L, H] (float32). With `cache`, continue from it and update it;
+        without, run the sequence from an empty state."""
+        x = embeds.astype(mx.float32)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, c)
+        return self.norm_f(x)
+
+
+# --------------------------------------------------------------------------- the duplex LM
+
+
+class StepOutput(NamedTuple):
+    text_ids: mx.array  # [b] greedy id of lm_head at the last position
+    function_ids: mx.array  # [b] greedy id of function_head at the last position
+    hidden: mx.array  # [b, L, H] after norm_f
+    text_logits: mx.array  # [b, vocab] at the last position
+    function_logits: mx.array  # [b, vocab]
+
+
+class DuplexLM(nn.Module):
+    """Token embedding, Nemotron-H and the text / function heads (keys below `stt_model.`)."""
+
+    def __init__(self, text_cfg: TextConfig, function_channel_weight: float = 2.0):
+        super().__init__()
+        h, vocab = text_cfg.hidden_size, text_cfg.vocab_size
+        self.function_channel_weight = float(function_channel_weight)
+        self.embed_tokens = nn.Embedding(vocab, h)
+        self.llm = NemotronH(text_cfg)
+        self.lm_head = nn.Linear(h, vocab, bias=False)
+        self.function_head = nn.Linear(h, vocab, bias=False)
+
+    def make_cache(self) -> NemotronHCache:
+        return self.llm.make_cache()
+
+    def prepare(self) -> "DuplexLM":
+        """Load-time conversions for decoding; call once after loading weights. Returns self.
+
+        Activations are float32, so every op mixing them with bf16 quantization scales / biases,
+        norm weights or Mamba vectors would cast those to float32 on every step (for the scales of
+        the two 131072-wide heads alone, a full copy per step). Cast them once here instead; the
+        values are unchanged (bf16 -> float32 is exact). Packed 4/8-bit weights stay as they are,
+        and so do dense matrices (a bf16 checkpoint keeps its memory; its GEMVs promote per call).
+        """
+        def small(path: str, a: mx.array) -> mx.array:
+            dense_matrix = a.ndim == 2 and path.endswith(".weight") and a.dtype != mx.uint32
+            keep = dense_matrix or not mx.issubdtype(a.dtype, mx.floating) or a.dtype == mx.float32
+            return a if keep else a.astype(mx.float32)
+
+        from mlx.utils import tree_flatten, tree_unflatten
+
+        # Only this network's parts: a subclass (the STT model) adds modules with rules of their own.
+        for part in (self.embed_tokens, self.llm, self.lm_head, self.function_head):
+            params = [(k, small(k, v)) for k, v in tree_flatten(part.parameters())]
+            part.update(tree_unflatten(params))
+            mx.eval(part.parameters())
+        return self
+
+    def embed(self, ids: mx.array) -> mx.array:
+        """Token embeddings in float32 (the system prompt enters the audio channel this way)."""
+        return self.embed_tokens(ids).astype(mx.float32)
+
+    def fused_input(self, prev_text_ids: mx.array, audio_frames: mx.array, prev_function_ids: mx.array) -> mx.array:
+        """E(prev_text) + audio + w * E(prev_function), float32; ids [b, L], audio [b, L, H].
+
+        Both id rows go through one embedding lookup.
+        """
+        n = prev_text_ids.shape[-1]
+        both = self.embed_tokens(mx.concatenate([prev_text_ids, prev_function_ids], axis=-1))
+        return _fuse(both[..., :n, :], audio_frames, both[..., n:, :], self.function_channel_weight)
+
+    def heads(self, last: mx.array) -> tuple[mx.array, mx.array]:
+        """Text and function logits of hidden states [..., H]."""
+        return self.lm_head(last), self.function_head(last)
+
+    def step(self, fused: mx.array, cache: list | None = None) -> StepOutput:
+        """Run fused [b, L, H] through the LLM (updating `cache`), greedy ids of both heads at the
+        last position. Nothing is evaluated here."""
+        hidden = self.llm(fused, cache)
+        text_logits, function_logits = self.heads(hidden[:, -1])
+        return StepOutput(mx.argmax(text_logits, axis=-1), mx.argmax(function_logits, axis=-1), hidden,
+                          text_logits, function_logits)
+
+    __call__ = step
+
+
+# --------------------------------------------------------------------------- op budget
+
+
+def count_step_ops(lm: DuplexLM, length: int = 1, cache: NemotronHCache | None = None):
+    """Primitives one decode call runs: fused input from previous ids + `length` positions + both
+    heads' argmax + the cache update, after a warm-up step (weights and cache evaluated).
+
+    Returns a Counter of primitive names (see `voicechat.llm.opcount.kernel_count`).
+    """
+    from .opcount import count_ops
+
+    h = lm.llm.config.hidden_size
+    mx.eval(lm.parameters())
+    cache = lm.make_cache() if cache is None else cache
+    ids = mx.full((1, length), 12, dtype=mx.int32)
+    audio = mx.zeros((1, length, h), mx.float32)
+    warm = lm.step(lm.fused_input(ids[:, :1], audio[:, :1], ids[:, :1]), cache)
+    mx.eval(warm.text_ids, cache.state, ids, audio)
+    out = lm.step(lm.fused_input(ids, audio, ids), cache)
+    return count_ops(out.text_ids, out.function_ids, cache.state)

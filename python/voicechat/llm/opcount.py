@@ -1,0 +1,50 @@
+"""Count the primitives a lazy MLX graph would run (per-step op budgets for benchmarks and tests).
+
+Every primitive costs a launch on the GPU (~14 us on CUDA), so the number of primitives per
+decode step is a budget we track. `count_ops(*outputs)` walks the unevaluated graph below the
+outputs (evaluated arrays, such as loaded weights and cache contents, are leaves) through
+`mx.export_to_dot`. A `Compiled` (mx.compile) node counts once however many ops it fuses.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections import Counter
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+# Primitives that only re-describe memory (no kernel launch when the input's layout allows it).
+VIEWS = frozenset({"Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims", "Broadcast", "AsStrided",
+                   "Split", "StopGradient", "Depends"})
+
+_NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
+
+
+def _arrays(outputs: tuple[Any, ...]) -> list[mx.array]:
+    return [a for _, a in tree_flatten(list(outputs)) if isinstance(a, mx.array)]
+
+
+def count_ops(*outputs: Any) -> Counter:
+    """Primitive name -> count over the unevaluated graph of `outputs` (arrays or trees of them)."""
+    arrays = _arrays(outputs)
+    if not arrays:
+        return Counter()
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *arrays)
+        with open(path) as f:
+            text = f.read()
+    finally:
+        os.unlink(path)
+    # Labels of compiled graphs read "Compiled..." with the fused ops' names; count them as one kind.
+    return Counter("Compiled" if name.startswith("Compiled") else name for name in _NODE.findall(text))
+
+
+def kernel_count(counts: Counter) -> int:
+    """Primitives that launch work: all but the view-like ones."""
+    return sum(n for name, n in counts.items() if name not in VIEWS)

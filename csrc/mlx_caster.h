@@ -8,8 +8,12 @@
 
 #include <nanobind/nanobind.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include "mlx/array.h"
+#include "mlx/device.h"
+#include "mlx/stream.h"
+#include "mlx/utils.h"
 
 namespace pybind11::detail {
 
@@ -44,6 +48,41 @@ struct type_caster<mlx::core::array> {
 
  private:
   mlx::core::array* ptr_ = nullptr;
+};
+
+// `stream=None | mx.Stream | mx.Device`, as MLX's own ops take it.
+template <>
+struct type_caster<mlx::core::StreamOrDevice> {
+ public:
+  PYBIND11_TYPE_CASTER(mlx::core::StreamOrDevice, const_name("mlx.core.Stream | mlx.core.Device | None"));
+
+  bool load(handle src, bool) {
+    if (src.is_none()) {
+      value = std::monostate{};
+      return true;
+    }
+    nanobind::handle h(src.ptr());
+    if (nanobind::isinstance<mlx::core::Stream>(h)) {
+      value = *nanobind::inst_ptr<mlx::core::Stream>(h);
+      return true;
+    }
+    if (nanobind::isinstance<mlx::core::Device>(h)) {
+      value = *nanobind::inst_ptr<mlx::core::Device>(h);
+      return true;
+    }
+    // mx.cpu / mx.gpu are DeviceType enum members: let mlx make the Device.
+    object core = module_::import("mlx.core");
+    if (isinstance(src, core.attr("DeviceType"))) {
+      object device = core.attr("Device")(src);
+      value = *nanobind::inst_ptr<mlx::core::Device>(nanobind::handle(device.ptr()));
+      return true;
+    }
+    return false;
+  }
+
+  static handle cast(const mlx::core::StreamOrDevice&, return_value_policy, handle) {
+    return none().release();
+  }
 };
 
 }  // namespace pybind11::detail

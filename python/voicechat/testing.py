@@ -54,12 +54,12 @@ def tiny_config() -> VoiceChatConfig:
         "tts_config": {
             "hidden_size": 96, "intermediate_size": 136, "num_hidden_layers": 7,
             "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 24,
-            "sliding_window": 32, "latent_size": 40, "codebook_size": 48,
+            "sliding_window": 32, "latent_size": 40, "codebook_size": 52,
             "character_encoder": {"hidden_size": 96, "intermediate_size": 112, "num_attention_heads": 4,
                                   "num_key_value_heads": 4, "head_dim": 24},
             "mog_head": {"intermediate_size": 104, "low_rank": 8, "num_predictions": 20},
         },
-        "codec_config": {"base_channels": 12, "latent_dim": 40, "codebook_size": 48},
+        "codec_config": {"base_channels": 12, "latent_dim": 40, "codebook_size": 52},
     }
     return VoiceChatConfig.from_dict(data)
 

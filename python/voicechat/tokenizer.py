@@ -21,10 +21,10 @@ class TextTokenizer:
         from tokenizers import Tokenizer
 
         path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no tokenizer.json")
         try:
             self._tok = Tokenizer.from_file(str(path))
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: no tokenizer.json") from None
         except Exception as e:
             raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from None
         self.path = path

@@ -1,0 +1,58 @@
+"""RVQ argmin search: sequential residual quantization over codebooks [start, start + count).
+
+    for q in start .. start + count - 1:
+        code[q] = argmin_k ||E[q, k]||^2 - 2 r . E[q, k]     (first index on ties)
+        r = r - E[q, code[q]]
+
+Returns `(codes [B, count] int32, residual [B, D] float32)`. Distances use the precomputed
+codeword norms (`codebook_norms`), so pass them in when calling repeatedly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ._native import ext, use_reference
+
+
+def codebook_norms(codebooks: mx.array) -> mx.array:
+    """`||E[q, k]||^2` as float32 `[Q, K]`."""
+    e = codebooks.astype(mx.float32)
+    return (e * e).sum(axis=-1)
+
+
+def rvq_search_reference(
+    residual: mx.array, codebooks: mx.array, start: int, count: int, norms: mx.array | None = None
+) -> tuple[mx.array, mx.array]:
+    """Composed MLX ops, one codebook at a time."""
+    norms = codebook_norms(codebooks) if norms is None else norms.astype(mx.float32)
+    r = residual.astype(mx.float32)
+    codes = []
+    for q in range(start, start + count):
+        book = codebooks[q].astype(mx.float32)
+        dist = norms[q] - 2.0 * (r @ book.T)
+        code = mx.argmin(dist, axis=-1).astype(mx.int32)
+        r = r - book[code]
+        codes.append(code)
+    return mx.stack(codes, axis=1), r
+
+
+def rvq_search(
+    residual: mx.array,
+    codebooks: mx.array,
+    start: int,
+    count: int,
+    norms: mx.array | None = None,
+    *,
+    method: str = "auto",
+    stream=None,
+) -> tuple[mx.array, mx.array]:
+    """The C++ kernel (CUDA on a CUDA GPU, a fused loop or BLAS ops on the CPU).
+
+    `method`: "auto", "fused" (force the kernel) or "composed" (the C++ composed-ops path).
+    """
+    if use_reference():
+        return rvq_search_reference(residual, codebooks, start, count, norms)
+    norms = codebook_norms(codebooks) if norms is None else norms
+    codes, r = ext.rvq_search(residual, codebooks, norms, start, count, method, stream)
+    return codes, r

@@ -1,0 +1,86 @@
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from voicechat.audio import AudioError, load_audio, read_audio, resample, to_mono, write_wav
+
+
+def test_reads_espeak_wav_and_resamples(spoken_wav_22k, spoken_wav):
+    data, rate = read_audio(spoken_wav_22k)
+    assert rate == 22050 and data.shape[1] == 1
+    ours = load_audio(spoken_wav_22k, 16000)
+    assert ours.dtype == np.float32 and ours.ndim == 1
+    assert abs(len(ours) - round(len(data) * 16000 / 22050)) <= 1
+    sox, _ = read_audio(spoken_wav)
+    n = min(len(ours), len(sox))
+    # soxr and sox agree on the same resampling (different filters: close, not equal)
+    corr = np.corrcoef(ours[:n], sox[:n, 0])[0, 1]
+    assert corr > 0.99
+
+
+def test_other_formats_and_stereo(tmp_path, spoken_wav):
+    data, rate = read_audio(spoken_wav)
+    flac = tmp_path / "q.flac"
+    subprocess.run(["sox", str(spoken_wav), "-c", "2", "-r", "44100", str(flac)], check=True)
+    stereo, r = read_audio(flac)
+    assert r == 44100 and stereo.shape[1] == 2
+    mono = load_audio(flac, 16000)
+    assert abs(len(mono) - len(data)) <= 2
+    assert to_mono(np.array([[1.0, 0.0], [0.5, 0.5]], dtype=np.float32)).tolist() == [0.5, 0.5]
+
+
+def test_array_input_needs_its_rate():
+    with pytest.raises(AudioError, match="sample_rate"):
+        load_audio(np.zeros(100, np.float32), 16000)
+    out = load_audio(np.zeros(8000, np.float32), 16000, sample_rate=8000)
+    assert len(out) == 16000
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: p.write_bytes(b"RIFF....WAVEfmt junk"), "not a readable audio file"),
+    (lambda p: p.write_text("hello, not audio"), "not a readable audio file"),
+    (lambda p: sf.write(str(p), np.zeros((0,), np.float32), 16000), "contains no samples"),
+    (lambda p: sf.write(str(p), np.full(100, np.nan, np.float32), 16000, subtype="FLOAT"), "NaN"),
+])
+def test_bad_audio(tmp_path, make, needle):
+    p = tmp_path / "bad.wav"
+    make(p)
+    with pytest.raises(AudioError, match=needle):
+        load_audio(p, 16000)
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(AudioError, match="no such file"):
+        load_audio(tmp_path / "nope.wav", 16000)
+    with pytest.raises(AudioError, match="is a directory"):
+        load_audio(tmp_path, 16000)
+
+
+def test_8bit_wav_is_read(tmp_path):
+    p = tmp_path / "u8.wav"
+    sf.write(str(p), (np.sin(np.arange(1600) / 5) * 0.5).astype(np.float32), 8000, subtype="PCM_U8")
+    out = load_audio(p, 16000)
+    assert len(out) == 3200 and np.abs(out).max() > 0.4
+
+
+def test_write_is_pcm16_mono_and_atomic(tmp_path):
+    x = (np.sin(np.arange(22050) / 10) * 0.8).astype(np.float32)
+    p = write_wav(tmp_path / "out.wav", x, 22050)
+    info = sf.info(str(p))
+    assert (info.samplerate, info.channels, info.subtype, info.frames) == (22050, 1, "PCM_16", 22050)
+    assert os.listdir(tmp_path) == ["out.wav"]
+    with pytest.raises(AudioError, match="does not exist"):
+        write_wav(tmp_path / "missing" / "out.wav", x, 22050)
+    with pytest.raises(AudioError, match="NaN"):
+        write_wav(tmp_path / "nan.wav", np.array([np.nan], np.float32), 22050)
+    assert os.listdir(tmp_path) == ["out.wav"]  # no partial file left behind
+
+
+def test_resample_identity_and_bad_rate():
+    x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    assert resample(x, 16000, 16000) is not None and np.array_equal(resample(x, 16000, 16000), x)
+    with pytest.raises(AudioError, match="positive"):
+        resample(x, 0, 16000)

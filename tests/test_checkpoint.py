@@ -1,0 +1,174 @@
+"""Finding and reading checkpoints, quantization maps, layout conversion and strict loading."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from voicechat.checkpoint import (CheckpointError, load_weights, open_checkpoint, quantization_map,
+                                  read_tensors, resolve, safetensors_files, to_mlx_layout)
+from voicechat.config import ConfigError, VoiceChatConfig
+from voicechat.testing import make_checkpoint
+
+
+def test_sharded_equals_single_file(tmp_path):
+    one = make_checkpoint(tmp_path / "one", "tiny", quantize=4, seed=3)
+    three = make_checkpoint(tmp_path / "three", "tiny", quantize=4, seed=3, shards=3)
+    files = safetensors_files(three)
+    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    a, b = read_tensors(safetensors_files(one)), read_tensors(files)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]), k
+
+
+def test_tensors_are_read_lazily(tiny_checkpoint):
+    mx.eval(mx.zeros((1,)))
+    before = mx.get_active_memory()
+    tensors = open_checkpoint(tiny_checkpoint).tensors
+    assert len(tensors) > 100
+    assert mx.get_active_memory() - before < 1 << 16  # nothing materialized yet
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dtype_is_kept_as_stored(tmp_path, dtype):
+    ckpt = open_checkpoint(make_checkpoint(tmp_path / "c", "tiny", dtype=dtype))
+    assert ckpt.tensors["tts_model.tts_model.rvq_embs"].dtype == getattr(mx, dtype)
+    assert ckpt.tensors["stt_model.llm.layers.0.mixer.A_log"].dtype == mx.float32
+    assert ckpt.tensors["tts_model.codec_silence_tokens"].dtype == mx.int32
+
+
+def test_missing_directory_file_and_shard_errors(tmp_path, tiny_checkpoint):
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        resolve(tmp_path / "nope")
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file"):
+        resolve(tmp_path / "f.txt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        safetensors_files(empty)
+    sharded = make_checkpoint(tmp_path / "s", "tiny", shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing shard.*model-00002-of-00002"):
+        open_checkpoint(sharded)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match="not a readable safetensors"):
+        open_checkpoint(broken)
+
+
+def test_wrong_model_type_and_speaker(tmp_path, tiny_checkpoint):
+    for field, value in (("model_type", "llama"), ("speaker", "Zed")):
+        d = tmp_path / field
+        shutil.copytree(tiny_checkpoint, d)
+        data = json.loads((d / "config.json").read_text())
+        data[field] = value
+        (d / "config.json").write_text(json.dumps(data))
+        with pytest.raises(ConfigError, match=field):
+            open_checkpoint(d)
+
+
+def test_offline_hub_id_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache|cannot be reached|could not download"):
+        resolve("nobody-here/NoSuchModel-xyz")
+
+
+def test_quantization_map_rules():
+    c = VoiceChatConfig()
+    c.quantization = {"group_size": 64, "bits": 4, "stt_model.lm_head": {"group_size": 64, "bits": 8},
+                      "stt_model.llm.layers.3.mixer.in_proj": True, "stt_model.function_head": False}
+    assert quantization_map(c) == {"stt_model.lm_head": {"group_size": 64, "bits": 8},
+                                   "stt_model.llm.layers.3.mixer.in_proj": {"group_size": 64, "bits": 4}}
+    c.quantization = {"group_size": 64, "bits": 4, "tts_model.tts_model.embed_code": True}
+    with pytest.raises(ConfigError, match="never quantized"):
+        quantization_map(c)
+    c.quantization = {"stt_model.lm_head": {"group_size": 64, "bits": 3}}
+    with pytest.raises(ConfigError, match="unsupported bits"):
+        quantization_map(c)
+
+
+class _Tiny(nn.Module):
+    """A small module tree with every layout the loader converts."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 5, kernel_size=4, bias=False)
+        self.up = nn.ConvTranspose1d(5, 2, kernel_size=7, stride=7, bias=False)
+        self.conv2 = nn.Conv2d(1, 6, kernel_size=3)
+        self.lstm = [nn.LSTM(4, 8), nn.LSTM(8, 8)]
+        self.proj = nn.Linear(64, 9, bias=False)
+
+
+def _torch_tensors(rng):
+    t = {
+        "conv.weight": rng.standard_normal((5, 3, 4)),
+        "up.weight": rng.standard_normal((5, 2, 7)),
+        "conv2.weight": rng.standard_normal((6, 1, 3, 3)),
+        "conv2.bias": rng.standard_normal((6,)),
+        "proj.weight": rng.standard_normal((9, 64)),
+    }
+    for n, width in ((0, 4), (1, 8)):
+        t[f"lstm.weight_ih_l{n}"] = rng.standard_normal((32, width))
+        t[f"lstm.weight_hh_l{n}"] = rng.standard_normal((32, 8))
+        t[f"lstm.bias_ih_l{n}"] = rng.standard_normal((32,))
+        t[f"lstm.bias_hh_l{n}"] = rng.standard_normal((32,))
+    return {k: mx.array(v.astype(np.float32)) for k, v in t.items()}
+
+
+def test_torch_layout_is_converted_once():
+    torch = _torch_tensors(np.random.default_rng(0))
+    m = _Tiny()
+    converted = to_mlx_layout(torch, m)
+    assert converted["conv.weight"].shape == (5, 4, 3)
+    assert converted["up.weight"].shape == (2, 7, 5)
+    assert converted["conv2.weight"].shape == (6, 3, 3, 1)
+    assert mx.array_equal(converted["conv.weight"], torch["conv.weight"].transpose(0, 2, 1))
+    assert mx.array_equal(converted["up.weight"], torch["up.weight"].transpose(1, 2, 0))
+    assert mx.allclose(converted["lstm.1.bias"], torch["lstm.bias_ih_l1"] + torch["lstm.bias_hh_l1"])
+    assert mx.array_equal(converted["lstm.0.Wx"], torch["lstm.weight_ih_l0"])
+    again = to_mlx_layout(converted, m)  # idempotent: already-converted tensors stay as they are
+    assert again.keys() == converted.keys()
+    assert all(mx.array_equal(again[k], converted[k]) for k in again)
+    load_weights(m, converted)
+    assert mx.array_equal(m.up.weight, converted["up.weight"])
+
+
+def test_every_problem_is_reported_at_once():
+    t = to_mlx_layout(_torch_tensors(np.random.default_rng(1)), _Tiny())
+    del t["conv2.bias"]
+    t["proj.weight"] = mx.zeros((9, 65))
+    t["stray.weight"] = mx.zeros((1,))
+    with pytest.raises(CheckpointError) as e:
+        load_weights(_Tiny(), t, prefix="net.")
+    msg = str(e.value)
+    assert "3 problems" in msg
+    assert "missing tensor net.conv2.bias" in msg
+    assert "unexpected tensor net.stray.weight" in msg
+    assert "net.proj.weight has shape (9, 65), expected (9, 64)" in msg
+
+
+def test_quantized_module_from_dense_tensors_and_the_reverse(tiny_checkpoint, tiny_checkpoint_q4):
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(192, 384, bias=False)
+
+    dense, quant = open_checkpoint(tiny_checkpoint), open_checkpoint(tiny_checkpoint_q4)
+    h = Head()
+    quant.load_into(h, "stt_model.", ignore=("embed_tokens", "function_head", "llm", "perception", "rnnt"))
+    assert isinstance(h.lm_head, nn.QuantizedLinear)
+    # dense file, but config.json says quantized
+    dense.config.quantization = quant.config.quantization
+    with pytest.raises(CheckpointError, match="stt_model.lm_head is quantized in config.json but the checkpoint stores it dense"):
+        dense.load_into(Head(), "stt_model.", ignore=("embed_tokens", "function_head", "llm", "perception", "rnnt"))
+    # quantized file, but config.json lists nothing
+    quant.config.quantization = quant.config.quantization_config = None
+    with pytest.raises(CheckpointError, match="stt_model.lm_head.scales is stored"):
+        quant.load_into(Head(), "stt_model.", ignore=("embed_tokens", "function_head", "llm", "perception", "rnnt"))

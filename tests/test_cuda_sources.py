@@ -1,0 +1,59 @@
+"""Every CUDA kernel the extension JITs compiles for sm_90 (Hopper), checked with nvcc here.
+
+The kernels are wrapped exactly as mlx::core::fast::cuda_kernel wraps them (inputs as
+`const T* name`, outputs as `T* name`, template args as constexpr / using lines before the body).
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from voicechat.kernels import ext
+
+STUB = Path(__file__).parent / "data" / "cuda_stub"
+MLX_PRELUDE = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+#define inf cuda::std::numeric_limits<float>::infinity()
+
+"""
+
+
+def wrap(src: dict, inst: dict) -> str:
+    params = [f"    const {t}* {n}" for t, n in zip(inst["input_types"], src["input_names"])]
+    params += [f"    {t}* {n}" for t, n in zip(inst["output_types"], src["output_names"])]
+    consts = []
+    for name, value in inst["template_args"]:
+        kind, _, v = value.partition(":")
+        consts.append({"int": f"  constexpr int {name} = {v};", "bool": f"  constexpr bool {name} = {v};",
+                       "type": f"  using {name} = {v};"}[kind])
+    return (MLX_PRELUDE + src["header"] + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void custom_kernel_{src['name']}(\n" + ",\n".join(params) + ") {\n"
+            + "\n".join(consts) + "\n" + src["source"] + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+SOURCES = ext.cuda_sources()
+CASES = [(s, i, k) for s in SOURCES for k, i in enumerate(s["instances"])]
+
+
+def test_every_cuda_source_has_an_instance():
+    assert SOURCES, "no CUDA kernels registered"
+    for src in SOURCES:
+        assert src["instances"], f"{src['name']}: register at least one instance for the compile check"
+
+
+@pytest.mark.parametrize("src,inst,k", CASES, ids=[f"{s['name']}-{k}" for s, _, k in CASES])
+def test_cuda_source_compiles_for_sm90(src, inst, k, tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    cu = tmp_path / f"{src['name']}_{k}.cu"
+    cu.write_text(wrap(src, inst))
+    proc = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-I", str(STUB), "-cubin", "-o",
+                           str(tmp_path / "out.cubin"), str(cu)], capture_output=True, text=True)
+    assert proc.returncode == 0, f"{src['name']} does not compile:\n{proc.stderr}"
+    assert "warning" not in proc.stderr.lower(), proc.stderr

@@ -1,0 +1,67 @@
+"""The C++ RVQ argmin search equals its pure-MLX reference."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from voicechat.kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
+
+
+def _case(batch, dim, size, books, dtype, seed):
+    key_r, key_e = mx.random.split(mx.random.key(seed))
+    residual = mx.random.normal((batch, dim), key=key_r).astype(dtype)
+    codebooks = mx.random.normal((books, size, dim), key=key_e).astype(dtype)
+    return residual, codebooks
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("batch", [1, 500])
+@pytest.mark.parametrize("start,count", [(0, 1), (2, 5), (0, 31)])
+@pytest.mark.parametrize("method", ["fused", "auto"])
+def test_kernel_equals_reference(dtype, batch, start, count, method):
+    if method == "fused" and batch * count > 2000:
+        count = min(count, 5)  # the plain C++ loop at 500 x 31 is slow on this CPU, not wrong
+    residual, codebooks = _case(batch, 40, 48, 31, dtype, seed=batch + count)
+    norms = codebook_norms(codebooks)
+    codes, r = rvq_search(residual, codebooks, start, count, norms, method=method)
+    ref_codes, ref_r = rvq_search_reference(residual, codebooks, start, count, norms)
+    assert codes.shape == (batch, count) and codes.dtype == mx.int32
+    assert r.shape == (batch, 40) and r.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(codes), np.array(ref_codes))
+    np.testing.assert_allclose(np.array(r), np.array(ref_r), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_full_size_shapes_one_row(dtype):
+    residual, codebooks = _case(1, 512, 1024, 31, dtype, seed=3)
+    codes, r = rvq_search(residual, codebooks, 9, 22, method="fused")
+    ref_codes, ref_r = rvq_search_reference(residual, codebooks, 9, 22)
+    np.testing.assert_array_equal(np.array(codes), np.array(ref_codes))
+    np.testing.assert_allclose(np.array(r), np.array(ref_r), rtol=1e-4, atol=1e-3)
+
+
+def test_exact_codewords_are_found_and_residual_vanishes():
+    # A residual that is an exact sum of one codeword per codebook decodes to those codewords.
+    rng = np.random.default_rng(0)
+    books = rng.standard_normal((6, 32, 16)).astype(np.float32) * np.float32(4.0) ** -np.arange(6)[:, None, None]
+    chosen = rng.integers(0, 32, 6)
+    target = sum(books[q, chosen[q]] for q in range(6))[None]
+    for method in ("fused", "composed"):
+        codes, r = rvq_search(mx.array(target), mx.array(books), 0, 6, method=method)
+        np.testing.assert_array_equal(np.array(codes)[0], chosen)
+        assert float(mx.abs(r).max()) < 1e-5
+
+
+def test_ties_pick_the_first_index():
+    books = mx.zeros((1, 8, 4))  # every codeword equal: argmin must be 0
+    for method in ("fused", "composed"):
+        codes, _ = rvq_search(mx.ones((2, 4)), books, 0, 1, method=method)
+        assert np.array(codes).tolist() == [[0], [0]]
+
+
+def test_bad_arguments_are_errors():
+    residual, codebooks = _case(2, 8, 4, 3, mx.float32, seed=1)
+    with pytest.raises(ValueError, match="out of range"):
+        rvq_search(residual, codebooks, 2, 2)
+    with pytest.raises(ValueError, match="shape"):
+        rvq_search(residual[:, :4], codebooks, 0, 1)

@@ -271,6 +271,9 @@ def test_warmup_uses_only_prompt_frame_35(tiny):
     other = mx.concatenate([prompt_codes(ckpt, 2)[:, :35], base[:, 35:36], prompt_codes(ckpt, 2)[:, 36:]], axis=1)
     changed = mx.concatenate([base[:, :35], prompt_codes(ckpt, 2)[:, 35:36], base[:, 36:]], axis=1)
     (c0, p0), (c1, _), (c2, _) = keys_after(base), keys_after(other), keys_after(changed)
+    extra_frame = mx.concatenate([base, prompt_codes(ckpt, 3)[:, :1]], axis=1)  # F + 1 frames: last dropped
+    c3, _ = keys_after(extra_frame)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c3.keys))
     assert c0.offset == 37
     assert (p0 == tts.cfg.codebook_size).all().item() and p0.shape == (1, 1, 31)
     assert all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c1.keys))
@@ -300,3 +303,21 @@ def test_loading_rejects_a_missing_tensor(tiny_checkpoint):
     tts = EarTTS(ckpt.config.tts_config, ckpt.config.text_config.vocab_size)
     with pytest.raises(CheckpointError, match="mog_head.proj_logs.weight"):
         ckpt.load_into(tts, PREFIX)
+
+
+def test_the_rvq_kernel_and_its_reference_give_the_same_codes(tiny, monkeypatch):
+    tts, ckpt = tiny
+    fast = run_session(tts, ckpt, 4, TEXT)
+    monkeypatch.setenv("VOICECHAT_REFERENCE", "1")
+    assert mx.array_equal(fast, run_session(tts, ckpt, 4, TEXT)).item()
+
+
+def test_float32_weights_give_the_codes_of_bf16_weights(tmp_path):
+    """Activations are float32 either way, so widening bf16 weights once at load (no per-call
+    cast) changes nothing."""
+    directory = make_checkpoint(tmp_path / "c", "tiny", dtype="bfloat16")
+    tts, ckpt = load_tts(directory)
+    bf16 = run_session(tts, ckpt, 2, TEXT)
+    tts.set_dtype(mx.float32)
+    assert tts.rvq_embs.dtype == mx.float32 and tts.embed_subword.bos_eos_emb.special_flags.dtype == mx.int32
+    assert mx.array_equal(bf16, run_session(tts, ckpt, 2, TEXT)).item()

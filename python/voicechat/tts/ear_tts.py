@@ -26,10 +26,7 @@ from .char_encoder import CharAwareSubwordEncoder
 from .layers import OffsetRMSNorm, prepare_norms, unprepare_norms
 from .mog_head import MoGHead
 
-try:  # the C++ kernel once it is on main; until then the same loop in composed ops
-    from ..kernels.rvq import rvq_search
-except ImportError:  # pragma: no cover - depends on the branch
-    from .rvq_fallback import rvq_search
+from ..kernels.rvq import codebook_norms, rvq_search
 
 EOS_ID = 2
 PAD_ID = 12
@@ -111,7 +108,7 @@ class EarTTS(nn.Module):
         # One zero row per codebook: index K (mask) contributes nothing to a depth sum.
         padded = mx.concatenate([self.rvq_embs, mx.zeros((q, 1, d), self.rvq_embs.dtype)], axis=1)
         self._rvq_flat = padded.reshape(q * (k + 1), d)
-        self._rvq_norms = mx.sum(mx.square(self.rvq_embs.astype(mx.float32)), axis=-1)
+        self._rvq_norms = codebook_norms(self.rvq_embs)
         mx.eval(self._rvq_flat, self._rvq_norms)
         self._weights_ready = True
 
@@ -180,14 +177,17 @@ class EarTTS(nn.Module):
     def warmup(self, aria_latent: mx.array, prompt_codes: mx.array, cache: BackboneCache) -> mx.array:
         """Fill the caches with the speaker prompt; returns `previous_code [1, 1, Q]` (all mask).
 
-        `aria_latent [1, F, hidden]` (F = 37); `prompt_codes [1, F, Q]`: the first F code frames of
-        the codec's encoding of `(F + 1) * 1764` zero samples. Frames 0 and F - 1 are set to the
-        mask code here. Positions 0..F-1 use a causal (windowed) mask."""
+        `aria_latent [1, F, hidden]` (F = 37); `prompt_codes [1, F + 1, Q]`: the codec's encoding
+        of `(F + 1) * 1764` zero samples (`[1, F, Q]`, the last frame already dropped, is accepted
+        too). Frames 0 and F - 1 are set to the mask code here. Positions 0..F-1 use a causal
+        (windowed) mask."""
         self.prepare()
         frames, q, k = aria_latent.shape[1], self.cfg.num_quantizers, self.cfg.codebook_size
+        if prompt_codes.ndim == 3 and prompt_codes.shape[1] == frames + 1:
+            prompt_codes = prompt_codes[:, :frames]
         if aria_latent.shape != (1, frames, self.cfg.hidden_size) or prompt_codes.shape != (1, frames, q):
             raise ValueError(f"warmup: aria_latent {aria_latent.shape} and prompt_codes {prompt_codes.shape} "
-                             f"must be [1, F, {self.cfg.hidden_size}] and [1, F, {q}]")
+                             f"must be [1, F, {self.cfg.hidden_size}] and [1, F (+ 1), {q}]")
         if cache.offset != 0:
             raise ValueError("warmup: the cache is not empty (make a new one with make_cache())")
         pos = mx.arange(frames)

@@ -321,3 +321,23 @@ def test_float32_weights_give_the_codes_of_bf16_weights(tmp_path):
     tts.set_dtype(mx.float32)
     assert tts.rvq_embs.dtype == mx.float32 and tts.embed_subword.bos_eos_emb.special_flags.dtype == mx.int32
     assert mx.array_equal(bf16, run_session(tts, ckpt, 2, TEXT)).item()
+
+
+def test_full_size_module_has_every_published_tensor():
+    """The published inventory's `tts_model.tts_model.*` names and shapes, and nothing else
+    (parameters are lazy: nothing of the full size is allocated)."""
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    from voicechat.config import VoiceChatConfig
+
+    published = {}
+    for line in (Path(__file__).parent / "data" / "published-checkpoint-keys.tsv").read_text().splitlines():
+        if line.startswith(PREFIX):
+            name, shape, _ = line.split("\t")
+            published[name[len(PREFIX):]] = tuple(int(s) for s in shape.strip("()").split(",") if s.strip())
+    cfg = VoiceChatConfig()
+    tts = EarTTS(cfg.tts_config, cfg.text_config.vocab_size)
+    ours = {k: tuple(v.shape) for k, v in tree_flatten(tts.parameters())}
+    assert ours == published

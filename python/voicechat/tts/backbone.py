@@ -1,0 +1,222 @@
+"""The EAR-TTS backbone: Gemma-3 decoder blocks on injected embeddings, with K/V caches.
+
+No token embedding, no input scaling, no LM head: `inputs [B, T, hidden] -> norm(blocks(inputs))`.
+Layer `i` is global when `(i + 1) % sliding_window_pattern == 0` (RoPE `rope_global_base_freq`,
+every past key) and sliding otherwise (RoPE `rope_local_base_freq`, the last `sliding_window`
+keys).
+
+Sliding window, exactly as Hugging Face Gemma-3 (which NeMo trains with) and mlx-lm define it:
+a query at position `p` sees the keys at positions `p - window + 1 .. p`, i.e. `window` keys
+including its own (`key > p - window`).
+
+Caches are fixed-shape buffers so that a one-token step has the same shapes from call to call
+and can run as one compiled graph:
+- global layer: buffer of `capacity` slots, position `p` in slot `p`; grown by `chunk` slots when
+  full;
+- sliding layer: the same until the buffer holds `window` slots, then a ring: position `p` in slot
+  `p % window`. The ring then holds exactly the keys a query at the newest position may see.
+In both, after writing position `p`, slot `s` is valid for the query at `p` iff `s <= p` (in the
+ring every slot is valid once `p >= window - 1`), so a step needs only that one mask, equivalent
+to "no mask" over the keys a growing cache would hold. Attention is permutation-invariant over
+keys, so the ring's order does not matter (RoPE is applied before a key is stored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import TTSConfig
+from .layers import GatedMLP, OffsetRMSNorm
+
+DEFAULT_CHUNK = 256  # cache slots added at a time (20 s of frames)
+
+
+class Attention(nn.Module):
+    """Gemma-3 self-attention: q/k RMS norms (offset) before RoPE (rotate-half form)."""
+
+    def __init__(self, cfg: TTSConfig, rope_base: float, window: int | None):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        self.rope_base = float(rope_base)
+        self.window = window
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
+        self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
+
+    def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k, v as [B, heads, T, head_dim] (float32), RoPE at positions offset.. ."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
+        return q, k, v.astype(mx.float32)
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TTSConfig, index: int):
+        super().__init__()
+        is_global = cfg.is_global_layer(index)
+        base = cfg.rope_global_base_freq if is_global else cfg.rope_local_base_freq
+        self.self_attn = Attention(cfg, base, None if is_global else cfg.sliding_window)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = OffsetRMSNorm(cfg.hidden_size, eps)
+
+    @property
+    def window(self) -> int | None:
+        return self.self_attn.window
+
+    def feed_forward(self, h: mx.array) -> mx.array:
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+@dataclass
+class BackboneCache:
+    """Per-layer K/V buffers `[B, kv_heads, capacity, head_dim]` (float32) and the next position."""
+
+    windows: list[int | None]
+    kv_heads: int
+    head_dim: int
+    chunk: int = DEFAULT_CHUNK
+    keys: list[mx.array | None] = field(default_factory=list)
+    values: list[mx.array | None] = field(default_factory=list)
+    offset: int = 0
+
+    def __post_init__(self):
+        if not self.keys:
+            self.keys = [None] * len(self.windows)
+            self.values = [None] * len(self.windows)
+
+    def capacity(self, i: int) -> int:
+        return 0 if self.keys[i] is None else self.keys[i].shape[2]
+
+    def reserve(self, end: int, batch: int) -> None:
+        """Make room for positions `< end`: global buffers hold `end` slots, sliding ones
+        `min(end, window)` (beyond that the ring reuses slots)."""
+        for i, window in enumerate(self.windows):
+            need = end if window is None else min(end, window)
+            have = self.capacity(i)
+            if need <= have:
+                continue
+            cap = -(-need // self.chunk) * self.chunk
+            if window is not None:
+                cap = min(cap, window)
+            shape = (batch, self.kv_heads, cap - have, self.head_dim)
+            # Two distinct arrays: buffers are updated in place (`buf[..., slots, :] = k`).
+            for bufs in (self.keys, self.values):
+                pad = mx.zeros(shape, mx.float32)
+                bufs[i] = pad if bufs[i] is None else mx.concatenate([bufs[i], pad], axis=2)
+
+    def slot_positions(self, i: int) -> mx.array:
+        """Absolute position held by each slot of layer `i` (-1 where nothing is stored yet)."""
+        slots = mx.arange(self.capacity(i))
+        last = self.offset - 1
+        window = self.windows[i]
+        pos = slots if window is None else last - mx.remainder(last - slots, window)
+        return mx.where(slots < self.offset, pos, -1)
+
+
+class Backbone(nn.Module):
+    """`layers.N.*` and `norm`: the Gemma-3 stack without embeddings or head."""
+
+    def __init__(self, cfg: TTSConfig):
+        super().__init__()
+        self.layers = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [layer.window for layer in self.layers]
+
+    def make_cache(self, chunk: int = DEFAULT_CHUNK) -> BackboneCache:
+        attn = self.layers[0].self_attn
+        return BackboneCache(self.windows, attn.n_kv_heads, attn.head_dim, chunk)
+
+    # ------------------------------------------------------------------ multi-token (prefill)
+
+    def prefill(self, x: mx.array, cache: BackboneCache) -> mx.array:
+        """Run `x [B, T, hidden]` at positions `cache.offset ..` (causal, windowed) and store its
+        keys; returns the final-norm hidden states `[B, T, hidden]`."""
+        b, t, _ = x.shape
+        start = cache.offset
+        query_pos = mx.arange(start, start + t)[:, None]
+        h = x.astype(mx.float32)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(h), start)
+            if cache.keys[i] is not None:
+                key_pos = mx.concatenate([cache.slot_positions(i), mx.arange(start, start + t)])
+                k_all = mx.concatenate([cache.keys[i], k], axis=2)
+                v_all = mx.concatenate([cache.values[i], v], axis=2)
+            else:
+                key_pos, k_all, v_all = mx.arange(start, start + t), k, v
+            mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= query_pos)
+            if layer.window is not None:
+                mask = mask & (key_pos[None, :] > query_pos - layer.window)
+            h = h + layer.post_attention_layernorm(attn.attend(q, k_all, v_all, mask))
+            h = layer.feed_forward(h)
+            new_keys.append(k)
+            new_values.append(v)
+        cache.reserve(start + t, b)
+        for i, window in enumerate(cache.windows):
+            k, v = new_keys[i], new_values[i]
+            positions = mx.arange(start, start + t)
+            if window is not None and t > window:  # only the last `window` keys are ever seen again
+                k, v, positions = k[:, :, -window:], v[:, :, -window:], positions[-window:]
+            slots = positions if window is None else mx.remainder(positions, window)
+            cache.keys[i][:, :, slots] = k
+            cache.values[i][:, :, slots] = v
+        cache.offset = start + t
+        return self.norm(h)
+
+    # ------------------------------------------------------------------ one token
+
+    def step_arrays(self, x: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array]):
+        """Pure function of arrays (compilable): one token `x [B, 1, hidden]` at position
+        `offset` (int32 scalar array); returns `(hidden [B, 1, hidden], keys', values')`.
+
+        The buffers must already have room (`BackboneCache.reserve(offset + 1)`)."""
+        h = x.astype(mx.float32)
+        out_keys, out_values = [], []
+        start = mx.reshape(offset, (1,))
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(h), offset)
+            slot = start if layer.window is None else mx.remainder(start, layer.window)
+            kb = mx.slice_update(keys[i], k, slot, axes=(2,))
+            vb = mx.slice_update(values[i], v, slot, axes=(2,))
+            mask = mx.arange(kb.shape[2]) <= offset
+            h = h + layer.post_attention_layernorm(attn.attend(q, kb, vb, mask))
+            h = layer.feed_forward(h)
+            out_keys.append(kb)
+            out_values.append(vb)
+        return self.norm(h), out_keys, out_values
+
+    def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:
+        """One token through the stack with the caches (uncompiled unless `step_fn` is given)."""
+        cache.reserve(cache.offset + 1, x.shape[0])
+        fn = step_fn or self.step_arrays
+        h, cache.keys, cache.values = fn(x, mx.array(cache.offset, mx.int32), cache.keys, cache.values)
+        cache.offset += 1
+        return h

@@ -1,0 +1,233 @@
+"""EAR-TTS (`tts_model.tts_model.*`): text ids and previous codes in, 31 codec codes per frame out.
+
+    tts = EarTTS(config.tts_config, config.text_config.vocab_size)
+    checkpoint.load_into(tts, "tts_model.tts_model.")
+    tts.set_tokenizer(tokenizer)
+    cache = tts.make_cache()
+    previous = tts.warmup(aria_latent, prompt_codes, cache)
+    key = mx.random.key(seed)
+    for text_id in text_ids:
+        previous, key = tts.step(previous, text_id, cache, key, silence_codes)
+
+Every forward runs batch 2 for classifier-free guidance: row 0 conditioned on the text, row 1 on
+`null_emb`. Activations are float32 whatever the stored weight dtype. A step runs on the device
+from end to end (EOS check, char-table row, fusion, backbone, 5 MoG calls, RVQ) as one compiled
+graph; its randomness comes only from the explicit key. Call `prepare()` at load time (char
+table, norm scales, RVQ norms) so the first frame does not pay for it. With bf16 weights,
+`tts.set_dtype(mx.float32)` after loading removes the per-call weight cast of every matmul (same
+codes, tested; twice the memory).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import ConfigError, TTSConfig
+from .backbone import DEFAULT_CHUNK, Backbone, BackboneCache
+from .char_encoder import CharAwareSubwordEncoder
+from .layers import OffsetRMSNorm, prepare_norms, unprepare_norms
+from .mog_head import MoGHead
+
+from ..kernels.rvq import codebook_norms, rvq_search
+
+EOS_ID = 2
+PAD_ID = 12
+
+
+class GatedFusion(nn.Module):
+    """`final_norm(sigmoid(s) * (sigmoid(g) * audio_proj(audio / Q) + (1 - sigmoid(g)) * text_proj(text)))`."""
+
+    def __init__(self, hidden: int, num_quantizers: int, eps: float):
+        super().__init__()
+        self.num_quantizers = num_quantizers
+        self.audio_proj = nn.Linear(hidden, hidden, bias=True)
+        self.text_proj = nn.Linear(hidden, hidden, bias=True)
+        self.gate = mx.zeros((hidden,))
+        self.residual_scale = mx.array(0.0)
+        self.final_norm = OffsetRMSNorm(hidden, eps)
+
+    def __call__(self, audio: mx.array, text: mx.array) -> mx.array:
+        a = self.audio_proj(audio.astype(mx.float32) / self.num_quantizers)
+        t = self.text_proj(text.astype(mx.float32))
+        gate = mx.sigmoid(self.gate.astype(mx.float32))
+        scale = mx.sigmoid(self.residual_scale.astype(mx.float32))
+        return self.final_norm(scale * (gate * a + (1.0 - gate) * t))
+
+
+class EarTTS(nn.Module):
+    """The RVQ EAR-TTS model; attribute names are the checkpoint keys below `tts_model.tts_model.`."""
+
+    def __init__(self, cfg: TTSConfig, vocab_size: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
+                 compile: bool = True):
+        super().__init__()
+        for flag in ("use_gated_fusion_for_text_audio", "use_subword_flag_emb", "use_bos_eos_emb"):
+            if not getattr(cfg, flag):
+                raise ConfigError(f"config.json: tts_config.{flag}: only true is supported (the published model)")
+        self.cfg = cfg
+        self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
+        self.compile = compile
+        h = cfg.hidden_size
+        self.backbone = Backbone(cfg)
+        self.bos_emb = mx.zeros((h,))
+        self.null_emb = mx.zeros((h,))
+        self.embed_code = nn.Linear(cfg.latent_size, h, bias=False)
+        self.embed_subword = CharAwareSubwordEncoder(cfg.character_encoder, vocab_size)
+        self.gated_fusion_audio_text = GatedFusion(h, cfg.num_quantizers, cfg.rms_norm_eps)
+        # Builds a speaker latent from prompt audio; unused: the published Aria latent is stored.
+        self.audio_prompt_projection_W = mx.zeros((h, h))
+        self.mog_head = MoGHead(h, cfg.latent_size, cfg.mog_head)
+        self.rvq_embs = mx.zeros((cfg.num_quantizers, cfg.codebook_size, cfg.latent_size))
+        self._schedule = tuple(c for c in cfg.mask_schedule if c > 0)
+        self._invalidate()
+
+    # ------------------------------------------------------------------ load-time work
+
+    def update(self, parameters: dict, strict: bool = True) -> "EarTTS":
+        super().update(parameters, strict)
+        self._invalidate()  # everything derived from the old weights is stale
+        return self
+
+    def _invalidate(self) -> None:
+        self._weights_ready = False
+        self._rvq_flat = None
+        self._rvq_norms = None
+        self._char_table = None
+        self._step_fn = None
+        unprepare_norms(self)
+
+    def set_tokenizer(self, tokenizer) -> None:
+        """Build the char vocabulary and the subword -> chars map (`TextTokenizer`); the
+        conditioning table is computed on first use."""
+        self.embed_subword.set_tokenizer(tokenizer)
+        self._char_table = None
+        self._step_fn = None
+
+    def _prepare_weights(self) -> None:
+        if self._weights_ready:
+            return
+        prepare_norms(self)
+        q, k, d = self.rvq_embs.shape
+        # One zero row per codebook: index K (mask) contributes nothing to a depth sum.
+        padded = mx.concatenate([self.rvq_embs, mx.zeros((q, 1, d), self.rvq_embs.dtype)], axis=1)
+        self._rvq_flat = padded.reshape(q * (k + 1), d)
+        self._rvq_norms = codebook_norms(self.rvq_embs)
+        mx.eval(self._rvq_flat, self._rvq_norms)
+        self._weights_ready = True
+
+    def char_table(self) -> mx.array:
+        """`[vocab + 1, hidden]`: the text conditioning of every id (last row: ids >= vocab)."""
+        self._prepare_weights()
+        if self._char_table is None:
+            self._char_table = self.embed_subword.table()
+        return self._char_table
+
+    def prepare(self) -> None:
+        """Do all load-time work now (norm scales, RVQ norms, the char table, the step graph)."""
+        self.char_table()
+        if self._step_fn is None:
+            self._step_fn = mx.compile(self._step_graph) if self.compile else self._step_graph
+
+    # ------------------------------------------------------------------ pieces
+
+    def depthsum(self, code: mx.array) -> mx.array:
+        """`sum_q rvq_embs[q][code[..., q]]` with index K (mask) adding zero: [..., Q] -> [..., latent]."""
+        self._prepare_weights()
+        q, k = self.cfg.num_quantizers, self.cfg.codebook_size
+        index = code.astype(mx.int32) + mx.arange(q, dtype=mx.int32) * (k + 1)
+        return self._rvq_flat[index].astype(mx.float32).sum(axis=-2)
+
+    def code_embedding(self, code: mx.array) -> mx.array:
+        return self.embed_code(self.depthsum(code))
+
+    def condition(self, ids: mx.array, mask: mx.array) -> mx.array:
+        """Text conditioning `[B, T, hidden]`: the char encoder where `mask`, flags everywhere."""
+        table = self.char_table()
+        ids = ids.astype(mx.int32)
+        encoded = table[mx.minimum(ids, self.vocab_size)]
+        return mx.where(mask[..., None], encoded, self.embed_subword.flags(ids))
+
+    def fuse(self, code_embed: mx.array, cond: mx.array) -> mx.array:
+        """CFG batch of backbone inputs: [code + text, code + null] -> [2, T, hidden]."""
+        null = mx.broadcast_to(self.null_emb.astype(mx.float32), cond.shape)
+        return self.gated_fusion_audio_text(mx.concatenate([code_embed, code_embed]), mx.concatenate([cond, null]))
+
+    def generate_codes(self, hidden: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+        """Iterative unmasking of one frame: hidden [2, 1, hidden] -> (codes [1, 1, Q] int32, key)."""
+        self._prepare_weights()
+        cfg, mog = self.cfg, self.mog_head
+        q, k, d = cfg.num_quantizers, cfg.codebook_size, cfg.latent_size
+        code = mx.full((1, q), k, mx.int32)
+        done = 0
+        for count in self._schedule:
+            x = self.code_embedding(code)[:, None, :] + hidden  # [2, 1, hidden]: cond / uncond
+            key, sub = mx.random.split(key)
+            u = mx.random.uniform(shape=(1, 1, mog.num_predictions), key=sub)
+            mu, logs = mog.infer(x, cfg.guidance_scale, cfg.top_p, u)
+            key, sub = mx.random.split(key)
+            noise = mx.random.normal(shape=(1, 1, d), key=sub)
+            z = mu + mx.exp(logs) * noise * cfg.noise_scale
+            new, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms)
+            code = mx.concatenate([code[:, :done], new.astype(mx.int32), code[:, done + count:]], axis=1)
+            done += count
+        return code.reshape(1, 1, q), key
+
+    # ------------------------------------------------------------------ session API
+
+    def make_cache(self, chunk: int = DEFAULT_CHUNK) -> BackboneCache:
+        return self.backbone.make_cache(chunk)
+
+    def warmup(self, aria_latent: mx.array, prompt_codes: mx.array, cache: BackboneCache) -> mx.array:
+        """Fill the caches with the speaker prompt; returns `previous_code [1, 1, Q]` (all mask).
+
+        `aria_latent [1, F, hidden]` (F = 37); `prompt_codes [1, F + 1, Q]`: the codec's encoding
+        of `(F + 1) * 1764` zero samples (`[1, F, Q]`, the last frame already dropped, is accepted
+        too). Frames 0 and F - 1 are set to the mask code here. Positions 0..F-1 use a causal
+        (windowed) mask."""
+        self.prepare()
+        frames, q, k = aria_latent.shape[1], self.cfg.num_quantizers, self.cfg.codebook_size
+        if prompt_codes.ndim == 3 and prompt_codes.shape[1] == frames + 1:
+            prompt_codes = prompt_codes[:, :frames]
+        if aria_latent.shape != (1, frames, self.cfg.hidden_size) or prompt_codes.shape != (1, frames, q):
+            raise ValueError(f"warmup: aria_latent {aria_latent.shape} and prompt_codes {prompt_codes.shape} "
+                             f"must be [1, F, {self.cfg.hidden_size}] and [1, F (+ 1), {q}]")
+        if cache.offset != 0:
+            raise ValueError("warmup: the cache is not empty (make a new one with make_cache())")
+        pos = mx.arange(frames)
+        code = mx.where(((pos == 0) | (pos == frames - 1))[None, :, None], k, prompt_codes.astype(mx.int32))
+        # Teacher forcing: each frame sees the previous frame's code (the first sees code 0).
+        shifted = mx.concatenate([mx.zeros((1, 1, q), mx.int32), code[:, :-1]], axis=1)
+        code_embed = self.code_embedding(shifted)
+        audio_mask = pos == frames - 1
+        bos_mask = audio_mask & ~mx.concatenate([mx.array([False]), audio_mask[:-1]])
+        pre_bos = mx.cumsum(bos_mask.astype(mx.int32)) == 0
+        code_embed = mx.where(pre_bos[None, :, None], aria_latent.astype(mx.float32), code_embed)
+        code_embed = code_embed + bos_mask[None, :, None] * self.bos_emb.astype(mx.float32)
+        ids = mx.full((1, frames), self.pad_id, mx.int32)
+        cond = self.condition(ids, (pos >= frames - 2)[None, :])
+        self.backbone.prefill(self.fuse(code_embed, cond), cache)
+        return code[:, -1:]
+
+    def step(self, previous_code: mx.array, text_id, cache: BackboneCache, key: mx.array,
+             silence_codes: mx.array) -> tuple[mx.array, mx.array]:
+        """One timeline frame: `(codes [1, 1, Q] int32, new_key)`.
+
+        `text_id` (int or int array) is the LLM's text id at this frame; on EOS the previous code
+        is replaced by `silence_codes [Q]` first. Nothing here waits for the device."""
+        self.prepare()
+        q = self.cfg.num_quantizers
+        text = mx.array(text_id, mx.int32) if not isinstance(text_id, mx.array) else text_id.astype(mx.int32)
+        cache.reserve(cache.offset + 1, 2)
+        codes, key, cache.keys, cache.values = self._step_fn(
+            previous_code.astype(mx.int32).reshape(1, 1, q), text.reshape(1), mx.array(cache.offset, mx.int32),
+            key, silence_codes.astype(mx.int32).reshape(q), cache.keys, cache.values)
+        cache.offset += 1
+        return codes, key
+
+    def _step_graph(self, previous_code, text_id, offset, key, silence, keys, values):
+        code = mx.where((text_id == self.eos_id)[:, None, None], silence[None, None, :], previous_code)
+        cond = self._char_table[mx.minimum(text_id, self.vocab_size)][None]  # [1, 1, hidden]
+        x = self.fuse(self.code_embedding(code), cond)
+        hidden, keys, values = self.backbone.step_arrays(x, offset, keys, values)
+        codes, key = self.generate_codes(hidden, key)
+        return codes, key, keys, values

@@ -1,0 +1,91 @@
+"""The mixture-of-Gaussians head of EAR-TTS (`mog_head.*`), inference only.
+
+`infer(x [2, T, hidden])`: three residual gated-MLP layers and a final offset norm, classifier-free
+guidance `cond + g * (cond - uncond)`, mixture logits with top-p masking, one component picked by
+Gumbel-max, its low-rank mean `low_mat[c] @ (proj_mus[c] @ x)`, and the shared log-std
+`max(proj_logs(x), min_log_std)`; returns `(mu * exp(logs) + proj_else(x), logs)` for the
+guided row only.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import MogHeadConfig
+from .layers import GatedMLP, OffsetRMSNorm
+
+GUMBEL_EPS = 1e-8
+
+
+class MLPLayer(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, eps: float):
+        super().__init__()
+        self.pre_norm = OffsetRMSNorm(hidden, eps)
+        self.mlp = GatedMLP(hidden, intermediate)
+        self.post_norm = OffsetRMSNorm(hidden, eps)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x + self.post_norm(self.mlp(self.pre_norm(x)))
+
+
+def top_p_keep(logits: mx.array, top_p: float) -> mx.array:
+    """Boolean mask over the last axis: keep a component while the probability mass of the
+    strictly more likely components is < top_p (so the most likely one is always kept)."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+    ordered = -mx.sort(-probs, axis=-1)  # descending
+    mass_before = mx.cumsum(ordered, axis=-1) - ordered
+    # The kept set is every component at least as likely as the least likely kept one; taking
+    # the threshold from the sorted order keeps ties together (a tie's first member carries the
+    # exact "strictly more likely" mass).
+    threshold = mx.min(mx.where(mass_before < top_p, ordered, mx.inf), axis=-1, keepdims=True)
+    return probs >= threshold
+
+
+def gumbel(u: mx.array) -> mx.array:
+    return -mx.log(-mx.log(u + GUMBEL_EPS) + GUMBEL_EPS)
+
+
+class MoGHead(nn.Module):
+    def __init__(self, hidden: int, latent: int, cfg: MogHeadConfig):
+        super().__init__()
+        self.hidden, self.latent = hidden, latent
+        self.num_predictions, self.low_rank = cfg.num_predictions, cfg.low_rank
+        self.min_log_std = float(cfg.min_log_std)
+        self.mlp_stack = [MLPLayer(hidden, cfg.intermediate_size, cfg.eps) for _ in range(cfg.num_layers)]
+        self.mlp_stack.append(OffsetRMSNorm(hidden, cfg.eps))
+        self.proj_logits = nn.Linear(hidden, cfg.num_predictions, bias=False)
+        self.proj_mus = nn.Linear(hidden, cfg.num_predictions * cfg.low_rank, bias=False)
+        self.proj_logs = nn.Linear(hidden, 1, bias=False)
+        self.proj_else = nn.Linear(hidden, latent, bias=False)
+        self.low_mat = mx.zeros((cfg.num_predictions, latent, cfg.low_rank))
+
+    def trunk(self, x: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        for layer in self.mlp_stack:
+            x = layer(x)
+        return x
+
+    def infer(self, x: mx.array, guidance_scale: float, top_p: float, u: mx.array) -> tuple[mx.array, mx.array]:
+        """x [2, T, hidden] (row 0 conditioned, row 1 not), `u` uniform noise [1, T, num_predictions].
+
+        Returns `(mu [1, T, latent], logs [1, T, 1])` (float32)."""
+        h = self.trunk(x)
+        cond, uncond = h[:1], h[1:]
+        h = cond + guidance_scale * (cond - uncond)
+        logits = self.proj_logits(h)
+        logits = mx.where(top_p_keep(logits, top_p), logits, -mx.inf)
+        log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        component = mx.argmax(log_probs + gumbel(u), axis=-1)  # [1, T]
+        mu = self.component_mean(h, component)
+        logs = mx.maximum(self.proj_logs(h), self.min_log_std)
+        return mu * mx.exp(logs) + self.proj_else(h), logs
+
+    def component_mean(self, h: mx.array, component: mx.array) -> mx.array:
+        """`low_mat[c] @ (proj_mus.weight.reshape(n, r, hidden)[c] @ h)`, only the chosen rows."""
+        b, t, _ = h.shape
+        c = component.reshape(-1)
+        w = self.proj_mus.weight.reshape(self.num_predictions, self.low_rank, self.hidden)[c]  # [bt, r, hidden]
+        low = (w @ h.reshape(b * t, self.hidden, 1)).astype(mx.float32)  # [bt, r, 1]
+        mu = self.low_mat[c] @ low  # [bt, latent, 1]
+        return mu.reshape(b, t, self.latent).astype(mx.float32)

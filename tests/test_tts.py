@@ -1,0 +1,342 @@
+"""EAR-TTS (Network 3) on tiny synthetic checkpoints: pieces, caches, char encoder, generation."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from voicechat.checkpoint import open_checkpoint
+from voicechat.testing import make_checkpoint
+from voicechat.tokenizer import TextTokenizer
+from voicechat.tts.char_encoder import CharVocabularyError
+from voicechat.tts.ear_tts import EarTTS
+from voicechat.tts.layers import OffsetRMSNorm
+from voicechat.tts.mog_head import top_p_keep
+
+PREFIX = "tts_model.tts_model."
+
+
+def load_tts(directory, compile=False) -> tuple[EarTTS, object]:
+    ckpt = open_checkpoint(directory)
+    cfg = ckpt.config
+    tts = EarTTS(cfg.tts_config, cfg.text_config.vocab_size, compile=compile)
+    ckpt.load_into(tts, PREFIX)
+    tts.set_tokenizer(TextTokenizer(directory / "tokenizer.json"))
+    return tts, ckpt
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return load_tts(tiny_checkpoint)
+
+
+def prompt_codes(ckpt, seed=5):
+    t = ckpt.config.tts_config
+    return mx.random.randint(0, t.codebook_size, (1, 37, t.num_quantizers), key=mx.random.key(seed)).astype(mx.int32)
+
+
+def run_session(tts, ckpt, seed, text_ids, prompt=None):
+    cache = tts.make_cache()
+    aria = ckpt.tensors["tts_model.audio_prompt_latents.Aria"]
+    silence = ckpt.tensors["tts_model.codec_silence_tokens"]
+    previous = tts.warmup(aria, prompt_codes(ckpt) if prompt is None else prompt, cache)
+    key = mx.random.key(seed)
+    codes = []
+    for text_id in text_ids:
+        previous, key = tts.step(previous, text_id, cache, key, silence)
+        codes.append(previous)
+    out = mx.concatenate(codes, axis=1)
+    mx.eval(out)
+    return out
+
+
+# --------------------------------------------------------------------------- small pieces
+
+def test_offset_rms_norm_equals_rms_norm_with_weight_plus_one():
+    w = mx.random.normal((24,), key=mx.random.key(0)) * 0.1
+    x = mx.random.normal((3, 5, 24), key=mx.random.key(1))
+    offset = OffsetRMSNorm(24, eps=1e-6)
+    offset.weight = w
+    plain = nn.RMSNorm(24, eps=1e-6)
+    plain.weight = w + 1.0
+    assert mx.allclose(offset(x), plain(x), atol=1e-6).item()
+    offset.prepare()  # the cached 1 + w gives the same numbers
+    assert mx.allclose(offset(x), plain(x), atol=1e-6).item()
+    xn, wn = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    ref = xn / np.sqrt((xn**2).mean(-1, keepdims=True) + 1e-6) * (1 + wn)
+    np.testing.assert_allclose(np.asarray(offset(x)), ref, atol=1e-5)
+
+
+def test_offset_rms_norm_computes_in_float32_from_bf16_weights():
+    norm = OffsetRMSNorm(8)
+    norm.weight = mx.full((8,), 0.5, mx.bfloat16)
+    assert norm(mx.ones((1, 8), mx.bfloat16)).dtype == mx.float32
+
+
+def test_top_p_keeps_at_least_the_largest_logit():
+    logits = mx.random.normal((4, 64), key=mx.random.key(2)) * 5
+    for p in (1e-9, 0.01, 0.5, 0.95):
+        keep = top_p_keep(logits, p)
+        top = mx.argmax(logits, axis=-1)
+        assert mx.take_along_axis(keep, top[:, None], axis=-1).all().item()
+    assert (top_p_keep(logits, 1e-9).sum(axis=-1) == 1).all().item()
+
+
+def test_top_p_keeps_while_the_strictly_larger_mass_is_below_p():
+    logits = mx.log(mx.array([[0.05, 0.5, 0.15, 0.3]]))
+    assert top_p_keep(logits, 0.8).tolist() == [[False, True, False, True]]  # 0.5 + 0.3 is not < 0.8
+    assert top_p_keep(logits, 0.81).tolist() == [[False, True, True, True]]
+    ties = mx.log(mx.array([[0.2, 0.4, 0.4]]))
+    assert top_p_keep(ties, 0.3).tolist() == [[False, True, True]]  # both of a tie, never one
+
+
+def test_mask_schedule_counts_sum_to_31_for_exponent_3(tiny):
+    tts, ckpt = tiny
+    cfg = ckpt.config.tts_config
+    assert cfg.exponent == 3.0 and cfg.num_iterations == 8
+    assert cfg.mask_schedule == [0, 0, 0, 1, 1, 3, 4, 22]
+    assert sum(cfg.mask_schedule) == 31
+    assert tts._schedule == (1, 1, 3, 4, 22)  # five MoG calls per step
+
+
+def test_depthsum_ignores_the_mask_index(tiny):
+    tts, _ = tiny
+    q, k = 31, tts.cfg.codebook_size
+    rng = np.random.default_rng(0)
+    code = rng.integers(0, k, (2, 3, q)).astype(np.int32)
+    masked = code.copy()
+    masked[..., 10:] = k
+    books = np.asarray(tts.rvq_embs, np.float64)
+    expected = sum(books[j][code[..., j]] for j in range(10))
+    np.testing.assert_allclose(np.asarray(tts.depthsum(mx.array(masked))), expected, atol=1e-4)
+    assert (tts.depthsum(mx.full((1, 1, q), k, mx.int32)) == 0).all().item()
+
+
+def test_mog_head_infer_shapes_and_finite_for_batch_2(tiny):
+    tts, _ = tiny
+    mog, cfg = tts.mog_head, tts.cfg
+    x = mx.random.normal((2, 3, cfg.hidden_size), key=mx.random.key(3))
+    u = mx.random.uniform(shape=(1, 3, cfg.mog_head.num_predictions), key=mx.random.key(4))
+    mu, logs = mog.infer(x, cfg.guidance_scale, cfg.top_p, u)
+    assert mu.shape == (1, 3, cfg.latent_size) and logs.shape == (1, 3, 1)
+    assert mu.dtype == mx.float32
+    assert mx.isfinite(mu).all().item() and mx.isfinite(logs).all().item()
+    assert (logs >= cfg.mog_head.min_log_std).all().item()
+
+
+def test_mog_component_mean_equals_the_full_projection(tiny):
+    tts, _ = tiny
+    mog = tts.mog_head
+    n, r, d = mog.num_predictions, mog.low_rank, mog.latent
+    h = mx.random.normal((1, 2, mog.hidden), key=mx.random.key(6))
+    c = mx.array([[3, n - 1]])
+    all_mus = mog.proj_mus(h).reshape(1, 2, n, r)
+    for t in range(2):
+        ci = int(c[0, t])
+        expected = mog.low_mat[ci] @ all_mus[0, t, ci]
+        assert mx.allclose(mog.component_mean(h, c)[0, t], expected, atol=1e-5).item()
+
+
+# --------------------------------------------------------------------------- char encoder
+
+def test_char_encoder_only_scatters_masked_positions(tiny):
+    tts, _ = tiny
+    enc = tts.embed_subword
+    ids = mx.array([[40, 41, 300, 12], [2, 100, 41, 383]])
+    mask = mx.array([[True, False, True, False], [False, True, True, False]])
+    out = enc(ids, mask)
+    flags = enc.flags(ids)
+    full = enc(ids)  # everything encoded
+    m = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(out)[~m], np.asarray(flags)[~m])  # untouched: flags only
+    np.testing.assert_allclose(np.asarray(out)[m], np.asarray(full)[m], atol=1e-5)
+    assert not np.allclose(np.asarray(full)[~m], np.asarray(flags)[~m])  # the encoder does add something
+
+
+def test_char_table_equals_the_per_id_encoder(tiny):
+    tts, _ = tiny
+    enc, vocab = tts.embed_subword, tts.vocab_size
+    table = tts.char_table()
+    assert table.shape == (vocab + 1, tts.cfg.hidden_size) and table.dtype == mx.float32
+    every = enc(mx.arange(vocab)[None])[0]  # one padded batch of every id
+    np.testing.assert_allclose(np.asarray(table[:vocab]), np.asarray(every), atol=2e-5)
+    for i in (1, 2, 12, 16, 100, 271, 300, vocab - 1):  # one id at a time, no padding at all
+        np.testing.assert_allclose(np.asarray(table[i]), np.asarray(enc(mx.array([[i]]))[0, 0]), atol=2e-5)
+    # Ids beyond the vocabulary: no characters, the stored pad entry's flags.
+    np.testing.assert_allclose(np.asarray(table[vocab]), np.asarray(enc(mx.array([[vocab + 7]]))[0, 0]), atol=1e-6)
+
+
+def _edited_tokenizer(src, dst, renames: dict[int, str]) -> TextTokenizer:
+    data = json.loads((src / "tokenizer.json").read_text())
+    for entry in data["added_tokens"]:
+        if entry["id"] in renames:
+            entry["content"] = renames[entry["id"]]
+    vocab = data["model"]["vocab"]
+    for token, i in list(vocab.items()):
+        if i in renames:
+            del vocab[token]
+            vocab[renames[i]] = i
+    dst.write_text(json.dumps(data))
+    return TextTokenizer(dst)
+
+
+def test_char_encoder_drops_unknown_characters_and_pools_empty_to_zero(tiny, tiny_checkpoint, tmp_path):
+    tts, ckpt = tiny
+    tok = _edited_tokenizer(tiny_checkpoint, tmp_path / "tokenizer.json", {3: "<€3>", 4: "€€"})
+    other = EarTTS(ckpt.config.tts_config, tts.vocab_size)
+    other.update(dict(tts.parameters()))
+    other.set_tokenizer(tok)
+    enc = other.embed_subword
+    assert len(enc.char_ids(3)) == 3  # '<', '3', '>' kept, '€' dropped
+    assert enc.char_ids(4) == ()
+    table = other.char_table()
+    np.testing.assert_allclose(np.asarray(table[4]), np.asarray(enc.flags(mx.array(4))), atol=1e-6)
+
+
+def test_char_vocabulary_must_have_256_single_characters(tiny, tiny_checkpoint, tmp_path):
+    tts, _ = tiny
+    tok = _edited_tokenizer(tiny_checkpoint, tmp_path / "tokenizer.json", {5: "Ω"})
+    assert len(tok.single_character_tokens()) == 257
+    with pytest.raises(CharVocabularyError, match="257 single-character tokens"):
+        tts.embed_subword.__class__(tts.cfg.character_encoder, tts.vocab_size).set_tokenizer(tok)
+
+
+# --------------------------------------------------------------------------- generation
+
+TEXT = [100, 200, 2, 50, 300]
+
+
+def test_warmup_and_five_steps_give_codes_in_range(tiny):
+    tts, ckpt = tiny
+    codes = run_session(tts, ckpt, 0, TEXT)
+    k = ckpt.config.tts_config.codebook_size
+    assert codes.shape == (1, len(TEXT), 31) and codes.dtype == mx.int32
+    assert ((codes >= 0) & (codes < k)).all().item()
+
+
+def test_same_seed_same_codes_other_seed_other_codes(tiny):
+    tts, ckpt = tiny
+    a = run_session(tts, ckpt, 0, TEXT)
+    b = run_session(tts, ckpt, 0, TEXT)
+    c = run_session(tts, ckpt, 1, TEXT)
+    assert mx.array_equal(a, b).item()
+    assert not mx.array_equal(a, c).item()
+
+
+def test_compiled_step_gives_the_same_codes(tiny_checkpoint, tiny):
+    tts, ckpt = tiny
+    compiled, _ = load_tts(tiny_checkpoint, compile=True)
+    assert mx.array_equal(run_session(compiled, ckpt, 3, TEXT), run_session(tts, ckpt, 3, TEXT)).item()
+
+
+def test_eos_replaces_the_previous_code_by_silence(tiny):
+    tts, ckpt = tiny
+    aria = ckpt.tensors["tts_model.audio_prompt_latents.Aria"]
+    silence = ckpt.tensors["tts_model.codec_silence_tokens"]
+    results = []
+    for previous in (mx.zeros((1, 1, 31), mx.int32), silence.reshape(1, 1, 31), None):
+        cache = tts.make_cache()
+        first = tts.warmup(aria, prompt_codes(ckpt), cache)
+        prev = first if previous is None else previous
+        codes, _ = tts.step(prev, 2, cache, mx.random.key(0), silence)
+        results.append(codes)
+    assert mx.array_equal(results[0], results[1]).item() and mx.array_equal(results[1], results[2]).item()
+    # ... and a non-EOS id with different previous codes differs.
+    outs = []
+    for previous in (mx.zeros((1, 1, 31), mx.int32), silence.reshape(1, 1, 31)):
+        cache = tts.make_cache()
+        tts.warmup(aria, prompt_codes(ckpt), cache)
+        outs.append(tts.step(previous, 100, cache, mx.random.key(0), silence)[0])
+    assert not mx.array_equal(outs[0], outs[1]).item()
+
+
+def test_warmup_uses_only_prompt_frame_35(tiny):
+    """Frames 0 and 36 are masked, 0..35 are replaced by the Aria latent after the shift, so only
+    frame 35 (seen by position 36) reaches the caches."""
+    tts, ckpt = tiny
+    aria = ckpt.tensors["tts_model.audio_prompt_latents.Aria"]
+
+    def keys_after(prompt):
+        cache = tts.make_cache()
+        previous = tts.warmup(aria, prompt, cache)
+        mx.eval(cache.keys)
+        return cache, previous
+
+    base = prompt_codes(ckpt, 1)
+    other = mx.concatenate([prompt_codes(ckpt, 2)[:, :35], base[:, 35:36], prompt_codes(ckpt, 2)[:, 36:]], axis=1)
+    changed = mx.concatenate([base[:, :35], prompt_codes(ckpt, 2)[:, 35:36], base[:, 36:]], axis=1)
+    (c0, p0), (c1, _), (c2, _) = keys_after(base), keys_after(other), keys_after(changed)
+    extra_frame = mx.concatenate([base, prompt_codes(ckpt, 3)[:, :1]], axis=1)  # F + 1 frames: last dropped
+    c3, _ = keys_after(extra_frame)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c3.keys))
+    assert c0.offset == 37
+    assert (p0 == tts.cfg.codebook_size).all().item() and p0.shape == (1, 1, 31)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c1.keys))
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c2.keys))
+
+
+# --------------------------------------------------------------------------- loading
+
+@pytest.mark.parametrize("layout,dtype", [("mlx", "float32"), ("torch", "bfloat16"), ("mlx", "bfloat16")])
+def test_loads_both_layouts_and_dtypes(tmp_path, tiny, layout, dtype):
+    directory = make_checkpoint(tmp_path / "c", "tiny", layout=layout, dtype=dtype)
+    tts, ckpt = load_tts(directory)
+    assert tts.backbone.layers[0].mlp.up_proj.weight.dtype == getattr(mx, dtype)
+    assert tts.embed_subword.subword_flag_emb.is_continuation.dtype == mx.int32
+    codes = run_session(tts, ckpt, 0, TEXT[:2])
+    assert ((codes >= 0) & (codes < ckpt.config.tts_config.codebook_size)).all().item()
+    if dtype == "float32":  # same seed, same weights: the layout changes nothing
+        reference, ref_ckpt = tiny
+        assert mx.array_equal(codes, run_session(reference, ref_ckpt, 0, TEXT[:2])).item()
+
+
+def test_loading_rejects_a_missing_tensor(tiny_checkpoint):
+    from voicechat.checkpoint import CheckpointError
+
+    ckpt = open_checkpoint(tiny_checkpoint)
+    del ckpt.tensors[PREFIX + "mog_head.proj_logs.weight"]
+    tts = EarTTS(ckpt.config.tts_config, ckpt.config.text_config.vocab_size)
+    with pytest.raises(CheckpointError, match="mog_head.proj_logs.weight"):
+        ckpt.load_into(tts, PREFIX)
+
+
+def test_the_rvq_kernel_and_its_reference_give_the_same_codes(tiny, monkeypatch):
+    tts, ckpt = tiny
+    fast = run_session(tts, ckpt, 4, TEXT)
+    monkeypatch.setenv("VOICECHAT_REFERENCE", "1")
+    assert mx.array_equal(fast, run_session(tts, ckpt, 4, TEXT)).item()
+
+
+def test_float32_weights_give_the_codes_of_bf16_weights(tmp_path):
+    """Activations are float32 either way, so widening bf16 weights once at load (no per-call
+    cast) changes nothing."""
+    directory = make_checkpoint(tmp_path / "c", "tiny", dtype="bfloat16")
+    tts, ckpt = load_tts(directory)
+    bf16 = run_session(tts, ckpt, 2, TEXT)
+    tts.set_dtype(mx.float32)
+    assert tts.rvq_embs.dtype == mx.float32 and tts.embed_subword.bos_eos_emb.special_flags.dtype == mx.int32
+    assert mx.array_equal(bf16, run_session(tts, ckpt, 2, TEXT)).item()
+
+
+def test_full_size_module_has_every_published_tensor():
+    """The published inventory's `tts_model.tts_model.*` names and shapes, and nothing else
+    (parameters are lazy: nothing of the full size is allocated)."""
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    from voicechat.config import VoiceChatConfig
+
+    published = {}
+    for line in (Path(__file__).parent / "data" / "published-checkpoint-keys.tsv").read_text().splitlines():
+        if line.startswith(PREFIX):
+            name, shape, _ = line.split("\t")
+            published[name[len(PREFIX):]] = tuple(int(s) for s in shape.strip("()").split(",") if s.strip())
+    cfg = VoiceChatConfig()
+    tts = EarTTS(cfg.tts_config, cfg.text_config.vocab_size)
+    ours = {k: tuple(v.shape) for k, v in tree_flatten(tts.parameters())}
+    assert ours == published

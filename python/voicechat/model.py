@@ -30,7 +30,7 @@ class TTSModel(nn.Module):
     def __init__(self, config: VoiceChatConfig):
         super().__init__()
         t = config.tts_config
-        self.tts_model = EarTTS(t, config.text_config.vocab_size)
+        self.tts_model = EarTTS(t, config.text_config.vocab_size, config.eos_token_id, config.pad_token_id)
         self.audio_codec = AudioCodec(config.codec_config)
         self.audio_prompt_latents = {config.speaker: mx.zeros((1, ARIA_FRAMES, t.hidden_size))}
         self.codec_silence_tokens = mx.zeros((t.num_quantizers,), dtype=mx.int32)

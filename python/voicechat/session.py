@@ -83,17 +83,12 @@ class VoiceChat:
         return self.config.output_sample_rate
 
     def warmup_codes(self) -> mx.array:
-        """The speaker prompt's codes `[1, 37, 31]`: the codec's codes of 38 frames of silence, frames
-        0 and 36 masked, the last dropped (spec "Warmup"). The same every session: made once."""
+        """The codec's codes of 38 frames of silence `[1, 38, 31]`, from which the TTS warmup builds
+        the speaker prompt (spec "Warmup"). The same every session: made once."""
         if self._prompt_codes is None:
             frames = self.tts.audio_prompt_latents[self.config.speaker].shape[1]
-            spf = self.config.samples_per_frame
-            codes = self.tts.audio_codec.encode(mx.zeros((1, (frames + 1) * spf)))  # [1, Q, frames + 1]
-            codes = codes.transpose(0, 2, 1)[:, :frames]  # [1, frames, Q]
-            masked = np.zeros((1, frames, 1), dtype=bool)
-            masked[:, [0, frames - 1]] = True
-            mask_code = self.config.tts_config.codebook_size
-            self._prompt_codes = mx.where(mx.array(masked), mask_code, codes).astype(mx.int32)
+            silence = mx.zeros((1, (frames + 1) * self.config.samples_per_frame))
+            self._prompt_codes = self.tts.audio_codec.encode(silence).transpose(0, 2, 1)
             mx.eval(self._prompt_codes)
         return self._prompt_codes
 

@@ -3,10 +3,12 @@
 //   scores[i, j] = (q_i + u) . k_j * s + (q_i + v_bias) . p[L - 1 - i + j] * s   for j in ctx(i)
 //   out_i        = softmax_j(scores[i, :]) @ v
 //
-// q, k, v [B, H, L, D]; p [H, 2L - 1, D] (the projected table of relative positions L-1 .. -(L-1));
-// u, v_bias [H, D]. ctx(i): chunks of `right + 1` frames, frame i sees the frames of its own chunk
+// q, k, v [B, H, L, D]; p [H, P, D]: rows [pos_first, pos_first + P) of the projected table of
+// relative positions L-1 .. -(L-1) (all 2L - 1 of them by default; the rows the context window
+// uses are enough, see position_window in kernels/rel_pos_attention.py); u, v_bias [H, D]. ctx(i): chunks of `right + 1` frames, frame i sees the frames of its own chunk
 // and of the `left / (right + 1)` chunks before it (left < 0: all of them). NeMo's rel_shift (pad,
 // reshape, drop a row) is only the index arithmetic `L - 1 - i + j`, so no path here copies it.
+// Entry (i, j) reads row `L - 1 - i + j - pos_first` of p.
 //
 // Paths: CPU, a fused loop that only scores each frame's window (O(L * window), not O(L^2));
 // CUDA, one block per query row with an online softmax; anything else, composed MLX ops with an
@@ -58,10 +60,14 @@ mx::array context_mask(int length, int left, int right, mx::Stream s) {
 }
 
 mx::array rel_pos_attention_composed(const mx::array& q_in, const mx::array& k, const mx::array& v,
-                                     const mx::array& p, const mx::array& u, const mx::array& vb, float scale,
-                                     int left, int right, mx::Stream s) {
+                                     const mx::array& p_in, const mx::array& u, const mx::array& vb, float scale,
+                                     int left, int right, int pos_first, mx::Stream s) {
   const int batch = q_in.shape(0), heads = q_in.shape(1), length = q_in.shape(2);
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, s); };
+  // The whole table: rows outside the given window only ever meet masked scores, so zeros do.
+  const int rows = p_in.shape(-2);
+  const std::vector<std::pair<int, int>> widths = {{0, 0}, {pos_first, 2 * length - 1 - pos_first - rows}, {0, 0}};
+  auto p = mx::pad(f32(p_in), widths, mx::array(0.0f), "constant", s);
   auto q = f32(q_in);
   auto qu = mx::add(q, mx::expand_dims(f32(u), 1, s), s);
   auto qv = mx::add(q, mx::expand_dims(f32(vb), 1, s), s);
@@ -111,8 +117,8 @@ View4 view_of(const mx::array& a) {
 
 class RelPosAttention : public mx::UnaryPrimitive {
  public:
-  RelPosAttention(mx::Stream stream, float scale, int left, int right)
-      : mx::UnaryPrimitive(stream), scale_(scale), left_(left), right_(right) {}
+  RelPosAttention(mx::Stream stream, float scale, int left, int right, int pos_first)
+      : mx::UnaryPrimitive(stream), scale_(scale), left_(left), right_(right), pos_first_(pos_first) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& q = inputs[0];
@@ -126,7 +132,7 @@ class RelPosAttention : public mx::UnaryPrimitive {
     enc.dispatch([q = view_of(inputs[0]), k = view_of(inputs[1]), v = view_of(inputs[2]),
                   p = view_of(inputs[3]), u = inputs[4].data<float>(), vb = inputs[5].data<float>(),
                   u0 = us[0], u1 = us[1], v0 = vs[0], v1 = vs[1], o = out.data<float>(), batch, heads, length,
-                  dim, scale = scale_, left = left_, right = right_]() {
+                  dim, scale = scale_, left = left_, right = right_, first = pos_first_]() {
       std::vector<float> qu(dim), qv(dim), acc(dim), scores(length);
       for (int b = 0; b < batch; ++b) {
         for (int h = 0; h < heads; ++h) {
@@ -141,7 +147,7 @@ class RelPosAttention : public mx::UnaryPrimitive {
             float top = -std::numeric_limits<float>::infinity();
             for (int j = lo; j < hi; ++j) {
               const float ac = dot(qu.data(), k.row(b, h, j), k.s3, dim);
-              const float bd = dot(qv.data(), p.row(b, h, length - 1 - i + j), p.s3, dim);
+              const float bd = dot(qv.data(), p.row(b, h, length - 1 - i + j - first), p.s3, dim);
               const float sc = ac * scale + bd * scale;
               scores[j - lo] = sc;
               top = std::max(top, sc);
@@ -171,19 +177,20 @@ class RelPosAttention : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RelPosAttention&>(other);
-    return scale_ == o.scale_ && left_ == o.left_ && right_ == o.right_;
+    return scale_ == o.scale_ && left_ == o.left_ && right_ == o.right_ && pos_first_ == o.pos_first_;
   }
 
  private:
   float scale_;
-  int left_, right_;
+  int left_, right_, pos_first_;
 };
 
 // ---------------------------------------------------------------- CUDA
 
 // One block per query row (b, h, i). Warps stride over the row's context window, lanes over the
 // head dimension; each warp keeps an online softmax (running max, sum, and its share of the
-// weighted sum of values), and the warps are merged at the end. `dims` = [L, H, left, right],
+// weighted sum of values), and the warps are merged at the end. `dims` = [L, H, left, right,
+// pos_first, P],
 // `scale` = [s]: runtime values, so one compiled kernel serves every length.
 constexpr const char* kCudaSource = R"(
   constexpr int WARPS = THREADS / 32;
@@ -194,7 +201,7 @@ constexpr const char* kCudaSource = R"(
   __shared__ float warp_sum[WARPS];
   __shared__ float warp_acc[WARPS][D];
   const float neg_inf = -__int_as_float(0x7f800000);
-  const int L = dims[0], H = dims[1], left = dims[2], right = dims[3];
+  const int L = dims[0], H = dims[1], left = dims[2], right = dims[3], first = dims[4], P = dims[5];
   const float s = scale[0];
   const int row = blockIdx.x;  // (b * H + h) * L + i
   const int i = row % L;
@@ -213,13 +220,13 @@ constexpr const char* kCudaSource = R"(
   __syncthreads();
   const T* kb = k + (size_t)bh * L * D;
   const T* vbase = v + (size_t)bh * L * D;
-  const T* pb = p + (size_t)h * (2 * L - 1) * D;
+  const T* pb = p + (size_t)h * P * D;
   float m = neg_inf, l = 0.0f;
   float acc[PER_LANE];
   for (int c = 0; c < PER_LANE; ++c) acc[c] = 0.0f;
   for (int j = lo + warp; j < hi; j += WARPS) {
     const T* kr = kb + (size_t)j * D;
-    const T* pr = pb + (size_t)(L - 1 - i + j) * D;
+    const T* pr = pb + (size_t)(L - 1 - i + j - first) * D;
     float ac = 0.0f, bd = 0.0f;
     for (int d = lane; d < D; d += 32) {
       ac += qu[d] * static_cast<float>(kr[d]);
@@ -287,7 +294,7 @@ const CudaSource& cuda_source() {
 
 mx::array rel_pos_attention_cuda(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& p,
                                  const mx::array& u, const mx::array& vb, float scale, int left, int right,
-                                 mx::Stream s) {
+                                 int pos_first, mx::Stream s) {
   static auto kernel = [] {
     const auto& src = cuda_source();
     return mx::fast::cuda_kernel(src.name, src.input_names, src.output_names, src.source, src.header);
@@ -295,10 +302,9 @@ mx::array rel_pos_attention_cuda(const mx::array& q, const mx::array& k, const m
   const int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
   auto dtype = q.dtype() == mx::bfloat16 ? mx::bfloat16 : mx::float32;
   auto as = [&](const mx::array& a, mx::Dtype t) { return mx::contiguous(mx::astype(a, t, s), false, s); };
-  auto p3 = p.ndim() == 4 ? mx::squeeze(p, 0, s) : p;
-  auto dims = mx::array({length, heads, left, right}, mx::int32);
+  auto dims = mx::array({length, heads, left, right, pos_first, static_cast<int>(p.shape(1))}, mx::int32);
   auto sc = mx::array({scale}, mx::float32);
-  auto out = kernel({as(q, dtype), as(k, dtype), as(v, dtype), as(p3, dtype), as(u, mx::float32),
+  auto out = kernel({as(q, dtype), as(k, dtype), as(v, dtype), as(p, dtype), as(u, mx::float32),
                      as(vb, mx::float32), dims, sc},
                     {{batch, heads, length, dim}}, {mx::float32},
                     {batch * heads * length * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
@@ -308,22 +314,43 @@ mx::array rel_pos_attention_cuda(const mx::array& q, const mx::array& k, const m
 
 // ---------------------------------------------------------------- the op
 
+// Rows of the full table that frame pairs inside the context read: [first, last].
+std::pair<int, int> rows_needed(int length, int left, int right) {
+  int first = 2 * length, last = -1;
+  for (int i = 0; i < length; ++i) {
+    first = std::min(first, length - 1 - i + window_begin(i, left, right));
+    last = std::max(last, length - 1 - i + window_end(i, length, right) - 1);
+  }
+  return {first, last};
+}
+
 void check_args(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& p, const mx::array& u,
-                const mx::array& vb, int right) {
+                const mx::array& vb, int left, int right, int pos_first) {
   if (q.ndim() != 4 || k.shape() != q.shape() || v.shape() != q.shape()) {
     throw std::invalid_argument("rel_pos_attention: q, k, v must all be [B, H, L, D]");
   }
+  if (right < 0) {
+    throw std::invalid_argument("rel_pos_attention: right context must be >= 0");
+  }
   const int heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
-  const bool p_ok = (p.ndim() == 3 && p.shape() == mx::Shape{heads, 2 * length - 1, dim}) ||
-                    (p.ndim() == 4 && p.shape() == mx::Shape{1, heads, 2 * length - 1, dim});
+  const int rows = p.ndim() >= 2 ? p.shape(-2) : 0;
+  const bool p_ok = (p.ndim() == 3 && p.shape() == mx::Shape{heads, rows, dim}) ||
+                    (p.ndim() == 4 && p.shape() == mx::Shape{1, heads, rows, dim});
   if (!p_ok) {
-    throw std::invalid_argument("rel_pos_attention: p must be [H, 2L - 1, D] for q of shape [B, H, L, D]");
+    throw std::invalid_argument("rel_pos_attention: p must be [H, P, D] (P = 2L - 1 for the whole table)");
+  }
+  if (length > 0) {
+    const auto [need_first, need_last] = rows_needed(length, left, right);
+    if (pos_first < 0 || pos_first > need_first || pos_first + rows - 1 < need_last ||
+        pos_first + rows > 2 * length - 1) {
+      throw std::invalid_argument(
+          "rel_pos_attention: p holds table rows [" + std::to_string(pos_first) + ", " +
+          std::to_string(pos_first + rows) + ") but the context needs rows [" + std::to_string(need_first) + ", " +
+          std::to_string(need_last + 1) + ") of the 2L - 1 = " + std::to_string(2 * length - 1) + " rows");
+    }
   }
   if (u.shape() != mx::Shape{heads, dim} || vb.shape() != mx::Shape{heads, dim}) {
     throw std::invalid_argument("rel_pos_attention: pos_bias_u and pos_bias_v must be [H, D]");
-  }
-  if (right < 0) {
-    throw std::invalid_argument("rel_pos_attention: right context must be >= 0");
   }
   for (const auto* a : {&q, &k, &v, &p, &u, &vb}) {
     if (!mx::issubdtype(a->dtype(), mx::floating)) {
@@ -335,24 +362,25 @@ void check_args(const mx::array& q, const mx::array& k, const mx::array& v, cons
 // method: "auto" / "fused" (the C++ or CUDA kernel) or "composed" (MLX ops).
 mx::array rel_pos_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& p,
                             const mx::array& u, const mx::array& vb, float scale, int left, int right,
-                            const std::string& method) {
-  check_args(q, k, v, p, u, vb, right);
+                            int pos_first, const std::string& method) {
+  check_args(q, k, v, p, u, vb, left, right, pos_first);
   if (method != "auto" && method != "fused" && method != "composed") {
     throw std::invalid_argument("rel_pos_attention: method must be 'auto', 'fused' or 'composed'");
   }
   auto s = mx::default_stream(mx::default_device());
+  auto p3 = p.ndim() == 4 ? mx::squeeze(p, 0, s) : p;
   if (method == "composed" || q.size() == 0) {
-    return rel_pos_attention_composed(q, k, v, p, u, vb, scale, left, right, s);
+    return rel_pos_attention_composed(q, k, v, p3, u, vb, scale, left, right, pos_first, s);
   }
   if (gpu_stream(s)) {
     if (cuda_build()) {
-      return rel_pos_attention_cuda(q, k, v, p, u, vb, scale, left, right, s);
+      return rel_pos_attention_cuda(q, k, v, p3, u, vb, scale, left, right, pos_first, s);
     }
-    return rel_pos_attention_composed(q, k, v, p, u, vb, scale, left, right, s);
+    return rel_pos_attention_composed(q, k, v, p3, u, vb, scale, left, right, pos_first, s);
   }
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, s); };
-  auto out = mx::array(q.shape(), mx::float32, std::make_shared<RelPosAttention>(s, scale, left, right),
-                       {f32(q), f32(k), f32(v), f32(p), f32(u), f32(vb)});
+  auto out = mx::array(q.shape(), mx::float32, std::make_shared<RelPosAttention>(s, scale, left, right, pos_first),
+                       {f32(q), f32(k), f32(v), f32(p3), f32(u), f32(vb)});
   return mx::astype(out, q.dtype(), s);
 }
 
@@ -360,9 +388,10 @@ void bind(py::module_& m) {
   cuda_source();  // registered at import, so the compile check sees it
   m.def("rel_pos_attention", &rel_pos_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("p"),
         py::arg("pos_bias_u"), py::arg("pos_bias_v"), py::arg("scale"), py::arg("left"), py::arg("right"),
-        py::arg("method") = "auto",
-        "Rel-pos attention with rel_shift and the chunked-limited mask: q, k, v [B, H, L, D], p [H, 2L-1, D], "
-        "pos_bias_u / pos_bias_v [H, D] -> [B, H, L, D] in q's dtype. Runs on the default stream.");
+        py::arg("pos_first") = 0, py::arg("method") = "auto",
+        "Rel-pos attention with rel_shift and the chunked-limited mask: q, k, v [B, H, L, D], p [H, P, D] = rows "
+        "[pos_first, pos_first + P) of the 2L-1 relative-position rows, pos_bias_u / pos_bias_v [H, D] -> "
+        "[B, H, L, D] in q's dtype. Runs on the default stream.");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ import pytest
 
 from voicechat.kernels.rel_pos_attention import (
     chunked_limited_mask,
+    position_window,
     rel_pos_attention,
     rel_pos_attention_reference,
 )
@@ -85,6 +86,30 @@ def test_frame_never_sees_the_future_or_beyond_left_context(method):
     assert (diff[85:] == 0).all() and diff[84] > 0
 
 
+@pytest.mark.parametrize("length", [1, 3, 71, 100])
+@pytest.mark.parametrize("context", [(70, 0), (-1, 0), (4, 1), (2, 3)])
+def test_the_context_window_of_the_table_is_enough(length, context):
+    args = list(_case(1, 2, length, 8, mx.float32, seed=length))
+    full = rel_pos_attention_reference(*args, 0.3, *context)
+    first, count = position_window(length, *context)
+    assert 0 <= first and first + count <= 2 * length - 1
+    args[3] = args[3][:, first : first + count]
+    for method in ("fused", "composed"):
+        _close(rel_pos_attention(*args, 0.3, *context, first, method=method), full, mx.float32)
+    _close(rel_pos_attention_reference(*args, 0.3, *context, first), full, mx.float32)
+    if count > 1:  # and it is the smallest such window: the kernel refuses one row less on either side
+        with pytest.raises(ValueError, match="needs rows"):
+            rel_pos_attention(*args[:3], args[3][:, 1:], *args[4:], 0.3, *context, first + 1)
+        with pytest.raises(ValueError, match="needs rows"):
+            rel_pos_attention(*args[:3], args[3][:, :-1], *args[4:], 0.3, *context, first)
+
+
+def test_position_window_for_the_published_context():
+    assert position_window(750, 70, 0) == (749 - 70, 71)
+    assert position_window(10, 70, 0) == (0, 10)
+    assert position_window(10, -1, 0) == (0, 10)
+
+
 def test_leading_batch_axis_on_p_and_reference_switch(monkeypatch):
     q, k, v, p, u, b = _case(1, 2, 5, 8, mx.float32, seed=5)
     out = rel_pos_attention(q, k, v, p[None], u, b, 0.3, 70, 0)
@@ -96,8 +121,10 @@ def test_leading_batch_axis_on_p_and_reference_switch(monkeypatch):
 
 def test_bad_arguments_are_errors():
     q, k, v, p, u, b = _case(1, 2, 5, 8, mx.float32, seed=6)
-    with pytest.raises(ValueError, match="2L - 1"):
-        rel_pos_attention(q, k, v, p[:, :-1], u, b, 0.3, 70, 0)
+    with pytest.raises(ValueError, match=r"needs rows \[0, 5\)"):
+        rel_pos_attention(q, k, v, p[:, :4], u, b, 0.3, 70, 0)
+    with pytest.raises(ValueError, match=r"\[H, P, D\]"):
+        rel_pos_attention(q, k, v, p[0], u, b, 0.3, 70, 0)
     with pytest.raises(ValueError, match="B, H, L, D"):
         rel_pos_attention(q, k[:, :, :4], v, p, u, b, 0.3, 70, 0)
     with pytest.raises(ValueError, match="pos_bias"):

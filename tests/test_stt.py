@@ -195,6 +195,16 @@ def test_relative_positions_table():
     np.testing.assert_allclose(pe[:, 0::2], np.sin(pos * div), atol=1e-6)
     np.testing.assert_allclose(pe[:, 1::2], np.cos(pos * div), atol=1e-6)
     np.testing.assert_array_equal(pe[3], [0, 1, 0, 1, 0, 1, 0, 1])  # relative position 0 is the centre row
+    np.testing.assert_array_equal(np.array(relative_positions(4, 8, 2, 3)), pe[2:5])
+
+
+def test_windowed_table_gives_the_full_table_result():
+    cfg = tiny_config().audio_config.encoder
+    block = ConformerBlock(cfg)
+    x = mx.random.normal((1, 90, cfg.d_model), key=mx.random.key(2))
+    full = block(x, relative_positions(90, cfg.d_model))
+    windowed = block(x, relative_positions(90, cfg.d_model, 89 - 70, 71), 89 - 70)
+    np.testing.assert_allclose(np.array(windowed), np.array(full), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("length", [1, 9, 75])

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
-from ..kernels.rel_pos_attention import rel_pos_attention
+from ..kernels.rel_pos_attention import position_window, rel_pos_attention
 from .mel import hann_window, log_mel, mel_filterbank
 
 LAYER_NORM_EPS = 1e-5
@@ -32,16 +32,19 @@ def subsampled_length(lengths: mx.array | int):
     return lengths
 
 
-def relative_positions(length: int, d_model: int) -> mx.array:
-    """`[2L - 1, d_model]` float32 sinusoids for relative positions L-1 .. -(L-1).
+def relative_positions(length: int, d_model: int, first: int = 0, count: int | None = None) -> mx.array:
+    """Rows `[first, first + count)` of the `[2L - 1, d_model]` float32 table of relative positions
+    L-1 .. -(L-1) (all of them by default).
 
     Interleaved: sin on even dims, cos on odd, `div_i = exp(-2i ln(1e4) / d_model)` (NeMo's table,
     computed in float32 like its own).
     """
-    pos = mx.arange(length - 1, -length, -1, dtype=mx.float32)
+    count = 2 * length - 1 - first if count is None else count
+    top = length - 1 - first
+    pos = mx.arange(top, top - count, -1, dtype=mx.float32)
     div = mx.exp(mx.arange(0, d_model, 2, dtype=mx.float32) * -(math.log(10000.0) / d_model))
     angles = pos[:, None] * div[None, :]
-    return mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(2 * length - 1, d_model)
+    return mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(count, d_model)
 
 
 class Featurizer(nn.Module):
@@ -121,14 +124,17 @@ class RelPositionAttention(nn.Module):
         self.pos_bias_u = mx.zeros((h, d // h))
         self.pos_bias_v = mx.zeros((h, d // h))
 
-    def __call__(self, x: mx.array, pos_emb: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0) -> mx.array:
+        """`pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
+        the context's window): only those rows go through `linear_pos`."""
         b, length, d = x.shape
         h = self.n_heads
         heads = lambda y: y.reshape(b, length, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = heads(self.linear_q(x)), heads(self.linear_k(x)), heads(self.linear_v(x))
-        p = self.linear_pos(pos_emb).reshape(2 * length - 1, h, d // h).transpose(1, 0, 2)
+        p = self.linear_pos(pos_emb).reshape(pos_emb.shape[0], h, d // h).transpose(1, 0, 2)
         left, right = self.context
-        out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right)
+        out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right,
+                                pos_first)
         return self.linear_out(out.transpose(0, 2, 1, 3).reshape(b, length, d))
 
 
@@ -165,9 +171,9 @@ class ConformerBlock(nn.Module):
         self.feed_forward2 = FeedForward(d, cfg.ff_expansion_factor)
         self.norm_out = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
 
-    def __call__(self, x: mx.array, pos_emb: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0) -> mx.array:
         x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
-        x = x + self.self_attn(self.norm_self_att(x), pos_emb)
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first)
         x = x + self.conv(self.norm_conv(x))
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
@@ -177,15 +183,18 @@ class ConformerEncoder(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         self.d_model = cfg.d_model
+        self.context = cfg.att_context_size
         self.pre_encode = CausalSubsampling(cfg)
         self.layers = [ConformerBlock(cfg) for _ in range(cfg.n_layers)]
 
     def __call__(self, mel: mx.array) -> mx.array:
         """`[B, T, feat]` -> `[B, T', d_model]` (xscaling off: the input is not scaled)."""
         x = self.pre_encode(mel)
-        pos_emb = relative_positions(x.shape[1], self.d_model)
+        # Only the table rows the attention context reads (71 for [70, 0]), whatever the length.
+        first, count = position_window(x.shape[1], *self.context)
+        pos_emb = relative_positions(x.shape[1], self.d_model, first, count)
         for layer in self.layers:
-            x = layer(x, pos_emb)
+            x = layer(x, pos_emb, first)
         return x
 
 

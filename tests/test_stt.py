@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_map
 
-from voicechat.audio import load_audio
+from voicechat.audio import load_audio, write_wav
 from voicechat.checkpoint import open_checkpoint
 from voicechat.config import PreprocessorConfig
 from voicechat.kernels.rel_pos_attention import chunked_limited_mask, rel_shift
@@ -71,12 +71,21 @@ def speech(spoken_wav) -> np.ndarray:
     return load_audio(spoken_wav, 16000)
 
 
-@pytest.fixture(scope="module")
-def perception(tiny_checkpoint) -> Perception:
-    ckpt = open_checkpoint(tiny_checkpoint)
+def _perception(path) -> Perception:
+    ckpt = open_checkpoint(path)
     model = Perception(ckpt.config.audio_config)
     ckpt.load_into(model, "stt_model.perception.")
     return model
+
+
+@pytest.fixture(scope="module")
+def perception(tiny_checkpoint) -> Perception:
+    return _perception(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def perception_bf16(tiny_checkpoint_q4) -> Perception:
+    return _perception(tiny_checkpoint_q4)
 
 
 # --------------------------------------------------------------------------- log-mel
@@ -158,9 +167,11 @@ def test_subsampling_lengths(mel_frames, encoder_frames):
     assert sub.out.weight.shape == (cfg.d_model, cfg.subsampling_conv_channels * 17)
 
 
-def test_a_53213_sample_wav_gives_43_frames(perception):
-    audio = mx.array(np.random.default_rng(1).standard_normal(53213).astype(np.float32) * 0.1)
-    mel = perception.log_mel(audio)
+def test_a_53213_sample_wav_gives_43_frames(perception, tmp_path):
+    path = write_wav(tmp_path / "a.wav", np.random.default_rng(1).standard_normal(53213) * 0.1, 16000)
+    audio = load_audio(path, 16000)
+    assert audio.shape == (53213,)
+    mel = perception.log_mel(mx.array(audio))
     assert mel.shape == (1, 333, 128)
     projected, lengths, encoded = perception(mel)
     assert projected.shape == (1, 43, 192) and encoded.shape == (1, 43, 80)
@@ -231,7 +242,9 @@ def test_encoder_output_for_speech_is_finite_and_shaped(perception, speech):
 
 
 @pytest.mark.parametrize("reference", [False, True])
-def test_encoder_is_causal(perception, speech, reference, monkeypatch):
+@pytest.mark.parametrize("which", ["perception", "perception_bf16"])
+def test_encoder_is_causal(request, which, speech, reference, monkeypatch):
+    perception = request.getfixturevalue(which)
     if reference:
         monkeypatch.setenv("VOICECHAT_REFERENCE", "1")
     audio = speech[: 16000]
@@ -257,9 +270,7 @@ def test_fast_path_equals_reference_path(perception, speech, monkeypatch):
 
 
 def test_bfloat16_weights_give_float32_activations(tiny_checkpoint_q4, speech):
-    ckpt = open_checkpoint(tiny_checkpoint_q4)
-    model = Perception(ckpt.config.audio_config)
-    ckpt.load_into(model, "stt_model.perception.")
+    model = _perception(tiny_checkpoint_q4)  # its own copy: the test casts the weights
     assert model.encoder.layers[0].self_attn.linear_q.weight.dtype == mx.bfloat16
     projected, lengths, encoded = model(model.log_mel(mx.array(speech)))
     assert projected.dtype == mx.float32 and encoded.dtype == mx.float32

@@ -1,0 +1,105 @@
+"""Relative-position self-attention of the FastConformer, with the chunked-limited mask.
+
+    scores = (q + u) k^T * s + rel_shift((q + v_bias) p^T)[..., :L] * s     (masked outside the context)
+    out    = softmax(scores) v
+
+`q, k, v` are `[B, H, L, D]`, `p` the projected positional table `[H, 2L - 1, D]` for relative
+positions `L - 1 .. -(L - 1)`, or only its rows `[pos_first, pos_first + P)` when those cover every
+pair inside the context (`position_window`: 71 rows for [70, 0] instead of 2L - 1), `u, v_bias`
+`[H, D]`. Frame `i` may attend to frame `j` when their
+chunks (`chunk = right + 1` frames) satisfy `0 <= chunk(i) - chunk(j) <= left // chunk`; `left < 0`
+means unlimited history. Output `[B, H, L, D]` in `q`'s dtype; float32 inside.
+
+`rel_shift` moves row `i` of `(q + v_bias) p^T` left by `L - 1 - i`, so that entry `(i, j)` holds
+the score of relative position `i - j`, i.e. positional row `L - 1 - i + j`. The kernel reads that
+row directly (index arithmetic); the reference pads and reshapes as NeMo does.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ._native import ext, use_reference
+
+
+def position_window(length: int, left: int, right: int) -> tuple[int, int]:
+    """`(first, count)`: the rows of the `2L - 1` relative-position table that the context reads.
+
+    Frame pairs (i, j) inside the context have relative positions `i - j` in
+    `[-(chunk - 1), (left // chunk + 1) * chunk - 1]` (clipped to the sequence); row = L - 1 - (i - j).
+    """
+    chunk = right + 1
+    most_past = length - 1 if left < 0 else min(length - 1, (left // chunk + 1) * chunk - 1)
+    most_future = min(length - 1, chunk - 1)
+    return length - 1 - most_past, most_past + most_future + 1
+
+
+def rel_shift(x: mx.array) -> mx.array:
+    """NeMo's rel_shift on `[..., L, P]`: left-pad one column, view as `[..., P + 1, L]`, drop row 0."""
+    *lead, rows, cols = x.shape
+    x = mx.pad(x, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])
+    x = x.reshape(*lead, cols + 1, rows)
+    return x[..., 1:, :].reshape(*lead, rows, cols)
+
+
+def chunked_limited_mask(length: int, left: int, right: int) -> mx.array:
+    """`[L, L]` bool, True where frame i may attend to frame j (NeMo's chunked_limited style)."""
+    chunk = right + 1
+    idx = mx.arange(length) // chunk
+    diff = idx[:, None] - idx[None, :]
+    allowed = diff >= 0
+    if left >= 0:
+        allowed = allowed & (diff <= left // chunk)
+    return allowed
+
+
+def rel_pos_attention_reference(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    p: mx.array,
+    pos_bias_u: mx.array,
+    pos_bias_v: mx.array,
+    scale: float,
+    left: int,
+    right: int,
+    pos_first: int = 0,
+) -> mx.array:
+    """Composed MLX ops: full score matrices, pad/reshape rel_shift, masked softmax."""
+    dtype = q.dtype
+    q, k, v, p, u, b = (a.astype(mx.float32) for a in (q, k, v, p, pos_bias_u, pos_bias_v))
+    length = q.shape[-2]
+    if p.ndim == 4:
+        p = p[0]
+    # Rows outside the window only meet masked scores: zeros stand in for them.
+    p = mx.pad(p, [(0, 0), (pos_first, 2 * length - 1 - pos_first - p.shape[1]), (0, 0)])
+    ac = (q + u[:, None, :]) @ k.swapaxes(-1, -2)
+    bd = rel_shift((q + b[:, None, :]) @ p.swapaxes(-1, -2))[..., :length]
+    scores = ac * scale + bd * scale
+    scores = mx.where(chunked_limited_mask(length, left, right), scores, mx.array(-1e30, mx.float32))
+    return (mx.softmax(scores, axis=-1) @ v).astype(dtype)
+
+
+def rel_pos_attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    p: mx.array,
+    pos_bias_u: mx.array,
+    pos_bias_v: mx.array,
+    scale: float,
+    left: int,
+    right: int,
+    pos_first: int = 0,
+    *,
+    method: str = "auto",
+) -> mx.array:
+    """The C++ kernel: scores only inside each frame's context window, rel_shift as indexing.
+
+    `method`: "auto" or "fused" (the kernel: C++ loop on the CPU, CUDA on a CUDA GPU, the
+    composed ops elsewhere) or "composed" (the C++ composed-ops path, as_strided rel_shift).
+    """
+    if use_reference():
+        return rel_pos_attention_reference(q, k, v, p, pos_bias_u, pos_bias_v, scale, left, right, pos_first)
+    return ext.rel_pos_attention(q, k, v, p, pos_bias_u, pos_bias_v, float(scale), int(left), int(right),
+                                 int(pos_first), method)

@@ -1,0 +1,228 @@
+"""The speech encoder: log-mel frontend buffers, causal FastConformer, projection to the LLM width.
+
+Attribute names mirror the checkpoint below `stt_model.perception.`:
+  preprocessor.featurizer.{fb, window}   the stored filterbank [1, 128, 257] and window [400]
+  encoder.pre_encode.{conv.N, out}       causal depthwise-striding x8 subsampling
+  encoder.layers.N.*                     Conformer blocks (rel-pos attention, conv module)
+  proj                                   Linear(d_model -> output_dim)
+
+Everything is causal: encoder frame i depends on mel frames <= 8 i only (subsampling pads 2 left,
+1 right; attention sees i - left .. i; the depthwise conv pads k - 1 on the left). Activations are
+float32 whatever the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
+from ..kernels.rel_pos_attention import position_window, rel_pos_attention
+from .mel import hann_window, log_mel, mel_filterbank
+
+LAYER_NORM_EPS = 1e-5
+
+
+def subsampled_length(lengths: mx.array | int):
+    """Frames after the three (2, 1)-padded, stride-2, kernel-3 stages: n -> n // 2 + 1 each."""
+    for _ in range(3):
+        lengths = lengths // 2 + 1
+    return lengths
+
+
+def relative_positions(length: int, d_model: int, first: int = 0, count: int | None = None) -> mx.array:
+    """Rows `[first, first + count)` of the `[2L - 1, d_model]` float32 table of relative positions
+    L-1 .. -(L-1) (all of them by default).
+
+    Interleaved: sin on even dims, cos on odd, `div_i = exp(-2i ln(1e4) / d_model)` (NeMo's table,
+    computed in float32 like its own).
+    """
+    count = 2 * length - 1 - first if count is None else count
+    top = length - 1 - first
+    pos = mx.arange(top, top - count, -1, dtype=mx.float32)
+    div = mx.exp(mx.arange(0, d_model, 2, dtype=mx.float32) * -(math.log(10000.0) / d_model))
+    angles = pos[:, None] * div[None, :]
+    return mx.stack([mx.sin(angles), mx.cos(angles)], axis=-1).reshape(count, d_model)
+
+
+class Featurizer(nn.Module):
+    """The checkpoint's frontend buffers (the formula's own values until loaded)."""
+
+    def __init__(self, cfg: PreprocessorConfig):
+        super().__init__()
+        self.fb = mx.array(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.features))[None]
+        self.window = mx.array(hann_window(cfg.win_length))
+
+
+class Preprocessor(nn.Module):
+    def __init__(self, cfg: PreprocessorConfig):
+        super().__init__()
+        self.featurizer = Featurizer(cfg)
+
+
+class CausalSubsampling(nn.Module):
+    """Causal depthwise-striding subsampling: [B, T, feat] -> [B, T', d_model], T' = subsampled_length(T).
+
+    `conv` keeps NeMo's indices: 0 conv, 1 ReLU, 2 depthwise, 3 pointwise, 4 ReLU, 5 depthwise,
+    6 pointwise, 7 ReLU. Each stride-2 conv is preceded by padding (2, 1) on time and frequency.
+    """
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        c = cfg.subsampling_conv_channels
+        self.conv = [
+            nn.Conv2d(1, c, 3, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(c, c, 3, stride=2, groups=c),
+            nn.Conv2d(c, c, 1),
+            nn.ReLU(),
+            nn.Conv2d(c, c, 3, stride=2, groups=c),
+            nn.Conv2d(c, c, 1),
+            nn.ReLU(),
+        ]
+        self.out = nn.Linear(c * cfg.subsampled_features, cfg.d_model)
+
+    @staticmethod
+    def _pad(x: mx.array) -> mx.array:
+        return mx.pad(x, [(0, 0), (2, 1), (2, 1), (0, 0)])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        conv = self.conv
+        x = nn.relu(conv[0](self._pad(x[..., None])))
+        x = nn.relu(conv[3](conv[2](self._pad(x))))
+        x = nn.relu(conv[6](conv[5](self._pad(x))))
+        b, t, f, c = x.shape
+        # Channel-major flatten, as NeMo's [B, C, T, F] -> [B, T, C * F].
+        return self.out(x.transpose(0, 1, 3, 2).reshape(b, t, c * f))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, expansion: int):
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, expansion * d_model, bias=False)
+        self.linear2 = nn.Linear(expansion * d_model, d_model, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.linear2(nn.silu(self.linear1(x)))
+
+
+class RelPositionAttention(nn.Module):
+    """Multi-head self-attention with Transformer-XL relative positions (pos_bias_u / pos_bias_v)."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d, h = cfg.d_model, cfg.n_heads
+        self.n_heads = h
+        self.context = cfg.att_context_size
+        self.linear_q = nn.Linear(d, d, bias=False)
+        self.linear_k = nn.Linear(d, d, bias=False)
+        self.linear_v = nn.Linear(d, d, bias=False)
+        self.linear_out = nn.Linear(d, d, bias=False)
+        self.linear_pos = nn.Linear(d, d, bias=False)
+        self.pos_bias_u = mx.zeros((h, d // h))
+        self.pos_bias_v = mx.zeros((h, d // h))
+
+    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0) -> mx.array:
+        """`pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
+        the context's window): only those rows go through `linear_pos`."""
+        b, length, d = x.shape
+        h = self.n_heads
+        heads = lambda y: y.reshape(b, length, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
+        q, k, v = heads(self.linear_q(x)), heads(self.linear_k(x)), heads(self.linear_v(x))
+        p = self.linear_pos(pos_emb).reshape(pos_emb.shape[0], h, d // h).transpose(1, 0, 2)
+        left, right = self.context
+        out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right,
+                                pos_first)
+        return self.linear_out(out.transpose(0, 2, 1, 3).reshape(b, length, d))
+
+
+class ConvModule(nn.Module):
+    """Pointwise -> GLU -> causal depthwise (left pad k - 1) -> LayerNorm ("batch_norm") -> SiLU -> pointwise."""
+
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d, k = cfg.d_model, cfg.conv_kernel_size
+        self.kernel_size = k
+        self.pointwise_conv1 = nn.Conv1d(d, 2 * d, 1, bias=False)
+        self.depthwise_conv = nn.Conv1d(d, d, k, groups=d, bias=False)
+        self.batch_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = nn.glu(self.pointwise_conv1(x), axis=-1)
+        x = mx.pad(x, [(0, 0), (self.kernel_size - 1, 0), (0, 0)])
+        x = nn.silu(self.batch_norm(self.depthwise_conv(x)))
+        return self.pointwise_conv2(x)
+
+
+class ConformerBlock(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.norm_feed_forward1 = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.feed_forward1 = FeedForward(d, cfg.ff_expansion_factor)
+        self.norm_self_att = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.self_attn = RelPositionAttention(cfg)
+        self.norm_conv = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.conv = ConvModule(cfg)
+        self.norm_feed_forward2 = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+        self.feed_forward2 = FeedForward(d, cfg.ff_expansion_factor)
+        self.norm_out = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
+
+    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0) -> mx.array:
+        x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first)
+        x = x + self.conv(self.norm_conv(x))
+        x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
+        return self.norm_out(x)
+
+
+class ConformerEncoder(nn.Module):
+    def __init__(self, cfg: EncoderConfig):
+        super().__init__()
+        self.d_model = cfg.d_model
+        self.context = cfg.att_context_size
+        self.pre_encode = CausalSubsampling(cfg)
+        self.layers = [ConformerBlock(cfg) for _ in range(cfg.n_layers)]
+
+    def __call__(self, mel: mx.array) -> mx.array:
+        """`[B, T, feat]` -> `[B, T', d_model]` (xscaling off: the input is not scaled)."""
+        x = self.pre_encode(mel)
+        # Only the table rows the attention context reads (71 for [70, 0]), whatever the length.
+        first, count = position_window(x.shape[1], *self.context)
+        pos_emb = relative_positions(x.shape[1], self.d_model, first, count)
+        for layer in self.layers:
+            x = layer(x, pos_emb, first)
+        return x
+
+
+class Perception(nn.Module):
+    """log-mel -> FastConformer -> projection; returns the LLM's audio channel and the RNNT input."""
+
+    def __init__(self, audio_cfg: AudioConfig):
+        super().__init__()
+        self.config = audio_cfg
+        self.preprocessor = Preprocessor(audio_cfg.preprocessor)
+        self.encoder = ConformerEncoder(audio_cfg.encoder)
+        self.proj = nn.Linear(audio_cfg.encoder.d_model, audio_cfg.output_dim)
+
+    def log_mel(self, audio_16k: mx.array) -> mx.array:
+        """Waveform `[N]` at 16 kHz -> `[1, T, features]` with the stored filterbank and window."""
+        f = self.preprocessor.featurizer
+        return log_mel(audio_16k, self.config.preprocessor, f.fb, f.window)
+
+    def __call__(self, mel: mx.array, lengths: mx.array | None = None):
+        """`mel [1, T, features]` -> `(projected [1, F, output_dim], lengths [1] int32, encoded [1, F, d_model])`.
+
+        `lengths` (mel frames per batch row, default T) only sets the returned lengths: the encoder
+        is causal, so frames past a row's length never change the frames before it.
+        """
+        if mel.ndim != 3 or mel.shape[-1] != self.config.encoder.feat_in:
+            raise ValueError(f"mel must be [B, T, {self.config.encoder.feat_in}], got {tuple(mel.shape)}")
+        if lengths is None:
+            lengths = mx.full((mel.shape[0],), mel.shape[1], dtype=mx.int32)
+        encoded = self.encoder(mel.astype(mx.float32)).astype(mx.float32)
+        projected = self.proj(encoded).astype(mx.float32)
+        return projected, subsampled_length(lengths.astype(mx.int32)), encoded

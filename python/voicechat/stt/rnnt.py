@@ -1,0 +1,117 @@
+"""The RNNT transcript branch: prediction network, joint network, greedy decoding.
+
+Attribute names mirror the checkpoint:
+  stt_model.rnnt_decoder.prediction.embed             Embedding(vocab + 1, pred_hidden); row `blank` unused
+  stt_model.rnnt_decoder.prediction.dec_rnn.lstm.N    LSTM layers (torch weight_ih_l{n} ... renamed at load)
+  stt_model.rnnt_joint.{enc, pred, joint_net.2}       Linear layers; joint_net.0 is the ReLU
+
+Greedy decoding (spec README): per frame, up to `max_symbols` emissions; the count resets when the
+frame advances and, at the limit, the frame advances without another query; the blank id
+(= vocab size) is never embedded, its prediction input is zeros. The transcript text is
+`voicechat.tokenizer.decode_pieces(ids, pieces)`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config import DecoderConfig, JointConfig
+from ..kernels.rnnt_greedy import emitted_tokens, rnnt_greedy
+
+
+class PredictionRNN(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h = cfg.pred_hidden
+        self.lstm = [nn.LSTM(h, h) for _ in range(cfg.pred_rnn_layers)]
+
+
+class PredictionNetwork(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size + 1, cfg.pred_hidden)
+        self.dec_rnn = PredictionRNN(cfg)
+
+
+class RNNTDecoder(nn.Module):
+    """The prediction network: token -> embedding -> stacked LSTM."""
+
+    def __init__(self, decoder_cfg: DecoderConfig):
+        super().__init__()
+        self.blank_id = decoder_cfg.vocab_size
+        self.hidden = decoder_cfg.pred_hidden
+        self.prediction = PredictionNetwork(decoder_cfg)
+
+    def initial_state(self) -> list[tuple[mx.array, mx.array]]:
+        return [(mx.zeros((1, self.hidden)), mx.zeros((1, self.hidden))) for _ in self.prediction.dec_rnn.lstm]
+
+    def lstm_weights(self) -> list[tuple[mx.array, mx.array, mx.array]]:
+        return [(l.Wx, l.Wh, l.bias) for l in self.prediction.dec_rnn.lstm]
+
+    def step(self, token: int, state: list[tuple[mx.array, mx.array]]):
+        """One prediction step from the last emitted token: `(out [1, H] float32, new state)`."""
+        if token == self.blank_id:
+            x = mx.zeros((1, self.hidden))
+        else:
+            x = self.prediction.embed(mx.array([token])).astype(mx.float32)
+        new_state = []
+        for lstm, (h, c) in zip(self.prediction.dec_rnn.lstm, state):
+            hs, cs = lstm(x[:, None, :], hidden=h, cell=c)
+            h, c = hs[:, -1].astype(mx.float32), cs[:, -1].astype(mx.float32)
+            new_state.append((h, c))
+            x = h
+        return x, new_state
+
+
+class RNNTJoint(nn.Module):
+    """`joint_net(relu(enc(e) + pred(g)))`, logits over vocab + blank."""
+
+    def __init__(self, joint_cfg: JointConfig):
+        super().__init__()
+        self.enc = nn.Linear(joint_cfg.encoder_hidden, joint_cfg.joint_hidden)
+        self.pred = nn.Linear(joint_cfg.pred_hidden, joint_cfg.joint_hidden)
+        self.joint_net = [nn.ReLU(), nn.Identity(), nn.Linear(joint_cfg.joint_hidden, joint_cfg.num_classes + 1)]
+
+    def __call__(self, enc_proj: mx.array, pred_out: mx.array) -> mx.array:
+        """Logits from an already projected encoder frame and a prediction-network output."""
+        x = enc_proj + self.pred(pred_out)
+        for layer in self.joint_net:
+            x = layer(x)
+        return x
+
+
+def greedy_decode(
+    encoded: mx.array, decoder: RNNTDecoder, joint: RNNTJoint, blank_id: int, max_symbols: int
+) -> list[int]:
+    """Every non-blank id of the utterance (specials included), in emission order.
+
+    `encoded` `[1, F, d_model]`. The joint's encoder projection of all frames is one matmul; the
+    loop itself is one C++ call (VOICECHAT_REFERENCE=1 runs its pure-MLX reference instead).
+    """
+    if encoded.ndim != 3 or encoded.shape[0] != 1:
+        raise ValueError(f"encoded must be [1, F, d_model], got {tuple(encoded.shape)}")
+    enc_proj = joint.enc(encoded[0].astype(mx.float32)).astype(mx.float32)
+    out = joint.joint_net[2]
+    table = rnnt_greedy(enc_proj, decoder.prediction.embed.weight, decoder.lstm_weights(), joint.pred.weight,
+                        joint.pred.bias, out.weight, out.bias, blank_id, max_symbols)
+    return emitted_tokens(table)
+
+
+def greedy_decode_reference(
+    encoded: mx.array, decoder: RNNTDecoder, joint: RNNTJoint, blank_id: int, max_symbols: int
+) -> list[int]:
+    """The spec's loop word for word, through the modules: every query runs the prediction net."""
+    tokens: list[int] = []
+    state = decoder.initial_state()
+    last = blank_id
+    for t in range(encoded.shape[1]):
+        e = joint.enc(encoded[:, t].astype(mx.float32))
+        for _ in range(max_symbols):
+            out, new_state = decoder.step(last, state)
+            tok = int(mx.argmax(joint(e, out), axis=-1).item())
+            if tok == blank_id:
+                break
+            tokens.append(tok)
+            last, state = tok, new_state
+    return tokens

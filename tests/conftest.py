@@ -44,6 +44,6 @@ def spoken_wav_22k(tmp_path_factory) -> Path:
 def spoken_wav(spoken_wav_22k, tmp_path_factory) -> Path:
     """The same question at 16 kHz mono PCM16 (sox), the model's input rate."""
     out = tmp_path_factory.mktemp("wav") / "question-16k.wav"
-    subprocess.run([_need("sox"), str(spoken_wav_22k), "-r", "16000", "-c", "1", "-b", "16", str(out)],
+    subprocess.run([_need("sox"), "-R", str(spoken_wav_22k), "-r", "16000", "-c", "1", "-b", "16", str(out)],
                    check=True, capture_output=True)
     return out

@@ -12,3 +12,12 @@ import os
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The API lives in voicechat.session; imported on first use so `import voicechat` stays light.
+    if name in ("load", "VoiceChat", "Result"):
+        from . import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module 'voicechat' has no attribute {name!r}")

@@ -25,6 +25,7 @@ from .audio import AudioError, load_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import VoiceChatConfig
 from .model import VoiceChatModel
+from .stt.conformer import subsampled_length
 from .stt.rnnt import greedy_decode
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
 
@@ -144,6 +145,10 @@ class VoiceChat:
             clock = now
 
         wave = self._input_audio(audio, sample_rate, extra_decoding_seconds)
+        ids = self.prompt_ids(system_prompt)
+        prompt_frames = len(ids)
+        mel_frames = 1 + len(wave) // self.config.audio_config.preprocessor.hop_length
+        self._check_length(prompt_frames, subsampled_length(mel_frames))  # before any heavy work
         lap("audio_s")
 
         perception = self.stt.perception
@@ -153,10 +158,6 @@ class VoiceChat:
         frames = int(lengths[0].item()) if lengths is not None else audio_embeds.shape[1]
         audio_embeds, encoded = audio_embeds[:, :frames], encoded[:, :frames]
         lap("perception_s")
-
-        ids = self.prompt_ids(system_prompt)
-        prompt_frames = len(ids)
-        self._check_length(prompt_frames, frames)
 
         tts = self.tts.tts_model
         tts_cache = tts.make_cache()
@@ -225,7 +226,7 @@ class VoiceChat:
             for t in range(1, prompt_frames):
                 previous_code, key = tts.step(previous_code, pad[0], tts_cache, key, silence)
                 code_out.append(previous_code)
-            mx.async_eval(previous_code, key, *cache.state())
+            mx.async_eval(previous_code, key, *cache.state)
         prev_text, prev_function = pad, pad
 
         for i in range(frames):

@@ -1,0 +1,146 @@
+"""vc-generate: the command's lines, files, JSON and every bad input of DESIGN.md."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from voicechat.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+    wav, js = tmp_path / "answer.wav", tmp_path / "result.json"
+    code, out, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", wav,
+                             "--output-json", js, "-p", "Be concise.", "-n", "0")
+    assert code == 0, err
+    data = json.loads(js.read_text())
+    expected = f"[user] {data['user_transcript']}\n{data['text']}\n"
+    if data["function_text"]:
+        expected += f"[function] {data['function_text']}\n"
+    assert out == expected
+    assert "-n is ignored" in err
+    assert "ms/frame" in err and "real-time factor" in err
+    info = sf.info(str(wav))
+    assert (info.samplerate, info.channels, info.subtype, info.format) == (22050, 1, "PCM_16", "WAV")
+    assert info.frames == data["frames"] * 1764
+    for key in ("user_transcript", "text", "function_text", "sample_rate", "text_tokens", "function_tokens",
+                "audio_codes"):
+        assert key in data
+    assert "audio" not in data
+    assert set(data["timings"]) >= {"load_s", "generate_s", "perception_s", "timeline_s", "codec_s"}
+    assert data["prompt_frames"] > 0 and len(data["text_tokens"]) == data["frames"]
+
+
+def test_same_seed_gives_a_byte_identical_wav(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+    paths = [tmp_path / f"{i}.wav" for i in range(3)]
+    for path, seed in zip(paths, (0, 0, 1)):
+        assert run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", path,
+                       "--seed", seed, "-q")[0] == 0
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert paths[0].read_bytes() != paths[2].read_bytes()
+
+
+def test_quiet_prints_only_the_answer(capsys, tiny_checkpoint_q4, spoken_wav):
+    code, out, err = run_cli(capsys, "-m", tiny_checkpoint_q4, "--audio", spoken_wav, "--quiet")
+    assert code == 0 and err == ""
+    assert out.startswith("[user] ")
+
+
+def test_stereo_other_rate_input_is_converted(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+    stereo = tmp_path / "stereo44k.wav"
+    subprocess.run(["sox", "-R", str(spoken_wav), "-c", "2", "-r", "44100", str(stereo)], check=True)
+    assert run_cli(capsys, "-m", tiny_checkpoint, "--audio", stereo, "-q")[0] == 0
+
+
+def test_demo_runs_offline_as_a_console_script(tmp_path):
+    exe = shutil.which("vc-generate", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "voicechat.cli"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run(cmd + ["--demo", "--output-audio", str(tmp_path / "demo.wav")], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("[user] ")
+    assert "demo:" in proc.stderr
+    assert sf.info(str(tmp_path / "demo.wav")).samplerate == 22050
+
+
+def _broken_copy(tmp_path, src, name):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _set_config(d, **fields):
+    data = json.loads((d / "config.json").read_text())
+    data.update(fields)
+    (d / "config.json").write_text(json.dumps(data))
+
+
+def _bad_audio(tmp_path, kind):
+    p = tmp_path / f"{kind}.wav"
+    if kind == "text":
+        p.write_text("this is not audio")
+    elif kind == "empty":
+        sf.write(str(p), np.zeros(0, np.float32), 16000)
+    elif kind == "nan":
+        sf.write(str(p), np.full(16000, np.nan, np.float32), 16000, subtype="FLOAT")
+    return p
+
+
+@pytest.mark.parametrize("kind,needle", [("text", "not a readable audio file"), ("empty", "no samples"),
+                                         ("nan", "NaN"), ("missing", "no such file")])
+def test_bad_audio_is_one_clear_line(capsys, tmp_path, tiny_checkpoint, kind, needle):
+    audio = _bad_audio(tmp_path, kind) if kind != "missing" else tmp_path / "nope.wav"
+    out_wav = tmp_path / "out.wav"
+    code, out, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", audio, "--output-audio", out_wav)
+    assert code == 1
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err
+    assert not out_wav.exists() and not list(tmp_path.glob(".out.wav*"))
+
+
+def test_bad_checkpoints_are_one_clear_line(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+    cases = []
+    d = _broken_copy(tmp_path, tiny_checkpoint, "type")
+    _set_config(d, model_type="llama")
+    cases.append((d, "model_type"))
+    d = _broken_copy(tmp_path, tiny_checkpoint, "speaker")
+    _set_config(d, speaker="Zed")
+    cases.append((d, "speaker"))
+    d = _broken_copy(tmp_path, tiny_checkpoint, "shape")
+    import mlx.core as mx
+
+    tensors = mx.load(str(d / "model.safetensors"))
+    tensors["tts_model.tts_model.embed_code.weight"] = mx.zeros((5, 5))
+    mx.save_safetensors(str(d / "model.safetensors"), tensors)
+    cases.append((d, "tts_model.tts_model.embed_code.weight has shape (5, 5)"))
+    from voicechat.testing import make_checkpoint
+
+    d = make_checkpoint(tmp_path / "shards", "tiny", shards=2)
+    (d / "model-00001-of-00002.safetensors").unlink()
+    cases.append((d, "missing shard"))
+    cases.append((tmp_path / "no-such-dir", "no such checkpoint directory"))
+    for ckpt, needle in cases:
+        code, out, err = run_cli(capsys, "-m", ckpt, "--audio", spoken_wav)
+        assert code == 1, (ckpt, err)
+        assert err.count("\n") == 1 and needle in err, err
+
+
+def test_bad_paths_and_arguments(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+    code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio",
+                           tmp_path / "missing" / "a.wav")
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "-m", tiny_checkpoint)
+    assert code == 2 and "--audio is required" in err
+    code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "-p", "word " * 5000)
+    assert code == 1 and "system-prompt tokens" in err and err.count("\n") == 1

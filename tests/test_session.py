@@ -1,0 +1,123 @@
+"""The offline timeline end to end on tiny synthetic checkpoints and a real spoken WAV."""
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+
+import voicechat
+from voicechat.session import InputError
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_checkpoint):
+    return voicechat.load(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def chat_q4(tiny_checkpoint_q4):
+    return voicechat.load(tiny_checkpoint_q4)
+
+
+@pytest.fixture(scope="module")
+def result(chat, spoken_wav):
+    return chat.generate(spoken_wav, seed=0)
+
+
+def test_result_shapes_and_lengths(chat, result, spoken_wav):
+    import soundfile as sf
+
+    samples = sf.info(str(spoken_wav)).frames
+    mel_frames = 1 + (samples + 3 * 16000) // 160
+    frames = mel_frames
+    for _ in range(3):
+        frames = frames // 2 + 1
+    assert result.frames == frames
+    assert len(result.text_tokens) == len(result.function_tokens) == frames
+    assert len(result.audio_codes) == frames and all(len(c) == 31 for c in result.audio_codes)
+    assert result.audio_codes[0] == [0] * 31  # no TTS at position 0
+    assert result.audio.dtype == np.float32 and result.audio.shape == (frames * 1764,)
+    assert result.sample_rate == 22050
+    assert np.all(np.isfinite(result.audio)) and np.abs(result.audio).max() > 0
+    k = chat.config.tts_config.codebook_size
+    assert all(0 <= c < k for row in result.audio_codes for c in row)
+    assert all(0 <= t < chat.config.text_config.vocab_size for t in result.text_tokens + result.function_tokens)
+    assert set(result.timings) >= {"perception_s", "tts_warmup_s", "timeline_s", "codec_s", "transcript_s", "generate_s"}
+    assert result.host_syncs <= 2 + frames // 32
+
+
+def test_intermediates_are_finite(chat, spoken_wav):
+    from voicechat.audio import load_audio
+
+    p = chat.stt.perception
+    wave = load_audio(spoken_wav, 16000)
+    mel = p.log_mel(mx.array(wave))
+    projected, lengths, encoded = p(mel)
+    cache = chat.stt.make_cache()
+    out = chat.stt.step(chat.stt.fused_input(mx.array([[12]]), projected[:, :1], mx.array([[12]])), cache)
+    for a in (mel, projected, encoded, out.text_logits, out.function_logits):
+        assert bool(mx.all(mx.isfinite(a)).item())
+
+
+def test_texts_decode_without_the_special_ids(chat, result):
+    skip = {12, 11, 1, 2}
+    assert result.text == chat.tokenizer.decode(result.text_tokens, skip=skip).strip()
+    assert result.function_text == chat.tokenizer.decode(result.function_tokens, skip=skip).strip()
+
+
+def test_cached_loop_equals_full_history_recompute(chat, result, spoken_wav):
+    text, function = chat.text_ids_full_history(spoken_wav)
+    assert text == result.text_tokens
+    assert function == result.function_tokens
+
+
+def test_same_seed_same_output_other_seed_other_codes(chat, result, spoken_wav):
+    again = chat.generate(spoken_wav, seed=0)
+    assert np.array_equal(again.audio, result.audio)
+    assert again.audio_codes == result.audio_codes and again.text_tokens == result.text_tokens
+    other = chat.generate(spoken_wav, seed=1)
+    assert other.text_tokens == result.text_tokens and other.function_tokens == result.function_tokens
+    assert other.audio_codes != result.audio_codes
+
+
+def test_system_prompt_is_a_prefix_that_is_dropped(chat, result, spoken_wav):
+    prompt = "Be concise and answer in one sentence."
+    with_prompt = chat.generate(spoken_wav, system_prompt=prompt)
+    ids = chat.prompt_ids(prompt)
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) > 5
+    assert with_prompt.prompt_frames == len(ids)
+    assert with_prompt.frames == result.frames
+    assert len(with_prompt.text_tokens) == len(result.text_tokens)
+    assert with_prompt.audio.shape == result.audio.shape
+    assert with_prompt.text_tokens != result.text_tokens  # the prompt conditions the answer
+    text, function = chat.text_ids_full_history(spoken_wav, system_prompt=prompt)
+    assert (text, function) == (with_prompt.text_tokens, with_prompt.function_tokens)
+
+
+def test_quantized_checkpoint_runs_end_to_end(chat_q4, spoken_wav):
+    r = chat_q4.generate(spoken_wav)
+    assert np.all(np.isfinite(r.audio)) and r.audio.shape == (r.frames * 1764,)
+    text, function = chat_q4.text_ids_full_history(spoken_wav)
+    assert text == r.text_tokens and function == r.function_tokens
+
+
+def test_array_input_and_extra_seconds(chat, spoken_wav):
+    from voicechat.audio import read_audio
+
+    data, rate = read_audio(spoken_wav)
+    a = chat.generate(data[:, 0], sample_rate=rate, extra_decoding_seconds=0.5)
+    b = chat.generate(spoken_wav, extra_decoding_seconds=0.5)
+    assert a.text_tokens == b.text_tokens and np.array_equal(a.audio, b.audio)
+    longer = chat.generate(spoken_wav, extra_decoding_seconds=1.5)
+    assert longer.frames - a.frames == 12 or longer.frames - a.frames == 13  # +1 s = 12.5 frames
+
+
+def test_inputs_past_the_context_are_refused(chat, spoken_wav):
+    limit = chat.config.text_config.max_position_embeddings
+    with pytest.raises(InputError, match="system-prompt tokens"):
+        chat.generate(spoken_wav, system_prompt="word " * (limit + 10))
+    seconds = limit * 0.08 + 10
+    with pytest.raises(InputError, match="context"):
+        chat.generate(np.zeros(int(seconds * 16000), np.float32), sample_rate=16000)
+    with pytest.raises(InputError, match="extra_decoding_seconds"):
+        chat.generate(spoken_wav, extra_decoding_seconds=-1)

@@ -289,9 +289,9 @@ class VoiceChat:
         return text[len(ids):], function[len(ids):]
 
 
-def load(path_or_id: str | os.PathLike) -> VoiceChat:
+def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
     """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory)."""
-    checkpoint = open_checkpoint(path_or_id)
+    checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)
     config = checkpoint.config
     model = VoiceChatModel(config)
     checkpoint.load_into(model, "")

@@ -86,12 +86,29 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.size
 
 
+@dataclass(frozen=True)
+class _Gaussian:
+    """`center + std * N(0, 1)` of a shape: drawn with numpy (files) or on the MLX device (in memory)."""
+
+    shape: tuple
+    std: float
+    center: float = 0.0
+    perm: tuple | None = None  # stored transposed (MLX layout of a torch-shaped draw)
+
+    def __call__(self, rng: np.random.Generator) -> np.ndarray:
+        x = np.float32(self.center) + rng.standard_normal(self.shape, dtype=np.float32) * np.float32(self.std)
+        return x.transpose(self.perm) if self.perm else x
+
+    def mlx(self, key: mx.array, shape: tuple) -> mx.array:
+        return self.center + self.std * mx.random.normal(shape, key=key)
+
+
 def _normal(shape, std):
-    return lambda rng: rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return _Gaussian(tuple(shape), float(std))
 
 
 def _around(shape, center, std):
-    return lambda rng: np.float32(center) + rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return _Gaussian(tuple(shape), float(std), float(center))
 
 
 def _const(shape, value, dtype=np.float32):
@@ -134,8 +151,7 @@ class _Writer:
         if self.layout == "torch":
             self.add(f"{name}.weight", torch_shape, _normal(torch_shape, std))
         else:
-            self.add(f"{name}.weight", (out_ch, k, in_per_group),
-                     lambda rng, s=torch_shape, st=std: _normal(s, st)(rng).transpose(0, 2, 1))
+            self.add(f"{name}.weight", (out_ch, k, in_per_group), _Gaussian(torch_shape, std, perm=(0, 2, 1)))
         if bias:
             self.add(f"{name}.bias", (out_ch,), _normal((out_ch,), 0.02))
 
@@ -145,8 +161,7 @@ class _Writer:
         if self.layout == "torch":
             self.add(f"{name}.weight", torch_shape, _normal(torch_shape, std))
         else:
-            self.add(f"{name}.weight", (out_ch, k, in_ch),
-                     lambda rng, s=torch_shape, st=std: _normal(s, st)(rng).transpose(1, 2, 0))
+            self.add(f"{name}.weight", (out_ch, k, in_ch), _Gaussian(torch_shape, std, perm=(1, 2, 0)))
 
     def conv2d(self, name, out_ch, in_per_group, k, bias=True):
         std = 1.0 / math.sqrt(in_per_group * k * k)
@@ -154,8 +169,7 @@ class _Writer:
         if self.layout == "torch":
             self.add(f"{name}.weight", torch_shape, _normal(torch_shape, std))
         else:
-            self.add(f"{name}.weight", (out_ch, k, k, in_per_group),
-                     lambda rng, s=torch_shape, st=std: _normal(s, st)(rng).transpose(0, 2, 3, 1))
+            self.add(f"{name}.weight", (out_ch, k, k, in_per_group), _Gaussian(torch_shape, std, perm=(0, 2, 3, 1)))
         if bias:
             self.add(f"{name}.bias", (out_ch,), _normal((out_ch,), 0.02))
 
@@ -494,6 +508,59 @@ def _materialize(spec: TensorSpec, seed: int) -> dict[str, mx.array]:
         weight, scales, biases = mx.quantize(dense, group_size=64, bits=spec.quantize)
         return {spec.name: weight, f"{base}.scales": scales, f"{base}.biases": biases}
     return {spec.name: mx.array(np.asarray(spec.init(rng))).astype(spec.dtype)}
+
+
+def _materialize_on_device(spec: TensorSpec, seed: int) -> dict[str, mx.array]:
+    """Like `_materialize`, but large Gaussian tensors are drawn by MLX on the default device."""
+    if not isinstance(spec.init, _Gaussian):
+        return _materialize(spec, seed)
+    key = mx.random.key((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**31)
+    if spec.quantize:
+        dense = spec.init.mlx(key, spec.init.shape).astype(spec.dense_dtype)
+        base = spec.name[: -len(".weight")]
+        weight, scales, biases = mx.quantize(dense, group_size=64, bits=spec.quantize)
+        return {spec.name: weight, f"{base}.scales": scales, f"{base}.biases": biases}
+    return {spec.name: spec.init.mlx(key, spec.shape).astype(spec.dtype)}
+
+
+def random_checkpoint(
+    directory: str | Path,
+    size: str = "full",
+    quantize: int | None = 4,
+    dtype: str | mx.Dtype | None = None,
+    seed: int = 0,
+    config: VoiceChatConfig | None = None,
+):
+    """A `Checkpoint` whose tensors are made in memory on the default device (no safetensors file):
+    for GPU benchmarks at full size. `directory` receives config.json and the tokenizer files."""
+    from .checkpoint import Checkpoint
+
+    config = config or (tiny_config() if size == "tiny" else full_config())
+    dtype = dtype or ("bfloat16" if size == "full" else "float32")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = config.text_config.vocab_size
+    tokenizer = build_tokenizer(vocab)
+    cont, special = token_flags(tokenizer, vocab)
+    extras = {"is_continuation": cont, "special_flags": special}
+    specs, qmap = inventory(config, quantize, dtype, "mlx", extras)
+    t = config.tts_config
+    rng = np.random.default_rng([seed, 7])
+    extras["all"] = rng.standard_normal((t.num_quantizers, t.codebook_size, t.latent_size), dtype=np.float32)
+    config = VoiceChatConfig.from_dict(config.to_dict())
+    if qmap:
+        config.quantization = config.quantization_config = {"group_size": 64, "bits": quantize, **qmap}
+    config.rnnt_vocabulary = rnnt_vocabulary(config.audio_config.decoder.vocab_size)
+    config.save(directory / "config.json")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    tensors: dict[str, mx.array] = {}
+    for spec in specs:
+        if spec.init is None:
+            continue
+        made = _materialize_on_device(spec, seed)
+        mx.eval(made)
+        tensors.update(made)
+    return Checkpoint(directory, config, tensors)
 
 
 def make_checkpoint(

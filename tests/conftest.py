@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,9 +33,16 @@ def _need(tool: str) -> str:
     return path
 
 
+# Machines without espeak-ng (the lent GPU box) may point this at WAVs made elsewhere by the same
+# two commands (question-22k.wav, question-16k.wav).
+PREMADE = os.environ.get("VOICECHAT_TEST_WAVS")
+
+
 @pytest.fixture(scope="session")
 def spoken_wav_22k(tmp_path_factory) -> Path:
     """A spoken question as espeak-ng writes it (22050 Hz mono PCM16)."""
+    if PREMADE:
+        return Path(PREMADE) / "question-22k.wav"
     out = tmp_path_factory.mktemp("wav") / "question-22k.wav"
     subprocess.run([_need("espeak-ng"), "-w", str(out), QUESTION], check=True, capture_output=True)
     return out
@@ -43,6 +51,8 @@ def spoken_wav_22k(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def spoken_wav(spoken_wav_22k, tmp_path_factory) -> Path:
     """The same question at 16 kHz mono PCM16 (sox), the model's input rate."""
+    if PREMADE:
+        return Path(PREMADE) / "question-16k.wav"
     out = tmp_path_factory.mktemp("wav") / "question-16k.wav"
     subprocess.run([_need("sox"), "-R", str(spoken_wav_22k), "-r", "16000", "-c", "1", "-b", "16", str(out)],
                    check=True, capture_output=True)

@@ -1,0 +1,63 @@
+"""The reference point for the LLM step: mlx-lm's own `nemotron_h` at the same config, 4-bit.
+
+    VOICECHAT_BENCH_SIZE=full python -m pytest benchmarks/bench_reference_mlx_lm.py --benchmark-enable
+
+One decode step = embedding lookup, the 56 layers with caches, `norm_f`, and both 131072-wide
+heads (mlx-lm has one head; a second quantized head of the same shape is applied to the same
+hidden state) with their argmax — the same work as `bench_llm.py::test_llm_step`. Random weights,
+bf16, quantized with group 64 / 4 bits like the published checkpoint. Skipped when mlx-lm is
+not installed (it is not a dependency of voicechat).
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from voicechat.config import VoiceChatConfig
+from voicechat.testing import tiny_config
+
+SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def reference():
+    nh = pytest.importorskip("mlx_lm.models.nemotron_h")
+    t = (VoiceChatConfig() if SIZE == "full" else tiny_config()).text_config
+    args = nh.ModelArgs(
+        model_type="nemotron_h", vocab_size=t.vocab_size, hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        attention_bias=t.attention_bias, mamba_num_heads=t.mamba_num_heads, mamba_head_dim=t.mamba_head_dim,
+        mamba_proj_bias=t.mamba_proj_bias, ssm_state_size=t.ssm_state_size, conv_kernel=t.conv_kernel,
+        n_groups=t.n_groups, mlp_bias=t.mlp_bias, layer_norm_epsilon=t.layer_norm_epsilon, use_bias=False,
+        use_conv_bias=t.use_conv_bias, hybrid_override_pattern=list(t.hybrid_override_pattern),
+        num_hidden_layers=t.num_hidden_layers, head_dim=t.head_dim)
+    model = nh.Model(args)
+    second_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
+    model.set_dtype(mx.bfloat16)
+    second_head.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    nn.quantize(second_head, group_size=64, bits=4)
+    mx.eval(model.parameters(), second_head.parameters())
+    cache = model.make_cache()
+    mx.eval(model.backbone(mx.zeros((1, CONTEXT), mx.int32), cache=cache))
+    return model, second_head, cache
+
+
+def test_mlx_lm_step_both_heads(benchmark, reference):
+    model, second_head, cache = reference
+    token = mx.array([[12]], dtype=mx.int32)
+
+    def step():
+        hidden = model.backbone(token, cache=cache)
+        ids = (mx.argmax(model.lm_head(hidden[:, -1]), -1), mx.argmax(second_head(hidden[:, -1]), -1))
+        mx.eval(ids)
+
+    step()
+    benchmark.pedantic(step, rounds=30, iterations=1, warmup_rounds=3)
+    benchmark.extra_info["size"] = SIZE

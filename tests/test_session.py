@@ -43,7 +43,7 @@ def test_result_shapes_and_lengths(chat, result, spoken_wav):
     assert all(0 <= c < k for row in result.audio_codes for c in row)
     assert all(0 <= t < chat.config.text_config.vocab_size for t in result.text_tokens + result.function_tokens)
     assert set(result.timings) >= {"perception_s", "tts_warmup_s", "timeline_s", "codec_s", "transcript_s", "generate_s"}
-    assert result.host_syncs <= 2 + frames // 32
+    assert result.host_syncs <= 5 + frames // 32  # a handful, not one per frame
 
 
 def test_intermediates_are_finite(chat, spoken_wav):

@@ -51,7 +51,7 @@ class Result:
     timings: dict[str, float] = field(default_factory=dict)
     frames: int = 0
     prompt_frames: int = 0
-    host_syncs: int = 0
+    host_syncs: int = 0  # times the host waited for the device during generate()
 
     def to_json(self) -> dict:
         """Everything but the samples, with the same field names."""
@@ -76,6 +76,8 @@ class VoiceChat:
         self.stt = model.stt_model
         self.tts = model.tts_model
         self._prompt_codes: mx.array | None = None
+        self._control_codes = np.array(self.tts.control_codes)
+        self._silence_codes = np.array(self.tts.codec_silence_tokens)
 
     # ------------------------------------------------------------------ helpers
 
@@ -194,7 +196,7 @@ class VoiceChat:
             timings=timings,
             frames=frames,
             prompt_frames=prompt_frames,
-            host_syncs=syncs,
+            host_syncs=syncs + 4,  # + perception, warmup, codec and transcript: one wait each
         )
 
     def _timeline(self, audio_embeds, ids, previous_code, tts_cache, seed, progress):
@@ -254,9 +256,7 @@ class VoiceChat:
 
     def _decode_audio(self, codes: np.ndarray) -> np.ndarray:
         """Control codes -> silence codes, then the codec over the whole answer."""
-        control = np.array(self.tts.control_codes)
-        silence = np.array(self.tts.codec_silence_tokens)
-        codes = np.where(np.isin(codes, control), silence[None, :], codes)
+        codes = np.where(np.isin(codes, self._control_codes), self._silence_codes[None, :], codes)
         wave = self.tts.audio_codec.decode(mx.array(codes.T[None].astype(np.int32)))
         return np.array(wave[0].astype(mx.float32))
 

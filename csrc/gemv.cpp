@@ -93,14 +93,13 @@ const CudaSource& qmv_source() {
       gemv_cuda::kQmvSource,
       gemv_cuda::kHeader,
       {
-          // Every Nemotron-H projection (N, K) and the heads, 4-bit group 64, bf16 scales.
+          // The Nemotron-H projections (N, K) and the heads, 4-bit group 64, bf16 scales (up_proj
+          // 15680 x 4480 and q_proj 5120 x 4480 differ from in_proj only in N).
           inst(f, bf, f, 4, 64, 4480, 22656, 1, 4, 160),    // mamba in_proj
           inst(bf, bf, bf, 4, 64, 4480, 22656, 2, 4, 160),
           inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 160),    // mamba out_proj
-          inst(f, bf, f, 4, 64, 4480, 15680, 1, 4, 160),    // mlp up_proj
           inst(bf, bf, bf, 4, 64, 15680, 4480, 1, 4, 256),  // mlp down_proj
           inst(f, bf, f, 4, 64, 15680, 4480, 2, 4, 256),
-          inst(f, bf, f, 4, 64, 4480, 5120, 1, 4, 160),     // attention q_proj
           inst(f, bf, f, 4, 64, 4480, 1024, 1, 1, 160),     // attention k_proj / v_proj
           inst(f, bf, f, 4, 64, 5120, 4480, 1, 4, 160),     // attention o_proj
           inst(f, bf, f, 4, 64, 4480, 131072, 1, 4, 160),   // lm_head / function_head

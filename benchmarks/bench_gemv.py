@@ -250,11 +250,11 @@ SWEEP_THREADS = (0, 64, 128, 256)  # 0: the default for the shape
 
 
 def run_sweep(size: str) -> list[Result]:
-    """Launch shapes (rows per block x threads) at each 4-bit shape and the TTS backbone's three,
+    """Launch shapes (rows per block x threads) at each 4-bit shape and the four largest TTS ones,
     float32 x (the model's activations): for tuning pick_launch in csrc/gemv.cpp."""
     out = []
     shapes = [("q4", n, k) for n, k in distinct((n, k) for _, n, k in llm_projections(size))]
-    shapes += [("dense", n, k) for n, k in distinct(tts_linear_shapes(size))[:3]]
+    shapes += [("dense", n, k) for n, k in distinct(tts_linear_shapes(size))[:4]]
     for kind, n, k in shapes:
         for rows_per_block in SWEEP_ROWS:
             for threads in SWEEP_THREADS:

@@ -18,11 +18,23 @@ namespace vc_gemv {
 // OR-ing it under the exponent of 2^23 gives the float 2^23 + field * 2^SHIFT; one FMA scales that
 // by 2^-SHIFT and removes the 2^(23 - SHIFT) offset, both exactly. One LOP3 and one FFMA per value
 // instead of a shift, a mask and the slow integer-to-float conversion.
+template <unsigned int MASK>
+__device__ __forceinline__ unsigned int under_magic(unsigned int v) {
+#ifdef __CUDA_ARCH__
+  // One LOP3 for (v & MASK) | 0x4B000000 (written as two ops, it becomes two: one immediate each).
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "n"(MASK), "r"(0x4B000000u));
+  return r;
+#else
+  return (v & MASK) | 0x4B000000u;
+#endif
+}
+
 template <int SHIFT, int WIDTH>
 __device__ __forceinline__ float field(unsigned int v) {
   constexpr unsigned int mask = ((1u << WIDTH) - 1u) << SHIFT;
   constexpr float unit = 1.0f / static_cast<float>(1u << SHIFT);
-  return fmaf(__uint_as_float((v & mask) | 0x4B000000u), unit, -8388608.0f * unit);
+  return fmaf(__uint_as_float(under_magic<mask>(v)), unit, -8388608.0f * unit);
 }
 
 // The 32 / BITS values of one packed word, lowest bits first (MLX's affine packing). Fields that

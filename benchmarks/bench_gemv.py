@@ -207,10 +207,13 @@ def release():
 
 # --------------------------------------------------------------------------- script mode
 
-def run_all(size: str, sweep: bool) -> list[Result]:
+GROUPS = ("q4", "dense", "argmax", "floor")
+
+
+def run_all(size: str, groups=GROUPS, sweep: bool = False) -> list[Result]:
     results = []
     cfg = full_config().text_config if size == "full" else tiny_config().text_config
-    for n, k in distinct((n, k) for _, n, k in llm_projections(size)):
+    for n, k in distinct((n, k) for _, n, k in llm_projections(size)) if "q4" in groups else []:
         for x_name, x_dtype in DTYPES.items():
             calls, runs = q4_runs(n, k, x_dtype)
             for impl, run in runs.items():
@@ -219,21 +222,21 @@ def run_all(size: str, sweep: bool) -> list[Result]:
                                        {"launch": [rows_per_block, threads]} if impl == "ours" else None))
             del runs
             release()
-    for n, k in tts_linear_shapes(size):
+    for n, k in tts_linear_shapes(size) if "dense" in groups else []:
         for x_name, x_dtype in DTYPES.items():
             calls, runs = dense_runs(n, k, x_dtype)
             for impl, run in runs.items():
                 results.append(measure("dense", f"{n}x{k}", impl, x_name, 2, calls, n * k * 2, run))
             del runs
             release()
-    for x_name, x_dtype in DTYPES.items():
+    for x_name, x_dtype in DTYPES.items() if "argmax" in groups else []:
         calls, runs = argmax_runs(cfg.vocab_size, cfg.hidden_size, x_dtype)
         for impl, run in runs.items():
             results.append(measure("argmax", f"2x{cfg.vocab_size}x{cfg.hidden_size}", impl, x_name, 1, calls,
                                    2 * q4_bytes(cfg.vocab_size, cfg.hidden_size), run))
         del runs
         release()
-    for x_name, x_dtype in DTYPES.items():
+    for x_name, x_dtype in DTYPES.items() if "floor" in groups else []:
         count, total, runs = floor_runs(size, x_dtype)
         for impl, run in runs.items():
             r = measure("floor", f"{count} matrices", impl, x_name, 1, 1, total, run, {"matrices": count})
@@ -281,6 +284,13 @@ def table(results: list[Result]) -> str:
         launch = r.extra.get("launch", "")
         lines.append(f"{r.group:<8} {r.name:<22} {r.x:<5} {r.impl:<5} {r.us_per_call:10.1f} {r.gbps:9.1f} "
                      f"{speedup:>7}  {launch}")
+    best = {}
+    for r in results:
+        if r.group.startswith("sweep") and ((r.group, r.name) not in best or r.gbps > best[r.group, r.name].gbps):
+            best[r.group, r.name] = r
+    if best:
+        lines.append("best launch [rows per block, threads] per shape (0 threads: the default):")
+        lines += [f"  {g:<12} {name:<14} {r.extra['launch']}  {r.gbps:8.1f} GB/s" for (g, name), r in best.items()]
     return "\n".join(lines)
 
 
@@ -288,12 +298,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=("tiny", "full"), default=SIZE)
     p.add_argument("--json", type=Path, help="write the results here")
-    p.add_argument("--sweep", action="store_true", help="also time every launch shape (GPU tuning)")
+    p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated subset of {','.join(GROUPS)}")
+    p.add_argument("--sweep", action="store_true", help="also time launch shapes (GPU tuning; ~5 min at full size)")
     args = p.parse_args(argv)
     info = {"size": args.size, "device": str(mx.default_device()), "build": build_info(), "mlx": mx.__version__,
             "tf32": os.environ.get("MLX_ENABLE_TF32", "")}
     print(json.dumps(info))
-    results = run_all(args.size, args.sweep)
+    groups = tuple(g for g in args.only.split(",") if g)
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        p.error(f"--only: unknown {sorted(unknown)}")
+    results = run_all(args.size, groups, args.sweep)
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"info": info, "results": [asdict(r) for r in results]}, indent=1))

@@ -133,10 +133,29 @@ __device__ __forceinline__ bool aligned16(const T* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
 }
 
+// One step's loads for ROWS weight rows: a 16-byte chunk of each, and its group's scale and bias.
+template <int ROWS>
+struct QuantStep {
+  uint4 w[ROWS];
+  float scale[ROWS], bias[ROWS];
+};
+
+template <int CHUNKS, int GROUPS, int CHUNK, int GROUP, int ROWS, typename TS>
+__device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, const TS* scales, const TS* biases,
+                                          const int* rows, int c) {
+  const int g = (c * CHUNK) / GROUP;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    st.w[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c);
+    st.scale[r] = static_cast<float>(scales[static_cast<size_t>(rows[r]) * GROUPS + g]);
+    st.bias[r] = static_cast<float>(biases[static_cast<size_t>(rows[r]) * GROUPS + g]);
+  }
+}
+
 // acc[r][m] = sum_k x[m, k] * (scale * q[row0 + r, k] + bias) over this thread's chunks, for the
 // affine-quantized weight [n_rows, K * BITS / 32] (uint32) with scales / biases [n_rows, K / GROUP].
 // A 16-byte chunk holds 128 / BITS values of one group (GROUP >= 32): per chunk and row,
-// scale * sum(q x) + bias * sum(x).
+// scale * sum(q x) + bias * sum(x). The next step's loads are issued before this step's math.
 template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, typename TX, typename TS>
 __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
                                                const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M]) {
@@ -155,19 +174,18 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
   }
+  QuantStep<ROWS> cur{};
+  if (static_cast<int>(threadIdx.x) < CHUNKS) {
+    load_step<CHUNKS, GROUPS, CHUNK, GROUP>(cur, w4, scales, biases, rows, threadIdx.x);
+  }
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int c = it * THREADS + static_cast<int>(threadIdx.x);
+    QuantStep<ROWS> next{};
+    if (it + 1 < ITERS && c + THREADS < CHUNKS) {
+      load_step<CHUNKS, GROUPS, CHUNK, GROUP>(next, w4, scales, biases, rows, c + THREADS);
+    }
     if (c < CHUNKS) {
-      const int g = (c * CHUNK) / GROUP;
-      uint4 wq[ROWS];
-      float sc[ROWS], bi[ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {  // all loads of the step first: more bytes in flight
-        wq[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c);
-        sc[r] = static_cast<float>(scales[static_cast<size_t>(rows[r]) * GROUPS + g]);
-        bi[r] = static_cast<float>(biases[static_cast<size_t>(rows[r]) * GROUPS + g]);
-      }
       float dot[ROWS][M];
       float xsum[M];
 #pragma unroll
@@ -188,7 +206,7 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           float q[VPW];
-          unpack<BITS>(word(wq[r], k), q);
+          unpack<BITS>(word(cur.w[r], k), q);
 #pragma unroll
           for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -199,14 +217,16 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] += fmaf(sc[r], dot[r][m], bi[r] * xsum[m]);
+        for (int m = 0; m < M; ++m) acc[r][m] += fmaf(cur.scale[r], dot[r][m], cur.bias[r] * xsum[m]);
       }
     }
+    cur = next;
   }
 }
 
 // acc[r][m] = sum_k x[m, k] * w[row0 + r, k] over this thread's chunks, w dense [n_rows, K]
-// (bfloat16, float16 or float32; K a multiple of 8).
+// (bfloat16, float16 or float32; K a multiple of 8). The next step's loads are issued before this
+// step's math.
 template <int K, int M, int ROWS, int THREADS, typename TX, typename TW>
 __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, int row0, int n_rows,
                                                  float (&acc)[ROWS][M]) {
@@ -224,13 +244,20 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
   }
+  uint4 wv[ROWS] = {};
+  if (static_cast<int>(threadIdx.x) < CHUNKS) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wv[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + threadIdx.x);
+  }
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
     const int c = it * THREADS + static_cast<int>(threadIdx.x);
-    if (c < CHUNKS) {
-      uint4 wv[ROWS];
+    uint4 next[ROWS] = {};
+    if (it + 1 < ITERS && c + THREADS < CHUNKS) {  // the next step's loads in flight during this step's math
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) wv[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c);
+      for (int r = 0; r < ROWS; ++r) next[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c + THREADS);
+    }
+    if (c < CHUNKS) {
       float xv[M][CHUNK];
 #pragma unroll
       for (int m = 0; m < M; ++m) load_x<CHUNK>(x + static_cast<size_t>(m) * K + c * CHUNK, xv[m], vec);
@@ -248,6 +275,8 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
         }
       }
     }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wv[r] = next[r];
   }
 }
 

@@ -1,0 +1,405 @@
+// Decode-speed matrix-vector products: 1-2 rows of activations against a large weight.
+//
+//   quantized_matvec : x @ dequant(w).T for MLX's affine 4- / 8-bit packing (group 32/64/128)
+//   dense_matvec     : x @ w.T for bfloat16 / float16 / float32 weights
+//   two_head_argmax  : argmax of x @ dequant(w_a).T and of x @ dequant(w_b).T (the LLM's lm_head
+//                      and function_head) without writing the logits (unless asked to)
+//
+// CUDA: our kernels (gemv_cuda.h) through fast::cuda_kernel, activations float32 or bfloat16 at
+// the same speed, float32 accumulation. Everywhere else, and for shapes the kernels do not
+// cover, MLX's own ops (which are also the references).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cuda_sources.h"
+#include "gemv_cuda.h"
+#include "mlx/fast.h"
+#include "mlx/mlx.h"
+#include "mlx_caster.h"
+#include "registry.h"
+
+namespace py = pybind11;
+namespace mx = mlx::core;
+
+namespace voicechat {
+namespace {
+
+// ---------------------------------------------------------------- launch shapes
+
+constexpr int kMaxRows = 2;        // input rows the kernels take (decode: batch 1, or 2)
+constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a block takes
+constexpr int kArgmaxGroupsPerBlock = 8;
+
+struct Launch {
+  int rows;     // output rows per block
+  int threads;  // threads per block, splitting K
+};
+
+// Threads: enough to cover a row's 16-byte chunks in ceil(chunks / 256) steps, in whole warps
+// (K = 4480 at 4 bits: 140 chunks -> 160 threads, one step). Rows per block: 4 (each chunk of x
+// serves 4 weight rows), fewer when that would leave under ~4 blocks per SM.
+Launch pick_launch(int chunks, int n, int rows_override, int threads_override) {
+  const int steps = (chunks + 255) / 256;
+  Launch l{4, 32 * ((chunks + 32 * steps - 1) / (32 * steps))};
+  while (l.rows > 1 && (n + l.rows - 1) / l.rows < 4 * kSmCount) {
+    l.rows /= 2;
+  }
+  if (rows_override > 0) {
+    l.rows = rows_override;
+  }
+  if (threads_override > 0) {
+    l.threads = threads_override;
+  }
+  if (l.rows != 1 && l.rows != 2 && l.rows != 4 && l.rows != 8) {
+    throw std::invalid_argument("gemv: rows_per_block must be 1, 2, 4 or 8");
+  }
+  if (l.threads % 32 != 0 || l.threads < 32 || l.threads > 512) {
+    throw std::invalid_argument("gemv: threads must be a multiple of 32 in [32, 512]");
+  }
+  return l;
+}
+
+// ---------------------------------------------------------------- CUDA sources
+
+const CudaSource& qmv_source() {
+  using P = std::pair<std::string, std::string>;
+  // tb: the Linear bias' type, or nullptr for none (the kernel then gets `scales` in its place).
+  auto inst = [](const char* tx, const char* ts, const char* to, int bits, int group, int k, int n, int m,
+                 int rows, int threads, const char* tb = nullptr) {
+    const char* bias_type = tb ? tb : ts;
+    return CudaInstance{
+        {tx, "uint32_t", ts, ts, bias_type},
+        {to},
+        {P{"BITS", "int:" + std::to_string(bits)}, P{"GROUP", "int:" + std::to_string(group)},
+         P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
+         P{"ROWS", "int:" + std::to_string(rows)}, P{"THREADS", "int:" + std::to_string(threads)},
+         P{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
+         P{"TS", std::string("type:") + ts}, P{"TB", std::string("type:") + bias_type},
+         P{"TO", std::string("type:") + to}}};
+  };
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv",
+      {"x", "weight", "scales", "biases", "bias"},
+      {"out"},
+      gemv_cuda::kQmvSource,
+      gemv_cuda::kHeader,
+      {
+          // The Nemotron-H projections (N, K) and the heads, 4-bit group 64, bf16 scales (up_proj
+          // 15680 x 4480 and q_proj 5120 x 4480 differ from in_proj only in N).
+          inst(f, bf, f, 4, 64, 4480, 22656, 1, 4, 160),    // mamba in_proj
+          inst(bf, bf, bf, 4, 64, 4480, 22656, 2, 4, 160),
+          inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 160),    // mamba out_proj
+          inst(bf, bf, bf, 4, 64, 15680, 4480, 1, 4, 256),  // mlp down_proj
+          inst(f, bf, f, 4, 64, 15680, 4480, 2, 4, 256),
+          inst(f, bf, f, 4, 64, 4480, 1024, 1, 1, 160),     // attention k_proj / v_proj
+          inst(f, bf, f, 4, 64, 5120, 4480, 1, 4, 160),     // attention o_proj
+          inst(f, bf, f, 4, 64, 4480, 131072, 1, 4, 160),   // lm_head / function_head
+          // The other packings, dtypes and a Linear bias.
+          inst(f, bf, f, 8, 64, 4480, 5120, 2, 8, 160),
+          inst("__half", "__half", "__half", 4, 32, 4480, 1000, 1, 2, 64),
+          inst(bf, f, f, 8, 128, 1152, 1, 2, 1, 96),
+          inst(f, bf, f, 4, 64, 4480, 5120, 2, 4, 160, f),
+      },
+  });
+  return src;
+}
+
+const CudaSource& dense_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const char* tx, const char* tw, const char* tb, const char* to, int k, int n, int m, int rows,
+                 int threads, bool has_bias) {
+    return CudaInstance{
+        {tx, tw, tb},
+        {to},
+        {P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
+         P{"ROWS", "int:" + std::to_string(rows)}, P{"THREADS", "int:" + std::to_string(threads)},
+         P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
+         P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb}, P{"TO", std::string("type:") + to}}};
+  };
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_dense_mv",
+      {"x", "weight", "bias"},
+      {"out"},
+      gemv_cuda::kDenseSource,
+      gemv_cuda::kHeader,
+      {
+          // TTS backbone (batch 2: the two CFG rows), MoG head, codec-side projections.
+          inst(f, bf, bf, f, 1152, 1152, 2, 2, 160, false),   // attention q/k/v/o
+          inst(f, bf, bf, f, 1152, 4608, 2, 4, 160, false),   // mlp gate / up
+          inst(f, bf, bf, f, 4608, 1152, 2, 2, 192, false),   // mlp down
+          inst(bf, bf, bf, bf, 4608, 1152, 1, 2, 192, false),
+          inst(f, bf, bf, f, 1152, 65536, 1, 4, 160, false),  // MoG proj_mus
+          inst(f, bf, bf, f, 1152, 1, 2, 1, 160, false),      // MoG proj_logs (N = 1)
+          inst(f, bf, bf, f, 1152, 1152, 1, 2, 160, true),    // gated fusion (with bias)
+          inst(f, f, f, f, 1024, 4480, 1, 4, 256, true),      // float32 weights
+          inst("__half", "__half", "__half", "__half", 640, 2560, 2, 2, 96, true),
+      },
+  });
+  return src;
+}
+
+const CudaSource& argmax_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const char* tx, const char* ts, const char* to, int m, bool logits) {
+    return CudaInstance{
+        {tx, "uint32_t", ts, ts, "uint32_t", ts, ts},
+        {"int64_t", to, to},
+        {P{"BITS", "int:4"}, P{"GROUP", "int:64"}, P{"K", "int:4480"}, P{"N", "int:131072"},
+         P{"M", "int:" + std::to_string(m)}, P{"ROWS", "int:4"}, P{"THREADS", "int:160"},
+         P{"GPB", "int:" + std::to_string(kArgmaxGroupsPerBlock)}, P{"WRITE_LOGITS", logits ? "bool:true" : "bool:false"},
+         P{"TX", std::string("type:") + tx}, P{"TS", std::string("type:") + ts}, P{"TO", std::string("type:") + to}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_two_head_argmax",
+      {"x", "weight_a", "scales_a", "biases_a", "weight_b", "scales_b", "biases_b"},
+      {"keys", "logits_a", "logits_b"},
+      gemv_cuda::kArgmaxSource,
+      gemv_cuda::kHeader,
+      {inst("float", "__nv_bfloat16", "float", 1, false), inst("__nv_bfloat16", "__nv_bfloat16", "__nv_bfloat16", 1, true),
+       inst("float", "__nv_bfloat16", "float", 2, true)},
+  });
+  return src;
+}
+
+const CudaSource& argmax_finish_source() {
+  using P = std::pair<std::string, std::string>;
+  static const CudaSource& src = register_cuda_source({
+      "vc_argmax_finish",
+      {"keys"},
+      {"ids"},
+      gemv_cuda::kArgmaxFinishSource,
+      "",
+      {CudaInstance{{"int64_t"}, {"int32_t"}, {P{"NB", "int:4096"}, P{"THREADS", "int:256"}}},
+       CudaInstance{{"int64_t"}, {"int32_t"}, {P{"NB", "int:3"}, P{"THREADS", "int:256"}}}},
+  });
+  return src;
+}
+
+const mx::fast::CustomKernelFunction& kernel(const CudaSource& src) {
+  // One kernel function per source; MLX caches the compiled instances by template args.
+  static std::vector<std::pair<const CudaSource*, mx::fast::CustomKernelFunction>> made;
+  for (auto& [s, fn] : made) {
+    if (s == &src) {
+      return fn;
+    }
+  }
+  made.emplace_back(&src, mx::fast::cuda_kernel(src.name, src.input_names, src.output_names, src.source, src.header));
+  return made.back().second;
+}
+
+// ---------------------------------------------------------------- checks
+
+bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
+
+int leading_rows(const mx::array& x) { return x.ndim() == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1)); }
+
+mx::Shape out_shape(const mx::array& x, int n) {
+  mx::Shape shape(x.shape().begin(), x.shape().end() - 1);
+  shape.push_back(n);
+  return shape;
+}
+
+struct Quantized {
+  int n, k;
+};
+
+// Shapes of an affine-quantized weight; throws on arrays that do not form one.
+Quantized check_quantized(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                          int group_size, int bits) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument("quantized_matvec: bits must be 4 or 8");
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument("quantized_matvec: group_size must be 32, 64 or 128");
+  }
+  if (w.ndim() != 2 || w.dtype() != mx::uint32) {
+    throw std::invalid_argument("quantized_matvec: weight must be packed uint32 [N, K * bits / 32]");
+  }
+  const int n = w.shape(0);
+  const int k = w.shape(1) * 32 / bits;
+  if (scales.ndim() != 2 || scales.shape(0) != n || scales.shape(1) * group_size != k || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("quantized_matvec: scales and biases must be [N, K / group_size]");
+  }
+  if (x.ndim() < 1 || x.shape(-1) != k) {
+    throw std::invalid_argument("quantized_matvec: x [..., K] does not match the weight's K = " + std::to_string(k));
+  }
+  return {n, k};
+}
+
+// ---------------------------------------------------------------- quantized matvec
+
+mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
+                           int threads, mx::StreamOrDevice s_) {
+  const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
+  auto s = mx::to_stream(s_);
+  const int m = leading_rows(x);
+  const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && float_dtype(x.dtype()) &&
+                           float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
+                           (!bias || (bias->ndim() == 1 && bias->shape(0) == n && float_dtype(bias->dtype())));
+  if (!kernel_path) {
+    auto y = mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", s);
+    return bias ? mx::add(y, *bias, s) : y;
+  }
+  auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
+  if (bias) {
+    out_dtype = mx::promote_types(out_dtype, bias->dtype());
+  }
+  const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads);
+  const int blocks = (n + l.rows - 1) / l.rows;
+  auto outs = kernel(qmv_source())(
+      {mx::reshape(x, {m, k}, s), w, scales, biases, bias ? *bias : scales}, {{m, n}}, {out_dtype},
+      {blocks * l.threads, 1, 1}, {l.threads, 1, 1},
+      {{"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads},
+       {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TS", scales.dtype()},
+       {"TB", bias ? bias->dtype() : scales.dtype()}, {"TO", out_dtype}},
+      std::nullopt, false, s);
+  return mx::reshape(outs[0], out_shape(x, n), s);
+}
+
+// ---------------------------------------------------------------- dense matvec
+
+mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
+                       int rows_per_block, int threads, mx::StreamOrDevice s_) {
+  if (w.ndim() != 2) {
+    throw std::invalid_argument("dense_matvec: weight must be [N, K]");
+  }
+  const int n = w.shape(0), k = w.shape(1);
+  if (x.ndim() < 1 || x.shape(-1) != k) {
+    throw std::invalid_argument("dense_matvec: x [..., K] does not match the weight's K = " + std::to_string(k));
+  }
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != n)) {
+    throw std::invalid_argument("dense_matvec: bias must be [N]");
+  }
+  auto s = mx::to_stream(s_);
+  const int m = leading_rows(x);
+  const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && k % 8 == 0 &&
+                           float_dtype(x.dtype()) && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype()));
+  if (!kernel_path) {
+    return bias ? mx::addmm(*bias, x, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(x, mx::transpose(w, s), s);
+  }
+  auto out_dtype = mx::promote_types(x.dtype(), w.dtype());
+  if (bias) {
+    out_dtype = mx::promote_types(out_dtype, bias->dtype());
+  }
+  const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, rows_per_block, threads);
+  const int blocks = (n + l.rows - 1) / l.rows;
+  auto outs = kernel(dense_source())(
+      {mx::reshape(x, {m, k}, s), w, bias ? *bias : w}, {{m, n}}, {out_dtype}, {blocks * l.threads, 1, 1},
+      {l.threads, 1, 1},
+      {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads}, {"HAS_BIAS", bias.has_value()},
+       {"TX", x.dtype()}, {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()}, {"TO", out_dtype}},
+      std::nullopt, false, s);
+  return mx::reshape(outs[0], out_shape(x, n), s);
+}
+
+// ---------------------------------------------------------------- two-head argmax
+
+std::vector<mx::array> two_head_argmax_composed(const mx::array& x, const std::vector<mx::array>& a,
+                                                const std::vector<mx::array>& b, int group_size, int bits,
+                                                bool return_logits, mx::Stream s) {
+  auto la = mx::quantized_matmul(x, a[0], a[1], a[2], true, group_size, bits, "affine", s);
+  auto lb = mx::quantized_matmul(x, b[0], b[1], b[2], true, group_size, bits, "affine", s);
+  auto ids = mx::astype(mx::stack({mx::argmax(la, -1, false, s), mx::argmax(lb, -1, false, s)}, -1, s), mx::int32, s);
+  if (return_logits) {
+    return {ids, la, lb};
+  }
+  return {ids};
+}
+
+// head_a / head_b: (weight, scales, biases) of two quantized heads of one shape. Returns
+// [ids] or [ids, logits_a, logits_b]; ids int32 [..., 2] (head a, head b).
+std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx::array>& head_a,
+                                       const std::vector<mx::array>& head_b, int group_size, int bits,
+                                       bool return_logits, int rows_per_block, int threads, mx::StreamOrDevice s_) {
+  if (head_a.size() != 3 || head_b.size() != 3) {
+    throw std::invalid_argument("two_head_argmax: each head is (weight, scales, biases)");
+  }
+  const auto [n, k] = check_quantized(x, head_a[0], head_a[1], head_a[2], group_size, bits);
+  for (int i = 0; i < 3; ++i) {
+    if (head_b[i].shape() != head_a[i].shape() || head_b[i].dtype() != head_a[i].dtype()) {
+      throw std::invalid_argument("two_head_argmax: the two heads must have the same shapes and dtypes");
+    }
+  }
+  auto s = mx::to_stream(s_);
+  const int m = leading_rows(x);
+  const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && float_dtype(x.dtype()) &&
+                           float_dtype(head_a[1].dtype()) && head_a[2].dtype() == head_a[1].dtype();
+  if (!kernel_path) {
+    return two_head_argmax_composed(x, head_a, head_b, group_size, bits, return_logits, s);
+  }
+  const auto out_dtype = mx::promote_types(x.dtype(), head_a[1].dtype());
+  Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads);
+  if (rows_per_block <= 0) {
+    l.rows = 4;  // the blocks of both heads, each walking several row groups: plenty
+  }
+  const int row_groups = (n + l.rows - 1) / l.rows;
+  const int nb = (row_groups + kArgmaxGroupsPerBlock - 1) / kArgmaxGroupsPerBlock;
+  const mx::Shape logits_shape = return_logits ? mx::Shape{m, n} : mx::Shape{1};
+  auto outs = kernel(argmax_source())(
+      {mx::reshape(x, {m, k}, s), head_a[0], head_a[1], head_a[2], head_b[0], head_b[1], head_b[2]},
+      {{m, 2, nb}, logits_shape, logits_shape}, {mx::int64, out_dtype, out_dtype}, {2 * nb * l.threads, 1, 1},
+      {l.threads, 1, 1},
+      {{"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads},
+       {"GPB", kArgmaxGroupsPerBlock}, {"WRITE_LOGITS", return_logits}, {"TX", x.dtype()},
+       {"TS", head_a[1].dtype()}, {"TO", out_dtype}},
+      std::nullopt, false, s);
+  constexpr int kFinishThreads = 256;
+  auto ids = kernel(argmax_finish_source())({outs[0]}, {{m, 2}}, {mx::int32}, {2 * m * kFinishThreads, 1, 1},
+                                            {kFinishThreads, 1, 1}, {{"NB", nb}, {"THREADS", kFinishThreads}},
+                                            std::nullopt, false, s)[0];
+  auto ids_shape = out_shape(x, 2);
+  ids = mx::reshape(ids, ids_shape, s);
+  if (!return_logits) {
+    return {ids};
+  }
+  return {ids, mx::reshape(outs[1], out_shape(x, n), s), mx::reshape(outs[2], out_shape(x, n), s)};
+}
+
+// ---------------------------------------------------------------- bindings
+
+py::tuple launch_config(const std::string& kind, int k, int n, int bits, int itemsize) {
+  const int chunks = kind == "dense" ? k * itemsize / 16 : k * bits / 128;
+  Launch l = pick_launch(chunks, n, 0, 0);
+  if (kind == "argmax") {
+    l.rows = 4;
+  }
+  return py::make_tuple(l.rows, l.threads);
+}
+
+void bind(py::module_& m) {
+  qmv_source();  // registered at import, so the compile check sees them
+  dense_source();
+  argmax_source();
+  argmax_finish_source();
+  m.def("quantized_matvec", &quantized_matvec, py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("biases"),
+        py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
+        py::arg("threads") = 0, py::arg("stream") = py::none(),
+        "x @ dequantize(w).T (+ bias) for 1-2 rows of x: our CUDA kernel on a CUDA stream, "
+        "mx.quantized_matmul elsewhere. rows_per_block / threads: launch overrides (0 = auto).");
+  m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
+        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),
+        "x @ w.T (+ bias) for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's matmul elsewhere.");
+  m.def("two_head_argmax", &two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
+        py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
+        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),
+        "argmax over both quantized heads (weight, scales, biases) in one pass: [ids int32 [..., 2]] "
+        "or [ids, logits_a, logits_b].");
+  m.def("gemv_launch_config", &launch_config, py::arg("kind"), py::arg("k"), py::arg("n"), py::arg("bits") = 4,
+        py::arg("itemsize") = 2, "(rows per block, threads per block) the kernels pick for a shape.");
+}
+
+}  // namespace
+VC_REGISTER(bind);
+}  // namespace voicechat

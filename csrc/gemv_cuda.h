@@ -1,0 +1,437 @@
+// CUDA sources of the decode-speed matrix-vector kernels (csrc/gemv.cpp launches them through
+// mlx::core::fast::cuda_kernel). Included by gemv.cpp only.
+//
+// One block computes ROWS output rows for the 1..2 input rows (M); its THREADS threads split K:
+// thread t reads the 16-byte chunks t, t + THREADS, ... of each of the ROWS weight rows (a warp
+// reads 512 contiguous bytes of a row per step), keeps the activations of a chunk in registers
+// while it serves all ROWS rows, and accumulates in float32. A block-wide sum through shared
+// memory ends the block. Rows past N (the last block) are clamped onto row N - 1 and not written.
+#pragma once
+
+namespace voicechat::gemv_cuda {
+
+// Device helpers shared by every kernel body below (the `header` of fast::cuda_kernel).
+constexpr const char* kHeader = R"(
+namespace vc_gemv {
+
+// The unsigned field of v at bits [SHIFT, SHIFT + WIDTH) (SHIFT + WIDTH <= 23) as an exact float.
+// OR-ing it under the exponent of 2^23 gives the float 2^23 + field * 2^SHIFT; one FMA scales that
+// by 2^-SHIFT and removes the 2^(23 - SHIFT) offset, both exactly. One LOP3 and one FFMA per value
+// instead of a shift, a mask and the slow integer-to-float conversion.
+template <unsigned int MASK>
+__device__ __forceinline__ unsigned int under_magic(unsigned int v) {
+#ifdef __CUDA_ARCH__
+  // One LOP3 for (v & MASK) | 0x4B000000 (written as two ops, it becomes two: one immediate each).
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "n"(MASK), "r"(0x4B000000u));
+  return r;
+#else
+  return (v & MASK) | 0x4B000000u;
+#endif
+}
+
+template <int SHIFT, int WIDTH>
+__device__ __forceinline__ float field(unsigned int v) {
+  constexpr unsigned int mask = ((1u << WIDTH) - 1u) << SHIFT;
+  constexpr float unit = 1.0f / static_cast<float>(1u << SHIFT);
+  return fmaf(__uint_as_float(under_magic<mask>(v)), unit, -8388608.0f * unit);
+}
+
+// The 32 / BITS values of one packed word, lowest bits first (MLX's affine packing). Fields that
+// would reach bit 23 are taken from the word shifted down.
+template <int BITS>
+__device__ __forceinline__ void unpack(unsigned int v, float* q) {
+  if constexpr (BITS == 4) {
+    const unsigned int hi = v >> 20;
+    q[0] = field<0, 4>(v);
+    q[1] = field<4, 4>(v);
+    q[2] = field<8, 4>(v);
+    q[3] = field<12, 4>(v);
+    q[4] = field<16, 4>(v);
+    q[5] = field<0, 4>(hi);
+    q[6] = field<4, 4>(hi);
+    q[7] = field<8, 4>(hi);
+  } else {
+    static_assert(BITS == 8, "4 or 8 bits");
+    const unsigned int hi = v >> 16;
+    q[0] = field<0, 8>(v);
+    q[1] = field<8, 8>(v);
+    q[2] = field<0, 8>(hi);
+    q[3] = field<8, 8>(hi);
+  }
+}
+
+// Two bfloat16 / float16 values of a word (element 0 in the low half), or one float32.
+__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const __nv_bfloat16*) {
+  q[0] = __uint_as_float(v << 16);
+  q[1] = __uint_as_float(v & 0xFFFF0000u);
+}
+__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const __half*) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+  q[0] = f.x;
+  q[1] = f.y;
+}
+__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const float*) {
+  q[0] = __uint_as_float(v);
+}
+
+__device__ __forceinline__ unsigned int word(const uint4& v, int k) {
+  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
+// N (4 or 8) consecutive activations as float32. `vec`: the activation array is 16-byte aligned,
+// so (K being a multiple of 8) every such run can be read with one or two vector loads.
+template <int N>
+__device__ __forceinline__ void load_x(const float* p, float* out, bool vec) {
+  if (vec) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + i);
+      out[i] = f.x;
+      out[i + 1] = f.y;
+      out[i + 2] = f.z;
+      out[i + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = p[i];
+  }
+}
+
+template <int N, typename T16>
+__device__ __forceinline__ void load_x16(const T16* p, float* out, bool vec) {
+  if (vec) {
+    unsigned int u[N / 2];
+    if constexpr (N == 8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+    } else {
+      static_assert(N == 4, "4 or 8 values");
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      u[0] = v.x; u[1] = v.y;
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) unpack_dense(u[i], out + 2 * i, p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void load_x(const __nv_bfloat16* p, float* out, bool vec) {
+  load_x16<N>(p, out, vec);
+}
+
+template <int N>
+__device__ __forceinline__ void load_x(const __half* p, float* out, bool vec) {
+  load_x16<N>(p, out, vec);
+}
+
+template <typename T>
+__device__ __forceinline__ bool aligned16(const T* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
+}
+
+// One step's loads for ROWS weight rows: a 16-byte chunk of each, and its group's scale and bias.
+template <int ROWS>
+struct QuantStep {
+  uint4 w[ROWS];
+  float scale[ROWS], bias[ROWS];
+};
+
+template <int CHUNKS, int GROUPS, int CHUNK, int GROUP, int ROWS, typename TS>
+__device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, const TS* scales, const TS* biases,
+                                          const int* rows, int c) {
+  const int g = (c * CHUNK) / GROUP;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    st.w[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c);
+    st.scale[r] = static_cast<float>(scales[static_cast<size_t>(rows[r]) * GROUPS + g]);
+    st.bias[r] = static_cast<float>(biases[static_cast<size_t>(rows[r]) * GROUPS + g]);
+  }
+}
+
+// acc[r][m] = sum_k x[m, k] * (scale * q[row0 + r, k] + bias) over this thread's chunks, for the
+// affine-quantized weight [n_rows, K * BITS / 32] (uint32) with scales / biases [n_rows, K / GROUP].
+// A 16-byte chunk holds 128 / BITS values of one group (GROUP >= 32): per chunk and row,
+// scale * sum(q x) + bias * sum(x). The next step's loads are issued before this step's math.
+template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, typename TX, typename TS>
+__device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
+                                               const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M]) {
+  constexpr int VPW = 32 / BITS;      // values per word
+  constexpr int CHUNK = 4 * VPW;      // values per 16-byte chunk
+  constexpr int CHUNKS = K / CHUNK;   // chunks per row
+  constexpr int GROUPS = K / GROUP;   // scales per row
+  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
+  static_assert(K % GROUP == 0 && GROUP % CHUNK == 0, "a chunk lies inside one group");
+  const bool vec = aligned16(x);
+  const uint4* w4 = reinterpret_cast<const uint4*>(weight);
+  int rows[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = min(row0 + r, n_rows - 1);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+  }
+  QuantStep<ROWS> cur{};
+  if (static_cast<int>(threadIdx.x) < CHUNKS) {
+    load_step<CHUNKS, GROUPS, CHUNK, GROUP>(cur, w4, scales, biases, rows, threadIdx.x);
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * THREADS + static_cast<int>(threadIdx.x);
+    QuantStep<ROWS> next{};
+    if (it + 1 < ITERS && c + THREADS < CHUNKS) {
+      load_step<CHUNKS, GROUPS, CHUNK, GROUP>(next, w4, scales, biases, rows, c + THREADS);
+    }
+    if (c < CHUNKS) {
+      float dot[ROWS][M];
+      float xsum[M];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        xsum[m] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) dot[r][m] = 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float xv[M][VPW];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
+#pragma unroll
+          for (int j = 0; j < VPW; ++j) xsum[m] += xv[m][j];
+        }
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          float q[VPW];
+          unpack<BITS>(word(cur.w[r], k), q);
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int j = 0; j < VPW; ++j) dot[r][m] = fmaf(q[j], xv[m][j], dot[r][m]);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] += fmaf(cur.scale[r], dot[r][m], cur.bias[r] * xsum[m]);
+      }
+    }
+    cur = next;
+  }
+}
+
+// acc[r][m] = sum_k x[m, k] * w[row0 + r, k] over this thread's chunks, w dense [n_rows, K]
+// (bfloat16, float16 or float32; K a multiple of 8). The next step's loads are issued before this
+// step's math.
+template <int K, int M, int ROWS, int THREADS, typename TX, typename TW>
+__device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, int row0, int n_rows,
+                                                 float (&acc)[ROWS][M]) {
+  constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));  // values per 16-byte chunk
+  constexpr int VPW = CHUNK / 4;                            // values per word
+  constexpr int CHUNKS = K / CHUNK;
+  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
+  static_assert(K % 8 == 0, "K is a multiple of 8");
+  const bool vec = aligned16(x);
+  const uint4* w4 = reinterpret_cast<const uint4*>(weight);
+  int rows[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = min(row0 + r, n_rows - 1);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+  }
+  uint4 wv[ROWS] = {};
+  if (static_cast<int>(threadIdx.x) < CHUNKS) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wv[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + threadIdx.x);
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * THREADS + static_cast<int>(threadIdx.x);
+    uint4 next[ROWS] = {};
+    if (it + 1 < ITERS && c + THREADS < CHUNKS) {  // the next step's loads in flight during this step's math
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) next[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c + THREADS);
+    }
+    if (c < CHUNKS) {
+      float xv[M][CHUNK];
+#pragma unroll
+      for (int m = 0; m < M; ++m) load_x<CHUNK>(x + static_cast<size_t>(m) * K + c * CHUNK, xv[m], vec);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float q[VPW];
+          unpack_dense(word(wv[r], k), q, weight);
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int j = 0; j < VPW; ++j) acc[r][m] = fmaf(q[j], xv[m][k * VPW + j], acc[r][m]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wv[r] = next[r];
+  }
+}
+
+// total[o] = sum over the block's threads of vals[o], o < COUNT. part: COUNT * THREADS floats of
+// shared memory. Every thread of the block must call it (it synchronizes the block).
+template <int COUNT, int THREADS>
+__device__ __forceinline__ void block_sum(const float* vals, float* part, float* total) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 0; o < COUNT; ++o) part[o * THREADS + threadIdx.x] = vals[o];
+  __syncthreads();
+  for (int o = warp; o < COUNT; o += WARPS) {
+    float s = 0.0f;
+    for (int t = lane; t < THREADS; t += 32) s += part[o * THREADS + t];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) total[o] = s;
+  }
+  __syncthreads();
+}
+
+// (value, index) as one integer whose order is mx.argmax's: a larger value wins, equal values go
+// to the smaller index. The value's bits are made monotonic (flip all bits of negatives, the sign
+// bit of positives); -0 counts as +0; every NaN counts as larger than +inf, so the first NaN wins
+// (what mx.argmax does). 0 is below every key: the empty value.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
+  unsigned int b = __float_as_uint(v);
+  if (v != v) {
+    b = 0x7FFFFFFFu;
+  } else if (v == 0.0f) {
+    b = 0u;
+  }
+  const unsigned int ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned long long>(~static_cast<unsigned int>(index));
+}
+
+}  // namespace vc_gemv
+)";
+
+// y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights.
+// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, HAS_BIAS, and the dtypes TX, TS, TO (the
+// kernel name is made of the template args only, so every dtype must be one of them).
+constexpr const char* kQmvSource = R"(
+  __shared__ float part[ROWS * M * THREADS];
+  __shared__ float total[ROWS * M];
+  const int row0 = blockIdx.x * ROWS;
+  float acc[ROWS][M];
+  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc);
+  vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
+  if (threadIdx.x < ROWS * M) {
+    const int row = row0 + threadIdx.x / M;
+    const int m = threadIdx.x % M;
+    if (row < N) {
+      float v = total[threadIdx.x];
+      if constexpr (HAS_BIAS) {
+        v += static_cast<float>(bias[row]);
+      }
+      out[static_cast<size_t>(m) * N + row] = static_cast<TO>(v);
+    }
+  }
+)";
+
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights.
+// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, TX, TW, TO.
+constexpr const char* kDenseSource = R"(
+  __shared__ float part[ROWS * M * THREADS];
+  __shared__ float total[ROWS * M];
+  const int row0 = blockIdx.x * ROWS;
+  float acc[ROWS][M];
+  vc_gemv::dense_accumulate<K, M, ROWS, THREADS>(x, weight, row0, N, acc);
+  vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
+  if (threadIdx.x < ROWS * M) {
+    const int row = row0 + threadIdx.x / M;
+    const int m = threadIdx.x % M;
+    if (row < N) {
+      float v = total[threadIdx.x];
+      if constexpr (HAS_BIAS) {
+        v += static_cast<float>(bias[row]);
+      }
+      out[static_cast<size_t>(m) * N + row] = static_cast<TO>(v);
+    }
+  }
+)";
+
+// Two quantized heads of the same shape over the same x: blocks [0, NB) take head a, [NB, 2 NB)
+// head b; each block walks GPB consecutive row groups of its head and keeps the best argmax key
+// of its rows (the value rounded to TO first, as the logits would be stored), one per input row;
+// keys[(m * 2 + head) * NB + block] gets it. Logits are written too when WRITE_LOGITS.
+// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, GPB, WRITE_LOGITS, TX, TS, TO.
+constexpr const char* kArgmaxSource = R"(
+  constexpr int ROW_GROUPS = (N + ROWS - 1) / ROWS;
+  constexpr int NB = (ROW_GROUPS + GPB - 1) / GPB;
+  __shared__ float part[ROWS * M * THREADS];
+  __shared__ float total[ROWS * M];
+  const int head = blockIdx.x / NB;
+  const int block = blockIdx.x % NB;
+  const unsigned int* weight = head == 0 ? weight_a : weight_b;
+  const TS* scales = head == 0 ? scales_a : scales_b;
+  const TS* biases = head == 0 ? biases_a : biases_b;
+  TO* logits = head == 0 ? logits_a : logits_b;
+  unsigned long long best = 0ull;  // per input row, in threads m < M
+  for (int i = 0; i < GPB; ++i) {
+    const int row0 = (block * GPB + i) * ROWS;
+    if (row0 >= N) {
+      break;  // the same for the whole block
+    }
+    float acc[ROWS][M];
+    vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc);
+    vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
+    if constexpr (WRITE_LOGITS) {
+      if (threadIdx.x < ROWS * M) {
+        const int row = row0 + threadIdx.x / M;
+        if (row < N) {
+          logits[static_cast<size_t>(threadIdx.x % M) * N + row] = static_cast<TO>(total[threadIdx.x]);
+        }
+      }
+    }
+    if (threadIdx.x < M) {
+      for (int r = 0; r < ROWS && row0 + r < N; ++r) {
+        const float v = static_cast<float>(static_cast<TO>(total[r * M + threadIdx.x]));
+        const unsigned long long key = vc_gemv::argmax_key(v, row0 + r);
+        best = key > best ? key : best;
+      }
+    }
+  }
+  if (threadIdx.x < M) {
+    reinterpret_cast<unsigned long long*>(keys)[(static_cast<size_t>(threadIdx.x) * 2 + head) * NB + block] = best;
+  }
+)";
+
+// ids[j] = the index in the best of keys[j * NB, (j + 1) * NB), one block per j.
+// Template args: NB, THREADS.
+constexpr const char* kArgmaxFinishSource = R"(
+  __shared__ unsigned long long warp_best[THREADS / 32];
+  const unsigned long long* k = reinterpret_cast<const unsigned long long*>(keys) + static_cast<size_t>(blockIdx.x) * NB;
+  unsigned long long best = 0ull;
+  for (int i = threadIdx.x; i < NB; i += THREADS) {
+    best = k[i] > best ? k[i] : best;
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
+    best = other > best ? other : best;
+  }
+  if ((threadIdx.x & 31) == 0) {
+    warp_best[threadIdx.x >> 5] = best;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < THREADS / 32; ++w) {
+      best = warp_best[w] > best ? warp_best[w] : best;
+    }
+    ids[blockIdx.x] = static_cast<int>(~static_cast<unsigned int>(best & 0xFFFFFFFFull));
+  }
+)";
+
+}  // namespace voicechat::gemv_cuda

@@ -1,0 +1,162 @@
+"""Decode-speed matrix-vector products: 1-2 rows of activations against a large weight.
+
+At decode time every LLM projection, both 131072-wide heads and the TTS backbone's linears see
+one or two rows; those products are bound by how fast the weights stream from memory. On a CUDA
+GPU these functions run our kernels (csrc/gemv_cuda.h: 16-byte weight loads, float32
+accumulation, float32 or bfloat16 activations at the same speed); elsewhere, and for shapes the
+kernels do not take (more than 2 rows, K not a multiple of 8 for dense weights), MLX's own ops,
+which are also the `_reference` twins.
+
+- `quantized_matvec(x, w, scales, biases, group_size=64, bits=4)`: `mx.quantized_matmul(...,
+  transpose=True)` for MLX's affine 4- / 8-bit packing, same output dtype.
+- `dense_matvec(x, w)`: `x @ w.T`, same output dtype.
+- `two_head_argmax(h, head_a, head_b)`: the argmax of both quantized heads over the same hidden
+  state in one pass, without writing the logits first: int32 ids `[..., 2]` (head_a, head_b).
+  Ties go to the first index and a NaN logit counts as the largest (the first NaN wins), as
+  `mx.argmax` does; the logits are compared as stored (rounded to the output dtype).
+- `GemvQuantizedLinear` / `GemvLinear`: drop-in layers using the kernels for <= 2 rows on a CUDA
+  GPU; `use_gemv(model)` swaps them in for every `nn.QuantizedLinear` / `nn.Linear`.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from ._native import build_info, ext, use_reference
+
+MAX_ROWS = 2  # input rows the kernels take
+_CUDA_BUILD = build_info()["backend"] == "cuda"
+
+
+def on_cuda_gpu() -> bool:
+    """True when the default stream is a CUDA GPU (where the kernels run)."""
+    return _CUDA_BUILD and mx.default_device().type == mx.DeviceType.gpu
+
+
+def rows_of(x: mx.array) -> int:
+    return x.size // x.shape[-1] if x.ndim else 0
+
+
+# --------------------------------------------------------------------------- quantized
+
+def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None):
+    y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
+    return y if bias is None else y + bias
+
+
+def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, stream=None):
+    """`x @ dequantize(w).T (+ bias)`; `x` [..., K], w packed uint32 [N, K * bits / 32]."""
+    if use_reference():
+        return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias)
+    return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, stream=stream)
+
+
+# --------------------------------------------------------------------------- dense
+
+def dense_matvec_reference(x, w, *, bias=None):
+    return x @ w.T if bias is None else mx.addmm(bias, x, w.T)
+
+
+def dense_matvec(x, w, *, bias=None, stream=None):
+    """`x @ w.T (+ bias)`; `x` [..., K], w [N, K]."""
+    if use_reference():
+        return dense_matvec_reference(x, w, bias=bias)
+    return ext.dense_matvec(x, w, bias, stream=stream)
+
+
+# --------------------------------------------------------------------------- two heads
+
+def _head_arrays(head: nn.QuantizedLinear) -> tuple[mx.array, mx.array, mx.array]:
+    return head["weight"], head["scales"], head["biases"]
+
+
+def _heads_fit(a: nn.Module, b: nn.Module) -> bool:
+    """Both heads affine-quantized alike, without a Linear bias: what the fused kernel takes."""
+    if not (isinstance(a, nn.QuantizedLinear) and isinstance(b, nn.QuantizedLinear)):
+        return False
+    if a.mode != "affine" or b.mode != "affine" or "bias" in a or "bias" in b:
+        return False
+    if (a.group_size, a.bits) != (b.group_size, b.bits):
+        return False
+    return all(p.shape == q.shape and p.dtype == q.dtype for p, q in zip(_head_arrays(a), _head_arrays(b)))
+
+
+def two_head_argmax_reference(h, head_a, head_b, return_logits: bool = False):
+    logits_a, logits_b = head_a(h), head_b(h)
+    ids = mx.stack([mx.argmax(logits_a, axis=-1), mx.argmax(logits_b, axis=-1)], axis=-1).astype(mx.int32)
+    return (ids, logits_a, logits_b) if return_logits else ids
+
+
+def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, stream=None):
+    """argmax of `head_a(h)` and of `head_b(h)` as int32 ids [..., 2], in one pass over both.
+
+    With `return_logits`, `(ids, logits_a, logits_b)`.
+    """
+    if use_reference() or not _heads_fit(head_a, head_b):
+        return two_head_argmax_reference(h, head_a, head_b, return_logits)
+    out = ext.two_head_argmax(h, _head_arrays(head_a), _head_arrays(head_b), head_a.group_size, head_a.bits,
+                              return_logits, stream=stream)
+    return tuple(out) if return_logits else out[0]
+
+
+# --------------------------------------------------------------------------- layers
+
+def _gemv_applies(x: mx.array) -> bool:
+    return 1 <= rows_of(x) <= MAX_ROWS and on_cuda_gpu() and not use_reference()
+
+
+def _same_arrays(cls, layer: nn.Module):
+    """A `cls` instance holding `layer`'s arrays and settings (no copies)."""
+    new = cls.__new__(cls)
+    new.__dict__.update(layer.__dict__)
+    new._no_grad = set(layer._no_grad)
+    dict.update(new, layer)
+    return new
+
+
+class GemvQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` that runs `quantized_matvec` for 1-2 rows on a CUDA GPU."""
+
+    @classmethod
+    def from_quantized_linear(cls, layer: nn.QuantizedLinear) -> "GemvQuantizedLinear":
+        return _same_arrays(cls, layer)
+
+    def __call__(self, x):
+        if self.mode == "affine" and _gemv_applies(x):
+            return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
+                                    bias=self.get("bias"))
+        return super().__call__(x)
+
+
+class GemvLinear(nn.Linear):
+    """`nn.Linear` that runs `dense_matvec` for 1-2 rows on a CUDA GPU."""
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear) -> "GemvLinear":
+        return _same_arrays(cls, layer)
+
+    def __call__(self, x):
+        if _gemv_applies(x):
+            return dense_matvec(x, self["weight"], bias=self.get("bias"))
+        return super().__call__(x)
+
+
+def _swap(layer):
+    if type(layer) is nn.QuantizedLinear and layer.mode == "affine":
+        return GemvQuantizedLinear.from_quantized_linear(layer)
+    if type(layer) is nn.Linear:
+        return GemvLinear.from_linear(layer)
+    return layer
+
+
+def use_gemv(module: nn.Module) -> nn.Module:
+    """Swap `GemvQuantizedLinear` / `GemvLinear` in for every `nn.QuantizedLinear` / `nn.Linear`
+    of a loaded model, keeping its arrays. Returns the model (a new layer if `module` itself is
+    one of those layers)."""
+    if type(module) in (nn.QuantizedLinear, nn.Linear):
+        return _swap(module)
+    leaves = tree_map_with_path(lambda _, m: _swap(m), module.leaf_modules(), is_leaf=nn.Module.is_module)
+    module.update_modules(leaves)
+    return module

@@ -1,0 +1,138 @@
+// Runs a CUDA kernel body on the CPU, to check a kernel's index math and reductions where there
+// is no GPU: one std::thread per CUDA thread of a block, the blocks one after another.
+// __shared__ variables become function statics (shared by the block's threads; blocks do not
+// overlap), __syncthreads a block barrier, __shfl_xor_sync an exchange through a warp barrier.
+// Only what our kernel sources use is here. Hardware facts (alignment faults, caching, timing)
+// are not modelled.
+#pragma once
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+using std::int32_t;
+using std::int64_t;
+using std::size_t;
+using std::uint32_t;
+using std::uint8_t;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct Dim3 {
+  unsigned int x = 0, y = 0, z = 0;
+};
+inline thread_local Dim3 threadIdx;
+inline thread_local Dim3 blockIdx;
+
+struct uint4 {
+  unsigned int x, y, z, w;
+};
+struct uint2 {
+  unsigned int x, y;
+};
+struct float4 {
+  float x, y, z, w;
+};
+struct float2 {
+  float x, y;
+};
+
+inline float __uint_as_float(unsigned int v) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+inline unsigned int __float_as_uint(float f) {
+  unsigned int v;
+  std::memcpy(&v, &f, 4);
+  return v;
+}
+inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+inline int min(int a, int b) { return a < b ? a : b; }
+template <typename T>
+inline T __ldcs(const T* p) {
+  return *p;
+}
+
+struct __nv_bfloat16 {
+  unsigned short bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {  // round to nearest even, as __float2bfloat16
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      bits = 0x7fc0;
+    } else {
+      bits = static_cast<unsigned short>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+  operator float() const { return __uint_as_float(static_cast<unsigned int>(bits) << 16); }
+};
+
+struct __half {
+  _Float16 v;
+  __half() = default;
+  __half(float f) : v(static_cast<_Float16>(f)) {}
+  operator float() const { return static_cast<float>(v); }
+};
+struct __half2 {
+  __half x, y;
+};
+inline float2 __half22float2(__half2 h) { return {static_cast<float>(h.x), static_cast<float>(h.y)}; }
+
+namespace cuda_emu {
+
+struct Block {
+  explicit Block(int threads) : bar(threads) {
+    for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<Warp>());
+  }
+  struct Warp {
+    std::barrier<> bar{32};
+    unsigned long long slot[32];
+  };
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<Warp>> warps;
+};
+inline Block* block = nullptr;
+
+// Launch `kernel` over `blocks` blocks of `threads` threads (threads a multiple of 32).
+inline void launch(int blocks, int threads, const std::function<void()>& kernel) {
+  for (int b = 0; b < blocks; ++b) {
+    Block blk(threads);
+    block = &blk;
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, b, t] {
+        blockIdx.x = b;
+        threadIdx.x = t;
+        kernel();
+      });
+    }
+    for (auto& th : pool) th.join();
+  }
+  block = nullptr;
+}
+
+}  // namespace cuda_emu
+
+inline void __syncthreads() { cuda_emu::block->bar.arrive_and_wait(); }
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned int, T v, int offset) {
+  static_assert(sizeof(T) <= 8, "up to 64-bit values");
+  auto& w = *cuda_emu::block->warps[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  std::memcpy(&w.slot[lane], &v, sizeof(T));
+  w.bar.arrive_and_wait();
+  T r;
+  std::memcpy(&r, &w.slot[lane ^ offset], sizeof(T));
+  w.bar.arrive_and_wait();
+  return r;
+}

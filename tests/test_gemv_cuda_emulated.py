@@ -1,0 +1,285 @@
+"""The GEMV CUDA kernel sources, run on the CPU under a small CUDA emulation (one std::thread per
+CUDA thread, tests/data/cuda_emu/cuda_emu.h), equal MLX's ops.
+
+Where there is no GPU this checks the kernels' own text: index math, packing, the block
+reductions, the clamped last rows, the argmax keys and ties, the unaligned-activation path.
+It does not check the host side (csrc/gemv.cpp's template args and launch), nor anything about
+the hardware (alignment faults, speed): those need the CUDA run of tests/test_gemv.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from voicechat.kernels import ext
+
+EMU = Path(__file__).parent / "data" / "cuda_emu"
+SOURCES = {s["name"]: s for s in ext.cuda_sources()}
+NP = {"float": np.float32, "__nv_bfloat16": np.uint16, "__half": np.float16, "uint32_t": np.uint32,
+      "int64_t": np.int64, "int32_t": np.int32}
+CUDA_TYPE = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.uint32: "uint32_t",
+             mx.int64: "int64_t"}
+
+
+class Case:
+    """One kernel launch: the source, template args, inputs (mx arrays), output shapes / types."""
+
+    def __init__(self, source, template_args, inputs, outputs, blocks, threads, offsets=None):
+        self.source, self.template_args, self.inputs, self.outputs = SOURCES[source], template_args, inputs, outputs
+        self.blocks, self.threads = blocks, threads
+        self.offsets = offsets or [0] * len(inputs)  # elements to shift an input pointer by (unaligned)
+
+    def input_types(self):
+        return [CUDA_TYPE[a.dtype] for a in self.inputs]
+
+    def cpp(self, name: str) -> str:
+        params = [f"const {t}* {n}" for t, n in zip(self.input_types(), self.source["input_names"])]
+        params += [f"{t}* {n}" for (t, _), n in zip(self.outputs, self.source["output_names"])]
+        consts = []
+        for key, value in self.template_args.items():
+            if isinstance(value, bool):
+                consts.append(f"constexpr bool {key} = {'true' if value else 'false'};")
+            elif isinstance(value, int):
+                consts.append(f"constexpr int {key} = {value};")
+            else:
+                consts.append(f"using {key} = {CUDA_TYPE[value]};")
+        reads = [f"auto in{i} = cuda_emu_io::read<{t}>(dir + \"/in{i}.bin\");" for i, t in enumerate(self.input_types())]
+        outs = [f"std::vector<{t}> out{i}(counts[{i}]); std::memset(out{i}.data(), 0xFF, counts[{i}] * sizeof({t}));"
+                for i, (t, _) in enumerate(self.outputs)]
+        args = [f"in{i}.data() + offsets[{i}]" for i in range(len(self.inputs))]
+        args += [f"out{i}.data()" for i in range(len(self.outputs))]
+        writes = [f"cuda_emu_io::write(dir + \"/out{i}.bin\", out{i});" for i in range(len(self.outputs))]
+        return f"""
+namespace {name} {{
+void kernel({", ".join(params)}) {{
+  {" ".join(consts)}
+{self.source["source"]}
+}}
+void run(const std::string& dir, int blocks, int threads, const std::vector<size_t>& counts,
+         const std::vector<int>& offsets) {{
+  {" ".join(reads)}
+  {" ".join(outs)}
+  cuda_emu::launch(blocks, threads, [&] {{ kernel({", ".join(args)}); }});
+  {" ".join(writes)}
+}}
+}}  // namespace {name}
+"""
+
+
+IO = """
+#include <fstream>
+#include <string>
+namespace cuda_emu_io {
+template <typename T>
+std::vector<T> read(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  std::vector<T> v(static_cast<size_t>(f.tellg()) / sizeof(T));
+  f.seekg(0);
+  f.read(reinterpret_cast<char*>(v.data()), v.size() * sizeof(T));
+  return v;
+}
+template <typename T>
+void write(const std::string& path, const std::vector<T>& v) {
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+}  // namespace cuda_emu_io
+"""
+
+
+def build(cases: dict[str, Case], tmp: Path) -> Path:
+    headers = []
+    for c in cases.values():
+        if c.source["header"] not in headers:
+            headers.append(c.source["header"])
+    main = ["int main(int argc, char** argv) {", "  const std::string which = argv[1], dir = argv[2];",
+            "  const int blocks = std::stoi(argv[3]), threads = std::stoi(argv[4]), n_out = std::stoi(argv[5]);",
+            "  std::vector<size_t> counts; std::vector<int> offsets;",
+            "  for (int i = 0; i < n_out; ++i) counts.push_back(std::stoull(argv[6 + i]));",
+            "  for (int i = 6 + n_out; i < argc; ++i) offsets.push_back(std::stoi(argv[i]));"]
+    main += [f'  if (which == "{name}") {name}::run(dir, blocks, threads, counts, offsets);' for name in cases]
+    main += ["  return 0;", "}"]
+    text = "\n".join(['#include "cuda_emu.h"', IO, *headers, *(c.cpp(n) for n, c in cases.items()), *main])
+    cpp, exe = tmp / "kernels.cpp", tmp / "kernels"
+    cpp.write_text(text)
+    proc = subprocess.run([shutil.which("g++"), "-std=c++20", "-O1", "-pthread", "-I", str(EMU), "-o", str(exe),
+                           str(cpp)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+def run(exe: Path, name: str, case: Case, tmp: Path) -> list[np.ndarray]:
+    d = tmp / name
+    d.mkdir()
+    for i, (a, off) in enumerate(zip(case.inputs, case.offsets)):
+        data = _bits(a).reshape(-1)
+        (d / f"in{i}.bin").write_bytes(np.concatenate([np.zeros(off, data.dtype), data]).tobytes())
+    counts = [int(np.prod(shape)) for _, shape in case.outputs]
+    subprocess.run([str(exe), name, str(d), str(case.blocks), str(case.threads), str(len(counts)),
+                    *map(str, counts), *map(str, case.offsets)], check=True, timeout=300)
+    return [np.fromfile(d / f"out{i}.bin", dtype=NP[t]).reshape(shape) for i, (t, shape) in enumerate(case.outputs)]
+
+
+def as_float(a: np.ndarray, cuda_type: str) -> np.ndarray:
+    if cuda_type == "__nv_bfloat16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+# --------------------------------------------------------------------------- the cases
+
+def _promote(*dtypes):
+    """The dtype MLX's binary ops give these dtypes (what the host code's promote_types gives)."""
+    return sum((mx.zeros((1,), dtype=d) for d in dtypes[1:]), mx.zeros((1,), dtype=dtypes[0])).dtype
+
+
+def _q(n, k, bits, group, dtype, seed):
+    rng = np.random.default_rng(seed)
+    w = mx.array(rng.integers(0, 2**32, (n, k * bits // 32), dtype=np.uint32))
+    s = mx.array(rng.standard_normal((n, k // group), np.float32) * 0.02).astype(dtype)
+    b = mx.array(rng.standard_normal((n, k // group), np.float32) * 0.02).astype(dtype)
+    return w, s, b
+
+
+def _x(shape, dtype, seed=7):
+    return mx.array(np.random.default_rng(seed).standard_normal(shape, np.float32)).astype(dtype)
+
+
+def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0):
+    w, s, b = _q(n, k, bits, group, s_dtype, seed=n + k)
+    x = _x((m, k), x_dtype)
+    bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
+    out = _promote(x_dtype, s_dtype, bias_dtype or s_dtype)
+    args = dict(BITS=bits, GROUP=group, K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None,
+                TX=x_dtype, TS=s_dtype, TB=bias_dtype or s_dtype, TO=out)
+    case = Case("vc_qmv", args, [x, w, s, b, bias if bias is not None else s], [(CUDA_TYPE[out], (m, n))],
+                -(-n // rows), threads, [offset, 0, 0, 0, 0])
+    with mx.stream(mx.cpu):
+        ref = mx.quantized_matmul(x.astype(mx.float32), w, s, b, transpose=True, group_size=group, bits=bits)
+        ref = (ref if bias is None else ref + bias).astype(out)
+    return case, ref
+
+
+def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0):
+    w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
+    x = _x((m, k), x_dtype)
+    bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
+    out = _promote(x_dtype, w_dtype, bias_dtype or w_dtype)
+    args = dict(K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None, TX=x_dtype, TW=w_dtype,
+                TB=bias_dtype or w_dtype, TO=out)
+    case = Case("vc_dense_mv", args, [x, w, bias if bias is not None else w], [(CUDA_TYPE[out], (m, n))],
+                -(-n // rows), threads, [offset, 0, 0])
+    with mx.stream(mx.cpu):
+        ref = x.astype(mx.float32) @ w.T.astype(mx.float32)
+        ref = (ref if bias is None else ref + bias).astype(out)
+    return case, ref
+
+
+GPB = 8
+
+
+def argmax_case(n, k, m, x_dtype, write_logits, rows=4, threads=32):
+    heads = []
+    for seed in (1, 2):
+        w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=seed)
+        heads.append([np.array(w), np.array(s.view(mx.uint16)), np.array(b.view(mx.uint16))])
+    x = _x((m, k), x_dtype)
+
+    def logits(h):
+        w, s, b = mx.array(h[0]), mx.array(h[1]).view(mx.bfloat16), mx.array(h[2]).view(mx.bfloat16)
+        with mx.stream(mx.cpu):
+            out = mx.quantized_matmul(x.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
+            return np.array(out.astype(_promote(x_dtype, mx.bfloat16)).astype(mx.float32))
+
+    # Ties: head a's best row again one row earlier and in another block. Head b: NaN logits (NaN
+    # scales) in the last block, a negative NaN first: NaN wins whatever its sign, the first one.
+    top = int(np.argmax(logits(heads[0])[0]))
+    for dst in (top - 1, top % 7):
+        for part in heads[0]:
+            part[dst] = part[top]
+    heads[1][1][n - 3] = 0xFFC0
+    heads[1][1][n - 1] = 0x7FC0
+    arrays = [mx.array(a) if i == 0 else mx.array(a).view(mx.bfloat16) for h in heads for i, a in enumerate(h)]
+    out = _promote(x_dtype, mx.bfloat16)
+    nb = -(-(-(-n // rows)) // GPB)
+    args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, GPB=GPB, WRITE_LOGITS=write_logits,
+                TX=x_dtype, TS=mx.bfloat16, TO=out)
+    shape = (m, n) if write_logits else (1,)
+    case = Case("vc_two_head_argmax", args, [x, *arrays], [("int64_t", (m, 2, nb)), (CUDA_TYPE[out], shape),
+                                                          (CUDA_TYPE[out], shape)], 2 * nb, threads)
+    ref = [logits(heads[0]), logits(heads[1])]
+    return case, ref, nb
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    tmp = tmp_path_factory.mktemp("cuda_emu")
+    cases, refs = {}, {}
+    _, t4480 = ext.gemv_launch_config("quantized", 4480, 10, 4)
+    for name, (case, ref) in {
+        "q4_f32_m2_tail": qmv_case(37, 640, 2, 4, 64, mx.float32, mx.bfloat16, 4, 32),
+        "q4_bf16_4480": qmv_case(10, 4480, 1, 4, 64, mx.bfloat16, mx.bfloat16, 4, t4480),
+        "q4_two_steps": qmv_case(9, 4480, 2, 4, 64, mx.float32, mx.bfloat16, 2, 64),
+        "q8_g32_f16_bias": qmv_case(9, 384, 2, 8, 32, mx.float16, mx.float16, 8, 32, bias_dtype=mx.float32),
+        "q4_g128_unaligned": qmv_case(5, 1024, 1, 4, 128, mx.float32, mx.float32, 2, 64, offset=1),
+        "q8_bf16_unaligned": qmv_case(6, 256, 2, 8, 64, mx.bfloat16, mx.bfloat16, 1, 32, offset=3),
+        "dense_bf16w_bias": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 4, 160, bias_dtype=mx.bfloat16),
+        "dense_f32w_unaligned": dense_case(3, 40, 1, mx.bfloat16, mx.float32, 1, 32, offset=1),
+        "dense_f16_rows8": dense_case(20, 136, 2, mx.float16, mx.float16, 8, 64),
+        "dense_two_steps": dense_case(5, 4608, 1, mx.float32, mx.bfloat16, 2, 192),
+    }.items():
+        cases[name], refs[name] = case, ref
+    argmax = {}
+    for name, (x_dtype, logits) in {"argmax_bf16_logits": (mx.bfloat16, True), "argmax_f32": (mx.float32, False)}.items():
+        case, ref, nb = argmax_case(1000, 256, 2, x_dtype, logits)
+        cases[name], refs[name] = case, ref
+        finish = Case("vc_argmax_finish", dict(NB=nb, THREADS=256), [mx.zeros((2 * 2 * nb,), mx.int64)],
+                      [("int32_t", (2, 2))], 2 * 2, 256)
+        argmax[name] = (finish, nb)
+    for name, (finish, _) in argmax.items():
+        cases[name + "_finish"] = finish
+    exe = build(cases, tmp)
+    return exe, cases, refs, argmax, tmp
+
+
+
+@pytest.mark.parametrize("name", ["q4_f32_m2_tail", "q4_bf16_4480", "q4_two_steps", "q8_g32_f16_bias",
+                                  "q4_g128_unaligned", "q8_bf16_unaligned", "dense_bf16w_bias", "dense_f32w_unaligned",
+                                  "dense_f16_rows8", "dense_two_steps"])
+def test_matvec_kernels_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    case, ref = cases[name], refs[name]
+    (out,) = run(exe, name, case, tmp)
+    got = as_float(out, case.outputs[0][0])
+    want = np.array(ref.astype(mx.float32))
+    ulp = {"float": 2e-6, "__half": 1e-3, "__nv_bfloat16": 8e-3}[case.outputs[0][0]]
+    np.testing.assert_allclose(got, want, rtol=ulp, atol=ulp * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])
+def test_two_head_argmax_kernels_emulated(emulated, name):
+    exe, cases, refs, argmax, tmp = emulated
+    case, (ref_a, ref_b) = cases[name], refs[name]
+    keys, logits_a, logits_b = run(exe, name, case, tmp)
+    finish, nb = argmax[name]
+    finish.inputs = [mx.array(keys.reshape(-1))]
+    (ids,) = run(exe, name + "_finish", finish, tmp)
+    want = np.stack([np.argmax(ref_a, -1), np.argmax(ref_b, -1)], -1)  # numpy: first max, first NaN
+    assert np.isnan(ref_b).any() and int(want[0, 1]) == int(np.flatnonzero(np.isnan(ref_b[0]))[0])
+    np.testing.assert_array_equal(ids, want)
+    if case.template_args["WRITE_LOGITS"]:
+        t = case.outputs[1][0]
+        for got, ref in ((logits_a, ref_a), (logits_b, ref_b)):
+            np.testing.assert_allclose(as_float(got, t), ref, rtol=8e-3, atol=8e-3 * np.nanmax(np.abs(ref)))

@@ -340,3 +340,31 @@ def test_step_op_count_is_reported_and_flat_in_length(lm):
     assert kernel_count(one) > 0
     # A prefix is the same graph as a step (the scan loops inside the kernel), plus its causal mask.
     assert kernel_count(many) - kernel_count(one) <= 6
+
+
+def test_decode_kernel_path_gives_the_same_ids(tiny_checkpoint_q4):
+    """prepare(decode_kernels=True) swaps in the GEMV layers and the fused two-head argmax (their
+    MLX fallback off CUDA): same greedy ids and the same hidden states as the default path."""
+    from voicechat.checkpoint import open_checkpoint
+    from voicechat.kernels.gemv import GemvQuantizedLinear
+    from voicechat.llm.nemotron_h import DuplexLM
+
+    ckpt = open_checkpoint(tiny_checkpoint_q4)
+    lms = []
+    for kernels in (False, True):
+        lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
+        ckpt.load_into(lm, "stt_model.", ignore=("perception.", "rnnt_decoder.", "rnnt_joint."))
+        lms.append(lm.prepare(decode_kernels=kernels))
+    assert isinstance(lms[1].lm_head, GemvQuantizedLinear)
+    assert isinstance(lms[1].llm.layers[0].mixer.in_proj, GemvQuantizedLinear)
+    assert lms[1].lm_head.scales.dtype == mx.bfloat16 and lms[0].lm_head.scales.dtype == mx.float32
+    rng = np.random.default_rng(0)
+    audio = mx.array(rng.standard_normal((1, 6, ckpt.config.text_config.hidden_size)).astype(np.float32))
+    caches = [lm.make_cache() for lm in lms]
+    prev = [mx.array([[12]]), mx.array([[12]])]
+    for t in range(6):
+        outs = [lm.step(lm.fused_input(prev[0], audio[:, t : t + 1], prev[1]), c) for lm, c in zip(lms, caches)]
+        assert outs[0].text_ids.item() == outs[1].text_ids.item()
+        assert outs[0].function_ids.item() == outs[1].function_ids.item()
+        np.testing.assert_allclose(np.array(outs[0].hidden), np.array(outs[1].hidden), rtol=1e-4, atol=1e-4)
+        prev = [outs[0].text_ids[None].astype(mx.int32), outs[0].function_ids[None].astype(mx.int32)]

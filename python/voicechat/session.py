@@ -24,6 +24,7 @@ import numpy as np
 from .audio import AudioError, load_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import VoiceChatConfig
+from .kernels.gemv import on_cuda_gpu, use_gemv
 from .model import VoiceChatModel
 from .stt.conformer import subsampled_length
 from .stt.rnnt import greedy_decode
@@ -301,8 +302,12 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
                          f"{config.text_config.vocab_size}")
     pieces = load_rnnt_pieces(checkpoint.path, config.rnnt_vocabulary, config.audio_config.decoder.vocab_size)
     model.stt_model.prepare()
-    model.tts_model.tts_model.set_tokenizer(tokenizer)
-    model.tts_model.tts_model.prepare()
+    tts = model.tts_model.tts_model
+    if on_cuda_gpu():  # our batch-2 GEMVs read the bf16 weights as stored (no per-call float32 copy)
+        use_gemv(tts.backbone)
+        use_gemv(tts.mog_head)
+    tts.set_tokenizer(tokenizer)
+    tts.prepare()
     mx.eval(model.parameters())
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)
     chat.warmup_codes()

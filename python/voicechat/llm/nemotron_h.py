@@ -151,6 +151,10 @@ def _gated_rms_norm(y: mx.array, gate: mx.array, weight: mx.array, groups: int, 
 
 
 @mx.compile
+def _float32(a: mx.array) -> mx.array:
+    return a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a
+
+
 def _relu_squared(x: mx.array) -> mx.array:
     return mx.square(nn.relu(x))
 
@@ -313,8 +317,13 @@ class DuplexLM(nn.Module):
     def make_cache(self) -> NemotronHCache:
         return self.llm.make_cache()
 
-    def prepare(self) -> "DuplexLM":
+    def prepare(self, decode_kernels: bool | None = None) -> "DuplexLM":
         """Load-time conversions for decoding; call once after loading weights. Returns self.
+
+        `decode_kernels` (default: on a CUDA GPU) swaps in our GEMV layers for every projection
+        and both heads (`voicechat.kernels.gemv`); they read bf16 scales as stored, so the scales of
+        quantized layers are then left in bf16 (half the bytes per step) and only norm weights and
+        Mamba vectors are cast.
 
         Activations are float32, so every op mixing them with bf16 quantization scales / biases,
         norm weights or Mamba vectors would cast those to float32 on every step (for the scales of
@@ -322,18 +331,29 @@ class DuplexLM(nn.Module):
         values are unchanged (bf16 -> float32 is exact). Packed 4/8-bit weights stay as they are,
         and so do dense matrices (a bf16 checkpoint keeps its memory; its GEMVs promote per call).
         """
-        def small(path: str, a: mx.array) -> mx.array:
-            dense_matrix = a.ndim == 2 and path.endswith(".weight") and a.dtype != mx.uint32
-            keep = dense_matrix or not mx.issubdtype(a.dtype, mx.floating) or a.dtype == mx.float32
-            return a if keep else a.astype(mx.float32)
-
         from mlx.utils import tree_flatten, tree_unflatten
 
+        from ..kernels.gemv import on_cuda_gpu, use_gemv
+
+        self.decode_kernels = on_cuda_gpu() if decode_kernels is None else decode_kernels
+
+        def small(path: str, a: mx.array) -> mx.array:
+            name = path.rsplit(".", 1)[-1]
+            dense_matrix = a.ndim == 2 and name == "weight" and a.dtype != mx.uint32
+            quant_param = name in ("scales", "biases") and self.decode_kernels
+            keep = dense_matrix or quant_param or not mx.issubdtype(a.dtype, mx.floating) or a.dtype == mx.float32
+            return a if keep else a.astype(mx.float32)
+
         # Only this network's parts: a subclass (the STT model) adds modules with rules of their own.
+        # The embedding always dequantizes in float32 (a lookup, not a GEMV: bf16 scales would round it).
         for part in (self.embed_tokens, self.llm, self.lm_head, self.function_head):
-            params = [(k, small(k, v)) for k, v in tree_flatten(part.parameters())]
+            params = [(k, small(k, v) if part is not self.embed_tokens else _float32(v))
+                      for k, v in tree_flatten(part.parameters())]
             part.update(tree_unflatten(params))
             mx.eval(part.parameters())
+        if self.decode_kernels:
+            use_gemv(self.llm)
+            self.lm_head, self.function_head = use_gemv(self.lm_head), use_gemv(self.function_head)
         return self
 
     def embed(self, ids: mx.array) -> mx.array:
@@ -357,7 +377,13 @@ class DuplexLM(nn.Module):
         """Run fused [b, L, H] through the LLM (updating `cache`), greedy ids of both heads at the
         last position. Nothing is evaluated here."""
         hidden = self.llm(fused, cache)
-        text_logits, function_logits = self.heads(hidden[:, -1])
+        last = hidden[:, -1]
+        text_logits, function_logits = self.heads(last)  # lazy: computed only if read
+        if getattr(self, "decode_kernels", False):
+            from ..kernels.gemv import two_head_argmax
+
+            ids = two_head_argmax(last, self.lm_head, self.function_head)  # one pass, no logits written
+            return StepOutput(ids[..., 0], ids[..., 1], hidden, text_logits, function_logits)
         return StepOutput(mx.argmax(text_logits, axis=-1), mx.argmax(function_logits, axis=-1), hidden,
                           text_logits, function_logits)
 

@@ -8,6 +8,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site2 . >"$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 python3 -c "import voicechat.kernels as k; print(k.build_info())"
 # sox is not on the GPU machine: its two tests are left out there.
 timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rfE tests \

@@ -36,7 +36,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+try:  # an installed voicechat first; else the source tree (with tools/dev-build.sh's extension)
+    import voicechat.kernels  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from voicechat.kernels import build_info, ext  # noqa: E402
 from voicechat.kernels.gemv import (  # noqa: E402

@@ -340,3 +340,11 @@ def test_full_size_module_has_every_published_tensor():
     tts = EarTTS(cfg.tts_config, cfg.text_config.vocab_size)
     ours = {k: tuple(v.shape) for k, v in tree_flatten(tts.parameters())}
     assert ours == published
+
+
+def test_composed_rope_equals_mlx_fast_rope():
+    from voicechat.tts.char_encoder import rotate_half_rope
+
+    x = mx.random.normal((3, 4, 9, 24), key=mx.random.key(1))
+    want = mx.fast.rope(x, 24, traditional=False, base=1e4, scale=1.0, offset=0)
+    np.testing.assert_allclose(np.array(rotate_half_rope(x, 1e4)), np.array(want), rtol=1e-5, atol=1e-5)

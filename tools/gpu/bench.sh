@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
-# On the lent H200, after test.sh on the same (warm) machine: the full-size benchmarks, one
+# On the lent H200, after test.sh on the same (warm) machine: full-size benchmarks, one
 # pytest-benchmark JSON each under $OUT. Random weights at the published shapes, no files.
+#   bash tools/gpu/bench.sh bench_e2e:260 bench_llm:70 ...     (name:timeout-seconds)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=/tmp/site2:/tmp/site PYTHONUNBUFFERED=1 VOICECHAT_BENCH_SIZE=full
-run() {  # name, timeout, extra env
-  local name=$1 limit=$2
-  shift 2
+for item in "${@:-bench_e2e:260 bench_llm:70 bench_reference_mlx_lm:70 bench_tts:70 bench_codec:60 bench_stt:90}"; do
+  name=${item%%:*} limit=${item##*:}
   echo "== $name"
-  env "$@" timeout "$limit" python3 -m pytest -q -p no:cacheprovider "benchmarks/$name.py" --benchmark-enable \
-    --benchmark-min-rounds=5 --benchmark-max-time=0.5 --benchmark-json="$OUT/$name.json" \
-    --benchmark-columns=min,median,mean,rounds 2>&1 | grep -vE "^(Legend|  Outliers|  OPS)" | tail -25
-}
-run bench_e2e "${E2E_TIMEOUT:-260}" MLX_PTX_CACHE_DIR=/tmp/ptx-cold-$$
-run bench_llm 70
-run bench_reference_mlx_lm 70
-run bench_tts 70
-run bench_codec 60
-run bench_stt 90
+  # a fresh kernel cache for the end-to-end run, so its first generate() pays the JIT as a user would
+  env MLX_PTX_CACHE_DIR=/tmp/ptx-$name-$$ timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
+    "benchmarks/$name.py" --benchmark-enable --benchmark-min-rounds=5 --benchmark-max-time=0.5 \
+    --benchmark-json="$OUT/$name.json" --benchmark-columns=min,median,rounds 2>&1 \
+    | grep -vE "^(Legend|  Outliers|  OPS|Wrote)" | tail -20
+done

@@ -24,11 +24,23 @@ from ..config import CharacterEncoderConfig
 from .layers import GatedMLP, OffsetRMSNorm
 
 # Character positions per batch when tabulating the whole vocabulary (bounds peak memory).
-_TABLE_BATCH_CHARS = 1 << 15
+_TABLE_BATCH_CHARS = 1 << 13
 
 
 class CharVocabularyError(ValueError):
     """The tokenizer's single-character tokens do not match the checkpoint's char embedding."""
+
+
+def rotate_half_rope(x: mx.array, base: float) -> mx.array:
+    """RoPE at positions 0..T-1 of x [..., T, D] in the rotate-half form (mx.fast.rope's
+    traditional=False): pairs (x_i, x_{i + D/2}) turn by t * base^(-2i / D)."""
+    t, d = x.shape[-2], x.shape[-1]
+    half = d // 2
+    inv_freq = base ** (-mx.arange(0, half, dtype=mx.float32) * (2.0 / d))
+    angles = mx.arange(t, dtype=mx.float32)[:, None] * inv_freq[None, :]
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class EncoderAttention(nn.Module):
@@ -52,8 +64,9 @@ class EncoderAttention(nn.Module):
         q = self.q_proj(x).reshape(n, c, self.n_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(n, c, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(n, c, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=0)
-        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=0)
+        # Composed RoPE (rotate-half): this runs at load time over batches of thousands of
+        # subwords, where mlx-cuda 0.32.4's fast.rope launch failed (cudaGraphAddKernelNode).
+        q, k = rotate_half_rope(q, self.rope_base), rotate_half_rope(k, self.rope_base)
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)

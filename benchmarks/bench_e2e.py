@@ -60,7 +60,7 @@ def test_generate(benchmark, chat, seconds):
     def run():
         results.append(chat.generate(audio, sample_rate=16000, extra_decoding_seconds=0.0))
 
-    benchmark.pedantic(run, rounds=2 if seconds >= 120 else 3, iterations=1, warmup_rounds=0)
+    benchmark.pedantic(run, rounds=1 if seconds >= 120 else 3, iterations=1, warmup_rounds=0)
     r = results[-1]
     gen = benchmark.stats.stats.min
     frames = r.frames + r.prompt_frames

@@ -5,7 +5,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=/tmp/site2:/tmp/site PYTHONUNBUFFERED=1 VOICECHAT_BENCH_SIZE=full
-for item in "${@:-bench_e2e:260 bench_llm:70 bench_reference_mlx_lm:70 bench_tts:70 bench_codec:60 bench_stt:90}"; do
+[ $# -gt 0 ] || set -- bench_e2e:260 bench_llm:70 bench_reference_mlx_lm:70 bench_tts:70 bench_codec:60 bench_stt:90
+for item in "$@"; do
   name=${item%%:*} limit=${item##*:}
   echo "== $name"
   # a fresh kernel cache for the end-to-end run, so its first generate() pays the JIT as a user would

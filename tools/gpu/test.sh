@@ -11,7 +11,9 @@ export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 python3 -c "import voicechat.kernels as k; print(k.build_info())"
 # sox is not on the GPU machine: its two tests are left out there.
-timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests} \
+# pytest-timeout is on the GPU image: one hung test (a GPU kernel that never returns) costs 60 s,
+# not the whole run.
+timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rfE --timeout=60 ${TESTS:-tests} \
   -k "not other_formats_and_stereo and not stereo_other_rate" --durations=15 2>&1 | tee "$OUT/tests.log" | tail -60
 timeout "${GEMV_TIMEOUT:-150}" python3 benchmarks/bench_gemv.py --size full --json "$OUT/gemv.json" 2>&1 \
   | tee "$OUT/gemv.log" | tail -45

@@ -21,6 +21,14 @@ def _load():
             f"--no-build-isolation voicechat`) or install mlx=={_build_config.MLX_VERSION}.")
     from .. import _ext
 
+    cuda = getattr(mx, "cuda", None)
+    if _build_config.BACKEND == "cpu" and cuda is not None and cuda.is_available():
+        import warnings
+
+        warnings.warn(
+            "voicechat._ext was built against mlx-cpu but mlx-cuda is running: the CUDA kernels are "
+            "off (composed MLX ops run instead); reinstall with `pip install --no-build-isolation .` "
+            "after `pip install 'mlx[cuda13]==0.32.4'`.", RuntimeWarning, stacklevel=2)
     return _ext
 
 

@@ -121,3 +121,13 @@ def test_inputs_past_the_context_are_refused(chat, spoken_wav):
         chat.generate(np.zeros(int(seconds * 16000), np.float32), sample_rate=16000)
     with pytest.raises(InputError, match="extra_decoding_seconds"):
         chat.generate(spoken_wav, extra_decoding_seconds=-1)
+
+
+def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):
+    """Ids kept on the device and async evaluation change nothing: the loop that waits for every
+    frame and feeds Python ints back gives the same ids, codes and samples (same seed)."""
+    plain = chat.generate(spoken_wav, seed=0, pipelined=False)
+    assert plain.text_tokens == result.text_tokens and plain.function_tokens == result.function_tokens
+    assert plain.audio_codes == result.audio_codes
+    assert np.array_equal(plain.audio, result.audio)
+    assert plain.host_syncs > result.frames > result.host_syncs

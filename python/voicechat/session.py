@@ -132,10 +132,12 @@ class VoiceChat:
         *,
         sample_rate: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        pipelined: bool = True,
     ) -> Result:
         """Run the timeline on `audio` (a path, or a float32 array at `sample_rate`).
 
-        `progress(done, total)` is called as timeline frames are queued.
+        `progress(done, total)` is called as timeline frames are queued. `pipelined=False` runs
+        the plain loop (a host sync per frame; same ids and codes, slower).
         """
         c = self.config
         timings: dict[str, float] = {}
@@ -169,7 +171,7 @@ class VoiceChat:
         lap("tts_warmup_s")
 
         text_ids, function_ids, codes, syncs = self._timeline(
-            audio_embeds, ids, previous_code, tts_cache, seed, progress)
+            audio_embeds, ids, previous_code, tts_cache, seed, progress, plain=not pipelined)
         lap("timeline_s")
 
         codes = codes[prompt_frames:]  # [frames, Q]
@@ -200,8 +202,11 @@ class VoiceChat:
             host_syncs=syncs + 4,  # + perception, warmup, codec and transcript: one wait each
         )
 
-    def _timeline(self, audio_embeds, ids, previous_code, tts_cache, seed, progress):
-        """The frame loop. Returns (text ids, function ids, codes [T, Q] numpy, host syncs)."""
+    def _timeline(self, audio_embeds, ids, previous_code, tts_cache, seed, progress, plain=False):
+        """The frame loop. Returns (text ids, function ids, codes [T, Q] numpy, host syncs).
+
+        `plain`: wait for every frame and pass its ids back as Python ints (the straightforward
+        loop, kept so tests can hold the pipelined one to it)."""
         c = self.config
         stt, tts = self.stt, self.tts.tts_model
         pad = mx.array([[c.pad_token_id]], dtype=mx.int32)
@@ -237,11 +242,18 @@ class VoiceChat:
             fused = stt.fused_input(prev_text, audio_embeds[:, i : i + 1], prev_function)
             out = stt.step(fused, cache)
             text_id, function_id = out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32)
+            if plain:
+                text_id = mx.array([text_id.item()], dtype=mx.int32)
+                function_id = mx.array([function_id.item()], dtype=mx.int32)
+                syncs += 1
             text_out.append(text_id)
             function_out.append(function_id)
             if t >= 1:
-                previous_code, key = tts.step(previous_code, text_id, tts_cache, key, silence)
+                previous_code, key = tts.step(previous_code, int(text_id.item()) if plain else text_id,
+                                              tts_cache, key, silence)
                 code_out.append(previous_code)
+                if plain:
+                    mx.eval(previous_code, key)
             prev_text, prev_function = text_id[None], function_id[None]
             mx.async_eval(text_id, function_id, previous_code, key)
             if (i + 1) % SYNC_EVERY == 0:

@@ -80,6 +80,9 @@ class TensorSpec:
     init: Callable[[np.random.Generator], np.ndarray]
     quantize: int | None = None  # bits: a dense tensor of `dense_dtype` is quantized into weight/scales/biases
     dense_dtype: mx.Dtype | None = None
+    # Draw from the generators of these names instead of `name` (an MLX-layout tensor made from
+    # its torch-layout sources gets their values: both layouts of one seed hold the same weights).
+    seed_names: tuple[str, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -122,8 +125,9 @@ class _Writer:
         self.dtype, self.layout, self.quantize, self.qmap = dtype, layout, quantize, qmap
         self.specs: list[TensorSpec] = []
 
-    def add(self, name, shape, init, dtype=None):
-        self.specs.append(TensorSpec(name, tuple(int(s) for s in shape), dtype or self.dtype, init))
+    def add(self, name, shape, init, dtype=None, seed_names=None):
+        self.specs.append(TensorSpec(name, tuple(int(s) for s in shape), dtype or self.dtype, init,
+                                     seed_names=seed_names))
 
     def linear(self, name, out_dim, in_dim, bias=False, quantizable=False, std=None):
         std = 1.0 / math.sqrt(in_dim) if std is None else std
@@ -188,10 +192,15 @@ class _Writer:
                 self.add(f"{name}.weight_hh_l{n}", (4 * hidden, hidden), _normal((4 * hidden, hidden), std))
                 self.add(f"{name}.bias_ih_l{n}", (4 * hidden,), _normal((4 * hidden,), std))
                 self.add(f"{name}.bias_hh_l{n}", (4 * hidden,), _normal((4 * hidden,), std))
-            else:
-                self.add(f"{name}.{n}.Wx", (4 * hidden, width), _normal((4 * hidden, width), std))
-                self.add(f"{name}.{n}.Wh", (4 * hidden, hidden), _normal((4 * hidden, hidden), std))
-                self.add(f"{name}.{n}.bias", (4 * hidden,), _normal((4 * hidden,), std), dtype=mx.float32)
+            else:  # one bias = bias_ih + bias_hh, summed in float32 as the loader does
+                self.add(f"{name}.{n}.Wx", (4 * hidden, width), _normal((4 * hidden, width), std),
+                         seed_names=(f"{name}.weight_ih_l{n}",))
+                self.add(f"{name}.{n}.Wh", (4 * hidden, hidden), _normal((4 * hidden, hidden), std),
+                         seed_names=(f"{name}.weight_hh_l{n}",))
+                bias = _normal((4 * hidden,), std)
+                self.add(f"{name}.{n}.bias", (4 * hidden,),
+                         lambda r_ih, r_hh, b=bias, d=self.dtype: _rounded(b(r_ih), d) + _rounded(b(r_hh), d),
+                         dtype=mx.float32, seed_names=(f"{name}.bias_ih_l{n}", f"{name}.bias_hh_l{n}"))
 
 
 def _stt(w: _Writer, cfg: VoiceChatConfig) -> None:
@@ -499,7 +508,15 @@ def token_flags(tokenizer, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 # --------------------------------------------------------------------------- writing
 
+def _rounded(x: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    """`x` as stored in `dtype`, back in float32."""
+    return np.array(mx.array(x).astype(dtype).astype(mx.float32))
+
+
 def _materialize(spec: TensorSpec, seed: int) -> dict[str, mx.array]:
+    if spec.seed_names:
+        rngs = [np.random.default_rng([seed, zlib.crc32(n.encode())]) for n in spec.seed_names]
+        return {spec.name: mx.array(np.asarray(spec.init(*rngs))).astype(spec.dtype)}
     rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
     if spec.quantize:
         # Quantized from weights of the stored float dtype, so scales and biases come out in it.

@@ -1,0 +1,60 @@
+"""The whole checkpoint loads into the model tree strictly, tensor for tensor, in every variant."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from voicechat.checkpoint import open_checkpoint, subtree, to_mlx_layout
+from voicechat.model import VoiceChatModel
+from voicechat.testing import make_checkpoint
+
+VARIANTS = {
+    "float32-torch": dict(dtype="float32"),
+    "bfloat16-torch": dict(dtype="bfloat16"),
+    "q4-torch": dict(quantize=4, dtype="bfloat16"),
+    "q8-mlx": dict(quantize=8, dtype="bfloat16", layout="mlx"),
+    "sharded-q4": dict(quantize=4, dtype="float32", shards=3),
+}
+
+
+def _loaded(directory):
+    ckpt = open_checkpoint(directory)
+    model = VoiceChatModel(ckpt.config)
+    ckpt.load_into(model, "")
+    return ckpt, model
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_tensor_loads_back_bit_identical(tmp_path, name):
+    ckpt, model = _loaded(make_checkpoint(tmp_path / name, "tiny", seed=5, **VARIANTS[name]))
+    params = dict(tree_flatten(model.parameters()))
+    stored = to_mlx_layout(ckpt.tensors, model)  # the one conversion the loader applies
+    assert params.keys() == stored.keys()
+    for key, value in params.items():
+        want = stored[key]
+        assert value.dtype == want.dtype, key
+        assert value.shape == want.shape, key
+        assert np.array_equal(np.array(value.astype(mx.float32) if value.dtype == mx.bfloat16 else value),
+                              np.array(want.astype(mx.float32) if want.dtype == mx.bfloat16 else want)), key
+    quantized = {k[: -len(".scales")] for k in params if k.endswith(".scales")}
+    assert quantized == set(ckpt.quantization)
+    assert bool(quantized) == ("quantize" in VARIANTS[name])
+
+
+def test_torch_and_mlx_layouts_load_to_the_same_weights(tmp_path):
+    _, torch_model = _loaded(make_checkpoint(tmp_path / "t", "tiny", seed=2, layout="torch"))
+    _, mlx_model = _loaded(make_checkpoint(tmp_path / "m", "tiny", seed=2, layout="mlx"))
+    a, b = dict(tree_flatten(torch_model.parameters())), dict(tree_flatten(mlx_model.parameters()))
+    assert a.keys() == b.keys()
+    for key in a:  # the LSTM's two torch biases and the mlx file's one sum agree exactly too
+        assert np.array_equal(np.array(a[key]), np.array(b[key])), key
+
+
+def test_converting_twice_changes_nothing(tiny_checkpoint):
+    ckpt, model = _loaded(tiny_checkpoint)
+    once = to_mlx_layout(ckpt.tensors, model)
+    twice = to_mlx_layout(once, model)
+    assert once.keys() == twice.keys()
+    assert all(np.array_equal(np.array(once[k]), np.array(twice[k])) for k in once)
+    assert any(ckpt.tensors[k].shape != once[k].shape for k in once if k in ckpt.tensors)  # something was converted

@@ -25,9 +25,12 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
                              "--output-json", js, "-p", "Be concise.", "-n", "0")
     assert code == 0, err
     data = json.loads(js.read_text())
-    expected = f"[user] {data['user_transcript']}\n{data['text']}\n"
+    from voicechat.cli import _printable
+
+    expected = f"[user] {_printable(data['user_transcript'])}\n{_printable(data['text'])}\n"
     if data["function_text"]:
-        expected += f"[function] {data['function_text']}\n"
+        expected += f"[function] {_printable(data['function_text'])}\n"
+    assert not any(ord(ch) < 0x20 and ch not in "\n\t" for ch in out)
     assert out == expected
     assert "-n is ignored" in err
     assert "ms/frame" in err and "real-time factor" in err

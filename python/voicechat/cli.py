@@ -100,6 +100,15 @@ class _Progress:
             self.bar.close()
 
 
+_CONTROL = {c: "\ufffd" for c in list(range(0x20)) + list(range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def _printable(text: str) -> str:
+    """Text for a terminal: control characters (escape sequences of a confused model) shown as
+    U+FFFD. JSON output keeps the text as generated."""
+    return text.translate(_CONTROL)
+
+
 def run(args: argparse.Namespace) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     if args.demo and args.audio:
@@ -137,10 +146,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         _write_json_atomic(args.output_json, {**result.to_json(), "timings": timings})
 
-    print(f"[user] {result.user_transcript}")
-    print(result.text)
+    print(f"[user] {_printable(result.user_transcript)}")
+    print(_printable(result.text))
     if result.function_text:
-        print(f"[function] {result.function_text}")
+        print(f"[function] {_printable(result.function_text)}")
     frames = result.prompt_frames + result.frames
     gen = result.timings["generate_s"]
     audio_s = result.frames * chat.config.frame_duration

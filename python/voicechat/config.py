@@ -16,6 +16,7 @@ from typing import Any
 
 MODEL_TYPE = "nemotron_voicechat"
 SPEAKERS = ("Aria",)
+SPEAKER_PROMPT_FRAMES = 37  # frames of the stored speaker latent (audio_prompt_latents.Aria [1, 37, hidden])
 
 
 class ConfigError(ValueError):

@@ -6,11 +6,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .codec.codec import AudioCodec
-from .config import VoiceChatConfig
+from .config import SPEAKER_PROMPT_FRAMES, VoiceChatConfig
 from .llm.nemotron_h import DuplexLM
 from .stt.conformer import Perception
 from .stt.rnnt import RNNTDecoder, RNNTJoint
-from .testing import ARIA_FRAMES
 from .tts.ear_tts import EarTTS
 
 
@@ -32,7 +31,7 @@ class TTSModel(nn.Module):
         t = config.tts_config
         self.tts_model = EarTTS(t, config.text_config.vocab_size, config.eos_token_id, config.pad_token_id)
         self.audio_codec = AudioCodec(config.codec_config)
-        self.audio_prompt_latents = {config.speaker: mx.zeros((1, ARIA_FRAMES, t.hidden_size))}
+        self.audio_prompt_latents = {config.speaker: mx.zeros((1, SPEAKER_PROMPT_FRAMES, t.hidden_size))}
         self.codec_silence_tokens = mx.zeros((t.num_quantizers,), dtype=mx.int32)
         self.control_codes = mx.zeros((3,), dtype=mx.int32)
 

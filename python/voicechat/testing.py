@@ -25,11 +25,10 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
-from .config import VoiceChatConfig
+from .config import SPEAKER_PROMPT_FRAMES, VoiceChatConfig
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 NUM_SPECIAL_TOKENS = 16  # ids 0..15 are special, as in the published tokenizer (1 bos, 2 eos, 11 silence, 12 pad)
-ARIA_FRAMES = 37
 
 
 # --------------------------------------------------------------------------- configs
@@ -325,7 +324,7 @@ def _tts(w: _Writer, cfg: VoiceChatConfig, codebooks: dict) -> None:
     k = t.codebook_size
     w.add(ctrl, (3,), lambda rng: np.array([k - 3, k - 2, k - 1], dtype=np.int32), dtype=mx.int32)
     _codec(w, cfg, codebooks)
-    w.add("tts_model.audio_prompt_latents.Aria", (1, ARIA_FRAMES, h), _normal((1, ARIA_FRAMES, h), 1.0))
+    w.add("tts_model.audio_prompt_latents.Aria", (1, SPEAKER_PROMPT_FRAMES, h), _normal((1, SPEAKER_PROMPT_FRAMES, h), 1.0))
     w.add("tts_model.codec_silence_tokens", (t.num_quantizers,),
           lambda rng: rng.integers(0, k - 3, t.num_quantizers).astype(np.int32), dtype=mx.int32)
 

@@ -300,6 +300,23 @@ __device__ __forceinline__ void block_sum(const float* vals, float* part, float*
   __syncthreads();
 }
 
+// out[m, row0 + r] = total[r * M + m] (+ bias[row0 + r]) for the block's rows inside [0, n):
+// the store that ends both matvec kernels.
+template <int ROWS, int M, bool HAS_BIAS, typename TB, typename TO>
+__device__ __forceinline__ void store_rows(const float* total, const TB* bias, TO* out, int row0, int n) {
+  if (threadIdx.x < ROWS * M) {
+    const int row = row0 + threadIdx.x / M;
+    const int m = threadIdx.x % M;
+    if (row < n) {
+      float v = total[threadIdx.x];
+      if constexpr (HAS_BIAS) {
+        v += static_cast<float>(bias[row]);
+      }
+      out[static_cast<size_t>(m) * n + row] = static_cast<TO>(v);
+    }
+  }
+}
+
 // (value, index) as one integer whose order is mx.argmax's: a larger value wins, equal values go
 // to the smaller index. The value's bits are made monotonic (flip all bits of negatives, the sign
 // bit of positives); -0 counts as +0; every NaN counts as larger than +inf, so the first NaN wins
@@ -328,17 +345,7 @@ constexpr const char* kQmvSource = R"(
   float acc[ROWS][M];
   vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  if (threadIdx.x < ROWS * M) {
-    const int row = row0 + threadIdx.x / M;
-    const int m = threadIdx.x % M;
-    if (row < N) {
-      float v = total[threadIdx.x];
-      if constexpr (HAS_BIAS) {
-        v += static_cast<float>(bias[row]);
-      }
-      out[static_cast<size_t>(m) * N + row] = static_cast<TO>(v);
-    }
-  }
+  vc_gemv::store_rows<ROWS, M, HAS_BIAS>(total, bias, out, row0, N);
 )";
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights.
@@ -350,17 +357,7 @@ constexpr const char* kDenseSource = R"(
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS>(x, weight, row0, N, acc);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  if (threadIdx.x < ROWS * M) {
-    const int row = row0 + threadIdx.x / M;
-    const int m = threadIdx.x % M;
-    if (row < N) {
-      float v = total[threadIdx.x];
-      if constexpr (HAS_BIAS) {
-        v += static_cast<float>(bias[row]);
-      }
-      out[static_cast<size_t>(m) * N + row] = static_cast<TO>(v);
-    }
-  }
+  vc_gemv::store_rows<ROWS, M, HAS_BIAS>(total, bias, out, row0, N);
 )";
 
 // Two quantized heads of the same shape over the same x: blocks [0, NB) take head a, [NB, 2 NB)

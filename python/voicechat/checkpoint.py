@@ -62,10 +62,8 @@ def _download(repo_id: str) -> Path:
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
         raise CheckpointError(f"{repo_id}: not a local directory, and huggingface_hub is not installed")
     patterns = ["*.json", "*.safetensors", "rnnt_tokenizer/*", "*.txt", "*.model"]
-    try:
+    try:  # the cache first: no network needed once downloaded
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
-    except (LocalEntryNotFoundError, FileNotFoundError):
-        pass
     except Exception:
         pass
     try:

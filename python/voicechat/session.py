@@ -293,8 +293,8 @@ class VoiceChat:
         text = [c.pad_token_id] * len(ids)
         function = [c.pad_token_id] * len(ids)
         for t in range(len(ids), len(ids) + frames):
-            prev_text = mx.array([[c.pad_token_id] + text[: t]], dtype=mx.int32)[:, : t + 1]
-            prev_function = mx.array([[c.pad_token_id] + function[: t]], dtype=mx.int32)[:, : t + 1]
+            prev_text = mx.array([[c.pad_token_id] + text], dtype=mx.int32)  # position s sees id s - 1
+            prev_function = mx.array([[c.pad_token_id] + function], dtype=mx.int32)
             fused = stt.fused_input(prev_text, audio_channel[:, : t + 1], prev_function)
             out = stt.step(fused, None)
             text.append(int(out.text_ids.item()))

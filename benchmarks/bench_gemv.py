@@ -144,16 +144,29 @@ def measure(group, name, impl, x_name, rows, calls, bytes_per_call, run, extra=N
 
 # --------------------------------------------------------------------------- cases
 
-def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0):
+def q4_copies(n, k):
+    """Enough random 4-bit matrices [n, k] that cycling through them defeats the L2 cache."""
+    return [random_q4(n, k, seed) for seed in range(copies_for(q4_bytes(n, k)))]
+
+
+def dense_copies(n, k):
+    copies = [(mx.random.normal((n, k), key=mx.random.key(i)) * 0.03).astype(mx.bfloat16)
+              for i in range(copies_for(n * k * 2))]
+    mx.eval(copies)
+    return copies
+
+
+def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0, warps=-1, copies=None):
     """{impl: (calls, run)} for one 4-bit shape."""
-    copies = [random_q4(n, k, seed) for seed in range(copies_for(q4_bytes(n, k)))]
+    copies = copies or q4_copies(n, k)
     x = mx.random.normal((rows, k)).astype(x_dtype)
     calls = max(MIN_CALLS, len(copies))
     order = [copies[i % len(copies)] for i in range(calls)]
 
     def ours():
-        if rows_per_block or threads:
-            return [ext.quantized_matvec(x, w, s, b, rows_per_block=rows_per_block, threads=threads) for w, s, b in order]
+        if rows_per_block or threads or warps >= 0:
+            return [ext.quantized_matvec(x, w, s, b, rows_per_block=rows_per_block, threads=threads, warps=warps)
+                    for w, s, b in order]
         return [quantized_matvec(x, w, s, b) for w, s, b in order]
 
     def mlx():
@@ -162,18 +175,15 @@ def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0):
     return calls, {"ours": ours, "mlx": mlx}
 
 
-def dense_runs(n, k, x_dtype, rows=2, rows_per_block=0, threads=0):
-    nbytes = n * k * 2
-    copies = [(mx.random.normal((n, k), key=mx.random.key(i)) * 0.03).astype(mx.bfloat16)
-              for i in range(copies_for(nbytes))]
-    mx.eval(copies)
+def dense_runs(n, k, x_dtype, rows=2, rows_per_block=0, threads=0, warps=-1, copies=None):
+    copies = copies or dense_copies(n, k)
     x = mx.random.normal((rows, k)).astype(x_dtype)
     calls = max(MIN_CALLS, len(copies))
     order = [copies[i % len(copies)] for i in range(calls)]
 
     def ours():
-        if rows_per_block or threads:
-            return [ext.dense_matvec(x, w, rows_per_block=rows_per_block, threads=threads) for w in order]
+        if rows_per_block or threads or warps >= 0:
+            return [ext.dense_matvec(x, w, rows_per_block=rows_per_block, threads=threads, warps=warps) for w in order]
         return [dense_matvec(x, w) for w in order]
 
     def mlx():
@@ -220,9 +230,9 @@ def run_all(size: str, groups=GROUPS, sweep: bool = False) -> list[Result]:
         for x_name, x_dtype in DTYPES.items():
             calls, runs = q4_runs(n, k, x_dtype)
             for impl, run in runs.items():
-                rows_per_block, threads = ext.gemv_launch_config("quantized", k, n, 4)
+                launch = list(ext.gemv_launch_config("quantized", k, n, 4))
                 results.append(measure("q4", f"{n}x{k}", impl, x_name, 1, calls, q4_bytes(n, k), run,
-                                       {"launch": [rows_per_block, threads]} if impl == "ours" else None))
+                                       {"launch": launch} if impl == "ours" else None))
             del runs
             release()
     for n, k in tts_linear_shapes(size) if "dense" in groups else []:
@@ -251,29 +261,33 @@ def run_all(size: str, groups=GROUPS, sweep: bool = False) -> list[Result]:
     return results
 
 
-SWEEP_ROWS = (1, 2, 4, 8)
-SWEEP_THREADS = (0, 64, 128, 256)  # 0: the default for the shape
+SWEEP_ROWS = (2, 4, 8)
+# (threads, warps): the block layout (threads splitting K; 0: the shape's default) and the warp
+# layout (warps per block, each warp on its own rows).
+SWEEP_SPLITS = ((0, 0), (0, 2), (0, 4), (0, 8))
 
 
 def run_sweep(size: str) -> list[Result]:
-    """Launch shapes (rows per block x threads) at each 4-bit shape and the four largest TTS ones,
-    float32 x (the model's activations): for tuning pick_launch in csrc/gemv.cpp."""
+    """Launch shapes (rows x split) at each 4-bit shape and the four largest TTS ones, float32 x
+    (the model's activations): for tuning pick_launch in csrc/gemv.cpp."""
     out = []
-    shapes = [("q4", n, k) for n, k in distinct((n, k) for _, n, k in llm_projections(size))]
+    shapes = [("q4", n, k) for n, k in distinct((n, k) for _, n, k in llm_projections(size)) if n < 65536]
     shapes += [("dense", n, k) for n, k in distinct(tts_linear_shapes(size))[:4]]
     for kind, n, k in shapes:
+        copies = q4_copies(n, k) if kind == "q4" else dense_copies(n, k)
         for rows_per_block in SWEEP_ROWS:
-            for threads in SWEEP_THREADS:
+            for threads, warps in SWEEP_SPLITS:
                 if kind == "q4":
-                    calls, runs = q4_runs(n, k, mx.float32, 1, rows_per_block, threads)
+                    calls, runs = q4_runs(n, k, mx.float32, 1, rows_per_block, threads, warps, copies)
                     nbytes, rows = q4_bytes(n, k), 1
                 else:
-                    calls, runs = dense_runs(n, k, mx.float32, 2, rows_per_block, threads)
+                    calls, runs = dense_runs(n, k, mx.float32, 2, rows_per_block, threads, warps, copies)
                     nbytes, rows = n * k * 2, 2
                 s = seconds_per_round(runs["ours"], warmup=2, repeats=3, min_seconds=0.02) / calls
                 out.append(Result(f"sweep-{kind}", f"{n}x{k}", "ours", "f32", rows, calls, nbytes, s * 1e6,
-                                  nbytes / s / 1e9, {"launch": [rows_per_block, threads]}))
+                                  nbytes / s / 1e9, {"launch": [rows_per_block, threads, warps]}))
                 del runs
+        del copies
         release()
     return out
 
@@ -292,7 +306,7 @@ def table(results: list[Result]) -> str:
         if r.group.startswith("sweep") and ((r.group, r.name) not in best or r.gbps > best[r.group, r.name].gbps):
             best[r.group, r.name] = r
     if best:
-        lines.append("best launch [rows per block, threads] per shape (0 threads: the default):")
+        lines.append("best launch [rows, threads, warps] per shape (warps 0: block layout; threads 0: default):")
         lines += [f"  {g:<12} {name:<14} {r.extra['launch']}  {r.gbps:8.1f} GB/s" for (g, name), r in best.items()]
     return "\n".join(lines)
 

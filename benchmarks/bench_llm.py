@@ -1,5 +1,5 @@
-"""Nemotron-H duplex LM: one decode step (fused input, all layers, both heads' argmax, cache update)
-and a 64-position prefix.
+"""Nemotron-H duplex LM: one decode step (fused input, all layers, both heads' argmax, cache update),
+eager and compiled (`DuplexLM.decode`), and a 64-position prefix.
 
     PYTHONPATH=python pytest benchmarks/bench_llm.py --benchmark-enable            # tiny, 4-bit checkpoint
     VOICECHAT_BENCH_SIZE=full pytest benchmarks/bench_llm.py --benchmark-enable    # published shapes, 4-bit (GPU)
@@ -80,6 +80,27 @@ def test_llm_step(benchmark, lm):
     counts = count_step_ops(lm, 1, primed.copy())
     benchmark.extra_info.update(size=SIZE, context=CONTEXT, ops_total=sum(counts.values()),
                                 ops_kernels=kernel_count(counts), ops=dict(counts))
+
+
+def test_llm_decode_step(benchmark, lm):
+    """The same step as one compiled graph (`DuplexLM.decode`, what the session runs)."""
+    audio = _audio(lm, CONTEXT + 1)
+    pad = mx.full((1, CONTEXT), PAD, dtype=mx.int32)
+    primed = lm.make_cache()
+    out = lm.step(lm.fused_input(pad, audio[:, :CONTEXT], pad), primed)
+    mx.eval(out, primed.state)
+    frame = audio[:, CONTEXT:]
+    text, function = out.text_ids[:, None].astype(mx.int32), out.function_ids[:, None].astype(mx.int32)
+
+    def step():
+        cache = primed.copy()
+        ids = lm.decode(text, frame, function, cache)
+        mx.eval(ids, cache.state)
+        return ids
+
+    ids = benchmark(step)
+    assert ids[0].shape == (1,)
+    benchmark.extra_info.update(size=SIZE, context=CONTEXT)
 
 
 def test_llm_prefix64(benchmark, lm):

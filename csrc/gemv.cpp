@@ -38,32 +38,54 @@ constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a b
 constexpr int kArgmaxGroupsPerBlock = 8;
 
 struct Launch {
-  int rows;     // output rows per block
-  int threads;  // threads per block, splitting K
+  int rows;     // output rows per block (block layout) or per warp (warp layout)
+  int threads;  // threads per block
+  int warps;    // 0: block layout (the block's threads split K); > 0: warp layout, warps per block
 };
 
-// Threads: enough to cover a row's 16-byte chunks in ceil(chunks / 256) steps, in whole warps
-// (K = 4480 at 4 bits: 140 chunks -> 160 threads, one step). Rows per block: 4 (each chunk of x
-// serves 4 weight rows), fewer when that would leave under ~4 blocks per SM.
-Launch pick_launch(int chunks, int n, int rows_override, int threads_override) {
-  const int steps = (chunks + 255) / 256;
-  Launch l{4, 32 * ((chunks + 32 * steps - 1) / (32 * steps))};
-  while (l.rows > 1 && (n + l.rows - 1) / l.rows < 4 * kSmCount) {
-    l.rows /= 2;
+constexpr int kWarpLayoutWarps = 4;  // warps per block of the warp layout, unless overridden
+
+// Block layout. Threads: enough to cover a row's 16-byte chunks in ceil(chunks / 256) steps, in
+// whole warps (K = 4480 at 4 bits: 140 chunks -> 160 threads, one step). Rows per block: 4 (each
+// chunk of x serves 4 weight rows), fewer when that would leave under ~4 blocks per SM.
+// Warp layout (`warps` > 0, or < 0 for the default): each warp takes `rows` rows alone, 4 unless
+// that would leave under ~8 warps per SM.
+Launch pick_launch(int chunks, int n, int rows_override, int threads_override, int warps_override) {
+  if (warps_override < 0) {
+    warps_override = kWarpLayoutWarps;
+  }
+  Launch l{4, 0, warps_override};
+  if (l.warps > 0) {
+    l.threads = 32 * l.warps;
+    while (l.rows > 1 && (n + l.rows - 1) / l.rows < 8 * kSmCount) {
+      l.rows /= 2;
+    }
+  } else {
+    const int steps = (chunks + 255) / 256;
+    l.threads = 32 * ((chunks + 32 * steps - 1) / (32 * steps));
+    while (l.rows > 1 && (n + l.rows - 1) / l.rows < 4 * kSmCount) {
+      l.rows /= 2;
+    }
+    if (threads_override > 0) {
+      l.threads = threads_override;
+    }
   }
   if (rows_override > 0) {
     l.rows = rows_override;
-  }
-  if (threads_override > 0) {
-    l.threads = threads_override;
   }
   if (l.rows != 1 && l.rows != 2 && l.rows != 4 && l.rows != 8) {
     throw std::invalid_argument("gemv: rows_per_block must be 1, 2, 4 or 8");
   }
   if (l.threads % 32 != 0 || l.threads < 32 || l.threads > 512) {
-    throw std::invalid_argument("gemv: threads must be a multiple of 32 in [32, 512]");
+    throw std::invalid_argument("gemv: threads must be a multiple of 32 in [32, 512] (warps in [1, 16])");
   }
   return l;
+}
+
+// Blocks of a launch over n output rows.
+int blocks_for(const Launch& l, int n) {
+  const int rows_per_block = l.warps > 0 ? l.rows * l.warps : l.rows;
+  return (n + rows_per_block - 1) / rows_per_block;
 }
 
 // ---------------------------------------------------------------- CUDA sources
@@ -108,6 +130,76 @@ const CudaSource& qmv_source() {
           inst("__half", "__half", "__half", 4, 32, 4480, 1000, 1, 2, 64),
           inst(bf, f, f, 8, 128, 1152, 1, 2, 1, 96),
           inst(f, bf, f, 4, 64, 4480, 5120, 2, 4, 160, f),
+      },
+  });
+  return src;
+}
+
+const CudaSource& qmv_warp_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const char* tx, const char* ts, const char* to, int bits, int group, int k, int n, int m, int rows,
+                 int warps, const char* tb = nullptr) {
+    const char* bias_type = tb ? tb : ts;
+    return CudaInstance{
+        {tx, "uint32_t", ts, ts, bias_type},
+        {to},
+        {P{"BITS", "int:" + std::to_string(bits)}, P{"GROUP", "int:" + std::to_string(group)},
+         P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
+         P{"ROWS", "int:" + std::to_string(rows)}, P{"WARPS", "int:" + std::to_string(warps)},
+         P{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
+         P{"TS", std::string("type:") + ts}, P{"TB", std::string("type:") + bias_type},
+         P{"TO", std::string("type:") + to}}};
+  };
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_warp",
+      {"x", "weight", "scales", "biases", "bias"},
+      {"out"},
+      gemv_cuda::kQmvWarpSource,
+      gemv_cuda::kHeader,
+      {
+          inst(f, bf, f, 4, 64, 4480, 22656, 1, 4, 4),     // mamba in_proj
+          inst(bf, bf, bf, 4, 64, 4480, 22656, 2, 4, 4),
+          inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 4),     // mamba out_proj
+          inst(f, bf, f, 4, 64, 15680, 4480, 2, 2, 8),     // mlp down_proj
+          inst(f, bf, f, 4, 64, 4480, 1024, 1, 1, 4),      // attention k_proj / v_proj
+          inst(f, bf, f, 4, 64, 4480, 131072, 1, 4, 4),    // a head
+          inst(f, bf, f, 8, 64, 4480, 5120, 2, 8, 2),
+          inst("__half", "__half", "__half", 4, 32, 4480, 1000, 1, 2, 2),
+          inst(f, bf, f, 4, 64, 4480, 5120, 2, 4, 4, f),
+      },
+  });
+  return src;
+}
+
+const CudaSource& dense_warp_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const char* tx, const char* tw, const char* tb, const char* to, int k, int n, int m, int rows,
+                 int warps, bool has_bias) {
+    return CudaInstance{
+        {tx, tw, tb},
+        {to},
+        {P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
+         P{"ROWS", "int:" + std::to_string(rows)}, P{"WARPS", "int:" + std::to_string(warps)},
+         P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
+         P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb}, P{"TO", std::string("type:") + to}}};
+  };
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_dense_mv_warp",
+      {"x", "weight", "bias"},
+      {"out"},
+      gemv_cuda::kDenseWarpSource,
+      gemv_cuda::kHeader,
+      {
+          inst(f, bf, bf, f, 1152, 1152, 2, 2, 4, false),   // TTS attention
+          inst(f, bf, bf, f, 1152, 4608, 2, 4, 4, false),   // TTS mlp gate / up
+          inst(f, bf, bf, f, 4608, 1152, 2, 1, 4, false),   // TTS mlp down
+          inst(f, bf, bf, f, 1152, 65536, 1, 4, 4, false),  // MoG proj_mus
+          inst(f, bf, bf, f, 1152, 1152, 1, 2, 4, true),    // gated fusion (with bias)
+          inst("__half", "__half", "__half", "__half", 640, 2560, 2, 2, 2, true),
       },
   });
   return src;
@@ -241,7 +333,7 @@ Quantized check_quantized(const mx::array& x, const mx::array& w, const mx::arra
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
-                           int threads, mx::StreamOrDevice s_) {
+                           int threads, int warps, mx::StreamOrDevice s_) {
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   auto s = mx::to_stream(s_);
   const int m = leading_rows(x);
@@ -256,14 +348,14 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   if (bias) {
     out_dtype = mx::promote_types(out_dtype, bias->dtype());
   }
-  const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads);
-  const int blocks = (n + l.rows - 1) / l.rows;
-  auto outs = kernel(qmv_source())(
+  const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, warps);
+  const bool warp = l.warps > 0;
+  auto outs = kernel(warp ? qmv_warp_source() : qmv_source())(
       {mx::reshape(x, {m, k}, s), w, scales, biases, bias ? *bias : scales}, {{m, n}}, {out_dtype},
-      {blocks * l.threads, 1, 1}, {l.threads, 1, 1},
-      {{"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads},
-       {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TS", scales.dtype()},
-       {"TB", bias ? bias->dtype() : scales.dtype()}, {"TO", out_dtype}},
+      {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
+      {{"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
+       {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()},
+       {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()}, {"TO", out_dtype}},
       std::nullopt, false, s);
   return mx::reshape(outs[0], out_shape(x, n), s);
 }
@@ -271,7 +363,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
 // ---------------------------------------------------------------- dense matvec
 
 mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
-                       int rows_per_block, int threads, mx::StreamOrDevice s_) {
+                       int rows_per_block, int threads, int warps, mx::StreamOrDevice s_) {
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_matvec: weight must be [N, K]");
   }
@@ -293,12 +385,13 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   if (bias) {
     out_dtype = mx::promote_types(out_dtype, bias->dtype());
   }
-  const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, rows_per_block, threads);
-  const int blocks = (n + l.rows - 1) / l.rows;
-  auto outs = kernel(dense_source())(
-      {mx::reshape(x, {m, k}, s), w, bias ? *bias : w}, {{m, n}}, {out_dtype}, {blocks * l.threads, 1, 1},
+  const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, rows_per_block, threads, warps);
+  const bool warp = l.warps > 0;
+  auto outs = kernel(warp ? dense_warp_source() : dense_source())(
+      {mx::reshape(x, {m, k}, s), w, bias ? *bias : w}, {{m, n}}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1},
       {l.threads, 1, 1},
-      {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads}, {"HAS_BIAS", bias.has_value()},
+      {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads},
+       {"HAS_BIAS", bias.has_value()},
        {"TX", x.dtype()}, {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()}, {"TO", out_dtype}},
       std::nullopt, false, s);
   return mx::reshape(outs[0], out_shape(x, n), s);
@@ -340,7 +433,7 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
     return two_head_argmax_composed(x, head_a, head_b, group_size, bits, return_logits, s);
   }
   const auto out_dtype = mx::promote_types(x.dtype(), head_a[1].dtype());
-  Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads);
+  Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, 0);
   if (rows_per_block <= 0) {
     l.rows = 4;  // the blocks of both heads, each walking several row groups: plenty
   }
@@ -371,33 +464,38 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
 
 py::tuple launch_config(const std::string& kind, int k, int n, int bits, int itemsize) {
   const int chunks = kind == "dense" ? k * itemsize / 16 : k * bits / 128;
-  Launch l = pick_launch(chunks, n, 0, 0);
+  Launch l = pick_launch(chunks, n, 0, 0, kind == "argmax" ? 0 : -1);
   if (kind == "argmax") {
     l.rows = 4;
   }
-  return py::make_tuple(l.rows, l.threads);
+  return py::make_tuple(l.rows, l.threads, l.warps);
 }
 
 void bind(py::module_& m) {
   qmv_source();  // registered at import, so the compile check sees them
+  qmv_warp_source();
   dense_source();
+  dense_warp_source();
   argmax_source();
   argmax_finish_source();
   m.def("quantized_matvec", &quantized_matvec, py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("biases"),
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
-        py::arg("threads") = 0, py::arg("stream") = py::none(),
+        py::arg("threads") = 0, py::arg("warps") = -1, py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias) for 1-2 rows of x: our CUDA kernel on a CUDA stream, "
-        "mx.quantized_matmul elsewhere. rows_per_block / threads: launch overrides (0 = auto).");
+        "mx.quantized_matmul elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
+        "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
-        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),
-        "x @ w.T (+ bias) for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's matmul elsewhere.");
+        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1, py::arg("stream") = py::none(),
+        "x @ w.T (+ bias) for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's matmul elsewhere "
+        "(launch overrides as quantized_matvec's).");
   m.def("two_head_argmax", &two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),
         "argmax over both quantized heads (weight, scales, biases) in one pass: [ids int32 [..., 2]] "
         "or [ids, logits_a, logits_b].");
   m.def("gemv_launch_config", &launch_config, py::arg("kind"), py::arg("k"), py::arg("n"), py::arg("bits") = 4,
-        py::arg("itemsize") = 2, "(rows per block, threads per block) the kernels pick for a shape.");
+        py::arg("itemsize") = 2, "(rows per block or per warp, threads per block, warps per block (0: block layout)) the kernels "
+        "pick for a shape.");
 }
 
 }  // namespace

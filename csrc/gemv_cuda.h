@@ -1,11 +1,14 @@
 // CUDA sources of the decode-speed matrix-vector kernels (csrc/gemv.cpp launches them through
 // mlx::core::fast::cuda_kernel). Included by gemv.cpp only.
 //
-// One block computes ROWS output rows for the 1..2 input rows (M); its THREADS threads split K:
+// Two layouts. Block layout: one block computes ROWS output rows for the 1..2 input rows (M); its
+// THREADS threads split K:
 // thread t reads the 16-byte chunks t, t + THREADS, ... of each of the ROWS weight rows (a warp
 // reads 512 contiguous bytes of a row per step), keeps the activations of a chunk in registers
 // while it serves all ROWS rows, and accumulates in float32. A block-wide sum through shared
-// memory ends the block. Rows past N (the last block) are clamped onto row N - 1 and not written.
+// memory ends the block. Warp layout: each warp of a block computes ROWS rows alone, its 32 lanes
+// splitting K the same way; a warp shuffle ends it. Rows past N are clamped onto row N - 1 and not
+// written.
 #pragma once
 
 namespace voicechat::gemv_cuda {
@@ -158,7 +161,8 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
 // scale * sum(q x) + bias * sum(x). The next step's loads are issued before this step's math.
 template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, typename TX, typename TS>
 __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
-                                               const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M]) {
+                                               const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M],
+                                               int lane) {
   constexpr int VPW = 32 / BITS;      // values per word
   constexpr int CHUNK = 4 * VPW;      // values per 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;   // chunks per row
@@ -175,12 +179,12 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
   }
   QuantStep<ROWS> cur{};
-  if (static_cast<int>(threadIdx.x) < CHUNKS) {
-    load_step<CHUNKS, GROUPS, CHUNK, GROUP>(cur, w4, scales, biases, rows, threadIdx.x);
+  if (lane < CHUNKS) {
+    load_step<CHUNKS, GROUPS, CHUNK, GROUP>(cur, w4, scales, biases, rows, lane);
   }
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
-    const int c = it * THREADS + static_cast<int>(threadIdx.x);
+    const int c = it * THREADS + lane;
     QuantStep<ROWS> next{};
     if (it + 1 < ITERS && c + THREADS < CHUNKS) {
       load_step<CHUNKS, GROUPS, CHUNK, GROUP>(next, w4, scales, biases, rows, c + THREADS);
@@ -229,7 +233,7 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 // step's math.
 template <int K, int M, int ROWS, int THREADS, typename TX, typename TW>
 __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, int row0, int n_rows,
-                                                 float (&acc)[ROWS][M]) {
+                                                 float (&acc)[ROWS][M], int lane) {
   constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));  // values per 16-byte chunk
   constexpr int VPW = CHUNK / 4;                            // values per word
   constexpr int CHUNKS = K / CHUNK;
@@ -245,13 +249,13 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
   }
   uint4 wv[ROWS] = {};
-  if (static_cast<int>(threadIdx.x) < CHUNKS) {
+  if (lane < CHUNKS) {
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) wv[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + threadIdx.x);
+    for (int r = 0; r < ROWS; ++r) wv[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + lane);
   }
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
-    const int c = it * THREADS + static_cast<int>(threadIdx.x);
+    const int c = it * THREADS + lane;
     uint4 next[ROWS] = {};
     if (it + 1 < ITERS && c + THREADS < CHUNKS) {  // the next step's loads in flight during this step's math
 #pragma unroll
@@ -317,6 +321,29 @@ __device__ __forceinline__ void store_rows(const float* total, const TB* bias, T
   }
 }
 
+// The warp layout's end: each of acc's ROWS * M sums over the warp's 32 lanes (butterfly, so every
+// lane holds every total), then lane r * M + m stores out[m, row0 + r] (+ bias) for rows inside
+// [0, n). No shared memory, no block barrier.
+template <int ROWS, int M, bool HAS_BIAS, typename TB, typename TO>
+__device__ __forceinline__ void warp_store(float (&acc)[ROWS][M], const TB* bias, TO* out, int row0, int n, int lane) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = acc[r][m];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      const int row = row0 + r;
+      if (lane == r * M + m && row < n) {
+        if constexpr (HAS_BIAS) {
+          v += static_cast<float>(bias[row]);
+        }
+        out[static_cast<size_t>(m) * n + row] = static_cast<TO>(v);
+      }
+    }
+  }
+}
+
 // (value, index) as one integer whose order is mx.argmax's: a larger value wins, equal values go
 // to the smaller index. The value's bits are made monotonic (flip all bits of negatives, the sign
 // bit of positives); -0 counts as +0; every NaN counts as larger than +inf, so the first NaN wins
@@ -343,7 +370,7 @@ constexpr const char* kQmvSource = R"(
   __shared__ float total[ROWS * M];
   const int row0 = blockIdx.x * ROWS;
   float acc[ROWS][M];
-  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc);
+  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
   vc_gemv::store_rows<ROWS, M, HAS_BIAS>(total, bias, out, row0, N);
 )";
@@ -355,9 +382,30 @@ constexpr const char* kDenseSource = R"(
   __shared__ float total[ROWS * M];
   const int row0 = blockIdx.x * ROWS;
   float acc[ROWS][M];
-  vc_gemv::dense_accumulate<K, M, ROWS, THREADS>(x, weight, row0, N, acc);
+  vc_gemv::dense_accumulate<K, M, ROWS, THREADS>(x, weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
   vc_gemv::store_rows<ROWS, M, HAS_BIAS>(total, bias, out, row0, N);
+)";
+
+// The warp layout of kQmvSource: block b's warp w computes rows (b * WARPS + w) * ROWS .. + ROWS on
+// its own (its 32 lanes split K; a warp reduction ends it): no shared memory and no block barrier,
+// and each lane walks several chunks of its rows with the next step's loads in flight.
+// Template args: BITS, GROUP, K, N, M, ROWS, WARPS, HAS_BIAS, TX, TS, TB, TO.
+constexpr const char* kQmvWarpSource = R"(
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+  float acc[ROWS][M];
+  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, 32>(x, weight, scales, biases, row0, N, acc, lane);
+  vc_gemv::warp_store<ROWS, M, HAS_BIAS>(acc, bias, out, row0, N, lane);
+)";
+
+// The warp layout of kDenseSource. Template args: K, N, M, ROWS, WARPS, HAS_BIAS, TX, TW, TB, TO.
+constexpr const char* kDenseWarpSource = R"(
+  const int lane = threadIdx.x & 31;
+  const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+  float acc[ROWS][M];
+  vc_gemv::dense_accumulate<K, M, ROWS, 32>(x, weight, row0, N, acc, lane);
+  vc_gemv::warp_store<ROWS, M, HAS_BIAS>(acc, bias, out, row0, N, lane);
 )";
 
 // Two quantized heads of the same shape over the same x: blocks [0, NB) take head a, [NB, 2 NB)
@@ -383,7 +431,7 @@ constexpr const char* kArgmaxSource = R"(
       break;  // the same for the whole block
     }
     float acc[ROWS][M];
-    vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc);
+    vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc, threadIdx.x);
     vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
     if constexpr (WRITE_LOGITS) {
       if (threadIdx.x < ROWS * M) {

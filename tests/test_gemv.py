@@ -337,7 +337,8 @@ def _emulate_qmv(x, w, scales, biases, group, bits, threads):
 def test_kernel_arithmetic_emulated_in_numpy(bits, group, k):
     w, s, b = _quantized(6, k, bits=bits, group=group, dtype=mx.float32, seed=k)
     x = _x((2, k), mx.float32)
-    _, threads = ext.gemv_launch_config("quantized", k, 6, bits)
+    _, threads, warps = ext.gemv_launch_config("quantized", k, 6, bits)
+    threads = 32 if warps else threads  # the warp layout: 32 lanes split K
     got = _emulate_qmv(np.array(x), np.array(w), np.array(s), np.array(b), group, bits, threads)
     assert_close(mx.array(got), _on_cpu(quantized_matvec_reference, x, w, s, b, group, bits))
 
@@ -372,15 +373,17 @@ def test_bad_arguments_are_errors():
 # --------------------------------------------------------------------------- CUDA only
 
 @needs_cuda
-@pytest.mark.parametrize("rows_per_block,threads", [(1, 32), (2, 64), (8, 96), (4, 512), (8, 256)])
-def test_launch_overrides_give_the_same_results(rows_per_block, threads):
+@pytest.mark.parametrize("rows_per_block,threads,warps", [
+    (1, 32, 0), (2, 64, 0), (8, 96, 0), (4, 512, 0), (8, 256, 0),  # block layout
+    (1, 0, 1), (2, 0, 4), (8, 0, 2), (4, 0, 16), (8, 0, 8)])       # warp layout
+def test_launch_overrides_give_the_same_results(rows_per_block, threads, warps):
     w, s, b = _quantized(1000, 4480)
     x = _x((2, 4480), mx.float32)
     ref = reference(quantized_matvec_reference, x, w, s, b)
-    assert_close(ext.quantized_matvec(x, w, s, b, rows_per_block=rows_per_block, threads=threads), ref)
+    launch = dict(rows_per_block=rows_per_block, threads=threads, warps=warps)
+    assert_close(ext.quantized_matvec(x, w, s, b, **launch), ref)
     wd = (_x((1000, 1152), mx.float32) * 0.03).astype(mx.bfloat16)
-    assert_close(ext.dense_matvec(x[:, :1152], wd, rows_per_block=rows_per_block, threads=threads),
-                 reference(dense_matvec_reference, x[:, :1152], wd))
+    assert_close(ext.dense_matvec(x[:, :1152], wd, **launch), reference(dense_matvec_reference, x[:, :1152], wd))
 
 
 @needs_cuda

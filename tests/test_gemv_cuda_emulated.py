@@ -155,30 +155,36 @@ def _x(shape, dtype, seed=7):
     return mx.array(np.random.default_rng(seed).standard_normal(shape, np.float32)).astype(dtype)
 
 
-def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0):
+def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0, warps=0):
+    """`warps` > 0: the warp layout (vc_qmv_warp) with that many warps per block; else the block
+    layout with `threads` threads."""
     w, s, b = _q(n, k, bits, group, s_dtype, seed=n + k)
     x = _x((m, k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
     out = _promote(x_dtype, s_dtype, bias_dtype or s_dtype)
-    args = dict(BITS=bits, GROUP=group, K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None,
+    split = dict(WARPS=warps) if warps else dict(THREADS=threads)
+    args = dict(BITS=bits, GROUP=group, K=k, N=n, M=m, ROWS=rows, **split, HAS_BIAS=bias is not None,
                 TX=x_dtype, TS=s_dtype, TB=bias_dtype or s_dtype, TO=out)
-    case = Case("vc_qmv", args, [x, w, s, b, bias if bias is not None else s], [(CUDA_TYPE[out], (m, n))],
-                -(-n // rows), threads, [offset, 0, 0, 0, 0])
+    case = Case("vc_qmv_warp" if warps else "vc_qmv", args, [x, w, s, b, bias if bias is not None else s],
+                [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
+                [offset, 0, 0, 0, 0])
     with mx.stream(mx.cpu):
         ref = mx.quantized_matmul(x.astype(mx.float32), w, s, b, transpose=True, group_size=group, bits=bits)
         ref = (ref if bias is None else ref + bias).astype(out)
     return case, ref
 
 
-def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0):
+def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0):
     w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
     x = _x((m, k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
     out = _promote(x_dtype, w_dtype, bias_dtype or w_dtype)
-    args = dict(K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None, TX=x_dtype, TW=w_dtype,
+    split = dict(WARPS=warps) if warps else dict(THREADS=threads)
+    args = dict(K=k, N=n, M=m, ROWS=rows, **split, HAS_BIAS=bias is not None, TX=x_dtype, TW=w_dtype,
                 TB=bias_dtype or w_dtype, TO=out)
-    case = Case("vc_dense_mv", args, [x, w, bias if bias is not None else w], [(CUDA_TYPE[out], (m, n))],
-                -(-n // rows), threads, [offset, 0, 0])
+    case = Case("vc_dense_mv_warp" if warps else "vc_dense_mv", args, [x, w, bias if bias is not None else w],
+                [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
+                [offset, 0, 0])
     with mx.stream(mx.cpu):
         ref = x.astype(mx.float32) @ w.T.astype(mx.float32)
         ref = (ref if bias is None else ref + bias).astype(out)
@@ -227,10 +233,9 @@ def emulated(tmp_path_factory):
         pytest.skip("g++ is not installed")
     tmp = tmp_path_factory.mktemp("cuda_emu")
     cases, refs = {}, {}
-    _, t4480 = ext.gemv_launch_config("quantized", 4480, 10, 4)
     for name, (case, ref) in {
         "q4_f32_m2_tail": qmv_case(37, 640, 2, 4, 64, mx.float32, mx.bfloat16, 4, 32),
-        "q4_bf16_4480": qmv_case(10, 4480, 1, 4, 64, mx.bfloat16, mx.bfloat16, 4, t4480),
+        "q4_bf16_4480": qmv_case(10, 4480, 1, 4, 64, mx.bfloat16, mx.bfloat16, 4, 160),
         "q4_two_steps": qmv_case(9, 4480, 2, 4, 64, mx.float32, mx.bfloat16, 2, 64),
         "q8_g32_f16_bias": qmv_case(9, 384, 2, 8, 32, mx.float16, mx.float16, 8, 32, bias_dtype=mx.float32),
         "q4_g128_unaligned": qmv_case(5, 1024, 1, 4, 128, mx.float32, mx.float32, 2, 64, offset=1),
@@ -239,6 +244,14 @@ def emulated(tmp_path_factory):
         "dense_f32w_unaligned": dense_case(3, 40, 1, mx.bfloat16, mx.float32, 1, 32, offset=1),
         "dense_f16_rows8": dense_case(20, 136, 2, mx.float16, mx.float16, 8, 64),
         "dense_two_steps": dense_case(5, 4608, 1, mx.float32, mx.bfloat16, 2, 192),
+        # the warp layout: trailing warps past N, several steps per lane, a bias, unaligned x
+        "warp_q4_f32_m2_tail": qmv_case(37, 640, 2, 4, 64, mx.float32, mx.bfloat16, 4, 0, warps=4),
+        "warp_q4_bf16_4480": qmv_case(10, 4480, 1, 4, 64, mx.bfloat16, mx.bfloat16, 2, 0, warps=2),
+        "warp_q8_g32_f16_bias": qmv_case(9, 384, 2, 8, 32, mx.float16, mx.float16, 8, 0, mx.float32, warps=1),
+        "warp_q4_g128_unaligned": qmv_case(5, 1024, 1, 4, 128, mx.float32, mx.float32, 1, 0, offset=1, warps=4),
+        "warp_dense_bf16w_bias": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 4, 0, mx.bfloat16, warps=2),
+        "warp_dense_f32w_unaligned": dense_case(3, 40, 1, mx.bfloat16, mx.float32, 1, 0, offset=1, warps=1),
+        "warp_dense_two_steps": dense_case(5, 4608, 2, mx.float32, mx.bfloat16, 2, 0, warps=4),
     }.items():
         cases[name], refs[name] = case, ref
     argmax = {}
@@ -257,7 +270,9 @@ def emulated(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["q4_f32_m2_tail", "q4_bf16_4480", "q4_two_steps", "q8_g32_f16_bias",
                                   "q4_g128_unaligned", "q8_bf16_unaligned", "dense_bf16w_bias", "dense_f32w_unaligned",
-                                  "dense_f16_rows8", "dense_two_steps"])
+                                  "dense_f16_rows8", "dense_two_steps", "warp_q4_f32_m2_tail", "warp_q4_bf16_4480",
+                                  "warp_q8_g32_f16_bias", "warp_q4_g128_unaligned", "warp_dense_bf16w_bias",
+                                  "warp_dense_f32w_unaligned", "warp_dense_two_steps"])
 def test_matvec_kernels_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]

@@ -370,3 +370,39 @@ def test_decode_kernel_path_gives_the_same_ids(tiny_checkpoint_q4):
         assert outs[0].function_ids.item() == outs[1].function_ids.item()
         np.testing.assert_allclose(np.array(outs[0].hidden), np.array(outs[1].hidden), rtol=1e-4, atol=1e-4)
         prev = [outs[0].text_ids[None].astype(mx.int32), outs[0].function_ids[None].astype(mx.int32)]
+
+
+@pytest.mark.parametrize("prefix", [0, 3])
+@pytest.mark.parametrize("which", ["f32", "q4-kernels"])
+def test_compiled_decode_equals_the_eager_step(lm, tiny_checkpoint_q4, prefix, which):
+    """`decode` (one compiled graph over whole, masked cache buffers) gives the eager step's ids
+    and caches, also across buffer growth (the graph is traced again) and after a prefix."""
+    if which == "q4-kernels":
+        ckpt = open_checkpoint(tiny_checkpoint_q4)
+        lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
+        ckpt.load_into(lm, "stt_model.", ignore=OTHERS)
+        lm.prepare(decode_kernels=True)
+    old = KVCache.step
+    KVCache.step = 4  # buffers grow twice in the steps below
+    try:
+        vocab, h = lm.embed_tokens.weight.shape[0], lm.llm.config.hidden_size
+        audio = 4.0 * mx.random.normal((1, prefix + 10, h), key=mx.random.key(11))
+        eager, compiled = lm.make_cache(), lm.make_cache()
+        if prefix:
+            pad = mx.full((1, prefix), PAD, mx.int32)
+            for c in (eager, compiled):
+                lm.step(lm.fused_input(pad, audio[:, :prefix], pad), c)
+        # Random previous ids (not the model's own) so that every step differs.
+        ids = mx.random.randint(0, vocab, (2, 10), key=mx.random.key(12)).astype(mx.int32)
+        for i in range(10):
+            t, f, frame = ids[:1, i : i + 1], ids[1:, i : i + 1], audio[:, prefix + i : prefix + i + 1]
+            out = lm.step(lm.fused_input(t, frame, f), eager)
+            text, function = lm.decode(t, frame, f, compiled)
+            assert text.dtype == mx.int32 and text.shape == (1,)
+            assert text.item() == out.text_ids.item() and function.item() == out.function_ids.item()
+        assert compiled.offset == eager.offset == prefix + 10
+        for a, b in zip(eager.state, compiled.state):
+            n = min(a.shape[2], b.shape[2]) if a.ndim == 4 and a.shape[2] != b.shape[2] else None
+            np_close(a if n is None else a[:, :, :n], b if n is None else b[:, :, :n], 1e-5, 1e-5)
+    finally:
+        KVCache.step = old

@@ -6,7 +6,8 @@
 Per timeline position t: the LLM input is `E(text[t-1]) + audio[t] + 2 E(function[t-1])`; its two
 heads give `text[t]` and `function[t]` (greedy, after the system prompt); from t >= 1 the TTS turns
 `text[t]` into one frame of 31 codec codes. The loop never waits for the device: ids stay on the
-device and feed the next frame, evaluation is pipelined with `mx.async_eval`, and the host syncs
+device and feed the next frame, the LLM step runs as one compiled graph (`DuplexLM.decode`) as
+the TTS step does, evaluation is pipelined with `mx.async_eval`, and the host syncs
 only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest).
 """
 
@@ -239,13 +240,13 @@ class VoiceChat:
 
         for i in range(frames):
             t = prompt_frames + i
-            fused = stt.fused_input(prev_text, audio_embeds[:, i : i + 1], prev_function)
-            out = stt.step(fused, cache)
-            text_id, function_id = out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32)
-            if plain:
-                text_id = mx.array([text_id.item()], dtype=mx.int32)
-                function_id = mx.array([function_id.item()], dtype=mx.int32)
+            if plain:  # the eager step, read back at once
+                out = stt.step(stt.fused_input(prev_text, audio_embeds[:, i : i + 1], prev_function), cache)
+                text_id = mx.array([out.text_ids.item()], dtype=mx.int32)
+                function_id = mx.array([out.function_ids.item()], dtype=mx.int32)
                 syncs += 1
+            else:  # the same step as one compiled graph, left on the device
+                text_id, function_id = stt.decode(prev_text, audio_embeds[:, i : i + 1], prev_function, cache)
             text_out.append(text_id)
             function_out.append(function_id)
             if t >= 1:

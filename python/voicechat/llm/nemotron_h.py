@@ -70,22 +70,31 @@ class KVCache:
         """Append k, v [b, kv_heads, L, head_dim]; return every cached position."""
         start, length = self.offset, k.shape[2]
         end = start + length
-        if self.keys is None or end > self.keys.shape[2]:
-            capacity = -(-end // self.step) * self.step
-            self.keys = self._grown(self.keys, k, capacity)
-            self.values = self._grown(self.values, v, capacity)
+        self.reserve(end, k.shape[0], k.shape[1], k.shape[3], k.dtype)
         at = mx.array([start], dtype=mx.int32)
         self.keys = mx.slice_update(self.keys, k, at, axes=(2,))
         self.values = mx.slice_update(self.values, v, at, axes=(2,))
         self.offset = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def _grown(self, old: mx.array | None, like: mx.array, capacity: int) -> mx.array:
-        b, heads, _, dim = like.shape
-        new = mx.zeros((b, heads, capacity, dim), like.dtype)
+    def reserve(self, end: int, batch: int, heads: int, dim: int, dtype=mx.float32) -> None:
+        """Make room for positions `< end` (capacity grows `step` slots at a time)."""
+        if self.keys is not None and end <= self.keys.shape[2]:
+            return
+        capacity = -(-end // self.step) * self.step
+        self.keys = self._grown(self.keys, (batch, heads, capacity, dim), dtype)
+        self.values = self._grown(self.values, (batch, heads, capacity, dim), dtype)
+
+    def _grown(self, old: mx.array | None, shape: tuple[int, ...], dtype) -> mx.array:
+        new = mx.zeros(shape, old.dtype if old is not None else dtype)
         if old is not None and self.offset:
             new[:, :, : self.offset] = old[:, :, : self.offset]
         return new
+
+    @staticmethod
+    def attention_mask(length: int):
+        """SDPA mask for `length` new queries over the keys `update` returned."""
+        return "causal" if length > 1 else None
 
     def copy(self) -> "KVCache":
         return KVCache(self.keys, self.values, self.offset)
@@ -97,6 +106,24 @@ class KVCache:
     @property
     def state(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
+
+
+class BufferKV:
+    """A `KVCache`'s whole buffers inside the compiled decode step: the position is an array, so
+    the step's shapes stay fixed while the cache fills (keys past the position are masked out)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+        self.keys, self.values, self.offset = keys, values, offset
+
+    def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, k, self.offset, axes=(2,))
+        self.values = mx.slice_update(self.values, v, self.offset, axes=(2,))
+        return self.keys, self.values
+
+    def attention_mask(self, length: int) -> mx.array:
+        """Query i (at position offset + i) sees the slots <= its position: [length, capacity]."""
+        slots = mx.arange(self.keys.shape[2])
+        return slots[None] <= (self.offset + mx.arange(length))[:, None]
 
 
 class NemotronHCache(list):
@@ -233,10 +260,12 @@ class Attention(nn.Module):
         q = self.q_proj(x).reshape(b, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        # "causal" aligns the last query with the last key, so it also covers a prefix after a cache.
+        mask = "causal" if L > 1 else None
         if cache is not None:
             k, v = cache.update(k, v)
-        # "causal" aligns the last query with the last key, so it also covers a prefix after a cache.
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal" if L > 1 else None)
+            mask = cache.attention_mask(L)
+        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, L, -1))
 
 
@@ -316,6 +345,60 @@ class DuplexLM(nn.Module):
 
     def make_cache(self) -> NemotronHCache:
         return self.llm.make_cache()
+
+    # ------------------------------------------------------------ compiled decode
+
+    def decode(self, prev_text_ids: mx.array, audio: mx.array, prev_function_ids: mx.array,
+               cache: NemotronHCache) -> tuple[mx.array, mx.array]:
+        """One timeline position as one compiled graph: the fused input of the previous ids
+        ([b, 1] each) and the audio frame [b, 1, H], every layer with `cache` (updated), and both
+        heads' greedy ids (int32 [b] each). The same ids as `step(fused_input(...), cache)`.
+
+        Compiled, a step costs one call from Python and its elementwise chains fuse. Its shapes
+        must not change from step to step, so the attention layers see their whole cache buffers
+        with the position as an array (keys past it masked out); the graph is traced again only
+        when the buffers grow (every `KVCache.step` positions). Nothing is evaluated here.
+        """
+        cfg = self.llm.config
+        b, offset = audio.shape[0], cache.offset
+        state = []
+        for layer, c in zip(self.llm.layers, cache):
+            if layer.kind == "mamba":
+                mixer = layer.mixer
+                if c.conv is None:
+                    c.conv = mx.zeros((b, mixer.kernel - 1, mixer.conv_dim), mx.float32)
+                if c.ssm is None:
+                    c.ssm = mx.zeros((b, mixer.num_heads, mixer.head_dim, mixer.state_size), mx.float32)
+                state += [c.conv, c.ssm]
+            elif layer.kind == "attention":
+                c.reserve(offset + 1, b, cfg.num_key_value_heads, cfg.head_dim)
+                state += [c.keys, c.values]
+        if getattr(self, "_decode_fn", None) is None:
+            self._decode_fn = mx.compile(self._decode_graph)
+        text, function, *state = self._decode_fn(prev_text_ids, audio, prev_function_ids,
+                                                 mx.array([offset], mx.int32), state)
+        arrays = iter(state)
+        for c in cache:
+            if isinstance(c, MambaCache):
+                c.conv, c.ssm = next(arrays), next(arrays)
+            elif isinstance(c, KVCache):
+                c.keys, c.values, c.offset = next(arrays), next(arrays), offset + 1
+        return text, function
+
+    def _decode_graph(self, prev_text_ids, audio, prev_function_ids, offset, state):
+        arrays = iter(state)
+        caches = []
+        for layer in self.llm.layers:
+            if layer.kind == "mamba":
+                caches.append(MambaCache(next(arrays), next(arrays)))
+            elif layer.kind == "attention":
+                caches.append(BufferKV(next(arrays), next(arrays), offset))
+            else:
+                caches.append(None)
+        out = self.step(self.fused_input(prev_text_ids, audio, prev_function_ids), caches)
+        new_state = [a for c in caches if c is not None
+                     for a in ((c.conv, c.ssm) if isinstance(c, MambaCache) else (c.keys, c.values))]
+        return [out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32), *new_state]
 
     def prepare(self, decode_kernels: bool | None = None) -> "DuplexLM":
         """Load-time conversions for decoding; call once after loading weights. Returns self.

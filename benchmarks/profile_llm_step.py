@@ -1,0 +1,107 @@
+"""Where an LLM decode step's time goes: building the graph in Python, evaluating it, and the
+steady state of a pipelined chain of steps (each fed the previous step's ids, `mx.async_eval`).
+
+    PYTHONPATH=python python benchmarks/profile_llm_step.py [--size full] [--json out.json]
+
+A measurement, not a test: prints one line per variant (min / median ms over the rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import mlx.core as mx
+
+CONTEXT = 64
+PAD = 12
+
+
+def _lm(size: str):
+    if size == "full":
+        from bench_llm import _full_size_lm
+
+        return _full_size_lm()
+    import tempfile
+
+    from voicechat.checkpoint import open_checkpoint
+    from voicechat.llm.nemotron_h import DuplexLM
+    from voicechat.testing import make_checkpoint
+
+    path = make_checkpoint(tempfile.mkdtemp() + "/tiny-q4", "tiny", quantize=4, dtype="bfloat16")
+    ckpt = open_checkpoint(path)
+    lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
+    ckpt.load_into(lm, "stt_model.", ignore=("perception.", "rnnt_decoder.", "rnnt_joint."))
+    return lm.prepare()
+
+
+def _stats(samples: list[float]) -> dict:
+    return {"min_ms": 1e3 * min(samples), "median_ms": 1e3 * statistics.median(samples), "rounds": len(samples)}
+
+
+def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False) -> dict:
+    h = lm.llm.config.hidden_size
+    audio = mx.random.normal((1, CONTEXT + chain + 1, h), key=mx.random.key(0))
+    pad = mx.full((1, CONTEXT), PAD, dtype=mx.int32)
+    primed = lm.make_cache()
+    first = lm.step(lm.fused_input(pad, audio[:, :CONTEXT], pad), primed)
+    mx.eval(audio, first.text_ids, first.function_ids, primed.state)
+    frame = audio[:, CONTEXT : CONTEXT + 1]
+    text, function = first.text_ids[:, None].astype(mx.int32), first.function_ids[:, None].astype(mx.int32)
+
+    def step(t, f, audio_frame, cache):
+        if compiled:
+            return lm.decode(t, audio_frame, f, cache)
+        out = lm.step(lm.fused_input(t, audio_frame, f), cache)
+        return out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32)
+
+    build, evaluate, whole = [], [], []
+    for _ in range(rounds + 2):
+        cache = primed.copy()
+        t0 = time.perf_counter()
+        ids = step(text, function, frame, cache)
+        t1 = time.perf_counter()
+        mx.eval(ids, cache.state)
+        t2 = time.perf_counter()
+        build.append(t1 - t0)
+        evaluate.append(t2 - t1)
+        whole.append(t2 - t0)
+
+    per_step = []
+    for _ in range(3):
+        cache = primed.copy()
+        t, f = text, function
+        mx.eval(t, f)
+        t0 = time.perf_counter()
+        for i in range(chain):
+            t, f = step(t, f, audio[:, CONTEXT + i : CONTEXT + i + 1], cache)
+            t, f = t[:, None], f[:, None]
+            mx.async_eval(t, f, *cache.state)
+        mx.eval(t, f)
+        per_step.append((time.perf_counter() - t0) / chain)
+
+    return {"build": _stats(build[2:]), "eval": _stats(evaluate[2:]), "sync_step": _stats(whole[2:]),
+            "pipelined_step": _stats(per_step)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    lm = _lm(args.size)
+    results = {"size": args.size, "device": str(mx.default_device()), "eager": profile(lm),
+               "compiled": profile(lm, compiled=True)}
+    for variant, parts in results.items():
+        if isinstance(parts, dict):
+            for part, s in parts.items():
+                print(f"{variant:>9} {part:>15}: min {s['min_ms']:7.2f} ms  median {s['median_ms']:7.2f} ms")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -136,10 +136,20 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
+ECHO = False  # script mode: print every result as it is measured (a cut-off run still tells something)
+
+
+def emit(r: Result) -> Result:
+    if ECHO:
+        print(f"  {r.group:<11} {r.name:<14} {r.x:<5} {r.impl:<5} {r.us_per_call:9.1f} us {r.gbps:8.1f} GB/s  "
+              f"{r.extra.get('launch', '')}", flush=True)
+    return r
+
+
 def measure(group, name, impl, x_name, rows, calls, bytes_per_call, run, extra=None) -> Result:
     s = seconds_per_round(run) / calls
-    return Result(group, name, impl, x_name, rows, calls, bytes_per_call, s * 1e6, bytes_per_call / s / 1e9,
-                  extra or {})
+    return emit(Result(group, name, impl, x_name, rows, calls, bytes_per_call, s * 1e6, bytes_per_call / s / 1e9,
+                       extra or {}))
 
 
 # --------------------------------------------------------------------------- cases
@@ -284,8 +294,8 @@ def run_sweep(size: str) -> list[Result]:
                     calls, runs = dense_runs(n, k, mx.float32, 2, rows_per_block, threads, warps, copies)
                     nbytes, rows = n * k * 2, 2
                 s = seconds_per_round(runs["ours"], warmup=2, repeats=3, min_seconds=0.02) / calls
-                out.append(Result(f"sweep-{kind}", f"{n}x{k}", "ours", "f32", rows, calls, nbytes, s * 1e6,
-                                  nbytes / s / 1e9, {"launch": [rows_per_block, threads, warps]}))
+                out.append(emit(Result(f"sweep-{kind}", f"{n}x{k}", "ours", "f32", rows, calls, nbytes, s * 1e6,
+                                       nbytes / s / 1e9, {"launch": [rows_per_block, threads, warps]})))
                 del runs
         del copies
         release()
@@ -325,6 +335,8 @@ def main(argv=None) -> int:
     unknown = set(groups) - set(GROUPS)
     if unknown:
         p.error(f"--only: unknown {sorted(unknown)}")
+    global ECHO
+    ECHO = True
     results = run_all(args.size, groups, args.sweep)
     print(table(results))
     if args.json:

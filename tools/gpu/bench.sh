@@ -10,7 +10,7 @@ for item in "$@"; do
   name=${item%%:*} limit=${item##*:}
   echo "== $name"
   # a fresh kernel cache for the end-to-end run, so its first generate() pays the JIT as a user would
-  env MLX_PTX_CACHE_DIR=/tmp/ptx-$name-$$ timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
+  env MLX_PTX_CACHE_DIR=/tmp/ptx-$name-$$ timeout -s INT -k 15 "$limit" python3 -m pytest -q -p no:cacheprovider \
     "benchmarks/$name.py" --benchmark-enable --benchmark-min-rounds=5 --benchmark-max-time=0.5 \
     --benchmark-json="$OUT/$name.json" --benchmark-columns=min,median,rounds 2>&1 \
     | grep -vE "^(Legend|  Outliers|  OPS|Wrote)" | tail -20

@@ -93,24 +93,27 @@ int blocks_for(const Launch& l, int n) {
 const CudaSource& qmv_source() {
   using P = std::pair<std::string, std::string>;
   // tb: the Linear bias' type, or nullptr for none (the kernel then gets `scales` in its place).
-  auto inst = [](const char* tx, const char* ts, const char* to, int bits, int group, int k, int n, int m,
-                 int rows, int threads, const char* tb = nullptr) {
+  // epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU (see vc_gemv::finish).
+  auto inst = [](const char* tx, const char* ts, const char* to, int bits, int group, int k, int n, int m, int rows,
+                 int threads, const char* tb = nullptr, int epi = 0) {
     const char* bias_type = tb ? tb : ts;
+    const char* residual_type = epi == 1 ? to : ts;
     return CudaInstance{
-        {tx, "uint32_t", ts, ts, bias_type},
+        {tx, "uint32_t", ts, ts, bias_type, residual_type},
         {to},
         {P{"BITS", "int:" + std::to_string(bits)}, P{"GROUP", "int:" + std::to_string(group)},
          P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
          P{"ROWS", "int:" + std::to_string(rows)}, P{"THREADS", "int:" + std::to_string(threads)},
-         P{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
-         P{"TS", std::string("type:") + ts}, P{"TB", std::string("type:") + bias_type},
+         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", tb ? "bool:true" : "bool:false"},
+         P{"TX", std::string("type:") + tx}, P{"TS", std::string("type:") + ts},
+         P{"TB", std::string("type:") + bias_type}, P{"TR", std::string("type:") + residual_type},
          P{"TO", std::string("type:") + to}}};
   };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_qmv",
-      {"x", "weight", "scales", "biases", "bias"},
+      {"x", "weight", "scales", "biases", "bias", "residual"},
       {"out"},
       gemv_cuda::kQmvSource,
       gemv_cuda::kHeader,
@@ -119,9 +122,10 @@ const CudaSource& qmv_source() {
           // 15680 x 4480 and q_proj 5120 x 4480 differ from in_proj only in N).
           inst(f, bf, f, 4, 64, 4480, 22656, 1, 4, 160),    // mamba in_proj
           inst(bf, bf, bf, 4, 64, 4480, 22656, 2, 4, 160),
-          inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 160),    // mamba out_proj
+          inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 160, nullptr, 1),  // mamba out_proj (+ residual)
           inst(bf, bf, bf, 4, 64, 15680, 4480, 1, 4, 256),  // mlp down_proj
-          inst(f, bf, f, 4, 64, 15680, 4480, 2, 4, 256),
+          inst(f, bf, f, 4, 64, 15680, 4480, 2, 4, 256, nullptr, 1),  // mlp down_proj (+ residual)
+          inst(f, bf, f, 4, 64, 4480, 15680, 1, 4, 160, nullptr, 2),  // mlp up_proj (squared ReLU)
           inst(f, bf, f, 4, 64, 4480, 1024, 1, 1, 160),     // attention k_proj / v_proj
           inst(f, bf, f, 4, 64, 5120, 4480, 1, 4, 160),     // attention o_proj
           inst(f, bf, f, 4, 64, 4480, 131072, 1, 4, 160),   // lm_head / function_head
@@ -137,31 +141,35 @@ const CudaSource& qmv_source() {
 
 const CudaSource& qmv_warp_source() {
   using P = std::pair<std::string, std::string>;
+  // epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU (see vc_gemv::finish).
   auto inst = [](const char* tx, const char* ts, const char* to, int bits, int group, int k, int n, int m, int rows,
-                 int warps, const char* tb = nullptr) {
+                 int warps, const char* tb = nullptr, int epi = 0) {
     const char* bias_type = tb ? tb : ts;
+    const char* residual_type = epi == 1 ? to : ts;
     return CudaInstance{
-        {tx, "uint32_t", ts, ts, bias_type},
+        {tx, "uint32_t", ts, ts, bias_type, residual_type},
         {to},
         {P{"BITS", "int:" + std::to_string(bits)}, P{"GROUP", "int:" + std::to_string(group)},
          P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
          P{"ROWS", "int:" + std::to_string(rows)}, P{"WARPS", "int:" + std::to_string(warps)},
-         P{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
-         P{"TS", std::string("type:") + ts}, P{"TB", std::string("type:") + bias_type},
+         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", tb ? "bool:true" : "bool:false"},
+         P{"TX", std::string("type:") + tx}, P{"TS", std::string("type:") + ts},
+         P{"TB", std::string("type:") + bias_type}, P{"TR", std::string("type:") + residual_type},
          P{"TO", std::string("type:") + to}}};
   };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_qmv_warp",
-      {"x", "weight", "scales", "biases", "bias"},
+      {"x", "weight", "scales", "biases", "bias", "residual"},
       {"out"},
       gemv_cuda::kQmvWarpSource,
       gemv_cuda::kHeader,
       {
           inst(f, bf, f, 4, 64, 4480, 22656, 1, 4, 4),     // mamba in_proj
           inst(bf, bf, bf, 4, 64, 4480, 22656, 2, 4, 4),
-          inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 4),     // mamba out_proj
+          inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 4, nullptr, 1),  // mamba out_proj (+ residual)
+          inst(f, bf, f, 4, 64, 4480, 15680, 1, 4, 4, nullptr, 2),  // mlp up_proj (squared ReLU)
           inst(f, bf, f, 4, 64, 15680, 4480, 2, 2, 8),     // mlp down_proj
           inst(f, bf, f, 4, 64, 4480, 1024, 1, 1, 4),      // attention k_proj / v_proj
           inst(f, bf, f, 4, 64, 4480, 131072, 1, 4, 4),    // a head
@@ -176,20 +184,22 @@ const CudaSource& qmv_warp_source() {
 const CudaSource& dense_warp_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](const char* tx, const char* tw, const char* tb, const char* to, int k, int n, int m, int rows,
-                 int warps, bool has_bias) {
+                 int warps, bool has_bias, int epi = 0) {
+    const char* residual_type = epi == 1 ? to : tw;
     return CudaInstance{
-        {tx, tw, tb},
+        {tx, tw, tb, residual_type},
         {to},
         {P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
          P{"ROWS", "int:" + std::to_string(rows)}, P{"WARPS", "int:" + std::to_string(warps)},
-         P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
-         P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb}, P{"TO", std::string("type:") + to}}};
+         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
+         P{"TX", std::string("type:") + tx}, P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb},
+         P{"TR", std::string("type:") + residual_type}, P{"TO", std::string("type:") + to}}};
   };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_dense_mv_warp",
-      {"x", "weight", "bias"},
+      {"x", "weight", "bias", "residual"},
       {"out"},
       gemv_cuda::kDenseWarpSource,
       gemv_cuda::kHeader,
@@ -208,26 +218,30 @@ const CudaSource& dense_warp_source() {
 const CudaSource& dense_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](const char* tx, const char* tw, const char* tb, const char* to, int k, int n, int m, int rows,
-                 int threads, bool has_bias) {
+                 int threads, bool has_bias, int epi = 0) {
+    const char* residual_type = epi == 1 ? to : tw;
     return CudaInstance{
-        {tx, tw, tb},
+        {tx, tw, tb, residual_type},
         {to},
         {P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
          P{"ROWS", "int:" + std::to_string(rows)}, P{"THREADS", "int:" + std::to_string(threads)},
-         P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"}, P{"TX", std::string("type:") + tx},
-         P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb}, P{"TO", std::string("type:") + to}}};
+         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
+         P{"TX", std::string("type:") + tx}, P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb},
+         P{"TR", std::string("type:") + residual_type}, P{"TO", std::string("type:") + to}}};
   };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_dense_mv",
-      {"x", "weight", "bias"},
+      {"x", "weight", "bias", "residual"},
       {"out"},
       gemv_cuda::kDenseSource,
       gemv_cuda::kHeader,
       {
           // TTS backbone (batch 2: the two CFG rows), MoG head, codec-side projections.
           inst(f, bf, bf, f, 1152, 1152, 2, 2, 160, false),   // attention q/k/v/o
+          inst(f, bf, bf, f, 1152, 1152, 2, 2, 160, false, 1),  // attention o (+ residual)
+          inst(f, bf, bf, f, 1152, 4608, 2, 4, 160, false, 2),  // squared ReLU
           inst(f, bf, bf, f, 1152, 4608, 2, 4, 160, false),   // mlp gate / up
           inst(f, bf, bf, f, 4608, 1152, 2, 2, 192, false),   // mlp down
           inst(bf, bf, bf, bf, 4608, 1152, 1, 2, 192, false),
@@ -329,33 +343,80 @@ Quantized check_quantized(const mx::array& x, const mx::array& w, const mx::arra
   return {n, k};
 }
 
+// ---------------------------------------------------------------- epilogues
+
+// What a matvec does to its sums before storing them (vc_gemv::finish): nothing, add a residual
+// stream of the output's shape, or apply the squared ReLU.
+struct Epilogue {
+  std::optional<mx::array> residual;
+  bool relu_squared = false;
+
+  int kind() const { return residual ? 1 : relu_squared ? 2 : 0; }
+};
+
+Epilogue make_epilogue(const std::optional<mx::array>& residual, const std::string& activation, int n,
+                       const char* who) {
+  if (!activation.empty() && activation != "relu_squared") {
+    throw std::invalid_argument(std::string(who) + ": activation must be '' or 'relu_squared', not '" + activation + "'");
+  }
+  if (residual && !activation.empty()) {
+    throw std::invalid_argument(std::string(who) + ": a residual and an activation cannot be fused together");
+  }
+  if (residual && (residual->ndim() < 1 || residual->shape(-1) != n || !float_dtype(residual->dtype()))) {
+    throw std::invalid_argument(std::string(who) + ": residual must be a float array [..., N] with N = " +
+                                std::to_string(n));
+  }
+  return {residual, activation == "relu_squared"};
+}
+
+// The epilogue in MLX ops, after the product y (the fallback and the reference).
+mx::array compose_epilogue(mx::array y, const Epilogue& e, mx::Stream s) {
+  if (e.relu_squared) {
+    y = mx::square(mx::maximum(y, mx::array(0.0f, y.dtype()), s), s);
+  }
+  return e.residual ? mx::add(y, *e.residual, s) : y;
+}
+
+// Whether the kernel can write the epilogue: the residual covers exactly the output rows.
+bool kernel_takes(const Epilogue& e, int m, int n) {
+  return !e.residual || static_cast<int>(e.residual->size()) == m * n;
+}
+
 // ---------------------------------------------------------------- quantized matvec
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
-                           int threads, int warps, mx::StreamOrDevice s_) {
+                           int threads, int warps, const std::optional<mx::array>& residual,
+                           const std::string& activation, mx::StreamOrDevice s_) {
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
+  const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec");
   auto s = mx::to_stream(s_);
   const int m = leading_rows(x);
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && float_dtype(x.dtype()) &&
                            float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
-                           (!bias || (bias->ndim() == 1 && bias->shape(0) == n && float_dtype(bias->dtype())));
+                           (!bias || (bias->ndim() == 1 && bias->shape(0) == n && float_dtype(bias->dtype()))) &&
+                           kernel_takes(epi, m, n);
   if (!kernel_path) {
     auto y = mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", s);
-    return bias ? mx::add(y, *bias, s) : y;
+    return compose_epilogue(bias ? mx::add(y, *bias, s) : y, epi, s);
   }
   auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
   if (bias) {
     out_dtype = mx::promote_types(out_dtype, bias->dtype());
   }
+  if (epi.residual) {
+    out_dtype = mx::promote_types(out_dtype, epi.residual->dtype());
+  }
   const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, warps);
   const bool warp = l.warps > 0;
   auto outs = kernel(warp ? qmv_warp_source() : qmv_source())(
-      {mx::reshape(x, {m, k}, s), w, scales, biases, bias ? *bias : scales}, {{m, n}}, {out_dtype},
-      {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
+      {mx::reshape(x, {m, k}, s), w, scales, biases, bias ? *bias : scales,
+       epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : scales},
+      {{m, n}}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
-       {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()},
-       {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()}, {"TO", out_dtype}},
+       {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()},
+       {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
+       {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TO", out_dtype}},
       std::nullopt, false, s);
   return mx::reshape(outs[0], out_shape(x, n), s);
 }
@@ -363,11 +424,13 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
 // ---------------------------------------------------------------- dense matvec
 
 mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
-                       int rows_per_block, int threads, int warps, mx::StreamOrDevice s_) {
+                       int rows_per_block, int threads, int warps, const std::optional<mx::array>& residual,
+                       const std::string& activation, mx::StreamOrDevice s_) {
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_matvec: weight must be [N, K]");
   }
   const int n = w.shape(0), k = w.shape(1);
+  const Epilogue epi = make_epilogue(residual, activation, n, "dense_matvec");
   if (x.ndim() < 1 || x.shape(-1) != k) {
     throw std::invalid_argument("dense_matvec: x [..., K] does not match the weight's K = " + std::to_string(k));
   }
@@ -377,22 +440,28 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   auto s = mx::to_stream(s_);
   const int m = leading_rows(x);
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && k % 8 == 0 &&
-                           float_dtype(x.dtype()) && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype()));
+                           float_dtype(x.dtype()) && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype())) &&
+                           kernel_takes(epi, m, n);
   if (!kernel_path) {
-    return bias ? mx::addmm(*bias, x, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(x, mx::transpose(w, s), s);
+    auto y = bias ? mx::addmm(*bias, x, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(x, mx::transpose(w, s), s);
+    return compose_epilogue(y, epi, s);
   }
   auto out_dtype = mx::promote_types(x.dtype(), w.dtype());
   if (bias) {
     out_dtype = mx::promote_types(out_dtype, bias->dtype());
   }
+  if (epi.residual) {
+    out_dtype = mx::promote_types(out_dtype, epi.residual->dtype());
+  }
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, rows_per_block, threads, warps);
   const bool warp = l.warps > 0;
   auto outs = kernel(warp ? dense_warp_source() : dense_source())(
-      {mx::reshape(x, {m, k}, s), w, bias ? *bias : w}, {{m, n}}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1},
-      {l.threads, 1, 1},
+      {mx::reshape(x, {m, k}, s), w, bias ? *bias : w, epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : w},
+      {{m, n}}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads},
-       {"HAS_BIAS", bias.has_value()},
-       {"TX", x.dtype()}, {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()}, {"TO", out_dtype}},
+       {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TW", w.dtype()},
+       {"TB", bias ? bias->dtype() : w.dtype()}, {"TR", epi.residual ? epi.residual->dtype() : w.dtype()},
+       {"TO", out_dtype}},
       std::nullopt, false, s);
   return mx::reshape(outs[0], out_shape(x, n), s);
 }
@@ -480,14 +549,17 @@ void bind(py::module_& m) {
   argmax_finish_source();
   m.def("quantized_matvec", &quantized_matvec, py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("biases"),
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
-        py::arg("threads") = 0, py::arg("warps") = -1, py::arg("stream") = py::none(),
-        "x @ dequantize(w).T (+ bias) for 1-2 rows of x: our CUDA kernel on a CUDA stream, "
-        "mx.quantized_matmul elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
+        py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
+        py::arg("activation") = "", py::arg("stream") = py::none(),
+        "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
+        "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
+        "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
         "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
-        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1, py::arg("stream") = py::none(),
-        "x @ w.T (+ bias) for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's matmul elsewhere "
-        "(launch overrides as quantized_matvec's).");
+        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
+        py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("stream") = py::none(),
+        "x @ w.T (+ bias), then the epilogue, for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's "
+        "matmul elsewhere (epilogue and launch overrides as quantized_matvec's).");
   m.def("two_head_argmax", &two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),

@@ -304,28 +304,42 @@ __device__ __forceinline__ void block_sum(const float* vals, float* part, float*
   __syncthreads();
 }
 
-// out[m, row0 + r] = total[r * M + m] (+ bias[row0 + r]) for the block's rows inside [0, n):
-// the store that ends both matvec kernels.
-template <int ROWS, int M, bool HAS_BIAS, typename TB, typename TO>
-__device__ __forceinline__ void store_rows(const float* total, const TB* bias, TO* out, int row0, int n) {
+// The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
+// sum v. EPI 0: v (+ bias); 1: that + residual[m, row] (a residual stream added in the same pass);
+// 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once.
+template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
+__device__ __forceinline__ void finish(float v, const TB* bias, const TR* residual, TO* out, int m, int row, int n) {
+  if constexpr (HAS_BIAS) {
+    v += static_cast<float>(bias[row]);
+  }
+  if constexpr (EPI == 1) {
+    v += static_cast<float>(residual[static_cast<size_t>(m) * n + row]);
+  } else if constexpr (EPI == 2) {
+    v = fmaxf(v, 0.0f);
+    v = v * v;
+  }
+  out[static_cast<size_t>(m) * n + row] = static_cast<TO>(v);
+}
+
+// out[m, row0 + r] = finish(total[r * M + m]) for the block's rows inside [0, n): the store that
+// ends the block-layout matvec kernels.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
+__device__ __forceinline__ void store_rows(const float* total, const TB* bias, const TR* residual, TO* out,
+                                           int row0, int n) {
   if (threadIdx.x < ROWS * M) {
     const int row = row0 + threadIdx.x / M;
-    const int m = threadIdx.x % M;
     if (row < n) {
-      float v = total[threadIdx.x];
-      if constexpr (HAS_BIAS) {
-        v += static_cast<float>(bias[row]);
-      }
-      out[static_cast<size_t>(m) * n + row] = static_cast<TO>(v);
+      finish<EPI, HAS_BIAS>(total[threadIdx.x], bias, residual, out, threadIdx.x % M, row, n);
     }
   }
 }
 
 // The warp layout's end: each of acc's ROWS * M sums over the warp's 32 lanes (butterfly, so every
-// lane holds every total), then lane r * M + m stores out[m, row0 + r] (+ bias) for rows inside
-// [0, n). No shared memory, no block barrier.
-template <int ROWS, int M, bool HAS_BIAS, typename TB, typename TO>
-__device__ __forceinline__ void warp_store(float (&acc)[ROWS][M], const TB* bias, TO* out, int row0, int n, int lane) {
+// lane holds every total), then lane r * M + m stores finish(sum) at out[m, row0 + r] for rows
+// inside [0, n). No shared memory, no block barrier.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
+__device__ __forceinline__ void warp_store(float (&acc)[ROWS][M], const TB* bias, const TR* residual, TO* out,
+                                           int row0, int n, int lane) {
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
@@ -335,10 +349,7 @@ __device__ __forceinline__ void warp_store(float (&acc)[ROWS][M], const TB* bias
       for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
       const int row = row0 + r;
       if (lane == r * M + m && row < n) {
-        if constexpr (HAS_BIAS) {
-          v += static_cast<float>(bias[row]);
-        }
-        out[static_cast<size_t>(m) * n + row] = static_cast<TO>(v);
+        finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
       }
     }
   }
@@ -363,8 +374,8 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
 )";
 
 // y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights.
-// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, HAS_BIAS, and the dtypes TX, TS, TO (the
-// kernel name is made of the template args only, so every dtype must be one of them).
+// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, and the dtypes TX, TS, TB, TR,
+// TO (the kernel name is made of the template args only, so every dtype must be one of them).
 constexpr const char* kQmvSource = R"(
   __shared__ float part[ROWS * M * THREADS];
   __shared__ float total[ROWS * M];
@@ -372,11 +383,11 @@ constexpr const char* kQmvSource = R"(
   float acc[ROWS][M];
   vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  vc_gemv::store_rows<ROWS, M, HAS_BIAS>(total, bias, out, row0, N);
+  vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
 )";
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights.
-// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, TX, TW, TO.
+// Template args: K, N, M, ROWS, THREADS, EPI, HAS_BIAS, TX, TW, TB, TR, TO.
 constexpr const char* kDenseSource = R"(
   __shared__ float part[ROWS * M * THREADS];
   __shared__ float total[ROWS * M];
@@ -384,28 +395,29 @@ constexpr const char* kDenseSource = R"(
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS>(x, weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  vc_gemv::store_rows<ROWS, M, HAS_BIAS>(total, bias, out, row0, N);
+  vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
 )";
 
 // The warp layout of kQmvSource: block b's warp w computes rows (b * WARPS + w) * ROWS .. + ROWS on
 // its own (its 32 lanes split K; a warp reduction ends it): no shared memory and no block barrier,
 // and each lane walks several chunks of its rows with the next step's loads in flight.
-// Template args: BITS, GROUP, K, N, M, ROWS, WARPS, HAS_BIAS, TX, TS, TB, TO.
+// Template args: BITS, GROUP, K, N, M, ROWS, WARPS, EPI, HAS_BIAS, TX, TS, TB, TR, TO.
 constexpr const char* kQmvWarpSource = R"(
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
   float acc[ROWS][M];
   vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, 32>(x, weight, scales, biases, row0, N, acc, lane);
-  vc_gemv::warp_store<ROWS, M, HAS_BIAS>(acc, bias, out, row0, N, lane);
+  vc_gemv::warp_store<ROWS, M, EPI, HAS_BIAS>(acc, bias, residual, out, row0, N, lane);
 )";
 
-// The warp layout of kDenseSource. Template args: K, N, M, ROWS, WARPS, HAS_BIAS, TX, TW, TB, TO.
+// The warp layout of kDenseSource. Template args: K, N, M, ROWS, WARPS, EPI, HAS_BIAS, TX, TW, TB, TR,
+// TO.
 constexpr const char* kDenseWarpSource = R"(
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, 32>(x, weight, row0, N, acc, lane);
-  vc_gemv::warp_store<ROWS, M, HAS_BIAS>(acc, bias, out, row0, N, lane);
+  vc_gemv::warp_store<ROWS, M, EPI, HAS_BIAS>(acc, bias, residual, out, row0, N, lane);
 )";
 
 // Two quantized heads of the same shape over the same x: blocks [0, NB) take head a, [NB, 2 NB)

@@ -178,6 +178,62 @@ def test_dense_full_size_equals_matmul(n, k, dtype, rows):
     _check_dense(n, k, dtype, rows)
 
 
+# --------------------------------------------------------------------------- epilogues
+
+# The LLM's fused epilogues: out_proj / down_proj / o_proj + residual, up_proj squared ReLU; odd ones.
+EPILOGUE_QUANTIZED = [(7, 320), (33, 4480)] + ([(4480, 10240), (4480, 15680), (15680, 4480)] if ON_CUDA else [])
+EPILOGUE_DENSE = [(5, 40), (37, 1160)] + ([(1152, 1152), (4608, 1152)] if ON_CUDA else [])
+
+
+def _epilogue_kwargs(epilogue, rows, n, dtype):
+    if epilogue == "residual":
+        return {"residual": _x((rows, n), dtype, seed=9)}
+    return {"squared_relu": True}
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "squared_relu"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n,k", EPILOGUE_QUANTIZED)
+def test_quantized_epilogues_equal_the_composed_ops(n, k, dtype, epilogue):
+    w, s, b = _quantized(n, k, seed=n)
+    for rows in (1, 2):
+        x = _x((rows, k), dtype, seed=rows)
+        kw = _epilogue_kwargs(epilogue, rows, n, dtype)
+        assert_close(quantized_matvec(x, w, s, b, **kw), reference(quantized_matvec_reference, x, w, s, b, **kw))
+
+
+@pytest.mark.parametrize("epilogue", ["residual", "squared_relu"])
+@pytest.mark.parametrize("n,k", EPILOGUE_DENSE)
+def test_dense_epilogues_equal_the_composed_ops(n, k, epilogue):
+    w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(mx.bfloat16)
+    for rows in (1, 2):
+        x = _x((rows, k), mx.float32, seed=rows)
+        kw = _epilogue_kwargs(epilogue, rows, n, mx.float32)
+        assert_close(dense_matvec(x, w, **kw), reference(dense_matvec_reference, x, w, **kw))
+
+
+def test_epilogue_residual_add_is_exactly_the_separate_add():
+    """In float32 the fused add rounds once, as `y + r` does: bit-identical, not just close."""
+    w, s, b = _quantized(64, 640, seed=3)
+    x, r = _x((2, 640), mx.float32), _x((2, 64), mx.float32, seed=4)
+    fused = quantized_matvec(x, w, s, b, residual=r)
+    separate = quantized_matvec(x, w, s, b) + r
+    assert np.array_equal(np.array(fused), np.array(separate))
+    squared = quantized_matvec(x, w, s, b, squared_relu=True)
+    assert np.array_equal(np.array(squared), np.array(mx.square(mx.maximum(quantized_matvec(x, w, s, b), 0))))
+
+
+def test_epilogue_arguments_are_checked():
+    w, s, b = _quantized(16, 128)
+    x = mx.zeros((1, 128))
+    with pytest.raises(ValueError, match="cannot be fused together"):
+        quantized_matvec(x, w, s, b, residual=mx.zeros((1, 16)), squared_relu=True)
+    with pytest.raises(ValueError, match="residual must be"):
+        ext.quantized_matvec(x, w, s, b, residual=mx.zeros((1, 15)))
+    with pytest.raises(ValueError, match="activation must be"):
+        ext.dense_matvec(x, mx.zeros((16, 128)), activation="gelu")
+
+
 # --------------------------------------------------------------------------- two heads
 
 def _head(n, k, seed, dtype=mx.bfloat16):

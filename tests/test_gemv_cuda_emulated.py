@@ -155,39 +155,49 @@ def _x(shape, dtype, seed=7):
     return mx.array(np.random.default_rng(seed).standard_normal(shape, np.float32)).astype(dtype)
 
 
-def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0, warps=0):
+def _epilogue_ref(ref, epi, residual):
+    if epi == 1:
+        return ref + residual.astype(mx.float32)
+    if epi == 2:
+        return mx.square(mx.maximum(ref, 0.0))
+    return ref
+
+
+def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0):
     """`warps` > 0: the warp layout (vc_qmv_warp) with that many warps per block; else the block
-    layout with `threads` threads."""
+    layout with `threads` threads. `epi` 1: + a residual, 2: squared ReLU."""
     w, s, b = _q(n, k, bits, group, s_dtype, seed=n + k)
     x = _x((m, k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
     out = _promote(x_dtype, s_dtype, bias_dtype or s_dtype)
+    residual = _x((m, n), out, seed=5) if epi == 1 else s
     split = dict(WARPS=warps) if warps else dict(THREADS=threads)
-    args = dict(BITS=bits, GROUP=group, K=k, N=n, M=m, ROWS=rows, **split, HAS_BIAS=bias is not None,
-                TX=x_dtype, TS=s_dtype, TB=bias_dtype or s_dtype, TO=out)
-    case = Case("vc_qmv_warp" if warps else "vc_qmv", args, [x, w, s, b, bias if bias is not None else s],
+    args = dict(BITS=bits, GROUP=group, K=k, N=n, M=m, ROWS=rows, **split, EPI=epi, HAS_BIAS=bias is not None,
+                TX=x_dtype, TS=s_dtype, TB=bias_dtype or s_dtype, TR=residual.dtype, TO=out)
+    case = Case("vc_qmv_warp" if warps else "vc_qmv", args, [x, w, s, b, bias if bias is not None else s, residual],
                 [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
-                [offset, 0, 0, 0, 0])
+                [offset, 0, 0, 0, 0, 0])
     with mx.stream(mx.cpu):
         ref = mx.quantized_matmul(x.astype(mx.float32), w, s, b, transpose=True, group_size=group, bits=bits)
-        ref = (ref if bias is None else ref + bias).astype(out)
+        ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
     return case, ref
 
 
-def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0):
+def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0):
     w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
     x = _x((m, k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
     out = _promote(x_dtype, w_dtype, bias_dtype or w_dtype)
+    residual = _x((m, n), out, seed=5) if epi == 1 else w
     split = dict(WARPS=warps) if warps else dict(THREADS=threads)
-    args = dict(K=k, N=n, M=m, ROWS=rows, **split, HAS_BIAS=bias is not None, TX=x_dtype, TW=w_dtype,
-                TB=bias_dtype or w_dtype, TO=out)
-    case = Case("vc_dense_mv_warp" if warps else "vc_dense_mv", args, [x, w, bias if bias is not None else w],
-                [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
-                [offset, 0, 0])
+    args = dict(K=k, N=n, M=m, ROWS=rows, **split, EPI=epi, HAS_BIAS=bias is not None, TX=x_dtype, TW=w_dtype,
+                TB=bias_dtype or w_dtype, TR=residual.dtype, TO=out)
+    case = Case("vc_dense_mv_warp" if warps else "vc_dense_mv", args,
+                [x, w, bias if bias is not None else w, residual], [(CUDA_TYPE[out], (m, n))],
+                -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads, [offset, 0, 0, 0])
     with mx.stream(mx.cpu):
         ref = x.astype(mx.float32) @ w.T.astype(mx.float32)
-        ref = (ref if bias is None else ref + bias).astype(out)
+        ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
     return case, ref
 
 
@@ -252,6 +262,13 @@ def emulated(tmp_path_factory):
         "warp_dense_bf16w_bias": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 4, 0, mx.bfloat16, warps=2),
         "warp_dense_f32w_unaligned": dense_case(3, 40, 1, mx.bfloat16, mx.float32, 1, 0, offset=1, warps=1),
         "warp_dense_two_steps": dense_case(5, 4608, 2, mx.float32, mx.bfloat16, 2, 0, warps=4),
+        # epilogues: + residual, squared ReLU (both layouts, with a bias first)
+        "q4_residual_m2": qmv_case(37, 640, 2, 4, 64, mx.float32, mx.bfloat16, 4, 32, epi=1),
+        "q4_relu2_bias": qmv_case(21, 4480, 1, 4, 64, mx.float32, mx.bfloat16, 4, 160, mx.float32, epi=2),
+        "warp_q4_residual": qmv_case(9, 1024, 2, 4, 64, mx.float32, mx.bfloat16, 2, 0, warps=2, epi=1),
+        "warp_q8_relu2": qmv_case(11, 384, 1, 8, 32, mx.float32, mx.float32, 4, 0, warps=4, epi=2),
+        "dense_residual_bias": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 4, 160, mx.bfloat16, epi=1),
+        "warp_dense_relu2": dense_case(13, 256, 2, mx.float32, mx.bfloat16, 2, 0, warps=2, epi=2),
     }.items():
         cases[name], refs[name] = case, ref
     argmax = {}
@@ -272,7 +289,9 @@ def emulated(tmp_path_factory):
                                   "q4_g128_unaligned", "q8_bf16_unaligned", "dense_bf16w_bias", "dense_f32w_unaligned",
                                   "dense_f16_rows8", "dense_two_steps", "warp_q4_f32_m2_tail", "warp_q4_bf16_4480",
                                   "warp_q8_g32_f16_bias", "warp_q4_g128_unaligned", "warp_dense_bf16w_bias",
-                                  "warp_dense_f32w_unaligned", "warp_dense_two_steps"])
+                                  "warp_dense_f32w_unaligned", "warp_dense_two_steps", "q4_residual_m2",
+                                  "q4_relu2_bias", "warp_q4_residual", "warp_q8_relu2", "dense_residual_bias",
+                                  "warp_dense_relu2"])
 def test_matvec_kernels_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]

@@ -14,8 +14,11 @@ which are also the `_reference` twins.
   state in one pass, without writing the logits first: int32 ids `[..., 2]` (head_a, head_b).
   Ties go to the first index and a NaN logit counts as the largest (the first NaN wins), as
   `mx.argmax` does; the logits are compared as stored (rounded to the output dtype).
+- Both take an epilogue done in the same launch: `squared_relu=True` (`relu(y)^2`) or
+  `residual=r` (`y + r`, a residual stream of the output's shape).
 - `GemvQuantizedLinear` / `GemvLinear`: drop-in layers using the kernels for <= 2 rows on a CUDA
-  GPU; `use_gemv(model)` swaps them in for every `nn.QuantizedLinear` / `nn.Linear`.
+  GPU; `use_gemv(model)` swaps them in for every `nn.QuantizedLinear` / `nn.Linear`;
+  `linear(layer, x, residual=..., squared_relu=...)` applies any layer with an epilogue.
 """
 
 from __future__ import annotations
@@ -39,31 +42,54 @@ def rows_of(x: mx.array) -> int:
     return x.size // x.shape[-1] if x.ndim else 0
 
 
+# --------------------------------------------------------------------------- epilogues
+
+def relu_squared(y: mx.array) -> mx.array:
+    return mx.square(nn.relu(y))
+
+
+def _epilogue(y, residual, squared_relu: bool):
+    """What the kernels fuse after the product, in MLX ops: relu(y)^2, or y + residual."""
+    if residual is not None and squared_relu:
+        raise ValueError("a residual and an activation cannot be fused together")
+    y = relu_squared(y) if squared_relu else y
+    return y if residual is None else y + residual
+
+
+def _activation(squared_relu: bool) -> str:
+    return "relu_squared" if squared_relu else ""
+
+
 # --------------------------------------------------------------------------- quantized
 
-def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None):
+def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None,
+                               residual=None, squared_relu: bool = False):
     y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
-    return y if bias is None else y + bias
+    return _epilogue(y if bias is None else y + bias, residual, squared_relu)
 
 
-def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, stream=None):
-    """`x @ dequantize(w).T (+ bias)`; `x` [..., K], w packed uint32 [N, K * bits / 32]."""
+def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
+                     squared_relu: bool = False, stream=None):
+    """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
+    `x` [..., K], w packed uint32 [N, K * bits / 32]. The kernel does the epilogue in the same launch."""
     if use_reference():
-        return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias)
-    return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, stream=stream)
+        return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
+                                          squared_relu=squared_relu)
+    return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
+                                activation=_activation(squared_relu), stream=stream)
 
 
 # --------------------------------------------------------------------------- dense
 
-def dense_matvec_reference(x, w, *, bias=None):
-    return x @ w.T if bias is None else mx.addmm(bias, x, w.T)
+def dense_matvec_reference(x, w, *, bias=None, residual=None, squared_relu: bool = False):
+    return _epilogue(x @ w.T if bias is None else mx.addmm(bias, x, w.T), residual, squared_relu)
 
 
-def dense_matvec(x, w, *, bias=None, stream=None):
-    """`x @ w.T (+ bias)`; `x` [..., K], w [N, K]."""
+def dense_matvec(x, w, *, bias=None, residual=None, squared_relu: bool = False, stream=None):
+    """`x @ w.T (+ bias)`, then the epilogue as `quantized_matvec`'s; `x` [..., K], w [N, K]."""
     if use_reference():
-        return dense_matvec_reference(x, w, bias=bias)
-    return ext.dense_matvec(x, w, bias, stream=stream)
+        return dense_matvec_reference(x, w, bias=bias, residual=residual, squared_relu=squared_relu)
+    return ext.dense_matvec(x, w, bias, residual=residual, activation=_activation(squared_relu), stream=stream)
 
 
 # --------------------------------------------------------------------------- two heads
@@ -123,11 +149,12 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
     def from_quantized_linear(cls, layer: nn.QuantizedLinear) -> "GemvQuantizedLinear":
         return _same_arrays(cls, layer)
 
-    def __call__(self, x):
+    def __call__(self, x, *, residual=None, squared_relu: bool = False):
+        """`layer(x)`, then `relu(.)^2` or `+ residual`: one launch on the kernel path."""
         if self.mode == "affine" and _gemv_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
-                                    bias=self.get("bias"))
-        return super().__call__(x)
+                                    bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
+        return _epilogue(super().__call__(x), residual, squared_relu)
 
 
 class GemvLinear(nn.Linear):
@@ -137,10 +164,19 @@ class GemvLinear(nn.Linear):
     def from_linear(cls, layer: nn.Linear) -> "GemvLinear":
         return _same_arrays(cls, layer)
 
-    def __call__(self, x):
+    def __call__(self, x, *, residual=None, squared_relu: bool = False):
         if _gemv_applies(x):
-            return dense_matvec(x, self["weight"], bias=self.get("bias"))
-        return super().__call__(x)
+            return dense_matvec(x, self["weight"], bias=self.get("bias"), residual=residual,
+                                squared_relu=squared_relu)
+        return _epilogue(super().__call__(x), residual, squared_relu)
+
+
+def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool = False) -> mx.array:
+    """`layer(x)` then `relu(.)^2` or `+ residual`, fused into the GEMV when `layer` is one of ours
+    (composed otherwise: the same ops the kernel path is held to)."""
+    if isinstance(layer, (GemvQuantizedLinear, GemvLinear)):
+        return layer(x, residual=residual, squared_relu=squared_relu)
+    return _epilogue(layer(x), residual, squared_relu)
 
 
 def _swap(layer):

@@ -8,7 +8,8 @@ Key tree below `stt_model.`:
     llm.norm_f                       RMSNorm(H)
     lm_head, function_head           Linear(H, vocab, bias=False)
 
-Every block is `x + mixer(RMSNorm(x))`. The LLM never looks up token ids: it runs on embeddings
+Every block is `x + mixer(RMSNorm(x))` (the add fused into the mixer's last projection, and the MLP's
+squared ReLU into its up projection, on the GEMV path). The LLM never looks up token ids: it runs on embeddings
 (`DuplexLM.fused_input` builds them). Activations are float32 whatever the weight dtype.
 
 After loading, `DuplexLM.prepare()` casts quantization scales / biases and the small vectors to
@@ -28,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
+from ..kernels.gemv import linear
 from ..kernels.mamba_scan import mamba_scan_packed
 
 # --------------------------------------------------------------------------- caches
@@ -182,10 +184,6 @@ def _float32(a: mx.array) -> mx.array:
     return a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a
 
 
-def _relu_squared(x: mx.array) -> mx.array:
-    return mx.square(nn.relu(x))
-
-
 @mx.compile
 def _fuse(text: mx.array, audio: mx.array, function: mx.array, weight: float) -> mx.array:
     return text.astype(mx.float32) + audio.astype(mx.float32) + weight * function.astype(mx.float32)
@@ -218,7 +216,7 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.RMSNorm(self.inner, eps=self.eps)  # holds the gated norm's weight (_gated_rms_norm)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
 
-    def __call__(self, x: mx.array, cache: MambaCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: MambaCache | None, residual: mx.array | None = None) -> mx.array:
         b, L, _ = x.shape
         projected = self.in_proj(x)  # gate | x B C | dt
         gate, xbc = projected[..., : self.inner], projected[..., self.inner : self.inner + self.conv_dim]
@@ -237,7 +235,7 @@ class Mamba2Mixer(nn.Module):
             cache.conv, cache.ssm = conv_state, ssm
 
         y = _gated_rms_norm(y.reshape(b, L, self.inner), gate, self.norm.weight, self.n_groups, self.eps)
-        return self.out_proj(y)
+        return linear(self.out_proj, y, residual=residual)
 
 
 class Attention(nn.Module):
@@ -255,7 +253,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
-    def __call__(self, x: mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array | None = None) -> mx.array:
         b, L, _ = x.shape
         q = self.q_proj(x).reshape(b, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
         k = self.k_proj(x).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -266,7 +264,7 @@ class Attention(nn.Module):
             k, v = cache.update(k, v)
             mask = cache.attention_mask(L)
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, L, -1))
+        return linear(self.o_proj, o.transpose(0, 2, 1, 3).reshape(b, L, -1), residual=residual)
 
 
 class MLP(nn.Module):
@@ -275,8 +273,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def __call__(self, x: mx.array, cache: None = None) -> mx.array:
-        return self.down_proj(_relu_squared(self.up_proj(x)))
+    def __call__(self, x: mx.array, cache: None = None, residual: mx.array | None = None) -> mx.array:
+        return linear(self.down_proj, linear(self.up_proj, x, squared_relu=True), residual=residual)
 
 
 _MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
@@ -290,7 +288,9 @@ class Block(nn.Module):
         self.mixer = _MIXERS[kind](cfg)
 
     def __call__(self, x: mx.array, cache) -> mx.array:
-        return x + self.mixer(self.norm(x), cache)
+        # x + mixer(norm(x)): the residual add rides in the mixer's last projection (one launch on
+        # the GEMV path; `mixer(...) + x` otherwise, bit-identical to `x + mixer(...)`).
+        return self.mixer(self.norm(x), cache, residual=x)
 
 
 # --------------------------------------------------------------------------- the stack

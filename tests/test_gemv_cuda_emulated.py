@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from voicechat.kernels import ext
+from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 
 EMU = Path(__file__).parent / "data" / "cuda_emu"
 SOURCES = {s["name"]: s for s in ext.cuda_sources()}
@@ -237,6 +238,21 @@ def argmax_case(n, k, m, x_dtype, write_logits, rows=4, threads=32):
     return case, ref, nb
 
 
+def gated_norm_case(rows, c, groups, width, offset, dtype=mx.float32):
+    k1, k2, k3 = mx.random.split(mx.random.key(rows + c), 3)
+    y = mx.random.normal((rows, c), key=k1).astype(dtype)
+    gate_src = (2.0 * mx.random.normal((rows, width), key=k2)).astype(dtype)
+    weight = (1.0 + 0.1 * mx.random.normal((c,), key=k3)).astype(dtype)
+    eps = mx.array([1e-5], mx.float32)
+    args = dict(C=c, G=groups, W=width, GATE_OFFSET=offset, THREADS=256, TY=dtype, TG=dtype, TW=dtype, TO=dtype)
+    case = Case("vc_gated_rms_norm", args, [y, gate_src, weight, eps], [(CUDA_TYPE[dtype], (rows, c))],
+                rows * groups, 256)
+    with mx.stream(mx.cpu):  # float32 math from the same inputs, rounded once, as the kernel does
+        f32 = [a.astype(mx.float32) for a in (y, gate_src, weight)]
+        ref = gated_rms_norm_reference(f32[0], f32[1], offset, f32[2], groups, 1e-5).astype(dtype)
+    return case, ref
+
+
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     if shutil.which("g++") is None:
@@ -269,6 +285,10 @@ def emulated(tmp_path_factory):
         "warp_q8_relu2": qmv_case(11, 384, 1, 8, 32, mx.float32, mx.float32, 4, 0, warps=4, epi=2),
         "dense_residual_bias": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 4, 160, mx.bfloat16, epi=1),
         "warp_dense_relu2": dense_case(13, 256, 2, mx.float32, mx.bfloat16, 2, 0, warps=2, epi=2),
+        # the gated group RMSNorm: the published mixer's width, and groups narrower than a block
+        "gated_norm_mixer": gated_norm_case(2, 10240, 8, 22656, 0),
+        "gated_norm_small": gated_norm_case(3, 96, 2, 300, 4),
+        "gated_norm_bf16": gated_norm_case(2, 10240, 8, 22656, 0, mx.bfloat16),
     }.items():
         cases[name], refs[name] = case, ref
     argmax = {}
@@ -291,7 +311,8 @@ def emulated(tmp_path_factory):
                                   "warp_q8_g32_f16_bias", "warp_q4_g128_unaligned", "warp_dense_bf16w_bias",
                                   "warp_dense_f32w_unaligned", "warp_dense_two_steps", "q4_residual_m2",
                                   "q4_relu2_bias", "warp_q4_residual", "warp_q8_relu2", "dense_residual_bias",
-                                  "warp_dense_relu2"])
+                                  "warp_dense_relu2", "gated_norm_mixer", "gated_norm_small",
+                                  "gated_norm_bf16"])
 def test_matvec_kernels_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
+from ..kernels.gated_rms_norm import gated_rms_norm
 from ..kernels.gemv import linear
 from ..kernels.mamba_scan import mamba_scan_packed
 
@@ -171,15 +172,6 @@ def _conv_silu(conv_state: mx.array, xbc: mx.array, weight: mx.array, bias: mx.a
 
 
 @mx.compile
-def _gated_rms_norm(y: mx.array, gate: mx.array, weight: mx.array, groups: int, eps: float) -> mx.array:
-    """RMSNorm of y * silu(gate) over `groups` equal groups of channels, then the weight."""
-    h = y * nn.silu(gate)
-    shape = h.shape
-    h = mx.fast.rms_norm(h.reshape(*shape[:-1], groups, shape[-1] // groups), None, eps)
-    return h.reshape(shape) * weight
-
-
-@mx.compile
 def _float32(a: mx.array) -> mx.array:
     return a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a
 
@@ -213,13 +205,13 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = mx.ones((self.num_heads,))
         self.A_log = mx.zeros((self.num_heads,))
         self.D = mx.ones((self.num_heads,))
-        self.norm = nn.RMSNorm(self.inner, eps=self.eps)  # holds the gated norm's weight (_gated_rms_norm)
+        self.norm = nn.RMSNorm(self.inner, eps=self.eps)  # holds the gated norm's weight (gated_rms_norm)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
 
     def __call__(self, x: mx.array, cache: MambaCache | None, residual: mx.array | None = None) -> mx.array:
         b, L, _ = x.shape
         projected = self.in_proj(x)  # gate | x B C | dt
-        gate, xbc = projected[..., : self.inner], projected[..., self.inner : self.inner + self.conv_dim]
+        xbc = projected[..., self.inner : self.inner + self.conv_dim]
 
         conv_state = cache.conv if cache is not None and cache.conv is not None else \
             mx.zeros((b, self.kernel - 1, self.conv_dim), mx.float32)
@@ -234,7 +226,8 @@ class Mamba2Mixer(nn.Module):
         if cache is not None:
             cache.conv, cache.ssm = conv_state, ssm
 
-        y = _gated_rms_norm(y.reshape(b, L, self.inner), gate, self.norm.weight, self.n_groups, self.eps)
+        # RMSNorm over groups of y * silu(gate), the gate read in place from the projection.
+        y = gated_rms_norm(y.reshape(b, L, self.inner), projected, 0, self.norm.weight, self.n_groups, self.eps)
         return linear(self.out_proj, y, residual=residual)
 
 

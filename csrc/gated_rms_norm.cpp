@@ -1,0 +1,160 @@
+// The Mamba-2 mixer's gated group RMSNorm in one launch:
+//
+//   h   = y * silu(gate)                      gate: columns [gate_offset, gate_offset + C) of gate_src
+//   out = h / sqrt(mean_group(h^2) + eps) * weight      over G equal groups of the C channels
+//
+// Composed, that is a fused elementwise kernel, MLX's rms_norm and another elementwise kernel per
+// Mamba layer (27 layers a decode step); here one block per (row, group) does it all, reading the
+// gate in place from the in_proj output. CUDA through fast::cuda_kernel; everywhere else, MLX ops
+// (also the reference: voicechat.kernels.gated_rms_norm).
+#include <pybind11/pybind11.h>
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "cuda_sources.h"
+#include "mlx/fast.h"
+#include "mlx/mlx.h"
+#include "mlx_caster.h"
+#include "registry.h"
+
+namespace py = pybind11;
+namespace mx = mlx::core;
+
+namespace voicechat {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Template args: C, G, W (gate_src row width), GATE_OFFSET, THREADS, TY, TG, TW, TO.
+constexpr const char* kSource = R"(
+  constexpr int CG = C / G;
+  constexpr int PER = (CG + THREADS - 1) / THREADS;
+  __shared__ float warp_sums[THREADS / 32];
+  const int row = blockIdx.x / G;
+  const int g = blockIdx.x % G;
+  const TY* yr = y + static_cast<size_t>(row) * C + g * CG;
+  const TG* gr = gate_src + static_cast<size_t>(row) * W + GATE_OFFSET + g * CG;
+  float h[PER];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    float v = 0.0f;
+    if (c < CG) {
+      const float gv = static_cast<float>(gr[c]);
+      v = static_cast<float>(yr[c]) * (gv / (1.0f + expf(-gv)));
+    }
+    h[i] = v;
+    ss += v * v;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if ((threadIdx.x & 31) == 0) {
+    warp_sums[threadIdx.x >> 5] = ss;
+  }
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += warp_sums[w];
+  const float r = rsqrtf(total / static_cast<float>(CG) + eps[0]);
+  TO* o = out + static_cast<size_t>(row) * C + g * CG;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    if (c < CG) {
+      o[c] = static_cast<TO>(h[i] * r * static_cast<float>(weight[g * CG + c]));
+    }
+  }
+)";
+
+const CudaSource& source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int c, int g, int w, int offset, const std::string& t = "float") {
+    return CudaInstance{{t, t, t, "float"},
+                        {t},
+                        {P{"C", "int:" + std::to_string(c)}, P{"G", "int:" + std::to_string(g)},
+                         P{"W", "int:" + std::to_string(w)}, P{"GATE_OFFSET", "int:" + std::to_string(offset)},
+                         P{"THREADS", "int:" + std::to_string(kThreads)}, P{"TY", "type:" + t}, P{"TG", "type:" + t},
+                         P{"TW", "type:" + t}, P{"TO", "type:" + t}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_gated_rms_norm",
+      {"y", "gate_src", "weight", "eps"},
+      {"out"},
+      kSource,
+      "",
+      // the published mixer (float32 as the LLM runs, bfloat16 too); a small odd one
+      {inst(10240, 8, 22656, 0), inst(10240, 8, 22656, 0, "__nv_bfloat16"), inst(96, 2, 300, 4)},
+  });
+  return src;
+}
+
+bool float_type(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
+
+mx::array composed(const mx::array& y, const mx::array& gate, const mx::array& weight, int groups, float eps,
+                   mx::Stream s) {
+  auto h = mx::multiply(y, mx::multiply(gate, mx::sigmoid(gate, s), s), s);
+  auto shape = h.shape();
+  auto grouped = shape;
+  grouped.back() = groups;
+  grouped.push_back(shape.back() / groups);
+  auto normed = mx::fast::rms_norm(mx::reshape(h, grouped, s), std::nullopt, eps, s);
+  return mx::multiply(mx::reshape(normed, shape, s), weight, s);
+}
+
+mx::array gated_rms_norm(const mx::array& y, const mx::array& gate_src, int gate_offset, const mx::array& weight,
+                         int groups, float eps, mx::StreamOrDevice s_) {
+  if (y.ndim() < 1 || weight.ndim() != 1 || weight.shape(0) != y.shape(-1)) {
+    throw std::invalid_argument("gated_rms_norm: y [..., C] and weight [C] disagree");
+  }
+  const int c = y.shape(-1);
+  if (groups < 1 || c % groups != 0) {
+    throw std::invalid_argument("gated_rms_norm: " + std::to_string(groups) + " groups do not divide " +
+                                std::to_string(c) + " channels");
+  }
+  if (gate_src.ndim() != y.ndim() || gate_offset < 0 || gate_offset + c > gate_src.shape(-1)) {
+    throw std::invalid_argument("gated_rms_norm: gate columns [gate_offset, gate_offset + C) lie outside gate_src");
+  }
+  for (int i = 0; i + 1 < y.ndim(); ++i) {
+    if (gate_src.shape(i) != y.shape(i)) {
+      throw std::invalid_argument("gated_rms_norm: gate_src and y have different leading shapes");
+    }
+  }
+  auto s = mx::to_stream(s_);
+  const int width = gate_src.shape(-1);
+  const int rows = static_cast<int>(y.size() / c);
+  const bool kernel_path = gpu_stream(s) && cuda_build() && rows > 0 && float_type(y.dtype()) &&
+                           float_type(gate_src.dtype()) && float_type(weight.dtype());
+  if (!kernel_path) {
+    mx::Shape start(gate_src.ndim(), 0), stop = gate_src.shape();
+    start.back() = gate_offset;
+    stop.back() = gate_offset + c;
+    return composed(y, mx::slice(gate_src, start, stop, s), weight, groups, eps, s);
+  }
+  static auto kernel = mx::fast::cuda_kernel(source().name, source().input_names, source().output_names,
+                                             source().source, source().header);
+  // The composed ops' result type; the kernel computes in float32 throughout and rounds once.
+  const auto out_dtype = mx::promote_types(mx::promote_types(y.dtype(), gate_src.dtype()), weight.dtype());
+  auto outs = kernel({mx::reshape(y, {rows, c}, s), mx::reshape(gate_src, {rows, width}, s), weight,
+                      mx::array(eps, mx::float32)},
+                     {{rows, c}}, {out_dtype}, {rows * groups * kThreads, 1, 1}, {kThreads, 1, 1},
+                     {{"C", c}, {"G", groups}, {"W", width}, {"GATE_OFFSET", gate_offset}, {"THREADS", kThreads},
+                      {"TY", y.dtype()}, {"TG", gate_src.dtype()}, {"TW", weight.dtype()}, {"TO", out_dtype}},
+                     std::nullopt, false, s);
+  return mx::reshape(outs[0], y.shape(), s);
+}
+
+void bind(py::module_& m) {
+  source();  // registered at import, so the compile checks see it
+  m.def("gated_rms_norm", &gated_rms_norm, py::arg("y"), py::arg("gate_src"), py::arg("gate_offset"),
+        py::arg("weight"), py::arg("groups"), py::arg("eps"), py::arg("stream") = py::none(),
+        "RMSNorm over `groups` channel groups of y * silu(gate), times weight; the gate is read at columns "
+        "[gate_offset, gate_offset + C) of gate_src. One CUDA launch (float32 math, float inputs of any "
+        "width) on a CUDA stream, MLX ops elsewhere.");
+}
+
+}  // namespace
+VC_REGISTER(bind);
+}  // namespace voicechat

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from voicechat.kernels import ext
+from voicechat.kernels.causal_conv import causal_conv_silu_reference
 from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 
 EMU = Path(__file__).parent / "data" / "cuda_emu"
@@ -253,6 +254,21 @@ def gated_norm_case(rows, c, groups, width, offset, dtype=mx.float32):
     return case, ref
 
 
+def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(c + length), 4)
+    state = mx.random.normal((b, k - 1, c), key=k1)
+    src = mx.random.normal((b, length, width), key=k2).astype(src_dtype)
+    weight = 0.5 * mx.random.normal((c, k), key=k3)
+    bias = 0.1 * mx.random.normal((c,), key=k4)
+    args = dict(B=b, C=c, K=k, L=length, W=width, OFFSET=offset, HAS_BIAS=True, TS=src_dtype, THREADS=256)
+    threads = b * (length + k - 1) * c
+    case = Case("vc_causal_conv_silu", args, [state, src, weight, bias], [("float", (b, length, c)),
+                ("float", (b, k - 1, c))], -(-threads // 256), 256)
+    with mx.stream(mx.cpu):
+        ref = causal_conv_silu_reference(state, src, offset, weight[..., None], bias)
+    return case, ref
+
+
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     if shutil.which("g++") is None:
@@ -289,6 +305,9 @@ def emulated(tmp_path_factory):
         "gated_norm_mixer": gated_norm_case(2, 10240, 8, 22656, 0),
         "gated_norm_small": gated_norm_case(3, 96, 2, 300, 4),
         "gated_norm_bf16": gated_norm_case(2, 10240, 8, 22656, 0, mx.bfloat16),
+        # the causal conv + SiLU: a step and a prefix longer than the kernel, bfloat16 input
+        "conv_step": conv_case(1, 1, 300, 4, 700, 256),
+        "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
     }.items():
         cases[name], refs[name] = case, ref
     argmax = {}
@@ -321,6 +340,15 @@ def test_matvec_kernels_emulated(emulated, name):
     want = np.array(ref.astype(mx.float32))
     ulp = {"float": 2e-6, "__half": 1e-3, "__nv_bfloat16": 8e-3}[case.outputs[0][0]]
     np.testing.assert_allclose(got, want, rtol=ulp, atol=ulp * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["conv_step", "conv_prefix_b2"])
+def test_causal_conv_kernel_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    y, state = run(exe, name, cases[name], tmp)
+    y_ref, state_ref = refs[name]
+    np.testing.assert_allclose(y, np.array(y_ref), rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(state, np.array(state_ref))
 
 
 @pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TextConfig
+from ..kernels.causal_conv import causal_conv_silu
 from ..kernels.gated_rms_norm import gated_rms_norm
 from ..kernels.gemv import linear
 from ..kernels.mamba_scan import mamba_scan_packed
@@ -158,20 +159,6 @@ class NemotronHCache(list):
 
 
 @mx.compile
-def _conv_silu(conv_state: mx.array, xbc: mx.array, weight: mx.array, bias: mx.array):
-    """Causal depthwise conv (kernel K) over [conv_state; xbc], then SiLU; also the next conv state.
-
-    conv_state [b, K-1, C], xbc [b, L, C], weight [C, K, 1] (nn.Conv1d depthwise layout), bias [C].
-    """
-    window = mx.concatenate([conv_state, xbc.astype(conv_state.dtype)], axis=1)
-    K, L = weight.shape[1], xbc.shape[1]
-    out = bias.astype(mx.float32)
-    for k in range(K):
-        out = out + window[:, k : k + L] * weight[:, k, 0]
-    return nn.silu(out), window[:, L:]
-
-
-@mx.compile
 def _float32(a: mx.array) -> mx.array:
     return a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a
 
@@ -211,12 +198,11 @@ class Mamba2Mixer(nn.Module):
     def __call__(self, x: mx.array, cache: MambaCache | None, residual: mx.array | None = None) -> mx.array:
         b, L, _ = x.shape
         projected = self.in_proj(x)  # gate | x B C | dt
-        xbc = projected[..., self.inner : self.inner + self.conv_dim]
 
         conv_state = cache.conv if cache is not None and cache.conv is not None else \
             mx.zeros((b, self.kernel - 1, self.conv_dim), mx.float32)
-        bias = self.conv1d.bias if self._conv_has_bias else mx.zeros((1,))
-        xbc, conv_state = _conv_silu(conv_state, xbc, self.conv1d.weight, bias)
+        xbc, conv_state = causal_conv_silu(conv_state, projected, self.inner, self.conv1d.weight,
+                                           self.conv1d.bias if self._conv_has_bias else None)
 
         # The scan reads x, B, C from the conv output and dt from the projection in place.
         y, ssm = mamba_scan_packed(

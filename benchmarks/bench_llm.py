@@ -21,7 +21,7 @@ import pytest
 from voicechat.checkpoint import open_checkpoint
 from voicechat.config import VoiceChatConfig
 from voicechat.llm.nemotron_h import DuplexLM, count_step_ops
-from voicechat.llm.opcount import kernel_count
+from voicechat.llm.opcount import count_ops, kernel_count
 from voicechat.testing import make_checkpoint
 
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
@@ -100,7 +100,10 @@ def test_llm_decode_step(benchmark, lm):
 
     ids = benchmark(step)
     assert ids[0].shape == (1,)
-    benchmark.extra_info.update(size=SIZE, context=CONTEXT)
+    cache = primed.copy()
+    counts = count_ops(*lm.decode(text, frame, function, cache), cache.state)
+    benchmark.extra_info.update(size=SIZE, context=CONTEXT, ops_total=sum(counts.values()),
+                                ops_kernels=kernel_count(counts), ops=dict(counts))
 
 
 def test_llm_prefix64(benchmark, lm):

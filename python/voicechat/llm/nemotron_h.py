@@ -8,9 +8,10 @@ Key tree below `stt_model.`:
     llm.norm_f                       RMSNorm(H)
     lm_head, function_head           Linear(H, vocab, bias=False)
 
-Every block is `x + mixer(RMSNorm(x))` (the add fused into the mixer's last projection, and the MLP's
-squared ReLU into its up projection, on the GEMV path). The LLM never looks up token ids: it runs on embeddings
-(`DuplexLM.fused_input` builds them). Activations are float32 whatever the weight dtype.
+Every block is `x + mixer(RMSNorm(x))` (on the GEMV path the add rides in the mixer's last
+projection, and the MLP's squared ReLU in its up projection). The LLM never looks up token ids:
+it runs on embeddings (`DuplexLM.fused_input` builds them). Activations are float32 whatever the
+weight dtype.
 
 After loading, `DuplexLM.prepare()` casts quantization scales / biases and the small vectors to
 float32 once, so that no step casts weights again (see its docstring).

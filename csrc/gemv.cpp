@@ -43,7 +43,10 @@ struct Launch {
   int warps;    // 0: block layout (the block's threads split K); > 0: warp layout, warps per block
 };
 
-constexpr int kWarpLayoutWarps = 0;  // the default layout: 0 = block (measured faster over the LLM step on the H200); > 0 = warp layout with that many warps
+// The default layout: 0 = block; > 0 = warp layout with that many warps per block. Block for now:
+// the H200 LLM step evaluated in 6.4 ms with it and 7.0 ms with the warp layout (4 warps), in two
+// separate runs (within their noise); the launch sweep of bench_gemv.py is to decide.
+constexpr int kWarpLayoutWarps = 0;
 
 // Block layout. Threads: enough to cover a row's 16-byte chunks in ceil(chunks / 256) steps, in
 // whole warps (K = 4480 at 4 bits: 140 chunks -> 160 threads, one step). Rows per block: 4 (each

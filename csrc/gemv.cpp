@@ -93,25 +93,46 @@ int blocks_for(const Launch& l, int n) {
 
 // ---------------------------------------------------------------- CUDA sources
 
+using TemplateArg = std::pair<std::string, std::string>;
+
+std::string int_arg(int v) { return "int:" + std::to_string(v); }
+std::string type_arg(const char* t) { return std::string("type:") + t; }
+
+// One instance of vc_qmv (split "THREADS": threads per block) or vc_qmv_warp (split "WARPS":
+// warps per block). tb: the Linear bias' type, or nullptr for none (the kernel then gets `scales`
+// in its place); epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU
+// (vc_gemv::finish).
+CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, const char* to, int bits, int group, int k,
+                          int n, int m, int rows, int split_count, const char* tb = nullptr, int epi = 0) {
+  const char* bias_type = tb ? tb : ts;
+  const char* residual_type = epi == 1 ? to : ts;
+  return CudaInstance{
+      {tx, "uint32_t", ts, ts, bias_type, residual_type},
+      {to},
+      {TemplateArg{"BITS", int_arg(bits)}, TemplateArg{"GROUP", int_arg(group)}, TemplateArg{"K", int_arg(k)},
+       TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)}, TemplateArg{"ROWS", int_arg(rows)},
+       TemplateArg{split, int_arg(split_count)}, TemplateArg{"EPI", int_arg(epi)},
+       TemplateArg{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, TemplateArg{"TX", type_arg(tx)},
+       TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TB", type_arg(bias_type)},
+       TemplateArg{"TR", type_arg(residual_type)}, TemplateArg{"TO", type_arg(to)}}};
+}
+
+// One instance of vc_dense_mv / vc_dense_mv_warp (split as qmv_instance's).
+CudaInstance dense_instance(const char* split, const char* tx, const char* tw, const char* tb, const char* to, int k,
+                            int n, int m, int rows, int split_count, bool has_bias, int epi = 0) {
+  const char* residual_type = epi == 1 ? to : tw;
+  return CudaInstance{
+      {tx, tw, tb, residual_type},
+      {to},
+      {TemplateArg{"K", int_arg(k)}, TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)},
+       TemplateArg{"ROWS", int_arg(rows)}, TemplateArg{split, int_arg(split_count)}, TemplateArg{"EPI", int_arg(epi)},
+       TemplateArg{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"}, TemplateArg{"TX", type_arg(tx)},
+       TemplateArg{"TW", type_arg(tw)}, TemplateArg{"TB", type_arg(tb)}, TemplateArg{"TR", type_arg(residual_type)},
+       TemplateArg{"TO", type_arg(to)}}};
+}
+
 const CudaSource& qmv_source() {
-  using P = std::pair<std::string, std::string>;
-  // tb: the Linear bias' type, or nullptr for none (the kernel then gets `scales` in its place).
-  // epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU (see vc_gemv::finish).
-  auto inst = [](const char* tx, const char* ts, const char* to, int bits, int group, int k, int n, int m, int rows,
-                 int threads, const char* tb = nullptr, int epi = 0) {
-    const char* bias_type = tb ? tb : ts;
-    const char* residual_type = epi == 1 ? to : ts;
-    return CudaInstance{
-        {tx, "uint32_t", ts, ts, bias_type, residual_type},
-        {to},
-        {P{"BITS", "int:" + std::to_string(bits)}, P{"GROUP", "int:" + std::to_string(group)},
-         P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
-         P{"ROWS", "int:" + std::to_string(rows)}, P{"THREADS", "int:" + std::to_string(threads)},
-         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", tb ? "bool:true" : "bool:false"},
-         P{"TX", std::string("type:") + tx}, P{"TS", std::string("type:") + ts},
-         P{"TB", std::string("type:") + bias_type}, P{"TR", std::string("type:") + residual_type},
-         P{"TO", std::string("type:") + to}}};
-  };
+  auto inst = [](auto... args) { return qmv_instance("THREADS", args...); };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
@@ -143,23 +164,7 @@ const CudaSource& qmv_source() {
 }
 
 const CudaSource& qmv_warp_source() {
-  using P = std::pair<std::string, std::string>;
-  // epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU (see vc_gemv::finish).
-  auto inst = [](const char* tx, const char* ts, const char* to, int bits, int group, int k, int n, int m, int rows,
-                 int warps, const char* tb = nullptr, int epi = 0) {
-    const char* bias_type = tb ? tb : ts;
-    const char* residual_type = epi == 1 ? to : ts;
-    return CudaInstance{
-        {tx, "uint32_t", ts, ts, bias_type, residual_type},
-        {to},
-        {P{"BITS", "int:" + std::to_string(bits)}, P{"GROUP", "int:" + std::to_string(group)},
-         P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
-         P{"ROWS", "int:" + std::to_string(rows)}, P{"WARPS", "int:" + std::to_string(warps)},
-         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", tb ? "bool:true" : "bool:false"},
-         P{"TX", std::string("type:") + tx}, P{"TS", std::string("type:") + ts},
-         P{"TB", std::string("type:") + bias_type}, P{"TR", std::string("type:") + residual_type},
-         P{"TO", std::string("type:") + to}}};
-  };
+  auto inst = [](auto... args) { return qmv_instance("WARPS", args...); };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
@@ -185,19 +190,7 @@ const CudaSource& qmv_warp_source() {
 }
 
 const CudaSource& dense_warp_source() {
-  using P = std::pair<std::string, std::string>;
-  auto inst = [](const char* tx, const char* tw, const char* tb, const char* to, int k, int n, int m, int rows,
-                 int warps, bool has_bias, int epi = 0) {
-    const char* residual_type = epi == 1 ? to : tw;
-    return CudaInstance{
-        {tx, tw, tb, residual_type},
-        {to},
-        {P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
-         P{"ROWS", "int:" + std::to_string(rows)}, P{"WARPS", "int:" + std::to_string(warps)},
-         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
-         P{"TX", std::string("type:") + tx}, P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb},
-         P{"TR", std::string("type:") + residual_type}, P{"TO", std::string("type:") + to}}};
-  };
+  auto inst = [](auto... args) { return dense_instance("WARPS", args...); };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
@@ -219,19 +212,7 @@ const CudaSource& dense_warp_source() {
 }
 
 const CudaSource& dense_source() {
-  using P = std::pair<std::string, std::string>;
-  auto inst = [](const char* tx, const char* tw, const char* tb, const char* to, int k, int n, int m, int rows,
-                 int threads, bool has_bias, int epi = 0) {
-    const char* residual_type = epi == 1 ? to : tw;
-    return CudaInstance{
-        {tx, tw, tb, residual_type},
-        {to},
-        {P{"K", "int:" + std::to_string(k)}, P{"N", "int:" + std::to_string(n)}, P{"M", "int:" + std::to_string(m)},
-         P{"ROWS", "int:" + std::to_string(rows)}, P{"THREADS", "int:" + std::to_string(threads)},
-         P{"EPI", "int:" + std::to_string(epi)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
-         P{"TX", std::string("type:") + tx}, P{"TW", std::string("type:") + tw}, P{"TB", std::string("type:") + tb},
-         P{"TR", std::string("type:") + residual_type}, P{"TO", std::string("type:") + to}}};
-  };
+  auto inst = [](auto... args) { return dense_instance("THREADS", args...); };
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({

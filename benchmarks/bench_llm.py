@@ -61,17 +61,24 @@ def _audio(lm: DuplexLM, length: int) -> mx.array:
     return a
 
 
-def test_llm_step(benchmark, lm):
+def _primed(lm: DuplexLM):
+    """A cache holding CONTEXT positions, the ids they ended with ([1, 1] int32 each) and the next
+    audio frame: every timed round steps from there."""
     audio = _audio(lm, CONTEXT + 1)
     pad = mx.full((1, CONTEXT), PAD, dtype=mx.int32)
     primed = lm.make_cache()
     out = lm.step(lm.fused_input(pad, audio[:, :CONTEXT], pad), primed)
     mx.eval(out, primed.state)
-    frame = audio[:, CONTEXT:]
+    text, function = out.text_ids[:, None].astype(mx.int32), out.function_ids[:, None].astype(mx.int32)
+    return primed, text, function, audio[:, CONTEXT:]
+
+
+def test_llm_step(benchmark, lm):
+    primed, text, function, frame = _primed(lm)
 
     def step():
         cache = primed.copy()  # every round steps from the same CONTEXT positions
-        res = lm.step(lm.fused_input(out.text_ids[:, None], frame, out.function_ids[:, None]), cache)
+        res = lm.step(lm.fused_input(text, frame, function), cache)
         mx.eval(res.text_ids, res.function_ids, cache.state)
         return res
 
@@ -84,13 +91,7 @@ def test_llm_step(benchmark, lm):
 
 def test_llm_decode_step(benchmark, lm):
     """The same step as one compiled graph (`DuplexLM.decode`, what the session runs)."""
-    audio = _audio(lm, CONTEXT + 1)
-    pad = mx.full((1, CONTEXT), PAD, dtype=mx.int32)
-    primed = lm.make_cache()
-    out = lm.step(lm.fused_input(pad, audio[:, :CONTEXT], pad), primed)
-    mx.eval(out, primed.state)
-    frame = audio[:, CONTEXT:]
-    text, function = out.text_ids[:, None].astype(mx.int32), out.function_ids[:, None].astype(mx.int32)
+    primed, text, function, frame = _primed(lm)
 
     def step():
         cache = primed.copy()

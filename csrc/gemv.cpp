@@ -43,21 +43,24 @@ struct Launch {
   int warps;    // 0: block layout (the block's threads split K); > 0: warp layout, warps per block
 };
 
-// The default layout: 0 = block; > 0 = warp layout with that many warps per block. Block for now:
-// the H200 LLM step evaluated in 6.4 ms with it and 7.0 ms with the warp layout (4 warps), in two
-// separate runs (within their noise); the launch sweep of bench_gemv.py is to decide.
+// The default layout: 0 = block; > 0 = warp layout with that many warps per block. Block: in the
+// H200 launch sweep (bench_gemv.py --sweep, float32 x, 2026-11-30) the warp layout won no 4-bit
+// LLM shape by more than the run-to-run noise (~10%), and lost most.
 constexpr int kWarpLayoutWarps = 0;
 
 // Block layout. Threads: enough to cover a row's 16-byte chunks in ceil(chunks / 256) steps, in
-// whole warps (K = 4480 at 4 bits: 140 chunks -> 160 threads, one step). Rows per block: 4 (each
-// chunk of x serves 4 weight rows), fewer when that would leave under ~4 blocks per SM.
+// whole warps (K = 4480 at 4 bits: 140 chunks -> 160 threads, one step). Rows per block: 8 (each
+// chunk of x loaded serves 8 weight rows: fewer instructions per weight byte), fewer when that
+// would leave under ~2 blocks per SM. Same sweep, 8 rows against 4: in_proj 22656x4480 1404 vs
+// 975 GB/s, 15680x4480 1065 vs 889, out_proj 4480x10240 748 vs 676, 5120x4480 497 vs 431; dense
+// 65536x1152 2538 vs 2309; 1024x4480 147 (2 rows) vs 95 (1 row, the old default).
 // Warp layout (`warps` > 0, or < 0 while kWarpLayoutWarps > 0): each warp takes `rows` rows alone,
 // 4 unless that would leave under ~8 warps per SM.
 Launch pick_launch(int chunks, int n, int rows_override, int threads_override, int warps_override) {
   if (warps_override < 0) {
     warps_override = kWarpLayoutWarps;
   }
-  Launch l{4, 0, warps_override};
+  Launch l{warps_override > 0 ? 4 : 8, 0, warps_override};
   if (l.warps > 0) {
     l.threads = 32 * l.warps;
     while (l.rows > 1 && (n + l.rows - 1) / l.rows < 8 * kSmCount) {
@@ -66,7 +69,7 @@ Launch pick_launch(int chunks, int n, int rows_override, int threads_override, i
   } else {
     const int steps = (chunks + 255) / 256;
     l.threads = 32 * ((chunks + 32 * steps - 1) / (32 * steps));
-    while (l.rows > 1 && (n + l.rows - 1) / l.rows < 4 * kSmCount) {
+    while (l.rows > 1 && (n + l.rows - 1) / l.rows < 2 * kSmCount) {
       l.rows /= 2;
     }
     if (threads_override > 0) {

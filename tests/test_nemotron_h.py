@@ -322,10 +322,15 @@ def test_prepare_casts_once_and_changes_nothing(tiny_checkpoint_q4):
     assert prepared.llm.norm_f.weight.dtype == mx.float32
     fused = timeline(raw, 5, seed=12)
     caches = raw.make_cache(), prepared.make_cache()
+    # Bit-identical on the CPU. On CUDA, MLX runs other quantized-matmul kernels for float32 than
+    # for bfloat16 scales, whose float32 sums round differently (seen on the H200: 7e-7).
+    same = np.testing.assert_array_equal if mx.default_device() == mx.cpu else \
+        (lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6))
     for t in range(5):
         a, b = raw.step(fused[:, t : t + 1], caches[0]), prepared.step(fused[:, t : t + 1], caches[1])
-        np.testing.assert_array_equal(np.array(a.text_logits), np.array(b.text_logits))
-        np.testing.assert_array_equal(np.array(a.function_logits), np.array(b.function_logits))
+        same(np.array(a.text_logits), np.array(b.text_logits))
+        same(np.array(a.function_logits), np.array(b.function_logits))
+        assert (a.text_ids.item(), a.function_ids.item()) == (b.text_ids.item(), b.function_ids.item())
     # No per-step casts of weights left in the layers and heads (bf16 scales would cast per call).
     mx.eval(fused, caches[1].state)
     out = prepared.step(fused[:, 4:5], caches[1])

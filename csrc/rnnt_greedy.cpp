@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -210,7 +211,7 @@ void expect(bool ok, const std::string& what) {
 
 mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const std::vector<mx::array>& lstm,
                       const mx::array& pred_w, const mx::array& pred_b, const mx::array& out_w,
-                      const mx::array& out_b, int blank_id, int max_symbols) {
+                      const mx::array& out_b, int blank_id, int max_symbols, mx::StreamOrDevice stream) {
   expect(enc_proj.ndim() == 2, "enc_proj must be [F, J]");
   expect(embed.ndim() == 2, "embed must be [V + 1, H]");
   expect(!lstm.empty() && lstm.size() % 3 == 0, "lstm must hold (Wx, Wh, bias) for each layer");
@@ -231,7 +232,14 @@ mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const s
   expect(blank_id >= 0 && blank_id < classes, "blank_id out of range");
   expect(max_symbols >= 1, "max_symbols must be >= 1");
 
+  // A caller's own CPU stream lets the loop run beside other work (its own worker thread).
   auto s = mx::default_stream(mx::Device::cpu);
+  if (std::holds_alternative<mx::Stream>(stream)) {
+    s = std::get<mx::Stream>(stream);
+  } else if (std::holds_alternative<mx::Device>(stream)) {
+    s = mx::default_stream(std::get<mx::Device>(stream));
+  }
+  expect(s.device == mx::Device::cpu, "the stream must be a CPU stream (the loop is sequential host code)");
   auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, s), false, s); };
   auto weight = [&](const mx::array& a) {
     const auto t = a.dtype();
@@ -253,10 +261,11 @@ mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const s
 
 void bind(py::module_& m) {
   m.def("rnnt_greedy", &rnnt_greedy, py::arg("enc_proj"), py::arg("embed"), py::arg("lstm"), py::arg("pred_w"),
-        py::arg("pred_b"), py::arg("out_w"), py::arg("out_b"), py::arg("blank_id"), py::arg("max_symbols"),
+        py::arg("pred_b"), py::arg("out_w"), py::arg("out_b"), py::arg("blank_id"), py::arg("max_symbols"), py::arg("stream") = py::none(),
         "Greedy RNNT decode of every frame: enc_proj [F, J] (the joint's encoder projection), embed [V+1, H], "
         "lstm = [Wx0, Wh0, b0, Wx1, ...], pred_w [J, H], pred_b [J], out_w [V+1, J], out_b [V+1] -> "
-        "[F, max_symbols] int32 tokens per frame, -1 padded. Runs on the CPU stream.");
+        "[F, max_symbols] int32 tokens per frame, -1 padded. Runs on `stream` (a CPU stream; default: the "
+        "default CPU stream).");
 }
 
 }  // namespace

@@ -52,6 +52,21 @@ def test_kernel_mixes_blanks_and_emissions():
     assert all((row[: n] >= 0).all() and (row[n:] == -1).all() for row, n in zip(out, per_frame))
 
 
+def test_a_stream_of_its_own_gives_the_same_table_beside_other_work():
+    args = _weights(90, 48, 56, VOCAB, mx.float32, seed=90, blank_bias=1.5)
+    expected = np.array(rnnt_greedy(*args, VOCAB, 10))
+    table = rnnt_greedy(*args, VOCAB, 10, stream=mx.new_stream(mx.cpu))
+    mx.async_eval(table)
+    busy = mx.random.normal((256, 256))
+    for _ in range(20):  # other work on the default stream meanwhile
+        busy = mx.tanh(busy @ busy.T / 256)
+    mx.eval(busy)
+    np.testing.assert_array_equal(np.array(table), expected)
+    if mx.is_available(mx.gpu):
+        with pytest.raises(ValueError, match="CPU stream"):
+            rnnt_greedy(*args, VOCAB, 10, stream=mx.new_stream(mx.gpu))
+
+
 def test_one_layer_and_full_width_float16():
     args = _weights(7, 64, 40, 24, mx.float16, seed=1, blank_bias=1.5, layers=1)
     np.testing.assert_array_equal(np.array(rnnt_greedy(*args, 24, 4)), np.array(rnnt_greedy_reference(*args, 24, 4)))

@@ -28,7 +28,8 @@ from .config import VoiceChatConfig
 from .kernels.gemv import on_cuda_gpu, use_gemv
 from .model import VoiceChatModel
 from .stt.conformer import subsampled_length
-from .stt.rnnt import greedy_decode
+from .kernels.rnnt_greedy import emitted_tokens
+from .stt.rnnt import greedy_table
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
@@ -80,6 +81,7 @@ class VoiceChat:
         self._prompt_codes: mx.array | None = None
         self._control_codes = np.array(self.tts.control_codes)
         self._silence_codes = np.array(self.tts.codec_silence_tokens)
+        self._transcript_stream = mx.new_stream(mx.cpu)
 
     # ------------------------------------------------------------------ helpers
 
@@ -163,6 +165,11 @@ class VoiceChat:
         mx.eval(audio_embeds, encoded)
         frames = int(lengths[0].item()) if lengths is not None else audio_embeds.shape[1]
         audio_embeds, encoded = audio_embeds[:, :frames], encoded[:, :frames]
+        # The transcript depends on nothing after the encoder: its sequential loop runs on a CPU
+        # stream of its own, beside the timeline, and is read back at the end.
+        transcript = greedy_table(encoded, self.stt.rnnt_decoder, self.stt.rnnt_joint, c.rnnt_blank_id,
+                                  c.audio_config.max_symbols, stream=self._transcript_stream)
+        mx.async_eval(transcript)
         lap("perception_s")
 
         tts = self.tts.tts_model
@@ -179,10 +186,8 @@ class VoiceChat:
         wave_out = self._decode_audio(codes)
         lap("codec_s")
 
-        transcript_ids = greedy_decode(encoded, self.stt.rnnt_decoder, self.stt.rnnt_joint, c.rnnt_blank_id,
-                                       c.audio_config.max_symbols)
-        user = decode_pieces(transcript_ids, self.rnnt_pieces)
-        lap("transcript_s")
+        user = decode_pieces(emitted_tokens(transcript), self.rnnt_pieces)
+        lap("transcript_s")  # only what is left of the transcript once the audio is done
 
         text_ids = text_ids[prompt_frames:]
         function_ids = function_ids[prompt_frames:]

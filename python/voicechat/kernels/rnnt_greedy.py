@@ -88,12 +88,16 @@ def rnnt_greedy(
     out_b: mx.array,
     blank_id: int,
     max_symbols: int,
+    stream: mx.Stream | None = None,
 ) -> mx.array:
-    """The C++ loop (always on the CPU stream: the loop is data-dependent and sequential)."""
+    """The C++ loop, on a CPU stream (the loop is data-dependent and sequential): `stream`, or
+    the default CPU stream. Lazy like any op: `mx.async_eval` of the result on a stream of its
+    own (`mx.new_stream(mx.cpu)`) runs the loop beside the GPU's work."""
     if use_reference():
         return rnnt_greedy_reference(enc_proj, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols)
     flat = [w for layer in lstm for w in layer]
-    return ext.rnnt_greedy(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id), int(max_symbols))
+    return ext.rnnt_greedy(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id), int(max_symbols),
+                           stream=stream)
 
 
 def emitted_tokens(table: mx.array) -> list[int]:

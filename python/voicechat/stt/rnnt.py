@@ -81,10 +81,12 @@ class RNNTJoint(nn.Module):
         return x
 
 
-def greedy_decode(
-    encoded: mx.array, decoder: RNNTDecoder, joint: RNNTJoint, blank_id: int, max_symbols: int
-) -> list[int]:
-    """Every non-blank id of the utterance (specials included), in emission order.
+def greedy_table(
+    encoded: mx.array, decoder: RNNTDecoder, joint: RNNTJoint, blank_id: int, max_symbols: int,
+    stream: mx.Stream | None = None,
+) -> mx.array:
+    """The greedy decode as a lazy `[F, max_symbols]` int32 table (tokens per frame, -1 padded;
+    `emitted_tokens` reads it). The loop runs on the CPU stream `stream` (default: the default one).
 
     `encoded` `[1, F, d_model]`. The joint's encoder projection of all frames is one matmul; the
     loop itself is one C++ call (VOICECHAT_REFERENCE=1 runs its pure-MLX reference instead).
@@ -93,9 +95,15 @@ def greedy_decode(
         raise ValueError(f"encoded must be [1, F, d_model], got {tuple(encoded.shape)}")
     enc_proj = joint.enc(encoded[0].astype(mx.float32)).astype(mx.float32)
     out = joint.joint_net[2]
-    table = rnnt_greedy(enc_proj, decoder.prediction.embed.weight, decoder.lstm_weights(), joint.pred.weight,
-                        joint.pred.bias, out.weight, out.bias, blank_id, max_symbols)
-    return emitted_tokens(table)
+    return rnnt_greedy(enc_proj, decoder.prediction.embed.weight, decoder.lstm_weights(), joint.pred.weight,
+                       joint.pred.bias, out.weight, out.bias, blank_id, max_symbols, stream=stream)
+
+
+def greedy_decode(
+    encoded: mx.array, decoder: RNNTDecoder, joint: RNNTJoint, blank_id: int, max_symbols: int
+) -> list[int]:
+    """Every non-blank id of the utterance (specials included), in emission order."""
+    return emitted_tokens(greedy_table(encoded, decoder, joint, blank_id, max_symbols))
 
 
 def greedy_decode_reference(

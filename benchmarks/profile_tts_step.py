@@ -1,0 +1,169 @@
+"""Where an EAR-TTS frame's time goes: the backbone step, one MoG call, the 8-iteration code
+generation and the whole step, each compiled, waited for (sync) and as a pipelined chain.
+
+    PYTHONPATH=python python benchmarks/profile_tts_step.py [--size full] [--json out.json]
+
+Full size: random bf16 weights at the published shapes, our GEMVs swapped in on a CUDA GPU as
+`voicechat.load` does (`--no-gemv`: MLX's matmuls). The vocabulary is cut to 2048 ids there: it
+only sizes the conditioning table (a row gather per step), and encoding all 131072 subwords is
+load-time work that would cost this script minutes of kernel compiles. Also prints the
+primitives each compiled graph runs (`opcount`). A measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
+from voicechat.llm.opcount import count_ops, kernel_count
+from voicechat.tokenizer import TextTokenizer
+from voicechat.tts.ear_tts import EarTTS
+
+PROMPT_FRAMES = 37
+FULL_VOCAB_FOR_PROFILE = 2048
+
+
+def _tts(size: str, gemv: bool):
+    from bench_tts import _random_weights
+
+    from voicechat.checkpoint import open_checkpoint
+    from voicechat.config import VoiceChatConfig
+    from voicechat.testing import build_tokenizer, make_checkpoint
+
+    if size == "full":
+        cfg = VoiceChatConfig()
+        tts = EarTTS(cfg.tts_config, FULL_VOCAB_FOR_PROFILE)
+        _random_weights(tts, mx.bfloat16)
+        path = Path(tempfile.mkdtemp()) / "tokenizer.json"
+        build_tokenizer(FULL_VOCAB_FOR_PROFILE).save(str(path))
+        tokenizer_path = path
+        aria = mx.random.normal((1, PROMPT_FRAMES, cfg.tts_config.hidden_size)).astype(mx.bfloat16)
+    else:
+        directory = make_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny")
+        ckpt = open_checkpoint(directory)
+        cfg = ckpt.config
+        tts = EarTTS(cfg.tts_config, cfg.text_config.vocab_size)
+        ckpt.load_into(tts, "tts_model.tts_model.")
+        tokenizer_path = directory / "tokenizer.json"
+        aria = ckpt.tensors["tts_model.audio_prompt_latents.Aria"]
+    if gemv and on_cuda_gpu():
+        use_gemv(tts.backbone)
+        use_gemv(tts.mog_head)
+    tts.set_tokenizer(TextTokenizer(tokenizer_path))
+    tts.prepare()
+    cache = tts.make_cache()
+    prompt = mx.zeros((1, PROMPT_FRAMES, tts.cfg.num_quantizers), mx.int32)
+    previous = tts.warmup(aria, prompt, cache)
+    mx.eval(previous, cache.keys, cache.values)
+    return tts, cache, previous
+
+
+def _stats(samples: list[float]) -> dict:
+    return {"min_ms": 1e3 * min(samples), "median_ms": 1e3 * statistics.median(samples), "rounds": len(samples)}
+
+
+def _time(run, rounds: int) -> dict:
+    """run() builds one lazy result; each round evaluates it and waits."""
+    samples = []
+    for _ in range(rounds + 3):
+        t0 = time.perf_counter()
+        mx.eval(run())
+        samples.append(time.perf_counter() - t0)
+    return _stats(samples[3:])
+
+
+def _chain(step, first, length: int) -> dict:
+    """`step(prev) -> next`, queued `length` times with async_eval: ms per link, steady state."""
+    per = []
+    for _ in range(3):
+        x = first
+        mx.eval(x)
+        t0 = time.perf_counter()
+        for _ in range(length):
+            x = step(x)
+            mx.async_eval(x)
+        mx.eval(x)
+        per.append((time.perf_counter() - t0) / length)
+    return _stats(per)
+
+
+def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
+    cfg = tts.cfg
+    h = cfg.hidden_size
+    hidden = mx.random.normal((2, 1, h), key=mx.random.key(1))
+    silence = mx.zeros((cfg.num_quantizers,), mx.int32)
+    mx.eval(hidden)
+    out = {}
+
+    backbone = mx.compile(tts.backbone.step_arrays)
+    cache.reserve(cache.offset + 1, 2)
+    offset = mx.array(cache.offset, mx.int32)
+
+    def backbone_once():
+        return backbone(hidden, offset, cache.keys, cache.values)
+
+    out["backbone"] = _time(backbone_once, rounds)
+    out["backbone"]["ops"] = kernel_count(count_ops(backbone_once()))
+
+    mog = mx.compile(lambda x, u: tts.mog_head.infer(x, cfg.guidance_scale, cfg.top_p, u))
+    u = mx.random.uniform(shape=(1, 1, tts.mog_head.num_predictions), key=mx.random.key(2))
+    out["mog_infer"] = _time(lambda: mog(hidden, u), rounds)
+    out["mog_infer"]["ops"] = kernel_count(count_ops(mog(hidden, u)))
+
+    generate = mx.compile(tts.generate_codes)
+    out["generate_codes"] = _time(lambda: generate(hidden, mx.random.key(3)), rounds)
+    out["generate_codes"]["ops"] = kernel_count(count_ops(generate(hidden, mx.random.key(3))))
+    # Each link takes the previous key, and the codes are evaluated too (else only the keys would be).
+    out["generate_codes_chain"] = _chain(lambda codes_key: generate(hidden, codes_key[1]),
+                                         (previous, mx.random.key(4)), chain)
+
+    state = {"previous": previous, "key": mx.random.key(0)}
+    text = mx.array([100 % tts.vocab_size], mx.int32)
+
+    def whole_step():
+        # Same position every round (the cache offset is put back): a steady-state frame.
+        start = cache.offset
+        codes, key = tts.step(state["previous"], text, cache, state["key"], silence)
+        cache.offset = start
+        return codes, key
+
+    out["step"] = _time(whole_step, rounds)
+    out["step"]["ops"] = kernel_count(count_ops(*whole_step()))
+
+    def linked(prev_and_key):
+        codes, key = tts.step(prev_and_key[0], text, cache, prev_and_key[1], silence)
+        return codes, key
+
+    out["step_chain"] = _chain(linked, (previous, mx.random.key(5)), chain)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    parser.add_argument("--no-gemv", action="store_true", help="MLX's matmuls, not our GEMV kernels")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--chain", type=int, default=30, help="steps per pipelined chain")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    tts, cache, previous = _tts(args.size, gemv=not args.no_gemv)
+    results = {"size": args.size, "device": str(mx.default_device()), "gemv": on_cuda_gpu() and not args.no_gemv,
+               **profile(tts, cache, previous, args.rounds, args.chain)}
+    for part, s in results.items():
+        if isinstance(s, dict):
+            ops = f"  {s['ops']} ops" if "ops" in s else ""
+            print(f"{part:>22}: min {s['min_ms']:7.2f} ms  median {s['median_ms']:7.2f} ms{ops}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,6 +25,9 @@ from .layers import GatedMLP, OffsetRMSNorm
 
 # Character positions per batch when tabulating the whole vocabulary (bounds peak memory).
 _TABLE_BATCH_CHARS = 1 << 13
+# Padded widths of the table's batches: every batch of one bucket has the same shape, so a GPU
+# compiles the encoder's kernels for a handful of shapes, not for every word length.
+_TABLE_WIDTHS = (4, 8, 16, 32)
 
 
 class CharVocabularyError(ValueError):
@@ -211,9 +214,9 @@ class CharAwareSubwordEncoder(nn.Module):
         """The subword-flag and BOS/EOS embeddings of `ids` ([..., hidden], float32)."""
         return self.subword_flag_emb(ids) + self.bos_eos_emb(ids)
 
-    def _padded(self, ids: Sequence[int]) -> tuple[mx.array, mx.array]:
+    def _padded(self, ids: Sequence[int], width: int = 0) -> tuple[mx.array, mx.array]:
         seqs = [self.char_ids(int(i)) for i in ids]
-        width = max([len(s) for s in seqs] + [1])
+        width = max([len(s) for s in seqs] + [1, width])
         out = np.full((len(seqs), width), self.char_pad, np.int32)
         for row, s in enumerate(seqs):
             out[row, : len(s)] = s
@@ -238,17 +241,20 @@ class CharAwareSubwordEncoder(nn.Module):
         row for ids outside the vocabulary (pad flags, no characters)."""
         if self._chars is None:
             raise RuntimeError("the TTS char encoder has no vocabulary yet: call set_tokenizer(tokenizer)")
-        by_length: dict[int, list[int]] = {}
+        by_width: dict[int, list[int]] = {}
         for i in range(self.vocab_size):
-            if self._chars[i]:
-                by_length.setdefault(len(self._chars[i]), []).append(i)
+            if n := len(self._chars[i]):
+                width = next((w for w in _TABLE_WIDTHS if n <= w), -(-n // 64) * 64)
+                by_width.setdefault(width, []).append(i)
         table = mx.zeros((self.vocab_size + 1, self.hidden_size), mx.float32)
-        # Same-length batches need no padding; each is evaluated before the next is built.
-        for width, members in sorted(by_length.items()):
-            count = max(1, _TABLE_BATCH_CHARS // width)
+        # Batches of one bucket share a shape: the last is filled up with repeats of its first id
+        # (written twice, the same value). Each is evaluated before the next is built.
+        for width, members in sorted(by_width.items()):
+            count = min(len(members), max(1, _TABLE_BATCH_CHARS // width))
             for start in range(0, len(members), count):
                 batch = members[start : start + count]
-                chars, lengths = self._padded(batch)
+                batch += batch[:1] * (count - len(batch))
+                chars, lengths = self._padded(batch, width)
                 table[mx.array(batch)] = self.encode_chars(chars, lengths)
                 mx.eval(table)
         table = table + self.flags(mx.arange(self.vocab_size + 1, dtype=mx.int32))

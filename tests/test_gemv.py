@@ -22,6 +22,7 @@ from voicechat.kernels.gemv import (
     dense_matvec_reference,
     on_cuda_gpu,
     quantized_matvec,
+    stack_linears,
     quantized_matvec_reference,
     two_head_argmax,
     two_head_argmax_reference,
@@ -450,3 +451,42 @@ def test_the_kernels_run_on_cuda():
         ext.quantized_matvec(mx.zeros((1, 128)), w, s, b, rows_per_block=3)
     with pytest.raises(ValueError, match="rows_per_block"):
         ext.dense_matvec(mx.zeros((2, 128)), mx.zeros((4, 128)), rows_per_block=3)
+
+
+# --------------------------------------------------------------------------- stacked layers
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_stacked_linears_give_each_layers_output(dtype, bias, rows):
+    layers = [nn.Linear(96, n, bias=bias) for n in (64, 16, 40)]
+    for layer in layers:
+        layer.set_dtype(dtype)
+    x = mx.random.normal((rows, 96), key=mx.random.key(rows))
+    expected = [layer(x) for layer in layers]
+    mx.eval(expected)
+    stacked = stack_linears(layers)
+    assert type(stacked) is nn.Linear and stacked.weight.shape == (120, 96)
+    parts = mx.split(stacked(x), [64, 80], axis=-1)
+    for part, layer, want in zip(parts, layers, expected):
+        np.testing.assert_allclose(np.array(part.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.array(layer(x).astype(mx.float32)), np.array(want.astype(mx.float32)))
+
+
+def test_stacked_linears_keep_their_class_and_cost_no_memory():
+    mx.clear_cache()
+    layers = [use_gemv(nn.Linear(512, 512, bias=False)) for _ in range(3)]
+    mx.eval([layer.parameters() for layer in layers])
+    before = mx.get_active_memory()
+    stacked = stack_linears(layers)
+    assert type(stacked) is GemvLinear
+    grown = mx.get_active_memory() - before
+    assert grown < 512 * 512 * 4  # one stack replaces three weights (it would be 3x that with copies)
+    with pytest.raises(TypeError):
+        stack_linears([nn.Linear(8, 8), nn.Linear(8, 8, bias=False)])
+    with pytest.raises(TypeError):
+        stack_linears([nn.Linear(8, 8), use_gemv(nn.Linear(8, 8))])
+    with pytest.raises(ValueError, match="input width"):
+        stack_linears([nn.Linear(8, 8), nn.Linear(16, 8)])

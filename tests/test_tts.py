@@ -233,6 +233,30 @@ def test_compiled_step_gives_the_same_codes(tiny_checkpoint, tiny):
     assert mx.array_equal(run_session(compiled, ckpt, 3, TEXT), run_session(tts, ckpt, 3, TEXT)).item()
 
 
+def test_stacked_projections_give_the_codes_of_separate_ones(tiny_checkpoint, tiny):
+    tts, ckpt = tiny  # stacked (the default)
+    tts.prepare()
+    assert tts.backbone.layers[0].self_attn._qkv is not None and tts.mog_head._heads is not None
+    separate = EarTTS(ckpt.config.tts_config, ckpt.config.text_config.vocab_size, compile=False,
+                      stack_projections=False)
+    ckpt.load_into(separate, PREFIX)
+    separate.set_tokenizer(TextTokenizer(tiny_checkpoint / "tokenizer.json"))
+    separate.prepare()
+    assert separate.backbone.layers[0].self_attn._qkv is None and separate.mog_head._heads is None
+    ids = [5, 40, 12, 2, 77, 300, 11, 9]
+    np.testing.assert_array_equal(np.array(run_session(tts, ckpt, 4, ids)), np.array(run_session(separate, ckpt, 4, ids)))
+    # The stack and the layers it was made of read one buffer: the step's inputs are the same numbers.
+    x = mx.random.normal((2, 1, tts.cfg.hidden_size), key=mx.random.key(3))
+    attn, mlp = tts.backbone.layers[1].self_attn, tts.mog_head.mlp_stack[0].mlp
+    q, k, v = mx.split(attn._qkv(x), [attn.q_proj.weight.shape[0], 2 * attn.q_proj.weight.shape[0]], axis=-1)
+    np.testing.assert_allclose(np.array(q), np.array(attn.q_proj(x)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(v), np.array(attn.v_proj(x)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(mlp(x)), np.array(separate.mog_head.mlp_stack[0].mlp(x)), rtol=1e-6, atol=1e-6)
+    # Loading new weights drops the stacks (they would hold the old ones).
+    tts.update(tts.parameters())
+    assert tts.backbone.layers[0].self_attn._qkv is None
+
+
 def test_eos_replaces_the_previous_code_by_silence(tiny):
     tts, ckpt = tiny
     aria = ckpt.tensors["tts_model.audio_prompt_latents.Aria"]

@@ -18,7 +18,8 @@ which are also the `_reference` twins.
   `residual=r` (`y + r`, a residual stream of the output's shape).
 - `GemvQuantizedLinear` / `GemvLinear`: drop-in layers using the kernels for <= 2 rows on a CUDA
   GPU; `use_gemv(model)` swaps them in for every `nn.QuantizedLinear` / `nn.Linear`;
-  `linear(layer, x, residual=..., squared_relu=...)` applies any layer with an epilogue.
+  `linear(layer, x, residual=..., squared_relu=...)` applies any layer with an epilogue;
+  `stack_linears(layers)` makes one layer of several over the same input (one launch).
 """
 
 from __future__ import annotations
@@ -177,6 +178,32 @@ def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool =
     if isinstance(layer, (GemvQuantizedLinear, GemvLinear)):
         return layer(x, residual=residual, squared_relu=squared_relu)
     return _epilogue(layer(x), residual, squared_relu)
+
+
+def stack_linears(layers) -> nn.Linear:
+    """One dense layer whose output is the concatenation of `layers`' outputs over the same
+    input: one launch instead of `len(layers)`. `nn.Linear` or `GemvLinear` layers of one class,
+    all with or all without bias; the result has that class. The given layers keep working: their
+    arrays become views of the stacked ones (row ranges of one buffer), so stacking costs no memory."""
+    first = layers[0]
+    kind, has_bias = type(first), "bias" in first
+    if kind not in (nn.Linear, GemvLinear) or any(type(l) is not kind or ("bias" in l) != has_bias for l in layers):
+        raise TypeError("stack_linears: dense layers of one class (nn.Linear or GemvLinear), all with or without bias")
+    if len({l.weight.shape[1] for l in layers}) != 1:
+        raise ValueError("stack_linears: the layers must share their input width")
+    stacked = _same_arrays(kind, first)
+    names = ("weight", "bias") if has_bias else ("weight",)
+    for name in names:
+        stacked[name] = mx.concatenate([l[name] for l in layers])
+    mx.eval(stacked.parameters())
+    start = 0
+    for l in layers:
+        n = l.weight.shape[0]
+        for name in names:
+            l[name] = stacked[name][start : start + n]
+        start += n
+        mx.eval(l.parameters())
+    return stacked
 
 
 def _swap(layer):

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TTSConfig
+from ..kernels.gemv import stack_linears
 from .layers import GatedMLP, OffsetRMSNorm
 
 DEFAULT_CHUNK = 256  # cache slots added at a time (20 s of frames)
@@ -52,13 +53,25 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=False)
         self.q_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(d, cfg.rms_norm_eps)
+        self._qkv = None  # q, k and v as one layer (`stack()`); not in the key tree
+
+    def stack(self) -> None:
+        self._qkv = stack_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def unstack(self) -> None:
+        self._qkv = None
 
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as [B, heads, T, head_dim] (float32), RoPE at positions offset.. ."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self._qkv is not None:
+            q_width = self.n_heads * self.head_dim
+            q, k, v = mx.split(self._qkv(x), [q_width, q_width + self.n_kv_heads * self.head_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = self.q_norm(q.reshape(b, t, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        k = self.k_norm(k.reshape(b, t, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
         return q, k, v.astype(mx.float32)

@@ -15,7 +15,9 @@ from end to end (EOS check, char-table row, fusion, backbone, 5 MoG calls, RVQ) 
 graph; its randomness comes only from the explicit key. Call `prepare()` at load time (char
 table, norm scales, RVQ norms) so the first frame does not pay for it. With bf16 weights,
 `tts.set_dtype(mx.float32)` after loading removes the per-call weight cast of every matmul (same
-codes, tested; twice the memory).
+codes, tested; twice the memory). `prepare()` also stacks the projections that share an input
+(q/k/v, gate/up, the MoG's logits/log-std/rest) into one layer each (`stack_projections=False`: separate),
+so a frame launches fewer kernels; swap in the GEMV layers (`use_gemv`) before it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import mlx.nn as nn
 from ..config import ConfigError, TTSConfig
 from .backbone import DEFAULT_CHUNK, Backbone, BackboneCache
 from .char_encoder import CharAwareSubwordEncoder
-from .layers import OffsetRMSNorm, prepare_norms, unprepare_norms
+from .layers import OffsetRMSNorm, prepare_norms, stack_projections, unprepare_norms, unstack_projections
 from .mog_head import MoGHead
 
 from ..kernels.rvq import codebook_norms, rvq_search
@@ -59,7 +61,7 @@ class EarTTS(nn.Module):
     """The RVQ EAR-TTS model; attribute names are the checkpoint keys below `tts_model.tts_model.`."""
 
     def __init__(self, cfg: TTSConfig, vocab_size: int, eos_id: int = EOS_ID, pad_id: int = PAD_ID,
-                 compile: bool = True):
+                 compile: bool = True, stack_projections: bool = True):
         super().__init__()
         for flag in ("use_gated_fusion_for_text_audio", "use_subword_flag_emb", "use_bos_eos_emb"):
             if not getattr(cfg, flag):
@@ -67,6 +69,8 @@ class EarTTS(nn.Module):
         self.cfg = cfg
         self.vocab_size, self.eos_id, self.pad_id = vocab_size, eos_id, pad_id
         self.compile = compile
+        # q/k/v, gate/up and the MoG's three projections as one layer each (fewer launches a frame)
+        self.stacks_projections = stack_projections
         h = cfg.hidden_size
         self.backbone = Backbone(cfg)
         self.bos_emb = mx.zeros((h,))
@@ -95,6 +99,7 @@ class EarTTS(nn.Module):
         self._char_table = None
         self._step_fn = None
         unprepare_norms(self)
+        unstack_projections(self)
 
     def set_tokenizer(self, tokenizer) -> None:
         """Build the char vocabulary and the subword -> chars map (`TextTokenizer`); the
@@ -107,6 +112,9 @@ class EarTTS(nn.Module):
         if self._weights_ready:
             return
         prepare_norms(self)
+        if self.stacks_projections:  # the per-frame networks only (the char encoder runs at load time)
+            stack_projections(self.backbone)
+            stack_projections(self.mog_head)
         q, k, d = self.rvq_embs.shape
         # One zero row per codebook: index K (mask) contributes nothing to a depth sum.
         padded = mx.concatenate([self.rvq_embs, mx.zeros((q, 1, d), self.rvq_embs.dtype)], axis=1)

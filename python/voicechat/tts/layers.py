@@ -5,6 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.gemv import stack_linears
+
 
 class OffsetRMSNorm(nn.Module):
     """Gemma's RMSNorm: `x / rms(x) * (1 + weight)`, computed in float32.
@@ -31,16 +33,43 @@ class OffsetRMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """`down(gelu_tanh(gate(x)) * up(x))`, no biases."""
+    """`down(gelu_tanh(gate(x)) * up(x))`, no biases.
+
+    `stack()` (at load time) runs gate and up as one layer of both (one launch, not two)."""
 
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._gate_up = None  # underscore: not a parameter, not in the checkpoint's key tree
+
+    def stack(self) -> None:
+        self._gate_up = stack_linears([self.gate_proj, self.up_proj])
+
+    def unstack(self) -> None:
+        self._gate_up = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is not None:
+            gate, up = mx.split(self._gate_up(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.gelu_approx(gate) * up)
+
+
+def stack_projections(module: nn.Module) -> None:
+    """Stack the projections that share an input (`stack()`) in every module below `module` that
+    has them (call after loading weights, and after `use_gemv`)."""
+    for _, m in module.named_modules():
+        if hasattr(m, "stack"):
+            m.stack()
+
+
+def unstack_projections(module: nn.Module) -> None:
+    for _, m in module.named_modules():
+        if hasattr(m, "unstack"):
+            m.unstack()
 
 
 def prepare_norms(module: nn.Module) -> None:

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import MogHeadConfig
+from ..kernels.gemv import stack_linears
 from .layers import GatedMLP, OffsetRMSNorm
 
 GUMBEL_EPS = 1e-8
@@ -59,6 +60,20 @@ class MoGHead(nn.Module):
         self.proj_logs = nn.Linear(hidden, 1, bias=False)
         self.proj_else = nn.Linear(hidden, latent, bias=False)
         self.low_mat = mx.zeros((cfg.num_predictions, latent, cfg.low_rank))
+        self._heads = None  # proj_logits, proj_logs and proj_else as one layer (`stack()`)
+
+    def stack(self) -> None:
+        self._heads = stack_linears([self.proj_logits, self.proj_logs, self.proj_else])
+
+    def unstack(self) -> None:
+        self._heads = None
+
+    def projections(self, h: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(proj_logits(h), proj_logs(h), proj_else(h)): one launch once stacked."""
+        if self._heads is None:
+            return self.proj_logits(h), self.proj_logs(h), self.proj_else(h)
+        n = self.num_predictions
+        return tuple(mx.split(self._heads(h), [n, n + 1], axis=-1))
 
     def trunk(self, x: mx.array) -> mx.array:
         x = x.astype(mx.float32)
@@ -73,13 +88,13 @@ class MoGHead(nn.Module):
         h = self.trunk(x)
         cond, uncond = h[:1], h[1:]
         h = cond + guidance_scale * (cond - uncond)
-        logits = self.proj_logits(h)
+        logits, log_std, rest = self.projections(h)
         logits = mx.where(top_p_keep(logits, top_p), logits, -mx.inf)
         log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         component = mx.argmax(log_probs + gumbel(u), axis=-1)  # [1, T]
         mu = self.component_mean(h, component)
-        logs = mx.maximum(self.proj_logs(h), self.min_log_std)
-        return mu * mx.exp(logs) + self.proj_else(h), logs
+        logs = mx.maximum(log_std, self.min_log_std)
+        return mu * mx.exp(logs) + rest, logs
 
     def component_mean(self, h: mx.array, component: mx.array) -> mx.array:
         """`low_mat[c] @ (proj_mus.weight.reshape(n, r, hidden)[c] @ h)`, only the chosen rows."""

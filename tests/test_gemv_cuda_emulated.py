@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from voicechat.kernels import ext
+from voicechat.kernels.add_rms_norm import add_rms_norm_reference
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
 from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 
@@ -254,6 +255,20 @@ def gated_norm_case(rows, c, groups, width, offset, dtype=mx.float32):
     return case, ref
 
 
+def add_norm_case(rows, c, y_dtype=mx.float32):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(rows + c), 4)
+    h = mx.random.normal((rows, c), key=k1)
+    y = (3.0 * mx.random.normal((rows, c), key=k2)).astype(y_dtype)
+    post = 1.0 + 0.1 * mx.random.normal((c,), key=k3)
+    pre = 1.0 + 0.1 * mx.random.normal((c,), key=k4)
+    args = dict(C=c, THREADS=256, TH=mx.float32, TY=y_dtype, TW=mx.float32, TO=mx.float32)
+    case = Case("vc_add_rms_norm", args, [h, y, post, pre, mx.array([1e-6], mx.float32)],
+                [("float", (rows, c)), ("float", (rows, c))], rows, 256)
+    with mx.stream(mx.cpu):
+        ref = add_rms_norm_reference(h, y.astype(mx.float32), post, pre, 1e-6)
+    return case, ref
+
+
 def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
     k1, k2, k3, k4 = mx.random.split(mx.random.key(c + length), 4)
     state = mx.random.normal((b, k - 1, c), key=k1)
@@ -305,6 +320,10 @@ def emulated(tmp_path_factory):
         "gated_norm_mixer": gated_norm_case(2, 10240, 8, 22656, 0),
         "gated_norm_small": gated_norm_case(3, 96, 2, 300, 4),
         "gated_norm_bf16": gated_norm_case(2, 10240, 8, 22656, 0, mx.bfloat16),
+        # the sandwich-norm seam: the TTS width (CFG batch), a bfloat16 branch, a width below a block
+        "add_norm_tts": add_norm_case(2, 1152),
+        "add_norm_bf16_y": add_norm_case(3, 1152, mx.bfloat16),
+        "add_norm_small": add_norm_case(1, 100),
         # the causal conv + SiLU: a step and a prefix longer than the kernel, bfloat16 input
         "conv_step": conv_case(1, 1, 300, 4, 700, 256),
         "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
@@ -349,6 +368,15 @@ def test_causal_conv_kernel_emulated(emulated, name):
     y_ref, state_ref = refs[name]
     np.testing.assert_allclose(y, np.array(y_ref), rtol=2e-6, atol=2e-6)
     np.testing.assert_array_equal(state, np.array(state_ref))
+
+
+@pytest.mark.parametrize("name", ["add_norm_tts", "add_norm_bf16_y", "add_norm_small"])
+def test_add_rms_norm_kernel_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    h, z = run(exe, name, cases[name], tmp)
+    h_ref, z_ref = refs[name]
+    for got, want in ((h, np.array(h_ref)), (z, np.array(z_ref))):  # sums that cancel: atol by scale
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])

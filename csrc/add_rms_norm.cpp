@@ -1,0 +1,147 @@
+// Gemma's sandwich-norm seam in one launch:
+//
+//   h'  = h + rms_norm(y) * post          (the branch output, normed, added to the residual stream)
+//   z   = rms_norm(h') * pre              (the next sublayer's input norm)
+//
+// rms_norm(x) = x / sqrt(mean(x^2) + eps). The EAR-TTS backbone meets it twice a layer and its MoG
+// head three times a call: composed, each is two of MLX's rms_norm and an add. One block per row
+// does both norms here. CUDA through fast::cuda_kernel; everywhere else MLX ops (also the
+// reference: voicechat.kernels.add_rms_norm).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "cuda_sources.h"
+#include "mlx/fast.h"
+#include "mlx/mlx.h"
+#include "mlx_caster.h"
+#include "registry.h"
+
+namespace py = pybind11;
+namespace mx = mlx::core;
+
+namespace voicechat {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Template args: C (channels), THREADS, TH, TY, TW (post / pre), TO.
+constexpr const char* kHeader = R"(
+// Sum of v over the block; every thread gets it. `scratch` holds THREADS / 32 floats and is free
+// again when this returns.
+template <int THREADS>
+__device__ float vc_block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) {
+    scratch[threadIdx.x >> 5] = v;
+  }
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+)";
+
+constexpr const char* kSource = R"(
+  constexpr int PER = (C + THREADS - 1) / THREADS;
+  __shared__ float scratch[THREADS / 32];
+  const size_t base = static_cast<size_t>(blockIdx.x) * C;
+  const float e = eps[0];
+  float v[PER];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    v[i] = c < C ? static_cast<float>(y[base + c]) : 0.0f;
+    ss += v[i] * v[i];
+  }
+  const float r_post = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
+  ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    if (c < C) {
+      v[i] = static_cast<float>(h[base + c]) + v[i] * r_post * static_cast<float>(post[c]);
+      h_out[base + c] = static_cast<TO>(v[i]);
+    } else {
+      v[i] = 0.0f;
+    }
+    ss += v[i] * v[i];
+  }
+  const float r_pre = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    if (c < C) {
+      z_out[base + c] = static_cast<TO>(v[i] * r_pre * static_cast<float>(pre[c]));
+    }
+  }
+)";
+
+const CudaSource& source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int c, const std::string& t) {
+    return CudaInstance{{"float", t, "float", "float", "float"},
+                        {"float", "float"},
+                        {P{"C", "int:" + std::to_string(c)}, P{"THREADS", "int:" + std::to_string(kThreads)},
+                         P{"TH", "type:float"}, P{"TY", "type:" + t}, P{"TW", "type:float"}, P{"TO", "type:float"}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_add_rms_norm",
+      {"h", "y", "post", "pre", "eps"},
+      {"h_out", "z_out"},
+      kSource,
+      kHeader,
+      // the TTS width (float32 as it runs; a bfloat16 branch too); a small odd one
+      {inst(1152, "float"), inst(1152, "__nv_bfloat16"), inst(100, "float")},
+  });
+  return src;
+}
+
+bool float_type(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
+
+std::tuple<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& y, const mx::array& post,
+                                              const mx::array& pre, float eps, mx::StreamOrDevice s_) {
+  if (h.ndim() < 1 || h.shape() != y.shape()) {
+    throw std::invalid_argument("add_rms_norm: h and y must have one shape [..., C]");
+  }
+  const int c = h.shape(-1);
+  if (post.shape() != mx::Shape{c} || pre.shape() != mx::Shape{c}) {
+    throw std::invalid_argument("add_rms_norm: post and pre must be [C] with C = " + std::to_string(c));
+  }
+  auto s = mx::to_stream(s_);
+  const int rows = static_cast<int>(h.size() / c);
+  const bool kernel_path = gpu_stream(s) && cuda_build() && rows > 0 && h.dtype() == mx::float32 &&
+                           float_type(y.dtype()) && post.dtype() == mx::float32 && pre.dtype() == mx::float32;
+  if (!kernel_path) {
+    auto out = mx::add(h, mx::fast::rms_norm(y, post, eps, s), s);
+    return {out, mx::fast::rms_norm(out, pre, eps, s)};
+  }
+  static auto kernel = mx::fast::cuda_kernel(source().name, source().input_names, source().output_names,
+                                             source().source, source().header);
+  auto outs = kernel({mx::reshape(h, {rows, c}, s), mx::reshape(y, {rows, c}, s), post, pre,
+                      mx::array(eps, mx::float32)},
+                     {{rows, c}, {rows, c}}, {mx::float32, mx::float32}, {rows * kThreads, 1, 1}, {kThreads, 1, 1},
+                     {{"C", c}, {"THREADS", kThreads}, {"TH", h.dtype()}, {"TY", y.dtype()}, {"TW", post.dtype()},
+                      {"TO", mx::float32}},
+                     std::nullopt, false, s);
+  return {mx::reshape(outs[0], h.shape(), s), mx::reshape(outs[1], h.shape(), s)};
+}
+
+void bind(py::module_& m) {
+  source();  // registered at import, so the compile checks see it
+  m.def("add_rms_norm", &add_rms_norm, py::arg("h"), py::arg("y"), py::arg("post"), py::arg("pre"), py::arg("eps"),
+        py::arg("stream") = py::none(),
+        "(h + rms_norm(y) * post, rms_norm(that) * pre) over the last axis: one CUDA launch (float32 h, "
+        "post and pre; y of a float type) on a CUDA stream, MLX ops elsewhere.");
+}
+
+}  // namespace
+VC_REGISTER(bind);
+}  // namespace voicechat

@@ -1,0 +1,35 @@
+"""Gemma's sandwich-norm seam: the C++ / CUDA kernel and its pure-MLX reference.
+
+    h' = h + rms_norm(y) * post
+    z  = rms_norm(h') * pre
+
+`y` is a sublayer's output, `post` its post-norm scale, `pre` the next sublayer's input-norm scale
+(offset norms pass their `1 + weight`). Returns `(h', z)`. On a CUDA GPU one launch (float32 `h`,
+`post`, `pre`); elsewhere the reference runs (a compiled chain around MLX's rms_norm: the same
+ops as the separate norms and the add).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ._native import ext, use_reference
+from .gemv import on_cuda_gpu
+
+
+@mx.compile
+def _add_norm(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    h = h + mx.fast.rms_norm(y, post, eps)
+    return h, mx.fast.rms_norm(h, pre, eps)
+
+
+def add_rms_norm_reference(h: mx.array, y: mx.array, post: mx.array, pre: mx.array,
+                           eps: float) -> tuple[mx.array, mx.array]:
+    return _add_norm(h, y, post, pre, eps)
+
+
+def add_rms_norm(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """h, y [..., C]; post, pre [C]. `(h + rms_norm(y) * post, rms_norm(h + ...) * pre)`."""
+    if use_reference() or not on_cuda_gpu():
+        return add_rms_norm_reference(h, y, post, pre, eps)
+    return tuple(ext.add_rms_norm(h, y, post, pre, eps))

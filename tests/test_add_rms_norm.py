@@ -1,0 +1,67 @@
+"""The sandwich-norm seam `(h + rms_norm(y) * post, rms_norm(...) * pre)`: the extension (CUDA
+kernel, or MLX ops elsewhere) equals the pure-MLX reference; the kernel's own text also runs
+under the CPU emulation (test_gemv_cuda_emulated.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from voicechat.kernels import ext
+from voicechat.kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
+from voicechat.kernels.gemv import on_cuda_gpu
+
+ON_CUDA = on_cuda_gpu()
+
+
+def _inputs(lead, c, seed=0):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(seed), 4)
+    h = mx.random.normal((*lead, c), key=k1)
+    y = 3.0 * mx.random.normal((*lead, c), key=k2)
+    post = 1.0 + 0.1 * mx.random.normal((c,), key=k3)
+    pre = 1.0 + 0.1 * mx.random.normal((c,), key=k4)
+    return h, y, post, pre
+
+
+@pytest.mark.parametrize("y_dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("lead,c", [((2, 1), 1152), ((1, 40), 1152), ((3,), 100), ((1, 1), 8)])
+def test_extension_equals_reference(lead, c, y_dtype):
+    h, y, post, pre = _inputs(lead, c)
+    y = y.astype(y_dtype)
+    got_h, got_z = ext.add_rms_norm(h, y, post, pre, 1e-6)
+    with mx.stream(mx.cpu):
+        want_h, want_z = add_rms_norm_reference(h, y.astype(mx.float32), post, pre, 1e-6)
+    assert got_h.shape == h.shape and got_z.dtype == mx.float32
+    for got, want in ((got_h, want_h), (got_z, want_z)):  # sums that cancel: atol by scale
+        want = np.array(want)
+        np.testing.assert_allclose(np.array(got), want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
+def test_reference_is_the_formula():
+    """Independent numpy in float64."""
+    h, y, post, pre = _inputs((2, 3), 16, seed=5)
+    hn, yn, pn, qn = (np.array(a, np.float64) for a in (h, y, post, pre))
+    norm = lambda x: x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)  # noqa: E731
+    want_h = hn + norm(yn) * pn
+    got_h, got_z = add_rms_norm(h, y, post, pre, 1e-6)
+    np.testing.assert_allclose(np.array(got_h), want_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(got_z), norm(want_h) * qn, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_are_refused():
+    h, y, post, pre = _inputs((2,), 12)
+    with pytest.raises(ValueError, match="one shape"):
+        ext.add_rms_norm(h, y[:, :6], post, pre, 1e-6)
+    with pytest.raises(ValueError, match="post and pre"):
+        ext.add_rms_norm(h, y, post[:6], pre, 1e-6)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernel runs on a CUDA GPU")
+def test_the_kernel_runs_on_cuda_as_one_launch():
+    from voicechat.llm.opcount import count_ops
+
+    h, y, post, pre = _inputs((2, 1), 1152)
+    mx.eval(h, y, post, pre)
+    counts = count_ops(*add_rms_norm(h, y, post, pre, 1e-6))
+    assert counts.get("CustomKernel") == 1 and "RMSNorm" not in counts

@@ -372,3 +372,29 @@ def test_composed_rope_equals_mlx_fast_rope():
     x = mx.random.normal((3, 4, 9, 24), key=mx.random.key(1))
     want = mx.fast.rope(x, 24, traditional=False, base=1e4, scale=1.0, offset=0)
     np.testing.assert_allclose(np.array(rotate_half_rope(x, 1e4)), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
+    """On a CUDA GPU a backbone layer runs 4 GEMVs (q/k/v stacked, o, gate/up stacked, down) and
+    2 norm seams as 6 of our kernels, and MLX's rms_norm only for the q / k head norms."""
+    from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
+    from voicechat.llm.opcount import count_ops
+
+    if not on_cuda_gpu():
+        pytest.skip("the kernels run on a CUDA GPU")
+    tts, ckpt = tiny
+    fresh = EarTTS(ckpt.config.tts_config, ckpt.config.text_config.vocab_size, compile=False)
+    ckpt.load_into(fresh, PREFIX)
+    use_gemv(fresh.backbone)
+    use_gemv(fresh.mog_head)
+    fresh.set_tokenizer(TextTokenizer(tiny_checkpoint / "tokenizer.json"))
+    fresh.prepare()  # norm scales, the stacks
+    cache = fresh.make_cache()
+    cache.reserve(1, 2)
+    x = mx.random.normal((2, 1, fresh.cfg.hidden_size))
+    mx.eval(x, cache.keys, cache.values)
+    h, keys, values = fresh.backbone.step_arrays(x, mx.array(0, mx.int32), cache.keys, cache.values)
+    counts = count_ops(h, keys, values)
+    layers = fresh.cfg.num_hidden_layers
+    assert counts.get("CustomKernel") == 6 * layers
+    assert counts.get("RMSNorm") == 2 * layers + 1

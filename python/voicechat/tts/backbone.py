@@ -30,7 +30,7 @@ import mlx.nn as nn
 
 from ..config import TTSConfig
 from ..kernels.gemv import stack_linears
-from .layers import GatedMLP, OffsetRMSNorm
+from .layers import GatedMLP, OffsetRMSNorm, add_and_norm
 
 DEFAULT_CHUNK = 256  # cache slots added at a time (20 s of frames)
 
@@ -99,8 +99,12 @@ class DecoderLayer(nn.Module):
     def window(self) -> int | None:
         return self.self_attn.window
 
-    def feed_forward(self, h: mx.array) -> mx.array:
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def after_attention(self, h: mx.array, attn_out: mx.array, next_norm: OffsetRMSNorm) -> tuple[mx.array, mx.array]:
+        """`h + post_attn(attn_out)`, then `+ post_ff(mlp(pre_ff(.)))`: returns the residual stream
+        and `next_norm` of it (the next layer's input norm, or the final one), each norm seam
+        one `add_and_norm`."""
+        h, z = add_and_norm(h, attn_out, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return add_and_norm(h, self.mlp(z), self.post_feedforward_layernorm, next_norm)
 
 
 @dataclass
@@ -161,6 +165,10 @@ class Backbone(nn.Module):
     def windows(self) -> list[int | None]:
         return [layer.window for layer in self.layers]
 
+    def norm_after(self, i: int) -> OffsetRMSNorm:
+        """The norm that reads layer i's output: the next layer's input norm, or the final one."""
+        return self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+
     def make_cache(self, chunk: int = DEFAULT_CHUNK) -> BackboneCache:
         attn = self.layers[0].self_attn
         return BackboneCache(self.windows, attn.n_kv_heads, attn.head_dim, chunk)
@@ -174,10 +182,11 @@ class Backbone(nn.Module):
         start = cache.offset
         query_pos = mx.arange(start, start + t)[:, None]
         h = x.astype(mx.float32)
+        z = self.layers[0].input_layernorm(h)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), start)
+            q, k, v = attn.project(z, start)
             if cache.keys[i] is not None:
                 key_pos = mx.concatenate([cache.slot_positions(i), mx.arange(start, start + t)])
                 k_all = mx.concatenate([cache.keys[i], k], axis=2)
@@ -187,8 +196,7 @@ class Backbone(nn.Module):
             mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= query_pos)
             if layer.window is not None:
                 mask = mask & (key_pos[None, :] > query_pos - layer.window)
-            h = h + layer.post_attention_layernorm(attn.attend(q, k_all, v_all, mask))
-            h = layer.feed_forward(h)
+            h, z = layer.after_attention(h, attn.attend(q, k_all, v_all, mask), self.norm_after(i))
             new_keys.append(k)
             new_values.append(v)
         cache.reserve(start + t, b)
@@ -201,7 +209,7 @@ class Backbone(nn.Module):
             cache.keys[i][:, :, slots] = k
             cache.values[i][:, :, slots] = v
         cache.offset = start + t
-        return self.norm(h)
+        return z
 
     # ------------------------------------------------------------------ one token
 
@@ -211,20 +219,20 @@ class Backbone(nn.Module):
 
         The buffers must already have room (`BackboneCache.reserve(offset + 1)`)."""
         h = x.astype(mx.float32)
+        z = self.layers[0].input_layernorm(h)
         out_keys, out_values = [], []
         start = mx.reshape(offset, (1,))
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(h), offset)
+            q, k, v = attn.project(z, offset)
             slot = start if layer.window is None else mx.remainder(start, layer.window)
             kb = mx.slice_update(keys[i], k, slot, axes=(2,))
             vb = mx.slice_update(values[i], v, slot, axes=(2,))
             mask = mx.arange(kb.shape[2]) <= offset
-            h = h + layer.post_attention_layernorm(attn.attend(q, kb, vb, mask))
-            h = layer.feed_forward(h)
+            h, z = layer.after_attention(h, attn.attend(q, kb, vb, mask), self.norm_after(i))
             out_keys.append(kb)
             out_values.append(vb)
-        return self.norm(h), out_keys, out_values
+        return z, out_keys, out_values
 
     def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:
         """One token through the stack with the caches (uncompiled unless `step_fn` is given)."""

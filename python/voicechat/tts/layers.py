@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels.add_rms_norm import add_rms_norm
 from ..kernels.gemv import stack_linears
 
 
@@ -27,9 +28,22 @@ class OffsetRMSNorm(nn.Module):
     def unprepare(self) -> None:
         self._scale = None
 
+    @property
+    def scale(self) -> mx.array:
+        """`1 + weight` in float32 (cached by `prepare()`)."""
+        return self._scale if self._scale is not None else 1.0 + self.weight.astype(mx.float32)
+
     def __call__(self, x: mx.array) -> mx.array:
-        scale = self._scale if self._scale is not None else 1.0 + self.weight.astype(mx.float32)
-        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps)
+        return mx.fast.rms_norm(x.astype(mx.float32), self.scale, self.eps)
+
+
+def add_and_norm(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm) -> tuple[mx.array, mx.array]:
+    """`h' = h + post(y)` and `pre(h')`, the seam between two sandwich-normed sublayers: one
+    launch on a CUDA GPU (`kernels.add_rms_norm`), the same ops as the two norms and the add elsewhere."""
+    if post.eps != pre.eps:
+        h = h + post(y)
+        return h, pre(h)
+    return add_rms_norm(h.astype(mx.float32), y.astype(mx.float32), post.scale, pre.scale, post.eps)
 
 
 class GatedMLP(nn.Module):

@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from ..config import MogHeadConfig
 from ..kernels.gemv import stack_linears
-from .layers import GatedMLP, OffsetRMSNorm
+from .layers import GatedMLP, OffsetRMSNorm, add_and_norm
 
 GUMBEL_EPS = 1e-8
 
@@ -76,10 +76,15 @@ class MoGHead(nn.Module):
         return tuple(mx.split(self._heads(h), [n, n + 1], axis=-1))
 
     def trunk(self, x: mx.array) -> mx.array:
-        x = x.astype(mx.float32)
-        for layer in self.mlp_stack:
-            x = layer(x)
-        return x
+        """`mlp_stack` in order (each layer `x + post(mlp(pre(x)))`, then the final norm), each norm
+        seam between two of them one `add_and_norm`."""
+        *layers, final = self.mlp_stack
+        h = x.astype(mx.float32)
+        z = layers[0].pre_norm(h)
+        for i, layer in enumerate(layers):
+            next_norm = layers[i + 1].pre_norm if i + 1 < len(layers) else final
+            h, z = add_and_norm(h, layer.mlp(z), layer.post_norm, next_norm)
+        return z
 
     def infer(self, x: mx.array, guidance_scale: float, top_p: float, u: mx.array) -> tuple[mx.array, mx.array]:
         """x [2, T, hidden] (row 0 conditioned, row 1 not), `u` uniform noise [1, T, num_predictions].

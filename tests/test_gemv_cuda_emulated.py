@@ -22,13 +22,14 @@ from voicechat.kernels import ext
 from voicechat.kernels.add_rms_norm import add_rms_norm_reference
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
 from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
+from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
 
 EMU = Path(__file__).parent / "data" / "cuda_emu"
 SOURCES = {s["name"]: s for s in ext.cuda_sources()}
 NP = {"float": np.float32, "__nv_bfloat16": np.uint16, "__half": np.float16, "uint32_t": np.uint32,
       "int64_t": np.int64, "int32_t": np.int32}
 CUDA_TYPE = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.uint32: "uint32_t",
-             mx.int64: "int64_t"}
+             mx.int64: "int64_t", mx.int32: "int32_t"}
 
 
 class Case:
@@ -269,6 +270,22 @@ def add_norm_case(rows, c, y_dtype=mx.float32):
     return case, ref
 
 
+def qkv_heads_case(b, t, hq, hk, d, offset, base, dtype=mx.float32):
+    k1, k2, k3 = mx.random.split(mx.random.key(hq + d + t), 3)
+    qkv = (2.0 * mx.random.normal((b, t, (hq + 2 * hk) * d), key=k1)).astype(dtype)
+    q_scale = 1.0 + 0.1 * mx.random.normal((d,), key=k2)
+    k_scale = 1.0 + 0.1 * mx.random.normal((d,), key=k3)
+    inv_freq = rope_inv_freq(d, base)
+    args = dict(B=b, HQ=hq, HK=hk, D=d, T=t, WARPS=4, TX=dtype)
+    items = b * t * (hq + 2 * hk)
+    case = Case("vc_qkv_heads", args, [qkv, q_scale, k_scale, inv_freq, mx.array([offset], mx.int32),
+                                       mx.array([1e-6], mx.float32)],
+                [("float", (b, hq, t, d)), ("float", (b, hk, t, d)), ("float", (b, hk, t, d))], -(-items // 4), 128)
+    with mx.stream(mx.cpu):
+        ref = qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, hq, hk, 1e-6)
+    return case, ref
+
+
 def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
     k1, k2, k3, k4 = mx.random.split(mx.random.key(c + length), 4)
     state = mx.random.normal((b, k - 1, c), key=k1)
@@ -324,6 +341,10 @@ def emulated(tmp_path_factory):
         "add_norm_tts": add_norm_case(2, 1152),
         "add_norm_bf16_y": add_norm_case(3, 1152, mx.bfloat16),
         "add_norm_small": add_norm_case(1, 100),
+        # the TTS heads: a CFG step late in a session, the warmup, grouped heads with D > 64 in bf16
+        "qkv_step": qkv_heads_case(2, 1, 16, 16, 72, 300, 1e4),
+        "qkv_warmup": qkv_heads_case(2, 37, 16, 16, 72, 0, 1e6),
+        "qkv_grouped_bf16": qkv_heads_case(1, 3, 4, 2, 80, 5, 1e4, mx.bfloat16),
         # the causal conv + SiLU: a step and a prefix longer than the kernel, bfloat16 input
         "conv_step": conv_case(1, 1, 300, 4, 700, 256),
         "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
@@ -377,6 +398,14 @@ def test_add_rms_norm_kernel_emulated(emulated, name):
     h_ref, z_ref = refs[name]
     for got, want in ((h, np.array(h_ref)), (z, np.array(z_ref))):  # sums that cancel: atol by scale
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["qkv_step", "qkv_warmup", "qkv_grouped_bf16"])
+def test_qkv_heads_kernel_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    for got, want in zip(run(exe, name, cases[name], tmp), refs[name]):
+        want = np.array(want)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])

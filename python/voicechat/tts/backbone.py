@@ -29,7 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TTSConfig
-from ..kernels.gemv import stack_linears
+from ..kernels.gemv import on_cuda_gpu, stack_linears
+from ..kernels.qkv_heads import qkv_heads, rope_inv_freq
 from .layers import GatedMLP, OffsetRMSNorm, add_and_norm
 
 DEFAULT_CHUNK = 256  # cache slots added at a time (20 s of frames)
@@ -57,6 +58,7 @@ class Attention(nn.Module):
 
     def stack(self) -> None:
         self._qkv = stack_linears([self.q_proj, self.k_proj, self.v_proj])
+        self._inv_freq = rope_inv_freq(self.head_dim, self.rope_base)
 
     def unstack(self) -> None:
         self._qkv = None
@@ -64,6 +66,10 @@ class Attention(nn.Module):
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as [B, heads, T, head_dim] (float32), RoPE at positions offset.. ."""
         b, t, _ = x.shape
+        if self._qkv is not None and on_cuda_gpu() and self.q_norm.eps == self.k_norm.eps:
+            # one launch for the head norms, RoPE and the layout (same formula, HF's angle rounding)
+            return qkv_heads(self._qkv(x), self.q_norm.scale, self.k_norm.scale, self._inv_freq, offset,
+                             self.n_heads, self.n_kv_heads, self.q_norm.eps)
         if self._qkv is not None:
             q_width = self.n_heads * self.head_dim
             q, k, v = mx.split(self._qkv(x), [q_width, q_width + self.n_kv_heads * self.head_dim], axis=-1)

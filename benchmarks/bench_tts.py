@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from voicechat.checkpoint import open_checkpoint
 from voicechat.config import VoiceChatConfig
+from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
 from voicechat.testing import build_tokenizer, make_checkpoint
 from voicechat.tokenizer import TextTokenizer
 from voicechat.tts.ear_tts import EarTTS
@@ -61,6 +62,8 @@ def model(tmp_path_factory):
         tts.set_tokenizer(TextTokenizer(directory / "tokenizer.json"))
         aria = ckpt.tensors["tts_model.audio_prompt_latents.Aria"]
         silence = ckpt.tensors["tts_model.codec_silence_tokens"]
+    if on_cuda_gpu():  # as voicechat.load does
+        use_gemv(tts)
     tts.prepare()
     return tts, aria, silence
 

@@ -54,8 +54,7 @@ def _tts(size: str, gemv: bool):
         tokenizer_path = directory / "tokenizer.json"
         aria = ckpt.tensors["tts_model.audio_prompt_latents.Aria"]
     if gemv and on_cuda_gpu():
-        use_gemv(tts.backbone)
-        use_gemv(tts.mog_head)
+        use_gemv(tts)
     tts.set_tokenizer(TextTokenizer(tokenizer_path))
     tts.prepare()
     cache = tts.make_cache()

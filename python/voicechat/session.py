@@ -322,8 +322,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
     model.stt_model.prepare()
     tts = model.tts_model.tts_model
     if on_cuda_gpu():  # our batch-2 GEMVs read the bf16 weights as stored (no per-call float32 copy)
-        use_gemv(tts.backbone)
-        use_gemv(tts.mog_head)
+        use_gemv(tts)  # (the char encoder's many-row calls keep MLX's matmul)
     tts.set_tokenizer(tokenizer)
     tts.prepare()
     mx.eval(model.parameters())

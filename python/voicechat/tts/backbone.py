@@ -228,14 +228,18 @@ class Backbone(nn.Module):
         z = self.layers[0].input_layernorm(h)
         out_keys, out_values = [], []
         start = mx.reshape(offset, (1,))
+        # Layers of one window share the slot, and buffers of one capacity the mask: made once.
+        slots, masks = {}, {}
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
+            attn, window, capacity = layer.self_attn, layer.window, keys[i].shape[2]
+            if window not in slots:
+                slots[window] = start if window is None else mx.remainder(start, window)
+            if capacity not in masks:
+                masks[capacity] = mx.arange(capacity) <= offset
             q, k, v = attn.project(z, offset)
-            slot = start if layer.window is None else mx.remainder(start, layer.window)
-            kb = mx.slice_update(keys[i], k, slot, axes=(2,))
-            vb = mx.slice_update(values[i], v, slot, axes=(2,))
-            mask = mx.arange(kb.shape[2]) <= offset
-            h, z = layer.after_attention(h, attn.attend(q, kb, vb, mask), self.norm_after(i))
+            kb = mx.slice_update(keys[i], k, slots[window], axes=(2,))
+            vb = mx.slice_update(values[i], v, slots[window], axes=(2,))
+            h, z = layer.after_attention(h, attn.attend(q, kb, vb, masks[capacity]), self.norm_after(i))
             out_keys.append(kb)
             out_values.append(vb)
         return z, out_keys, out_values

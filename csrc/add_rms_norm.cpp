@@ -123,8 +123,7 @@ std::tuple<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::arra
     auto out = mx::add(h, mx::fast::rms_norm(y, post, eps, s), s);
     return {out, mx::fast::rms_norm(out, pre, eps, s)};
   }
-  static auto kernel = mx::fast::cuda_kernel(source().name, source().input_names, source().output_names,
-                                             source().source, source().header);
+  static auto kernel = make_cuda_kernel(source());
   auto outs = kernel({mx::reshape(h, {rows, c}, s), mx::reshape(y, {rows, c}, s), post, pre,
                       mx::array(eps, mx::float32)},
                      {{rows, c}, {rows, c}}, {mx::float32, mx::float32}, {rows * kThreads, 1, 1}, {kThreads, 1, 1},

@@ -122,8 +122,7 @@ std::vector<mx::array> causal_conv_silu(const mx::array& conv_state, const mx::a
     auto x = mx::slice(src, {0, 0, offset}, {b, length, offset + c}, s);
     return composed(conv_state, x, w2, bias, s);
   }
-  static auto kernel = mx::fast::cuda_kernel(source().name, source().input_names, source().output_names,
-                                             source().source, source().header);
+  static auto kernel = make_cuda_kernel(source());
   const size_t threads = size_t(b) * (length + k_size - 1) * c;
   const int grid = static_cast<int>((threads + kThreads - 1) / kThreads) * kThreads;
   return kernel({conv_state, src, w2, bias ? *bias : w2},

@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
+#include <cstdio>
 #include <string_view>
 
 #include "mlx/mlx.h"
@@ -26,6 +28,29 @@ const CudaSource& register_cuda_source(CudaSource source) {
 
 const std::deque<CudaSource>& cuda_sources() { return storage(); }
 
+std::string jit_name(const CudaSource& source) {
+  // FNV-1a (64 bit) over the header, the body and the argument names, each ended by a NUL.
+  std::uint64_t h = 1469598103934665603ULL;
+  auto feed = [&h](const std::string& text) {
+    for (unsigned char c : text) {
+      h = (h ^ c) * 1099511628211ULL;
+    }
+    h = (h ^ 0) * 1099511628211ULL;
+  };
+  feed(source.header);
+  feed(source.source);
+  for (const auto& n : source.input_names) feed(n);
+  for (const auto& n : source.output_names) feed(n);
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
+  return source.name + "_" + std::string(hex, 12);
+}
+
+mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source) {
+  return mlx::core::fast::cuda_kernel(jit_name(source), source.input_names, source.output_names, source.source,
+                                      source.header);
+}
+
 bool cuda_build() { return std::string_view(VC_BACKEND) == "cuda"; }
 
 bool gpu_stream(const mlx::core::Stream& s) { return s.device == mlx::core::Device::gpu; }
@@ -37,6 +62,7 @@ void bind(py::module_& m) {
     for (const auto& src : cuda_sources()) {
       py::dict d;
       d["name"] = src.name;
+      d["jit_name"] = jit_name(src);
       d["input_names"] = src.input_names;
       d["output_names"] = src.output_names;
       d["source"] = src.source;

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "mlx/fast.h"
 #include "mlx/stream.h"
 
 namespace voicechat {
@@ -28,6 +29,14 @@ struct CudaSource {
   std::string header;  // code placed before the kernel (device helpers)
   std::vector<CudaInstance> instances;
 };
+
+// The name MLX compiles `source` under: its name and a hash of its text. MLX keeps compiled kernels
+// on disk (MLX_PTX_CACHE_DIR) keyed by name and template args only, so an edited kernel must not
+// reuse its old name, or a cache from an older voicechat would run the old code.
+std::string jit_name(const CudaSource& source);
+
+// mlx::core::fast::cuda_kernel for `source`, under jit_name(source).
+mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source);
 
 // Returns its argument, so a kernel file can write
 //   static const auto& kSrc = register_cuda_source({...});

@@ -133,8 +133,7 @@ mx::array gated_rms_norm(const mx::array& y, const mx::array& gate_src, int gate
     stop.back() = gate_offset + c;
     return composed(y, mx::slice(gate_src, start, stop, s), weight, groups, eps, s);
   }
-  static auto kernel = mx::fast::cuda_kernel(source().name, source().input_names, source().output_names,
-                                             source().source, source().header);
+  static auto kernel = make_cuda_kernel(source());
   // The composed ops' result type; the kernel computes in float32 throughout and rounds once.
   const auto out_dtype = mx::promote_types(mx::promote_types(y.dtype(), gate_src.dtype()), weight.dtype());
   auto outs = kernel({mx::reshape(y, {rows, c}, s), mx::reshape(gate_src, {rows, width}, s), weight,

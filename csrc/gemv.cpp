@@ -287,7 +287,7 @@ const mx::fast::CustomKernelFunction& kernel(const CudaSource& src) {
       return fn;
     }
   }
-  made.emplace_back(&src, mx::fast::cuda_kernel(src.name, src.input_names, src.output_names, src.source, src.header));
+  made.emplace_back(&src, make_cuda_kernel(src));
   return made.back().second;
 }
 

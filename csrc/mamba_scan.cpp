@@ -307,7 +307,7 @@ std::vector<mx::array> mamba_scan_cuda(const mx::array& xbc, const mx::array& dt
                                        const std::optional<mx::array>& state, float lo, float hi, mx::Stream s) {
   static auto kernel = [] {
     const auto& src = cuda_source();
-    return mx::fast::cuda_kernel(src.name, src.input_names, src.output_names, src.source, src.header);
+    return make_cuda_kernel(src);
   }();
   const int b = xbc.shape(0), L = xbc.shape(1);
   // Without a state (HAS_STATE false) the kernel never reads `state`: any array fills the slot.

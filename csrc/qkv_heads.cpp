@@ -143,8 +143,7 @@ std::tuple<mx::array, mx::array, mx::array> qkv_heads(const mx::array& qkv, cons
     throw std::invalid_argument("qkv_heads: runs on a CUDA stream (float32 scales and inv_freq); elsewhere use "
                                 "voicechat.kernels.qkv_heads, which composes MLX ops");
   }
-  static auto kernel = mx::fast::cuda_kernel(source().name, source().input_names, source().output_names,
-                                             source().source, source().header);
+  static auto kernel = make_cuda_kernel(source());
   const int items = rows * (heads + 2 * kv_heads);
   const int blocks = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
   auto outs = kernel({mx::reshape(qkv, {rows, qkv.shape(-1)}, s), q_scale, k_scale, inv_freq,

@@ -297,7 +297,7 @@ mx::array rel_pos_attention_cuda(const mx::array& q, const mx::array& k, const m
                                  int pos_first, mx::Stream s) {
   static auto kernel = [] {
     const auto& src = cuda_source();
-    return mx::fast::cuda_kernel(src.name, src.input_names, src.output_names, src.source, src.header);
+    return make_cuda_kernel(src);
   }();
   const int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
   auto dtype = q.dtype() == mx::bfloat16 ? mx::bfloat16 : mx::float32;

@@ -223,7 +223,7 @@ std::vector<mx::array> rvq_search_cuda(const mx::array& residual, const mx::arra
                                        const mx::array& norms, int start, int count, mx::Stream s) {
   static auto kernel = [] {
     const auto& src = cuda_source();
-    return mx::fast::cuda_kernel(src.name, src.input_names, src.output_names, src.source, src.header);
+    return make_cuda_kernel(src);
   }();
   const int rows = residual.shape(0), dim = residual.shape(1), size = codebooks.shape(1);
   return kernel(

@@ -57,3 +57,36 @@ def test_cuda_source_compiles_for_sm90(src, inst, k, tmp_path):
                            str(tmp_path / "out.cubin"), str(cu)], capture_output=True, text=True)
     assert proc.returncode == 0, f"{src['name']} does not compile:\n{proc.stderr}"
     assert "warning" not in proc.stderr.lower(), proc.stderr
+
+
+def _fnv1a_name(src: dict) -> str:
+    h = 1469598103934665603
+    for text in [src["header"], src["source"], *src["input_names"], *src["output_names"]]:
+        for byte in text.encode() + b"\0":
+            h = ((h ^ byte) * 1099511628211) % (1 << 64)
+    return f"{src['name']}_{h:016x}"[: len(src["name"]) + 13]
+
+
+def test_kernels_compile_under_a_name_that_hashes_their_source():
+    """MLX's on-disk kernel cache is keyed by name (and template args): an edited kernel gets a new name."""
+    sources = ext.cuda_sources()
+    assert len({s["jit_name"] for s in sources}) == len(sources)
+    for src in sources:
+        assert src["jit_name"] == _fnv1a_name(src)
+        edited = dict(src, source=src["source"] + " ")
+        assert _fnv1a_name(edited) != src["jit_name"]
+
+
+def test_the_kernel_cache_is_persistent_unless_set(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    probe = "import os, voicechat; print(os.environ['MLX_PTX_CACHE_DIR'])"
+    env = {k: v for k, v in os.environ.items() if k != "MLX_PTX_CACHE_DIR"}
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "XDG_CACHE_HOME": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out.startswith(str(tmp_path / "voicechat" / "mlx-")) and out.endswith("ptx")
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "MLX_PTX_CACHE_DIR": "/x/y"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "/x/y"

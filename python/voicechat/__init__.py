@@ -11,6 +11,25 @@ import os
 # matmuls through TF32 tensor cores (its default). Read once, at the first matmul.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
+
+def _persistent_kernel_cache() -> None:
+    """Keep MLX-CUDA's compiled kernels across reboots (its default is the temp dir): a full-size
+    first run compiles minutes of kernels. Per MLX version, as MLX keys its own kernels by name
+    only (ours carry a hash of their source in the name). An explicit MLX_PTX_CACHE_DIR wins."""
+    if "MLX_PTX_CACHE_DIR" in os.environ:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        mlx_version = version("mlx")
+    except PackageNotFoundError:
+        return
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ["MLX_PTX_CACHE_DIR"] = os.path.join(root, "voicechat", f"mlx-{mlx_version}", "ptx")
+
+
+_persistent_kernel_cache()
+
 __version__ = "0.1.0"
 
 

@@ -122,15 +122,15 @@ CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, con
 
 // One instance of vc_dense_mv / vc_dense_mv_warp (split as qmv_instance's).
 CudaInstance dense_instance(const char* split, const char* tx, const char* tw, const char* tb, const char* to, int k,
-                            int n, int m, int rows, int split_count, bool has_bias, int epi = 0) {
+                            int n, int m, int rows, int split_count, bool has_bias, int epi = 0, int pro = 0) {
   const char* residual_type = epi == 1 ? to : tw;
   return CudaInstance{
       {tx, tw, tb, residual_type},
       {to},
       {TemplateArg{"K", int_arg(k)}, TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)},
        TemplateArg{"ROWS", int_arg(rows)}, TemplateArg{split, int_arg(split_count)}, TemplateArg{"EPI", int_arg(epi)},
-       TemplateArg{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"}, TemplateArg{"TX", type_arg(tx)},
-       TemplateArg{"TW", type_arg(tw)}, TemplateArg{"TB", type_arg(tb)}, TemplateArg{"TR", type_arg(residual_type)},
+       TemplateArg{"PRO", int_arg(pro)}, TemplateArg{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
+       TemplateArg{"TX", type_arg(tx)}, TemplateArg{"TW", type_arg(tw)}, TemplateArg{"TB", type_arg(tb)}, TemplateArg{"TR", type_arg(residual_type)},
        TemplateArg{"TO", type_arg(to)}}};
 }
 
@@ -206,6 +206,7 @@ const CudaSource& dense_warp_source() {
           inst(f, bf, bf, f, 1152, 1152, 2, 2, 4, false),   // TTS attention
           inst(f, bf, bf, f, 1152, 4608, 2, 4, 4, false),   // TTS mlp gate / up
           inst(f, bf, bf, f, 4608, 1152, 2, 1, 4, false),   // TTS mlp down
+          inst(f, bf, bf, f, 4608, 1152, 2, 1, 4, false, 0, 1),  // TTS mlp down on gate / up
           inst(f, bf, bf, f, 1152, 65536, 1, 4, 4, false),  // MoG proj_mus
           inst(f, bf, bf, f, 1152, 1152, 1, 2, 4, true),    // gated fusion (with bias)
           inst("__half", "__half", "__half", "__half", 640, 2560, 2, 2, 2, true),
@@ -231,6 +232,7 @@ const CudaSource& dense_source() {
           inst(f, bf, bf, f, 1152, 4608, 2, 4, 160, false, 2),  // squared ReLU
           inst(f, bf, bf, f, 1152, 4608, 2, 4, 160, false),   // mlp gate / up
           inst(f, bf, bf, f, 4608, 1152, 2, 2, 192, false),   // mlp down
+          inst(f, bf, bf, f, 4608, 1152, 2, 4, 192, false, 0, 1),  // mlp down on gate / up (gated GELU)
           inst(bf, bf, bf, bf, 4608, 1152, 1, 2, 192, false),
           inst(f, bf, bf, f, 1152, 65536, 1, 4, 160, false),  // MoG proj_mus
           inst(f, bf, bf, f, 1152, 1, 2, 1, 160, false),      // MoG proj_logs (N = 1)
@@ -410,16 +412,37 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
 
 // ---------------------------------------------------------------- dense matvec
 
+// gelu_tanh(x[..., :K]) * x[..., K:], in the ops of mlx.nn.gelu_approx.
+mx::array gelu_gate_composed(const mx::array& x, int k, mx::Stream s) {
+  mx::Shape start(x.ndim(), 0), mid = x.shape(), stop = x.shape();
+  mid.back() = k;
+  start.back() = k;
+  auto g = mx::slice(x, mx::Shape(x.ndim(), 0), mid, s);
+  auto up = mx::slice(x, start, stop, s);
+  auto cube = mx::power(g, mx::array(3.0f, g.dtype()), s);
+  auto inner = mx::multiply(mx::array(0.7978845608028654f, g.dtype()),
+                            mx::add(g, mx::multiply(mx::array(0.044715f, g.dtype()), cube, s), s), s);
+  auto gelu = mx::multiply(mx::multiply(mx::array(0.5f, g.dtype()), g, s),
+                           mx::add(mx::array(1.0f, g.dtype()), mx::tanh(inner, s), s), s);
+  return mx::multiply(gelu, up, s);
+}
+
 mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                        int rows_per_block, int threads, int warps, const std::optional<mx::array>& residual,
-                       const std::string& activation, mx::StreamOrDevice s_) {
+                       const std::string& activation, const std::string& input, mx::StreamOrDevice s_) {
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_matvec: weight must be [N, K]");
   }
   const int n = w.shape(0), k = w.shape(1);
   const Epilogue epi = make_epilogue(residual, activation, n, "dense_matvec");
-  if (x.ndim() < 1 || x.shape(-1) != k) {
-    throw std::invalid_argument("dense_matvec: x [..., K] does not match the weight's K = " + std::to_string(k));
+  if (!input.empty() && input != "gelu_gate") {
+    throw std::invalid_argument("dense_matvec: input must be '' or 'gelu_gate', not '" + input + "'");
+  }
+  const bool gated = input == "gelu_gate";  // x [..., 2K]: gelu(gate) * up feeds the product
+  if (x.ndim() < 1 || x.shape(-1) != (gated ? 2 * k : k)) {
+    throw std::invalid_argument(gated ? "dense_matvec: x [..., 2K] (gate, up) does not match the weight's K = " +
+                                            std::to_string(k)
+                                      : "dense_matvec: x [..., K] does not match the weight's K = " + std::to_string(k));
   }
   if (bias && (bias->ndim() != 1 || bias->shape(0) != n)) {
     throw std::invalid_argument("dense_matvec: bias must be [N]");
@@ -430,7 +453,8 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
                            float_dtype(x.dtype()) && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype())) &&
                            kernel_takes(epi, m, n);
   if (!kernel_path) {
-    auto y = bias ? mx::addmm(*bias, x, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(x, mx::transpose(w, s), s);
+    auto in = gated ? gelu_gate_composed(x, k, s) : x;
+    auto y = bias ? mx::addmm(*bias, in, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(in, mx::transpose(w, s), s);
     return compose_epilogue(y, epi, s);
   }
   auto out_dtype = mx::promote_types(x.dtype(), w.dtype());
@@ -443,10 +467,11 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, rows_per_block, threads, warps);
   const bool warp = l.warps > 0;
   auto outs = kernel(warp ? dense_warp_source() : dense_source())(
-      {mx::reshape(x, {m, k}, s), w, bias ? *bias : w, epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : w},
+      {mx::reshape(x, {m, gated ? 2 * k : k}, s), w, bias ? *bias : w,
+       epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : w},
       {{m, n}}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads},
-       {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TW", w.dtype()},
+       {"EPI", epi.kind()}, {"PRO", gated ? 1 : 0}, {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TW", w.dtype()},
        {"TB", bias ? bias->dtype() : w.dtype()}, {"TR", epi.residual ? epi.residual->dtype() : w.dtype()},
        {"TO", out_dtype}},
       std::nullopt, false, s);
@@ -544,9 +569,11 @@ void bind(py::module_& m) {
         "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
-        py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("stream") = py::none(),
+        py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",
+        py::arg("stream") = py::none(),
         "x @ w.T (+ bias), then the epilogue, for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's "
-        "matmul elsewhere (epilogue and launch overrides as quantized_matvec's).");
+        "matmul elsewhere (epilogue and launch overrides as quantized_matvec's). input='gelu_gate': x is "
+        "[..., 2K] and gelu_tanh(x[..., :K]) * x[..., K:] is the product's input (formed as the kernel loads it).");
   m.def("two_head_argmax", &two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),

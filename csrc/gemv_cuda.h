@@ -228,12 +228,19 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
   }
 }
 
+// gelu with the tanh approximation, as mlx.nn.gelu_approx.
+__device__ __forceinline__ float gelu_tanh(float v) {
+  return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * (v * v * v))));
+}
+
 // acc[r][m] = sum_k x[m, k] * w[row0 + r, k] over this thread's chunks, w dense [n_rows, K]
 // (bfloat16, float16 or float32; K a multiple of 8). The next step's loads are issued before this
-// step's math.
-template <int K, int M, int ROWS, int THREADS, typename TX, typename TW>
+// step's math. PRO 1 (a gated-GELU input): x is [M, 2K] and the product's input is
+// gelu_tanh(x[m, k]) * x[m, K + k], formed as it is loaded (the gate / up halves of one GEMV's output).
+template <int K, int M, int ROWS, int THREADS, int PRO, typename TX, typename TW>
 __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, int row0, int n_rows,
                                                  float (&acc)[ROWS][M], int lane) {
+  constexpr int XS = PRO == 1 ? 2 * K : K;  // x's row stride
   constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));  // values per 16-byte chunk
   constexpr int VPW = CHUNK / 4;                            // values per word
   constexpr int CHUNKS = K / CHUNK;
@@ -264,7 +271,15 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
     if (c < CHUNKS) {
       float xv[M][CHUNK];
 #pragma unroll
-      for (int m = 0; m < M; ++m) load_x<CHUNK>(x + static_cast<size_t>(m) * K + c * CHUNK, xv[m], vec);
+      for (int m = 0; m < M; ++m) {
+        load_x<CHUNK>(x + static_cast<size_t>(m) * XS + c * CHUNK, xv[m], vec);
+        if constexpr (PRO == 1) {
+          float up[CHUNK];
+          load_x<CHUNK>(x + static_cast<size_t>(m) * XS + K + c * CHUNK, up, vec);
+#pragma unroll
+          for (int j = 0; j < CHUNK; ++j) xv[m][j] = gelu_tanh(xv[m][j]) * up[j];
+        }
+      }
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
@@ -386,14 +401,15 @@ constexpr const char* kQmvSource = R"(
   vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
 )";
 
-// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights.
-// Template args: K, N, M, ROWS, THREADS, EPI, HAS_BIAS, TX, TW, TB, TR, TO.
+// y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights (PRO 1:
+// x[m, :] = gelu_tanh(gate) * up from a [M, 2K] x, see dense_accumulate).
+// Template args: K, N, M, ROWS, THREADS, EPI, PRO, HAS_BIAS, TX, TW, TB, TR, TO.
 constexpr const char* kDenseSource = R"(
   __shared__ float part[ROWS * M * THREADS];
   __shared__ float total[ROWS * M];
   const int row0 = blockIdx.x * ROWS;
   float acc[ROWS][M];
-  vc_gemv::dense_accumulate<K, M, ROWS, THREADS>(x, weight, row0, N, acc, threadIdx.x);
+  vc_gemv::dense_accumulate<K, M, ROWS, THREADS, PRO>(x, weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
   vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
 )";
@@ -410,13 +426,13 @@ constexpr const char* kQmvWarpSource = R"(
   vc_gemv::warp_store<ROWS, M, EPI, HAS_BIAS>(acc, bias, residual, out, row0, N, lane);
 )";
 
-// The warp layout of kDenseSource. Template args: K, N, M, ROWS, WARPS, EPI, HAS_BIAS, TX, TW, TB, TR,
-// TO.
+// The warp layout of kDenseSource. Template args: K, N, M, ROWS, WARPS, EPI, PRO, HAS_BIAS, TX, TW, TB,
+// TR, TO.
 constexpr const char* kDenseWarpSource = R"(
   const int lane = threadIdx.x & 31;
   const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
   float acc[ROWS][M];
-  vc_gemv::dense_accumulate<K, M, ROWS, 32>(x, weight, row0, N, acc, lane);
+  vc_gemv::dense_accumulate<K, M, ROWS, 32, PRO>(x, weight, row0, N, acc, lane);
   vc_gemv::warp_store<ROWS, M, EPI, HAS_BIAS>(acc, bias, residual, out, row0, N, lane);
 )";
 

@@ -22,6 +22,7 @@ from voicechat.kernels.gemv import (
     dense_matvec_reference,
     on_cuda_gpu,
     quantized_matvec,
+    gelu_gate,
     stack_linears,
     quantized_matvec_reference,
     two_head_argmax,
@@ -490,3 +491,31 @@ def test_stacked_linears_keep_their_class_and_cost_no_memory():
         stack_linears([nn.Linear(8, 8), use_gemv(nn.Linear(8, 8))])
     with pytest.raises(ValueError, match="input width"):
         stack_linears([nn.Linear(8, 8), nn.Linear(16, 8)])
+
+
+# --------------------------------------------------------------------------- gated-GELU input
+
+
+@pytest.mark.parametrize("x_dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n,k,rows", [(1152, 4608, 2), (24, 64, 1), (7, 40, 2)])
+def test_gated_input_equals_gelu_gate_then_matvec(n, k, rows, x_dtype):
+    w = (mx.random.normal((n, k), key=mx.random.key(n)) * k**-0.5).astype(mx.bfloat16)
+    x = mx.random.normal((rows, 2 * k), key=mx.random.key(k)).astype(x_dtype)
+    got = dense_matvec(x, w, gated_input=True)
+    with mx.stream(mx.cpu):
+        want = np.array(dense_matvec_reference(x.astype(mx.float32), w.astype(mx.float32), gated_input=True))
+    assert got.shape == (rows, n)
+    # float32: the kernel (CUDA) or MLX's composed ops hold float32 sums; bfloat16 x: the output rounds to it
+    tol = 2e-5 if x_dtype == mx.float32 else 1e-2
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_gated_input_through_the_layer_and_bad_inputs():
+    layer = use_gemv(nn.Linear(64, 24, bias=True))
+    x = mx.random.normal((2, 128), key=mx.random.key(7))
+    want = layer(gelu_gate(x))
+    np.testing.assert_allclose(np.array(layer(x, gated_input=True)), np.array(want), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 2K\]"):
+        ext.dense_matvec(x[:, :64], layer.weight, input="gelu_gate")
+    with pytest.raises(ValueError, match="input must be"):
+        ext.dense_matvec(x[:, :64], layer.weight, input="gelu")

@@ -20,6 +20,7 @@ import pytest
 
 from voicechat.kernels import ext
 from voicechat.kernels.add_rms_norm import add_rms_norm_reference
+from voicechat.kernels.gemv import gelu_gate
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
 from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
@@ -187,20 +188,21 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
     return case, ref
 
 
-def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0):
+def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0, pro=0):
     w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
-    x = _x((m, k), x_dtype)
+    x = _x((m, 2 * k if pro else k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
     out = _promote(x_dtype, w_dtype, bias_dtype or w_dtype)
     residual = _x((m, n), out, seed=5) if epi == 1 else w
     split = dict(WARPS=warps) if warps else dict(THREADS=threads)
-    args = dict(K=k, N=n, M=m, ROWS=rows, **split, EPI=epi, HAS_BIAS=bias is not None, TX=x_dtype, TW=w_dtype,
-                TB=bias_dtype or w_dtype, TR=residual.dtype, TO=out)
+    args = dict(K=k, N=n, M=m, ROWS=rows, **split, EPI=epi, PRO=pro, HAS_BIAS=bias is not None, TX=x_dtype,
+                TW=w_dtype, TB=bias_dtype or w_dtype, TR=residual.dtype, TO=out)
     case = Case("vc_dense_mv_warp" if warps else "vc_dense_mv", args,
                 [x, w, bias if bias is not None else w, residual], [(CUDA_TYPE[out], (m, n))],
                 -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads, [offset, 0, 0, 0])
     with mx.stream(mx.cpu):
-        ref = x.astype(mx.float32) @ w.T.astype(mx.float32)
+        xf = x.astype(mx.float32)
+        ref = (gelu_gate(xf) if pro else xf) @ w.T.astype(mx.float32)
         ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
     return case, ref
 
@@ -333,6 +335,10 @@ def emulated(tmp_path_factory):
         "warp_q8_relu2": qmv_case(11, 384, 1, 8, 32, mx.float32, mx.float32, 4, 0, warps=4, epi=2),
         "dense_residual_bias": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 4, 160, mx.bfloat16, epi=1),
         "warp_dense_relu2": dense_case(13, 256, 2, mx.float32, mx.bfloat16, 2, 0, warps=2, epi=2),
+        # the gated-GELU input (the TTS MLP's down_proj on gate / up): several steps, both layouts
+        "dense_gelu_gate": dense_case(9, 4608, 2, mx.float32, mx.bfloat16, 4, 192, pro=1),
+        "dense_gelu_gate_bf16x_bias": dense_case(5, 200, 1, mx.bfloat16, mx.bfloat16, 2, 32, mx.float32, pro=1),
+        "warp_dense_gelu_gate": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 2, 0, warps=2, pro=1),
         # the gated group RMSNorm: the published mixer's width, and groups narrower than a block
         "gated_norm_mixer": gated_norm_case(2, 10240, 8, 22656, 0),
         "gated_norm_small": gated_norm_case(3, 96, 2, 300, 4),
@@ -370,7 +376,8 @@ def emulated(tmp_path_factory):
                                   "warp_q8_g32_f16_bias", "warp_q4_g128_unaligned", "warp_dense_bf16w_bias",
                                   "warp_dense_f32w_unaligned", "warp_dense_two_steps", "q4_residual_m2",
                                   "q4_relu2_bias", "warp_q4_residual", "warp_q8_relu2", "dense_residual_bias",
-                                  "warp_dense_relu2", "gated_norm_mixer", "gated_norm_small",
+                                  "warp_dense_relu2", "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
+                                  "warp_dense_gelu_gate", "gated_norm_mixer", "gated_norm_small",
                                   "gated_norm_bf16"])
 def test_matvec_kernels_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated

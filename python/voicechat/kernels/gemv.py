@@ -82,15 +82,28 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
 
 # --------------------------------------------------------------------------- dense
 
-def dense_matvec_reference(x, w, *, bias=None, residual=None, squared_relu: bool = False):
+def gelu_gate(x: mx.array) -> mx.array:
+    """`gelu_approx(x[..., :K]) * x[..., K:]` of a `[..., 2K]` gate / up output."""
+    gate, up = mx.split(x, 2, axis=-1)
+    return nn.gelu_approx(gate) * up
+
+
+def dense_matvec_reference(x, w, *, bias=None, residual=None, squared_relu: bool = False,
+                           gated_input: bool = False):
+    x = gelu_gate(x) if gated_input else x
     return _epilogue(x @ w.T if bias is None else mx.addmm(bias, x, w.T), residual, squared_relu)
 
 
-def dense_matvec(x, w, *, bias=None, residual=None, squared_relu: bool = False, stream=None):
-    """`x @ w.T (+ bias)`, then the epilogue as `quantized_matvec`'s; `x` [..., K], w [N, K]."""
+def dense_matvec(x, w, *, bias=None, residual=None, squared_relu: bool = False, gated_input: bool = False,
+                 stream=None):
+    """`x @ w.T (+ bias)`, then the epilogue as `quantized_matvec`'s; `x` [..., K], w [N, K].
+    `gated_input`: x is `[..., 2K]` (gate, up) and `gelu_gate(x)` is the product's input; the kernel
+    forms it as it loads x (no launch of its own)."""
     if use_reference():
-        return dense_matvec_reference(x, w, bias=bias, residual=residual, squared_relu=squared_relu)
-    return ext.dense_matvec(x, w, bias, residual=residual, activation=_activation(squared_relu), stream=stream)
+        return dense_matvec_reference(x, w, bias=bias, residual=residual, squared_relu=squared_relu,
+                                      gated_input=gated_input)
+    return ext.dense_matvec(x, w, bias, residual=residual, activation=_activation(squared_relu),
+                            input="gelu_gate" if gated_input else "", stream=stream)
 
 
 # --------------------------------------------------------------------------- two heads
@@ -165,11 +178,12 @@ class GemvLinear(nn.Linear):
     def from_linear(cls, layer: nn.Linear) -> "GemvLinear":
         return _same_arrays(cls, layer)
 
-    def __call__(self, x, *, residual=None, squared_relu: bool = False):
+    def __call__(self, x, *, residual=None, squared_relu: bool = False, gated_input: bool = False):
+        """`layer(x)` with the epilogue; `gated_input`: `layer(gelu_gate(x))` (one launch on the kernel path)."""
         if _gemv_applies(x):
             return dense_matvec(x, self["weight"], bias=self.get("bias"), residual=residual,
-                                squared_relu=squared_relu)
-        return _epilogue(super().__call__(x), residual, squared_relu)
+                                squared_relu=squared_relu, gated_input=gated_input)
+        return _epilogue(super().__call__(gelu_gate(x) if gated_input else x), residual, squared_relu)
 
 
 def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool = False) -> mx.array:

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.add_rms_norm import add_rms_norm
-from ..kernels.gemv import stack_linears
+from ..kernels.gemv import GemvLinear, gelu_gate, stack_linears
 
 
 class OffsetRMSNorm(nn.Module):
@@ -65,11 +65,12 @@ class GatedMLP(nn.Module):
         self._gate_up = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self._gate_up is not None:
-            gate, up = mx.split(self._gate_up(x), 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.gelu_approx(gate) * up)
+        if self._gate_up is None:
+            return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self._gate_up(x)
+        if isinstance(self.down_proj, GemvLinear):  # the kernel forms gelu(gate) * up as it loads them
+            return self.down_proj(gate_up, gated_input=True)
+        return self.down_proj(gelu_gate(gate_up))
 
 
 def stack_projections(module: nn.Module) -> None:

@@ -21,6 +21,7 @@ import pytest
 from voicechat.kernels import ext
 from voicechat.kernels.add_rms_norm import add_rms_norm_reference
 from voicechat.kernels.gemv import gelu_gate
+from voicechat.kernels.mog_sample import mog_sample_reference
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
 from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
@@ -288,6 +289,24 @@ def qkv_heads_case(b, t, hq, hk, d, offset, base, dtype=mx.float32):
     return case, ref
 
 
+def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
+    k = mx.random.split(mx.random.key(seed), 6)
+    y = mx.random.normal((n + 1 + latent,), key=k[0]) * mx.concatenate(
+        [mx.full((n,), sharp), mx.ones((1 + latent,))])  # sharp: top-p keeps a few components
+    h = mx.random.normal((hidden,), key=k[1])
+    u = mx.random.uniform(shape=(n,), key=k[2])
+    noise = mx.random.normal((latent,), key=k[3])
+    mus = (mx.random.normal((n * r, hidden), key=k[4]) * hidden**-0.5).astype(w_dtype)
+    low_mat = (mx.random.normal((n, latent, r), key=k[5]) * r**-0.5).astype(w_dtype)
+    params = mx.array([0.95, -4.0, 0.001], mx.float32)
+    args = dict(N=n, R=r, L=latent, H=hidden, THREADS=1024, TW=w_dtype)
+    case = Case("vc_mog_sample", args, [y, h, u, noise, mus, low_mat, params],
+                [("float", (latent,)), ("int32_t", (1,))], 1, 1024)
+    with mx.stream(mx.cpu):
+        ref = mog_sample_reference(y, h, u, noise, mus, low_mat, 0.95, -4.0, 0.001)
+    return case, ref
+
+
 def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
     k1, k2, k3, k4 = mx.random.split(mx.random.key(c + length), 4)
     state = mx.random.normal((b, k - 1, c), key=k1)
@@ -351,6 +370,9 @@ def emulated(tmp_path_factory):
         "qkv_step": qkv_heads_case(2, 1, 16, 16, 72, 300, 1e4),
         "qkv_warmup": qkv_heads_case(2, 37, 16, 16, 72, 0, 1e6),
         "qkv_grouped_bf16": qkv_heads_case(1, 3, 4, 2, 80, 5, 1e4, mx.bfloat16),
+        # the MoG draw: more components than threads, bfloat16 weights; a flat mixture (top-p keeps many)
+        "mog_bf16": mog_case(1500, 8, 40, 96, mx.bfloat16, seed=1),
+        "mog_flat_f32": mog_case(300, 4, 24, 64, mx.float32, seed=2, sharp=0.3),
         # the causal conv + SiLU: a step and a prefix longer than the kernel, bfloat16 input
         "conv_step": conv_case(1, 1, 300, 4, 700, 256),
         "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
@@ -413,6 +435,15 @@ def test_qkv_heads_kernel_emulated(emulated, name):
     for got, want in zip(run(exe, name, cases[name], tmp), refs[name]):
         want = np.array(want)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["mog_bf16", "mog_flat_f32"])
+def test_mog_sample_kernel_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    z, component = run(exe, name, cases[name], tmp)
+    z_ref, c_ref = refs[name]
+    assert component.tolist() == np.array(c_ref).tolist()
+    np.testing.assert_allclose(z, np.array(z_ref), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])

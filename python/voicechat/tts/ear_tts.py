@@ -171,10 +171,9 @@ class EarTTS(nn.Module):
             x = self.code_embedding(code)[:, None, :] + hidden  # [2, 1, hidden]: cond / uncond
             key, sub = mx.random.split(key)
             u = mx.random.uniform(shape=(1, 1, mog.num_predictions), key=sub)
-            mu, logs = mog.infer(x, cfg.guidance_scale, cfg.top_p, u)
             key, sub = mx.random.split(key)
             noise = mx.random.normal(shape=(1, 1, d), key=sub)
-            z = mu + mx.exp(logs) * noise * cfg.noise_scale
+            z = mog.sample(x, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale)
             new, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms)
             code = mx.concatenate([code[:, :done], new.astype(mx.int32), code[:, done + count:]], axis=1)
             done += count

@@ -14,9 +14,8 @@ import mlx.nn as nn
 
 from ..config import MogHeadConfig
 from ..kernels.gemv import stack_linears
+from ..kernels.mog_sample import choose_component, component_mean, gumbel, mog_sample, top_p_keep  # noqa: F401
 from .layers import GatedMLP, OffsetRMSNorm, add_and_norm
-
-GUMBEL_EPS = 1e-8
 
 
 class MLPLayer(nn.Module):
@@ -28,23 +27,6 @@ class MLPLayer(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return x + self.post_norm(self.mlp(self.pre_norm(x)))
-
-
-def top_p_keep(logits: mx.array, top_p: float) -> mx.array:
-    """Boolean mask over the last axis: keep a component while the probability mass of the
-    strictly more likely components is < top_p (so the most likely one is always kept)."""
-    probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-    ordered = -mx.sort(-probs, axis=-1)  # descending
-    mass_before = mx.cumsum(ordered, axis=-1) - ordered
-    # The kept set is every component at least as likely as the least likely kept one; taking
-    # the threshold from the sorted order keeps ties together (a tie's first member carries the
-    # exact "strictly more likely" mass).
-    threshold = mx.min(mx.where(mass_before < top_p, ordered, mx.inf), axis=-1, keepdims=True)
-    return probs >= threshold
-
-
-def gumbel(u: mx.array) -> mx.array:
-    return -mx.log(-mx.log(u + GUMBEL_EPS) + GUMBEL_EPS)
 
 
 class MoGHead(nn.Module):
@@ -90,22 +72,28 @@ class MoGHead(nn.Module):
         """x [2, T, hidden] (row 0 conditioned, row 1 not), `u` uniform noise [1, T, num_predictions].
 
         Returns `(mu [1, T, latent], logs [1, T, 1])` (float32)."""
-        h = self.trunk(x)
-        cond, uncond = h[:1], h[1:]
-        h = cond + guidance_scale * (cond - uncond)
+        h = self.guided(x, guidance_scale)
         logits, log_std, rest = self.projections(h)
-        logits = mx.where(top_p_keep(logits, top_p), logits, -mx.inf)
-        log_probs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        component = mx.argmax(log_probs + gumbel(u), axis=-1)  # [1, T]
-        mu = self.component_mean(h, component)
+        mu = self.component_mean(h, choose_component(logits, top_p, u))
         logs = mx.maximum(log_std, self.min_log_std)
         return mu * mx.exp(logs) + rest, logs
 
+    def guided(self, x: mx.array, guidance_scale: float) -> mx.array:
+        """The trunk over both CFG rows, then `cond + g * (cond - uncond)`: [1, T, hidden]."""
+        h = self.trunk(x)
+        cond, uncond = h[:1], h[1:]
+        return cond + guidance_scale * (cond - uncond)
+
+    def sample(self, x: mx.array, guidance_scale: float, top_p: float, u: mx.array, noise: mx.array,
+               noise_scale: float) -> mx.array:
+        """One frame's draw `z = mu * s + rest + s * noise * noise_scale` (s = exp(logs)) from
+        x [2, 1, hidden]: the numbers of `infer` and that formula; on a CUDA GPU everything after
+        the projections is one launch (`kernels.mog_sample`)."""
+        h = self.guided(x, guidance_scale)
+        y = self._heads(h) if self._heads is not None else mx.concatenate(list(self.projections(h)), axis=-1)
+        z, _ = mog_sample(y, h, u, noise, self.proj_mus.weight, self.low_mat, top_p, self.min_log_std, noise_scale)
+        return z.reshape(1, 1, self.latent)
+
     def component_mean(self, h: mx.array, component: mx.array) -> mx.array:
         """`low_mat[c] @ (proj_mus.weight.reshape(n, r, hidden)[c] @ h)`, only the chosen rows."""
-        b, t, _ = h.shape
-        c = component.reshape(-1)
-        w = self.proj_mus.weight.reshape(self.num_predictions, self.low_rank, self.hidden)[c]  # [bt, r, hidden]
-        low = (w @ h.reshape(b * t, self.hidden, 1)).astype(mx.float32)  # [bt, r, 1]
-        mu = self.low_mat[c] @ low  # [bt, latent, 1]
-        return mu.reshape(b, t, self.latent).astype(mx.float32)
+        return component_mean(h, component, self.proj_mus.weight, self.low_mat)

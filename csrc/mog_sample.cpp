@@ -1,0 +1,227 @@
+// EAR-TTS's MoG draw for one frame in one launch, from the stacked projections of the guided
+// hidden state `y = [logits (N) | log_std (1) | rest (L)]`:
+//
+//   keep_i    = (mass of the components strictly more likely than i) < top_p     (top-p; ties kept together)
+//   c         = argmax_i over kept of (logits_i - logsumexp(kept logits)) + gumbel(u_i)   (first index on ties)
+//   low       = proj_mus.weight[c * R : (c + 1) * R] @ h                         [R]
+//   mu        = low_mat[c] @ low                                                 [L]
+//   s         = exp(max(log_std, min_log_std))
+//   z         = (mu * s + rest) + s * noise * noise_scale                         [L]
+//
+// gumbel(u) = -log(-log(u + 1e-8) + 1e-8). Composed (voicechat.tts.mog_head), that is a softmax, a
+// sort, a scan, the masking, a logsumexp, the Gumbel argmax, two gathers and two matmuls. Here one
+// block of 1024 threads; the top-p mass is summed per component over the others (no sort), so a
+// component whose mass lies within float rounding of top_p may be decided differently from the
+// sorted scan's. CUDA through fast::cuda_kernel; elsewhere the composed reference.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "cuda_sources.h"
+#include "mlx/mlx.h"
+#include "mlx_caster.h"
+#include "registry.h"
+
+namespace py = pybind11;
+namespace mx = mlx::core;
+
+namespace voicechat {
+namespace {
+
+constexpr int kThreads = 1024;
+
+constexpr const char* kHeader = R"(
+namespace vc_mog {
+
+template <int THREADS>
+__device__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+template <int THREADS>
+__device__ float block_max(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float best = scratch[0];
+  for (int w = 1; w < THREADS / 32; ++w) best = fmaxf(best, scratch[w]);
+  __syncthreads();
+  return best;
+}
+
+// (value, index) of the largest value, the smallest index among equals; -inf everywhere gives index 0.
+__device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
+  if (ov > v || (ov == v && oi < i)) {
+    v = ov;
+    i = oi;
+  }
+}
+
+template <int THREADS>
+__device__ int block_argmax(float v, int i, float* vs, int* is) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, off);
+    better(v, i, ov, oi);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    vs[threadIdx.x >> 5] = v;
+    is[threadIdx.x >> 5] = i;
+  }
+  __syncthreads();
+  v = vs[0];
+  i = is[0];
+  for (int w = 1; w < THREADS / 32; ++w) better(v, i, vs[w], is[w]);
+  __syncthreads();
+  return i;
+}
+
+}  // namespace vc_mog
+)";
+
+// Template args: N (components), R (low rank), L (latent), H (hidden), THREADS, TW (weights' type).
+// params: top_p, min_log_std, noise_scale.
+constexpr const char* kSource = R"(
+  __shared__ float p[N];
+  __shared__ unsigned char keep[N];
+  __shared__ float low[R];
+  __shared__ float scratch[THREADS / 32];
+  __shared__ int scratch_i[THREADS / 32];
+  const int tid = threadIdx.x;
+  const float top_p = params[0];
+  // softmax of the logits
+  float m = -inf;
+  for (int i = tid; i < N; i += THREADS) m = fmaxf(m, y[i]);
+  m = vc_mog::block_max<THREADS>(m, scratch);
+  float s = 0.0f;
+  for (int i = tid; i < N; i += THREADS) {
+    p[i] = expf(y[i] - m);
+    s += p[i];
+  }
+  s = vc_mog::block_sum<THREADS>(s, scratch);  // (its barrier also publishes p)
+  for (int i = tid; i < N; i += THREADS) p[i] = p[i] / s;
+  __syncthreads();
+  // top-p: keep i while the mass strictly above it is below top_p; the kept logits' logsumexp
+  float kept = 0.0f;
+  for (int i = tid; i < N; i += THREADS) {
+    const float pi = p[i];
+    float above = 0.0f;
+    for (int j = 0; j < N; ++j) {
+      const float pj = p[j];
+      above += pj > pi ? pj : 0.0f;
+    }
+    keep[i] = above < top_p;
+    if (keep[i]) kept += expf(y[i] - m);
+  }
+  const float lse = m + logf(vc_mog::block_sum<THREADS>(kept, scratch));
+  // Gumbel-max over the kept components
+  float best = -inf;
+  int best_i = 0;
+  for (int i = tid; i < N; i += THREADS) {
+    if (keep[i]) {
+      const float g = -logf(-logf(u[i] + 1e-8f) + 1e-8f);
+      vc_mog::better(best, best_i, (y[i] - lse) + g, i);
+    }
+  }
+  const int c = vc_mog::block_argmax<THREADS>(best, best_i, scratch, scratch_i);
+  if (tid == 0) component[0] = c;
+  // low = proj_mus rows of c @ h: one warp per row
+  const int lane = tid & 31;
+  for (int r = tid >> 5; r < R; r += THREADS / 32) {
+    const TW* w = mus + (static_cast<size_t>(c) * R + r) * H;
+    float acc = 0.0f;
+    for (int k = lane; k < H; k += 32) acc += static_cast<float>(w[k]) * h[k];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) low[r] = acc;
+  }
+  __syncthreads();
+  // z = (low_mat[c] @ low) * s + rest + s * noise * noise_scale
+  const float scale = expf(fmaxf(y[N], params[1]));
+  for (int l = tid; l < L; l += THREADS) {
+    const TW* lm = low_mat + (static_cast<size_t>(c) * L + l) * R;
+    float mu = 0.0f;
+    for (int r = 0; r < R; ++r) mu += static_cast<float>(lm[r]) * low[r];
+    z[l] = (mu * scale + y[N + 1 + l]) + scale * noise[l] * params[2];
+  }
+)";
+
+const CudaSource& source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int n, int r, int l, int h, const std::string& tw) {
+    return CudaInstance{{"float", "float", "float", "float", tw, tw, "float"},
+                        {"float", "int32_t"},
+                        {P{"N", "int:" + std::to_string(n)}, P{"R", "int:" + std::to_string(r)},
+                         P{"L", "int:" + std::to_string(l)}, P{"H", "int:" + std::to_string(h)},
+                         P{"THREADS", "int:" + std::to_string(kThreads)}, P{"TW", "type:" + tw}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_mog_sample",
+      {"y", "h", "u", "noise", "mus", "low_mat", "params"},
+      {"z", "component"},
+      kSource,
+      kHeader,
+      // the published head (bf16 weights); a small float32 one
+      {inst(1024, 64, 512, 1152, "__nv_bfloat16"), inst(24, 4, 40, 48, "float")},
+  });
+  return src;
+}
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("mog_sample: " + what);
+}
+
+std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array& h, const mx::array& u,
+                                            const mx::array& noise, const mx::array& mus, const mx::array& low_mat,
+                                            float top_p, float min_log_std, float noise_scale, mx::StreamOrDevice s_) {
+  expect(low_mat.ndim() == 3, "low_mat must be [N, L, R]");
+  const int n = low_mat.shape(0), l = low_mat.shape(1), r = low_mat.shape(2);
+  expect(h.ndim() >= 1, "h must be [..., H]");
+  const int hidden = h.shape(-1);
+  expect(static_cast<int>(h.size()) == hidden, "h must hold one row");
+  expect(static_cast<int>(y.size()) == n + 1 + l, "y must hold N + 1 + L values (logits, log-std, rest)");
+  expect(static_cast<int>(u.size()) == n, "u must hold N uniforms");
+  expect(static_cast<int>(noise.size()) == l, "noise must hold L normals");
+  expect(mus.shape() == mx::Shape{n * r, hidden}, "mus (proj_mus.weight) must be [N * R, H]");
+  auto s = mx::to_stream(s_);
+  const bool kernel_path = gpu_stream(s) && cuda_build() && n <= 4096 && y.dtype() == mx::float32 &&
+                           h.dtype() == mx::float32 && u.dtype() == mx::float32 && noise.dtype() == mx::float32 &&
+                           mus.dtype() == low_mat.dtype() &&
+                           (mus.dtype() == mx::float32 || mus.dtype() == mx::bfloat16 || mus.dtype() == mx::float16);
+  expect(kernel_path, "runs on a CUDA stream (float32 y, h, u, noise; N <= 4096); elsewhere use "
+                      "voicechat.kernels.mog_sample, which composes MLX ops");
+  static auto kernel = make_cuda_kernel(source());
+  auto flat = [&](const mx::array& a) { return mx::reshape(a, {static_cast<int>(a.size())}, s); };
+  auto params = mx::array({top_p, min_log_std, noise_scale});
+  auto outs = kernel({flat(y), flat(h), flat(u), flat(noise), mus, low_mat, params}, {{l}, {1}},
+                     {mx::float32, mx::int32}, {kThreads, 1, 1}, {kThreads, 1, 1},
+                     {{"N", n}, {"R", r}, {"L", l}, {"H", hidden}, {"THREADS", kThreads}, {"TW", mus.dtype()}},
+                     std::nullopt, false, s);
+  return {outs[0], outs[1]};
+}
+
+void bind(py::module_& m) {
+  source();  // registered at import, so the compile checks see it
+  m.def("mog_sample", &mog_sample, py::arg("y"), py::arg("h"), py::arg("u"), py::arg("noise"), py::arg("mus"),
+        py::arg("low_mat"), py::arg("top_p"), py::arg("min_log_std"), py::arg("noise_scale"),
+        py::arg("stream") = py::none(),
+        "One MoG draw: (z [L] float32, component [1] int32) from y = [logits N | log_std | rest L], the guided "
+        "hidden h [H], uniforms u [N], normals noise [L], proj_mus.weight [N * R, H] and low_mat [N, L, R]. "
+        "One CUDA launch; CUDA streams only.");
+}
+
+}  // namespace
+VC_REGISTER(bind);
+}  // namespace voicechat

@@ -111,10 +111,12 @@ def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
     out["backbone"] = _time(backbone_once, rounds)
     out["backbone"]["ops"] = kernel_count(count_ops(backbone_once()))
 
-    mog = mx.compile(lambda x, u: tts.mog_head.infer(x, cfg.guidance_scale, cfg.top_p, u))
+    mog = mx.compile(lambda x, u, noise: tts.mog_head.sample(x, cfg.guidance_scale, cfg.top_p, u, noise,
+                                                             cfg.noise_scale))
     u = mx.random.uniform(shape=(1, 1, tts.mog_head.num_predictions), key=mx.random.key(2))
-    out["mog_infer"] = _time(lambda: mog(hidden, u), rounds)
-    out["mog_infer"]["ops"] = kernel_count(count_ops(mog(hidden, u)))
+    noise = mx.random.normal((1, 1, cfg.latent_size), key=mx.random.key(6))
+    out["mog_sample"] = _time(lambda: mog(hidden, u, noise), rounds)
+    out["mog_sample"]["ops"] = kernel_count(count_ops(mog(hidden, u, noise)))
 
     generate = mx.compile(tts.generate_codes)
     out["generate_codes"] = _time(lambda: generate(hidden, mx.random.key(3)), rounds)

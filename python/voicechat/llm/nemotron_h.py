@@ -117,8 +117,10 @@ class BufferKV:
     """A `KVCache`'s whole buffers inside the compiled decode step: the position is an array, so
     the step's shapes stay fixed while the cache fills (keys past the position are masked out)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array):
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, masks: dict | None = None):
         self.keys, self.values, self.offset = keys, values, offset
+        # Shared by the step's attention layers: buffers of one capacity need one mask a step.
+        self._masks = {} if masks is None else masks
 
     def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         self.keys = mx.slice_update(self.keys, k, self.offset, axes=(2,))
@@ -127,8 +129,11 @@ class BufferKV:
 
     def attention_mask(self, length: int) -> mx.array:
         """Query i (at position offset + i) sees the slots <= its position: [length, capacity]."""
-        slots = mx.arange(self.keys.shape[2])
-        return slots[None] <= (self.offset + mx.arange(length))[:, None]
+        key = (self.keys.shape[2], length)
+        if key not in self._masks:
+            slots = mx.arange(self.keys.shape[2])
+            self._masks[key] = slots[None] <= (self.offset + mx.arange(length))[:, None]
+        return self._masks[key]
 
 
 class NemotronHCache(list):
@@ -367,12 +372,12 @@ class DuplexLM(nn.Module):
 
     def _decode_graph(self, prev_text_ids, audio, prev_function_ids, offset, state):
         arrays = iter(state)
-        caches = []
+        caches, masks = [], {}
         for layer in self.llm.layers:
             if layer.kind == "mamba":
                 caches.append(MambaCache(next(arrays), next(arrays)))
             elif layer.kind == "attention":
-                caches.append(BufferKV(next(arrays), next(arrays), offset))
+                caches.append(BufferKV(next(arrays), next(arrays), offset, masks))
             else:
                 caches.append(None)
         out = self.step(self.fused_input(prev_text_ids, audio, prev_function_ids), caches)

@@ -6,7 +6,7 @@
 //
 // Used by the TTS step (one row, 1..22 codebooks per call) and the codec encoder (all 31
 // codebooks over many frames). Everything accumulates in float32; the residual comes back as
-// float32. Paths: CUDA (one block per row, warps over codewords), CPU (a C++ loop for few rows,
+// float32. Paths: CUDA (a launch per codebook over many blocks, for few rows), CPU (a C++ loop for few rows,
 // BLAS-backed composed ops for many), anything else the composed ops.
 #include <pybind11/pybind11.h>
 
@@ -127,111 +127,180 @@ class RvqSearch : public mx::Primitive {
 
 // ---------------------------------------------------------------- CUDA
 
-// One block per row; warps stride over codewords, lanes over the latent dimension (coalesced
-// reads of each codeword); a block-wide argmin picks the code, then every thread updates its
-// slice of the residual held in shared memory. No block waits for another.
+// CUDA: one launch per codebook, each spread over NB blocks per row (KB codewords each), that
+// meet only through the next launch. The launch for codebook q first finishes codebook q - 1:
+// every block reads q - 1's NB partial argmin keys, takes the best, and forms the residual
+// r - E[q - 1, code] itself (block 0 also stores it and the code); then it scores its KB codewords
+// of q (warp per codeword, lanes over D) and writes its best key. A last launch finishes the last
+// codebook. No block waits for another (a spin-wait version hung inside the compiled TTS step).
+// A key orders (distance, index) as mx.argmin does: smaller distance, then the smaller index.
 //
-// Measured on the H200 (one row, 22 bf16 codebooks of 1024 x 512): 5.8 ms, against 1.4 ms for
-// the composed ops (a GEMV, argmin and gather per codebook): one block reads 22 MB alone. So
-// "auto" takes the composed ops on the GPU and this kernel runs only when asked ("fused").
-// A version that spread each row over many blocks meeting at a spin-wait counter was faster
-// alone but hung inside the compiled TTS step (its zero-initialised counter is not ordered
-// before the kernel there), so it was removed.
-constexpr const char* kCudaSource = R"(
+// It replaces one block per row that walked every codebook alone (5.8 ms for 22 bf16 codebooks
+// on the H200, where the composed ops took 1.4 ms: one block read 22 MB).
+constexpr const char* kCudaHeader = R"(
+namespace vc_rvq {
+
+__device__ __forceinline__ unsigned long long key(float dist, int index) {
+  const unsigned int b = __float_as_uint(dist);
+  const unsigned int ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned int>(index);
+}
+
+// The code of the best of `count` keys (the smallest).
+__device__ __forceinline__ int best_code(const unsigned long long* keys, int count) {
+  unsigned long long best = keys[0];
+  for (int i = 1; i < count; ++i) best = keys[i] < best ? keys[i] : best;
+  return static_cast<int>(best & 0xFFFFFFFFull);
+}
+
+}  // namespace vc_rvq
+)";
+
+// Template args: T (codebooks' type), D, K, NB (blocks per row), THREADS, FIRST (no codebook
+// before this one: keys_prev is not read). q: [this codebook's index].
+constexpr const char* kCudaStepSource = R"(
+  constexpr int KB = K / NB;
   constexpr int WARPS = THREADS / 32;
   __shared__ float r[D];
-  __shared__ float best_dist[WARPS];
-  __shared__ int best_code[WARPS];
   __shared__ int chosen;
-  const int row = blockIdx.x;
+  __shared__ unsigned long long warp_best[WARPS];
+  const int row = blockIdx.x / NB;
+  const int blk = blockIdx.x % NB;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  for (int d = threadIdx.x; d < D; d += THREADS) {
-    r[d] = static_cast<float>(residual[row * D + d]);
+  const int qi = q[0];
+  if constexpr (FIRST) {
+    for (int d = threadIdx.x; d < D; d += THREADS) r[d] = r_prev[static_cast<size_t>(row) * D + d];
+    if (blk == 0 && threadIdx.x == 0) code_prev[row] = -1;
+  } else {
+    if (threadIdx.x == 0) {
+      chosen = vc_rvq::best_code(reinterpret_cast<const unsigned long long*>(keys_prev) + static_cast<size_t>(row) * NB, NB);
+    }
+    __syncthreads();
+    const T* e = codebooks + (static_cast<size_t>(qi - 1) * K + chosen) * D;
+    for (int d = threadIdx.x; d < D; d += THREADS) {
+      r[d] = r_prev[static_cast<size_t>(row) * D + d] - static_cast<float>(e[d]);
+    }
+    if (blk == 0 && threadIdx.x == 0) code_prev[row] = chosen;
   }
   __syncthreads();
-  for (int q = START; q < START + COUNT; ++q) {
-    const T* book = codebooks + (size_t)q * K * D;
-    float my_best = __int_as_float(0x7f800000);  // +inf
-    int my_code = 0;
-    for (int k = warp; k < K; k += WARPS) {
-      const T* e = book + (size_t)k * D;
-      float dot = 0.0f;
-      for (int d = lane; d < D; d += 32) {
-        dot += r[d] * static_cast<float>(e[d]);
-      }
-      for (int off = 16; off > 0; off >>= 1) {
-        dot += __shfl_xor_sync(0xffffffff, dot, off);
-      }
-      const float dist = norms[q * K + k] - 2.0f * dot;
-      if (dist < my_best) {  // k grows within a warp: strict < keeps the first index
-        my_best = dist;
-        my_code = k;
-      }
-    }
-    if (lane == 0) {
-      best_dist[warp] = my_best;
-      best_code[warp] = my_code;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      float b = best_dist[0];
-      int c = best_code[0];
-      for (int w = 1; w < WARPS; ++w) {
-        if (best_dist[w] < b || (best_dist[w] == b && best_code[w] < c)) {
-          b = best_dist[w];
-          c = best_code[w];
-        }
-      }
-      chosen = c;
-      codes[row * COUNT + (q - START)] = c;
-    }
-    __syncthreads();
-    const T* e = book + (size_t)chosen * D;
-    for (int d = threadIdx.x; d < D; d += THREADS) {
-      r[d] -= static_cast<float>(e[d]);
-    }
-    __syncthreads();
+  if (blk == 0) {
+    for (int d = threadIdx.x; d < D; d += THREADS) r_cur[static_cast<size_t>(row) * D + d] = r[d];
   }
+  unsigned long long mine = ~0ull;
+  const T* book = codebooks + static_cast<size_t>(qi) * K * D;
+  for (int k = blk * KB + warp; k < (blk + 1) * KB; k += WARPS) {
+    const T* e = book + static_cast<size_t>(k) * D;
+    float dot = 0.0f;
+    for (int d = lane; d < D; d += 32) dot += r[d] * static_cast<float>(e[d]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const unsigned long long kk = vc_rvq::key(norms[static_cast<size_t>(qi) * K + k] - 2.0f * dot, k);
+    mine = kk < mine ? kk : mine;
+  }
+  if (lane == 0) warp_best[warp] = mine;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long best = warp_best[0];
+    for (int w = 1; w < WARPS; ++w) best = warp_best[w] < best ? warp_best[w] : best;
+    reinterpret_cast<unsigned long long*>(keys)[static_cast<size_t>(row) * NB + blk] = best;
+  }
+)";
+
+// The last codebook's finish: code and residual. Template args: T, D, K, NB, THREADS. q: [its index].
+constexpr const char* kCudaFinishSource = R"(
+  __shared__ int chosen;
+  const int row = blockIdx.x;
+  if (threadIdx.x == 0) {
+    chosen = vc_rvq::best_code(reinterpret_cast<const unsigned long long*>(keys_prev) + static_cast<size_t>(row) * NB, NB);
+    code[row] = chosen;
+  }
+  __syncthreads();
+  const T* e = codebooks + (static_cast<size_t>(q[0]) * K + chosen) * D;
   for (int d = threadIdx.x; d < D; d += THREADS) {
-    residual_out[row * D + d] = r[d];
+    residual_out[static_cast<size_t>(row) * D + d] = r_prev[static_cast<size_t>(row) * D + d] - static_cast<float>(e[d]);
   }
 )";
 
 constexpr int kCudaThreads = 256;
+constexpr int kBlocksPerRow = 32;  // of the 1024 codewords: 32 per block, 4 per warp
 
-const CudaSource& cuda_source() {
+const CudaSource& cuda_step_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const std::string& t, int d, int k, int nb, bool first) {
+    return CudaInstance{{"float", first ? "float" : "int64_t", t, "float", "int32_t"},
+                        {"float", "int64_t", "int32_t"},
+                        {P{"T", "type:" + t}, P{"D", "int:" + std::to_string(d)}, P{"K", "int:" + std::to_string(k)},
+                         P{"NB", "int:" + std::to_string(nb)}, P{"THREADS", "int:256"},
+                         P{"FIRST", first ? "bool:true" : "bool:false"}}};
+  };
   static const CudaSource& src = register_cuda_source({
-      "rvq_search",
-      {"residual", "codebooks", "norms"},
-      {"codes", "residual_out"},
-      kCudaSource,
-      "",
-      {
-          {{"float", "__nv_bfloat16", "float"}, {"int32_t", "float"},
-           {{"T", "type:__nv_bfloat16"}, {"D", "int:512"}, {"K", "int:1024"}, {"START", "int:9"},
-            {"COUNT", "int:22"}, {"THREADS", "int:256"}}},
-          {{"float", "float", "float"}, {"int32_t", "float"},
-           {{"T", "type:float"}, {"D", "int:40"}, {"K", "int:52"}, {"START", "int:0"},
-            {"COUNT", "int:31"}, {"THREADS", "int:256"}}},
-      },
+      "vc_rvq_step",
+      {"r_prev", "keys_prev", "codebooks", "norms", "q"},
+      {"r_cur", "keys", "code_prev"},
+      kCudaStepSource,
+      kCudaHeader,
+      {inst("__nv_bfloat16", 512, 1024, 32, true), inst("__nv_bfloat16", 512, 1024, 32, false),
+       inst("float", 40, 52, 4, false)},
   });
   return src;
 }
 
+const CudaSource& cuda_finish_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const std::string& t, int d, int k, int nb) {
+    return CudaInstance{{"float", "int64_t", t, "int32_t"},
+                        {"float", "int32_t"},
+                        {P{"T", "type:" + t}, P{"D", "int:" + std::to_string(d)}, P{"K", "int:" + std::to_string(k)},
+                         P{"NB", "int:" + std::to_string(nb)}, P{"THREADS", "int:256"}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_rvq_finish",
+      {"r_prev", "keys_prev", "codebooks", "q"},
+      {"residual_out", "code"},
+      kCudaFinishSource,
+      kCudaHeader,
+      {inst("__nv_bfloat16", 512, 1024, 32), inst("float", 40, 52, 4)},
+  });
+  return src;
+}
+
+// Blocks per row: kBlocksPerRow, fewer for small codebooks (a divisor of K, each block >= 1 codeword).
+int blocks_per_row(int k) {
+  int nb = kBlocksPerRow;
+  while (nb > 1 && (k % nb != 0 || k / nb < 1)) nb /= 2;
+  return nb;
+}
+
 std::vector<mx::array> rvq_search_cuda(const mx::array& residual, const mx::array& codebooks,
                                        const mx::array& norms, int start, int count, mx::Stream s) {
-  static auto kernel = [] {
-    const auto& src = cuda_source();
-    return make_cuda_kernel(src);
-  }();
+  static auto step = make_cuda_kernel(cuda_step_source());
+  static auto finish = make_cuda_kernel(cuda_finish_source());
   const int rows = residual.shape(0), dim = residual.shape(1), size = codebooks.shape(1);
-  return kernel(
-      {residual, codebooks, norms}, {{rows, count}, {rows, dim}}, {mx::int32, mx::float32},
-      {rows * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
-      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"START", start}, {"COUNT", count},
-       {"THREADS", kCudaThreads}},
-      std::nullopt, false, s);
+  const int nb = blocks_per_row(size);
+  auto r = mx::astype(residual, mx::float32, s);
+  mx::array keys = r;  // not read by the first step
+  std::vector<mx::array> codes;
+  for (int i = 0; i < count; ++i) {
+    const bool first = i == 0;
+    auto outs = step({r, keys, codebooks, norms, mx::array({start + i}, mx::int32)},
+                     {{rows, dim}, {rows, nb}, {rows}}, {mx::float32, mx::int64, mx::int32},
+                     {rows * nb * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
+                     {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads},
+                      {"FIRST", first}},
+                     std::nullopt, false, s);
+    if (!first) {
+      codes.push_back(mx::reshape(outs[2], {rows, 1}, s));
+    }
+    r = outs[0];
+    keys = outs[1];
+  }
+  auto outs = finish({r, keys, codebooks, mx::array({start + count - 1}, mx::int32)}, {{rows, dim}, {rows}},
+                     {mx::float32, mx::int32}, {rows * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
+                     {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads}},
+                     std::nullopt, false, s);
+  codes.push_back(mx::reshape(outs[1], {rows, 1}, s));
+  return {codes.size() == 1 ? codes[0] : mx::concatenate(codes, 1, s), outs[0]};
 }
 
 // ---------------------------------------------------------------- the op
@@ -263,7 +332,8 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
     return rvq_search_composed(residual, codebooks, norms32, start, count, s);
   }
   if (gpu_stream(s)) {
-    if (cuda_build() && method == "fused") {
+    // The kernels for the few rows of a TTS step; the composed ops (a GEMM per codebook) for many.
+    if (cuda_build() && (method == "fused" || (method == "auto" && residual.shape(0) <= 8))) {
       return rvq_search_cuda(mx::contiguous(residual, false, s), mx::contiguous(codebooks, false, s),
                              mx::contiguous(norms32, false, s), start, count, s);
     }
@@ -283,7 +353,8 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
 }
 
 void bind(py::module_& m) {
-  cuda_source();  // registered at import, so the compile check sees it
+  cuda_step_source();  // registered at import, so the compile checks see them
+  cuda_finish_source();
   m.def("rvq_search", &rvq_search, py::arg("residual"), py::arg("codebooks"), py::arg("norms"), py::arg("start"),
         py::arg("count"), py::arg("method") = "auto", py::arg("stream") = py::none(),
         "Sequential residual quantization over codebooks [start, start + count): (codes [B, count] int32, "

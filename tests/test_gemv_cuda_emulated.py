@@ -22,6 +22,7 @@ from voicechat.kernels import ext
 from voicechat.kernels.add_rms_norm import add_rms_norm_reference
 from voicechat.kernels.gemv import gelu_gate
 from voicechat.kernels.mog_sample import mog_sample_reference
+from voicechat.kernels.rvq import codebook_norms, rvq_search_reference
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
 from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
@@ -307,6 +308,23 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
     return case, ref
 
 
+RVQ_CONFIGS = {"rvq_f32": (mx.float32, 40, 52, 4), "rvq_bf16": (mx.bfloat16, 64, 128, 32)}  # T, D, K, NB
+
+
+def rvq_cases(tag, dtype, d, k, nb, rows=3):
+    """The step kernel (first / next) and the finish, compiled once; inputs are set per launch."""
+    base = dict(T=dtype, D=d, K=k, NB=nb, THREADS=256)
+    placeholder = [mx.zeros((rows, d)), mx.zeros((rows, nb), mx.int64), mx.zeros((1, k, d), dtype),
+                   mx.zeros((1, k)), mx.zeros((1,), mx.int32)]
+    step_out = [("float", (rows, d)), ("int64_t", (rows, nb)), ("int32_t", (rows,))]
+    first = Case("vc_rvq_step", dict(base, FIRST=True), [placeholder[0], *placeholder[:1], *placeholder[2:]],
+                 step_out, rows * nb, 256)
+    nxt = Case("vc_rvq_step", dict(base, FIRST=False), placeholder, step_out, rows * nb, 256)
+    finish = Case("vc_rvq_finish", base, [placeholder[0], placeholder[1], placeholder[2], placeholder[4]],
+                  [("float", (rows, d)), ("int32_t", (rows,))], rows, 256)
+    return {f"{tag}_first": first, f"{tag}_next": nxt, f"{tag}_finish": finish}
+
+
 def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
     k1, k2, k3, k4 = mx.random.split(mx.random.key(c + length), 4)
     state = mx.random.normal((b, k - 1, c), key=k1)
@@ -378,6 +396,9 @@ def emulated(tmp_path_factory):
         "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
     }.items():
         cases[name], refs[name] = case, ref
+    for tag, config in RVQ_CONFIGS.items():
+        for name, case in rvq_cases(tag, *config).items():
+            cases[name], refs[name] = case, None
     argmax = {}
     for name, (x_dtype, logits) in {"argmax_bf16_logits": (mx.bfloat16, True), "argmax_f32": (mx.float32, False)}.items():
         case, ref, nb = argmax_case(1000, 256, 2, x_dtype, logits)
@@ -444,6 +465,37 @@ def test_mog_sample_kernel_emulated(emulated, name):
     z_ref, c_ref = refs[name]
     assert component.tolist() == np.array(c_ref).tolist()
     np.testing.assert_allclose(z, np.array(z_ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tag", list(RVQ_CONFIGS))
+@pytest.mark.parametrize("start,count", [(0, 1), (2, 5)])
+def test_rvq_kernels_emulated(emulated, tag, start, count):
+    """The chain the host runs: a step launch per codebook, then the finish."""
+    exe, cases, _, _, tmp = emulated
+    dtype, d, k, _ = RVQ_CONFIGS[tag]
+    keys_ = mx.random.split(mx.random.key(count + d), 2)
+    books = mx.random.normal((8, k, d), key=keys_[0]).astype(dtype)
+    residual = 2.0 * mx.random.normal((3, d), key=keys_[1])
+    norms = codebook_norms(books)
+    r, keys, codes = residual, residual, []
+    for i in range(count):
+        name = f"{tag}_first" if i == 0 else f"{tag}_next"
+        case = cases[name]
+        case.inputs = [r, keys, books, norms, mx.array([start + i], mx.int32)]
+        (tmp / f"{tag}_{start}_{i}").mkdir()
+        r, keys, code = run(exe, name, case, tmp / f"{tag}_{start}_{i}")
+        r, keys = mx.array(r), mx.array(keys)
+        if i:
+            codes.append(code)
+    case = cases[f"{tag}_finish"]
+    case.inputs = [r, keys, books, mx.array([start + count - 1], mx.int32)]
+    (tmp / f"{tag}_{start}_finish").mkdir()
+    r_out, code = run(exe, f"{tag}_finish", case, tmp / f"{tag}_{start}_finish")
+    codes.append(code)
+    with mx.stream(mx.cpu):
+        want_codes, want_r = rvq_search_reference(residual, books, start, count, norms)
+    np.testing.assert_array_equal(np.stack(codes, axis=1), np.array(want_codes))
+    np.testing.assert_allclose(r_out, np.array(want_r), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])

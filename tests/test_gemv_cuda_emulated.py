@@ -20,6 +20,7 @@ import pytest
 
 from voicechat.kernels import ext
 from voicechat.kernels.add_rms_norm import add_rms_norm_reference
+from voicechat.kernels.decode_attention import decode_attention_reference
 from voicechat.kernels.gemv import gelu_gate
 from voicechat.kernels.mog_sample import mog_sample_reference
 from voicechat.kernels.rvq import codebook_norms, rvq_search_reference
@@ -308,6 +309,21 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
     return case, ref
 
 
+# (B, H, HK, CAP, D) of the decode attention: the TTS's heads over two chunks of slots, grouped heads
+ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 300, 72), "attn_gqa": (1, 4, 2, 100, 40)}
+
+
+def attention_cases(tag, b, h, hk, cap, d):
+    nc = -(-cap // 256)
+    q, kv = mx.zeros((b, h, 1, d)), mx.zeros((b, hk, cap, d))
+    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CAP=cap, CH=256, THREADS=256),
+                [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,))], [("float", (b * h * nc, d + 2))],
+                b * h * nc, 256)
+    combine = Case("vc_decode_attn_combine", dict(D=d, CAP=cap, CH=256, THREADS=128),
+                   [mx.zeros((b * h * nc, d + 2))], [("float", (b * h, d))], b * h, 128)
+    return {f"{tag}_part": part, f"{tag}_combine": combine}
+
+
 RVQ_CONFIGS = {"rvq_f32": (mx.float32, 40, 52, 4), "rvq_bf16": (mx.bfloat16, 64, 128, 32)}  # T, D, K, NB
 
 
@@ -396,6 +412,9 @@ def emulated(tmp_path_factory):
         "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
     }.items():
         cases[name], refs[name] = case, ref
+    for tag, config in ATTN_CONFIGS.items():
+        for name, case in attention_cases(tag, *config).items():
+            cases[name], refs[name] = case, None
     for tag, config in RVQ_CONFIGS.items():
         for name, case in rvq_cases(tag, *config).items():
             cases[name], refs[name] = case, None
@@ -465,6 +484,30 @@ def test_mog_sample_kernel_emulated(emulated, name):
     z_ref, c_ref = refs[name]
     assert component.tolist() == np.array(c_ref).tolist()
     np.testing.assert_allclose(z, np.array(z_ref), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tag", list(ATTN_CONFIGS))
+@pytest.mark.parametrize("offset", [0, 10, 270, 5000])
+def test_decode_attention_kernels_emulated(emulated, tag, offset):
+    """Slot 0 only, the first chunk only (the second empty), into the second, all (a full ring)."""
+    exe, cases, _, _, tmp = emulated
+    b, h, hk, cap, d = ATTN_CONFIGS[tag]
+    k1, k2, k3 = mx.random.split(mx.random.key(offset + d), 3)
+    q = mx.random.normal((b, h, 1, d), key=k1)
+    k = mx.random.normal((b, hk, cap, d), key=k2)
+    v = mx.random.normal((b, hk, cap, d), key=k3)
+    scale = d**-0.5
+    part = cases[f"{tag}_part"]
+    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale])]
+    (tmp / f"{tag}_{offset}").mkdir()
+    (parts,) = run(exe, f"{tag}_part", part, tmp / f"{tag}_{offset}")
+    combine = cases[f"{tag}_combine"]
+    combine.inputs = [mx.array(parts)]
+    (tmp / f"{tag}_{offset}_c").mkdir()
+    (out,) = run(exe, f"{tag}_combine", combine, tmp / f"{tag}_{offset}_c")
+    with mx.stream(mx.cpu):
+        want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale)
+    np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("tag", list(RVQ_CONFIGS))

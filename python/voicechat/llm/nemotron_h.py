@@ -31,6 +31,7 @@ import mlx.nn as nn
 
 from ..config import TextConfig
 from ..kernels.causal_conv import causal_conv_silu
+from ..kernels.decode_attention import decode_attention
 from ..kernels.gated_rms_norm import gated_rms_norm
 from ..kernels.gemv import linear
 from ..kernels.mamba_scan import mamba_scan_packed
@@ -248,8 +249,12 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)
             mask = cache.attention_mask(L)
-        o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
-        return linear(self.o_proj, o.transpose(0, 2, 1, 3).reshape(b, L, -1), residual=residual)
+        if isinstance(cache, BufferKV) and L == 1:  # the compiled decode step: two launches on CUDA
+            o = decode_attention(q, k, v, cache.offset, self.scale, mask)
+        else:
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+            o = o.transpose(0, 2, 1, 3).reshape(b, L, -1)
+        return linear(self.o_proj, o, residual=residual)
 
 
 class MLP(nn.Module):

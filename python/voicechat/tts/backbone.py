@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TTSConfig
+from ..kernels.decode_attention import decode_attention
 from ..kernels.gemv import on_cuda_gpu, stack_linears
 from ..kernels.qkv_heads import qkv_heads, rope_inv_freq
 from .layers import GatedMLP, OffsetRMSNorm, add_and_norm
@@ -81,6 +82,11 @@ class Attention(nn.Module):
         q = mx.fast.rope(q, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
         k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
         return q, k, v.astype(mx.float32)
+
+    def attend_step(self, q: mx.array, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array) -> mx.array:
+        """One query at `offset` over the whole buffers k, v (`mask`: their slots <= offset): two
+        launches on CUDA (`kernels.decode_attention`), MLX's attention with the mask elsewhere."""
+        return self.o_proj(decode_attention(q, k, v, offset, self.scale, mask))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -239,7 +245,7 @@ class Backbone(nn.Module):
             q, k, v = attn.project(z, offset)
             kb = mx.slice_update(keys[i], k, slots[window], axes=(2,))
             vb = mx.slice_update(values[i], v, slots[window], axes=(2,))
-            h, z = layer.after_attention(h, attn.attend(q, kb, vb, masks[capacity]), self.norm_after(i))
+            h, z = layer.after_attention(h, attn.attend_step(q, kb, vb, offset, masks[capacity]), self.norm_after(i))
             out_keys.append(kb)
             out_values.append(vb)
         return z, out_keys, out_values

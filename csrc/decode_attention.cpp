@@ -1,0 +1,204 @@
+// One query position against fixed-size K/V buffers whose slots past the position are not yet
+// written (the decode step of a cache that grows in chunks or rings):
+//
+//   out[b, h] = softmax_s(scale * q[b, h] . k[b, h / G, s]) @ v[b, h / G, s]   over slots s <= offset
+//
+// G = H / HK (grouped heads). MLX's fast attention takes neither a mask array nor head dim 72 on
+// CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
+// two launches whatever the buffer size: NC chunks of CH slots per (b, h) each keep an online
+// softmax (max, sum, weighted values) over their valid slots, then one block per (b, h) merges
+// the chunks. No block waits for another. CUDA through fast::cuda_kernel; elsewhere MLX's
+// attention with the mask (the reference: voicechat.kernels.decode_attention).
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "cuda_sources.h"
+#include "mlx/mlx.h"
+#include "mlx_caster.h"
+#include "registry.h"
+
+namespace py = pybind11;
+namespace mx = mlx::core;
+
+namespace voicechat {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kChunk = 256;  // slots per block of the first launch
+
+// Template args: D, H, HK, CAP, CH, THREADS. part: [B * H * NC, D + 2] = (max, sum, values).
+constexpr const char* kPartSource = R"(
+  constexpr int NC = (CAP + CH - 1) / CH;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int PER = (D + 31) / 32;  // dims per lane
+  __shared__ float qs[D];
+  __shared__ float wm[WARPS], wl[WARPS];
+  __shared__ float wacc[WARPS][D];
+  const int bh = blockIdx.x / NC;
+  const int chunk = blockIdx.x % NC;
+  const int b = bh / H, h = bh % H, hk = h / (H / HK);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int d = threadIdx.x; d < D; d += THREADS) qs[d] = q[static_cast<size_t>(bh) * D + d];
+  __syncthreads();
+  const float sc = scale[0];
+  const int last = min(offset[0], CAP - 1);  // the highest valid slot
+  const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
+  const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
+  float m = -inf, l = 0.0f, acc[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+  const int end = min((chunk + 1) * CH, last + 1);
+  for (int s = chunk * CH + warp; s < end; s += WARPS) {
+    const float* ks = kb + static_cast<size_t>(s) * D;
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) dot += qs[d] * ks[d];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const float score = dot * sc;
+    const float m_new = fmaxf(m, score);
+    const float keep = expf(m - m_new), w = expf(score - m_new);
+    l = l * keep + w;
+    const float* vs = vb + static_cast<size_t>(s) * D;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int d = lane + 32 * i;
+      acc[i] = acc[i] * keep + (d < D ? w * vs[d] : 0.0f);
+    }
+    m = m_new;
+  }
+  if (lane == 0) {
+    wm[warp] = m;
+    wl[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int d = lane + 32 * i;
+    if (d < D) wacc[warp][d] = acc[i];
+  }
+  __syncthreads();
+  float* out = part + static_cast<size_t>(blockIdx.x) * (D + 2);
+  float mb = -inf;
+  for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, wm[w]);
+  for (int d = threadIdx.x; d < D + 2; d += THREADS) {
+    float total = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = wm[w] == -inf ? 0.0f : expf(wm[w] - mb);
+      total += f * (d < D ? wacc[w][d] : wl[w]);
+    }
+    if (d < D) out[d + 2] = total;
+    else if (d == D) out[1] = total;  // the sum
+    else out[0] = mb;                 // the max
+  }
+)";
+
+// Template args: D, CAP, CH, THREADS. out: [B * H, D] (the step's [B, 1, H * D]).
+constexpr const char* kCombineSource = R"(
+  constexpr int NC = (CAP + CH - 1) / CH;
+  const float* pr = part + static_cast<size_t>(blockIdx.x) * NC * (D + 2);
+  float mb = -inf;
+  for (int c = 0; c < NC; ++c) mb = fmaxf(mb, pr[c * (D + 2)]);
+  float lsum = 0.0f;
+  for (int c = 0; c < NC; ++c) {
+    const float mc = pr[c * (D + 2)];
+    if (mc != -inf) lsum += expf(mc - mb) * pr[c * (D + 2) + 1];
+  }
+  for (int d = threadIdx.x; d < D; d += THREADS) {
+    float total = 0.0f;
+    for (int c = 0; c < NC; ++c) {
+      const float mc = pr[c * (D + 2)];
+      if (mc != -inf) total += expf(mc - mb) * pr[c * (D + 2) + 2 + d];
+    }
+    out[static_cast<size_t>(blockIdx.x) * D + d] = total / lsum;
+  }
+)";
+
+const CudaSource& part_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int d, int h, int hk, int cap) {
+    return CudaInstance{{"float", "float", "float", "int32_t", "float"},
+                        {"float"},
+                        {P{"D", "int:" + std::to_string(d)}, P{"H", "int:" + std::to_string(h)},
+                         P{"HK", "int:" + std::to_string(hk)}, P{"CAP", "int:" + std::to_string(cap)},
+                         P{"CH", "int:" + std::to_string(kChunk)}, P{"THREADS", "int:" + std::to_string(kThreads)}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_decode_attn_part",
+      {"q", "k", "v", "offset", "scale"},
+      {"part"},
+      kPartSource,
+      "",
+      // the TTS backbone (its first chunk of slots, a long ring), the LLM's grouped heads
+      {inst(72, 16, 16, 256), inst(72, 16, 16, 7500), inst(128, 40, 8, 512)},
+  });
+  return src;
+}
+
+const CudaSource& combine_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int d, int cap) {
+    return CudaInstance{{"float"},
+                        {"float"},
+                        {P{"D", "int:" + std::to_string(d)}, P{"CAP", "int:" + std::to_string(cap)}, P{"CH", "int:" + std::to_string(kChunk)},
+                         P{"THREADS", "int:128"}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_decode_attn_combine",
+      {"part"},
+      {"out"},
+      kCombineSource,
+      "",
+      {inst(72, 256), inst(72, 7500), inst(128, 512)},
+  });
+  return src;
+}
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("decode_attention: " + what);
+}
+
+// q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid).
+// Returns [B, 1, H * D] float32.
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& offset,
+                           float scale, mx::StreamOrDevice s_) {
+  expect(q.ndim() == 4 && q.shape(2) == 1, "q must be [B, H, 1, D]");
+  expect(k.ndim() == 4 && v.shape() == k.shape(), "k and v must be [B, HK, CAP, D] alike");
+  const int b = q.shape(0), h = q.shape(1), d = q.shape(3), hk = k.shape(1), cap = k.shape(2);
+  expect(k.shape(0) == b && k.shape(3) == d, "q and k disagree in batch or head dim");
+  expect(hk >= 1 && h % hk == 0, "the query heads must be a multiple of the K/V heads");
+  expect(offset.size() == 1, "offset must hold one position");
+  auto s = mx::to_stream(s_);
+  expect(gpu_stream(s) && cuda_build() && q.dtype() == mx::float32 && k.dtype() == mx::float32 &&
+             v.dtype() == mx::float32,
+         "runs on a CUDA stream (float32); elsewhere use voicechat.kernels.decode_attention, which uses "
+         "MLX's attention with a mask");
+  static auto part = make_cuda_kernel(part_source());
+  static auto combine = make_cuda_kernel(combine_source());
+  const int nc = (cap + kChunk - 1) / kChunk;
+  auto parts = part({q, k, v, mx::reshape(mx::astype(offset, mx::int32, s), {1}, s), mx::array({scale})},
+                    {{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1}, {kThreads, 1, 1},
+                    {{"D", d}, {"H", h}, {"HK", hk}, {"CAP", cap}, {"CH", kChunk}, {"THREADS", kThreads}},
+                    std::nullopt, false, s)[0];
+  auto out = combine({parts}, {{b * h, d}}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
+                     {{"D", d}, {"CAP", cap}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false,
+                     s)[0];
+  return mx::reshape(out, {b, 1, h * d}, s);
+}
+
+void bind(py::module_& m) {
+  part_source();  // registered at import, so the compile checks see them
+  combine_source();
+  m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"),
+        py::arg("scale"), py::arg("stream") = py::none(),
+        "Attention of one query q [B, H, 1, D] over the slots <= offset of K/V buffers [B, HK, CAP, D] "
+        "(grouped heads): [B, 1, H * D] float32, in two CUDA launches; CUDA streams only.");
+}
+
+}  // namespace
+VC_REGISTER(bind);
+}  // namespace voicechat

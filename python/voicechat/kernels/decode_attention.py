@@ -26,6 +26,7 @@ def decode_attention_reference(q, k, v, offset, scale: float, mask=None):
 
 
 def decode_attention(q, k, v, offset, scale: float, mask=None):
-    if use_reference() or not on_cuda_gpu():
+    kernel_takes = all(a.dtype == mx.float32 for a in (q, k, v)) and q.shape[2] == 1
+    if use_reference() or not on_cuda_gpu() or not kernel_takes:
         return decode_attention_reference(q, k, v, offset, scale, mask)
     return ext.decode_attention(q, k, v, offset, scale)

@@ -72,6 +72,8 @@ def mog_sample_reference(y, h, u, noise, mus, low_mat, top_p: float, min_log_std
 
 def mog_sample(y, h, u, noise, mus, low_mat, top_p: float, min_log_std: float, noise_scale: float):
     """`(z [L], component [1])`; see the module docstring."""
-    if use_reference() or not on_cuda_gpu():
+    kernel_takes = (all(a.dtype == mx.float32 for a in (y, h, u, noise)) and mus.dtype == low_mat.dtype
+                    and low_mat.shape[0] <= 4096)
+    if use_reference() or not on_cuda_gpu() or not kernel_takes:
         return mog_sample_reference(y, h, u, noise, mus, low_mat, top_p, min_log_std, noise_scale)
     return tuple(ext.mog_sample(y, h, u, noise, mus, low_mat, top_p, min_log_std, noise_scale))

@@ -166,14 +166,18 @@ class EarTTS(nn.Module):
         cfg, mog = self.cfg, self.mog_head
         q, k, d = cfg.num_quantizers, cfg.codebook_size, cfg.latent_size
         code = mx.full((1, q), k, mx.int32)
+        # The frame's randomness in two draws (one per distribution, a row per iteration): a few
+        # launches a frame instead of a split and a draw per iteration.
+        key, sub = mx.random.split(key)
+        key_u, key_noise = mx.random.split(sub)
+        steps = len(self._schedule)
+        uniforms = mx.random.uniform(shape=(steps, 1, 1, mog.num_predictions), key=key_u)
+        normals = mx.random.normal(shape=(steps, 1, 1, d), key=key_noise)
         done = 0
-        for count in self._schedule:
-            x = self.code_embedding(code)[:, None, :] + hidden  # [2, 1, hidden]: cond / uncond
-            key, sub = mx.random.split(key)
-            u = mx.random.uniform(shape=(1, 1, mog.num_predictions), key=sub)
-            key, sub = mx.random.split(key)
-            noise = mx.random.normal(shape=(1, 1, d), key=sub)
-            z = mog.sample(x, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale)
+        for i, count in enumerate(self._schedule):
+            # All codes are the mask at first, whose embedding is exactly zero: x is the hidden state.
+            x = hidden if done == 0 else self.code_embedding(code)[:, None, :] + hidden  # [2, 1, hidden]
+            z = mog.sample(x, cfg.guidance_scale, cfg.top_p, uniforms[i], normals[i], cfg.noise_scale)
             new, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms)
             code = mx.concatenate([code[:, :done], new.astype(mx.int32), code[:, done + count:]], axis=1)
             done += count

@@ -28,9 +28,11 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kChunk = 256;  // slots per block of the first launch
 
-// Template args: D, H, HK, CAP, CH, THREADS. part: [B * H * NC, D + 2] = (max, sum, values).
+// Template args: D, H, HK, CH, THREADS; dims = [CAP] (the buffers' slots: an input, so that a
+// growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum, values).
 constexpr const char* kPartSource = R"(
-  constexpr int NC = (CAP + CH - 1) / CH;
+  const int CAP = dims[0];
+  const int NC = (CAP + CH - 1) / CH;
   constexpr int WARPS = THREADS / 32;
   constexpr int PER = (D + 31) / 32;  // dims per lane
   __shared__ float qs[D];
@@ -97,9 +99,9 @@ constexpr const char* kPartSource = R"(
   }
 )";
 
-// Template args: D, CAP, CH, THREADS. out: [B * H, D] (the step's [B, 1, H * D]).
+// Template args: D, CH, THREADS; dims = [CAP]. out: [B * H, D] (the step's [B, 1, H * D]).
 constexpr const char* kCombineSource = R"(
-  constexpr int NC = (CAP + CH - 1) / CH;
+  const int NC = (dims[0] + CH - 1) / CH;
   const float* pr = part + static_cast<size_t>(blockIdx.x) * NC * (D + 2);
   float mb = -inf;
   for (int c = 0; c < NC; ++c) mb = fmaxf(mb, pr[c * (D + 2)]);
@@ -120,40 +122,40 @@ constexpr const char* kCombineSource = R"(
 
 const CudaSource& part_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int h, int hk, int cap) {
-    return CudaInstance{{"float", "float", "float", "int32_t", "float"},
+  auto inst = [](int d, int h, int hk) {
+    return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t"},
                         {"float"},
                         {P{"D", "int:" + std::to_string(d)}, P{"H", "int:" + std::to_string(h)},
-                         P{"HK", "int:" + std::to_string(hk)}, P{"CAP", "int:" + std::to_string(cap)},
-                         P{"CH", "int:" + std::to_string(kChunk)}, P{"THREADS", "int:" + std::to_string(kThreads)}}};
+                         P{"HK", "int:" + std::to_string(hk)}, P{"CH", "int:" + std::to_string(kChunk)},
+                         P{"THREADS", "int:" + std::to_string(kThreads)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_part",
-      {"q", "k", "v", "offset", "scale"},
+      {"q", "k", "v", "offset", "scale", "dims"},
       {"part"},
       kPartSource,
       "",
-      // the TTS backbone (its first chunk of slots, a long ring), the LLM's grouped heads
-      {inst(72, 16, 16, 256), inst(72, 16, 16, 7500), inst(128, 40, 8, 512)},
+      // the TTS backbone, the LLM's grouped heads
+      {inst(72, 16, 16), inst(128, 40, 8)},
   });
   return src;
 }
 
 const CudaSource& combine_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int cap) {
-    return CudaInstance{{"float"},
+  auto inst = [](int d) {
+    return CudaInstance{{"float", "int32_t"},
                         {"float"},
-                        {P{"D", "int:" + std::to_string(d)}, P{"CAP", "int:" + std::to_string(cap)}, P{"CH", "int:" + std::to_string(kChunk)},
+                        {P{"D", "int:" + std::to_string(d)}, P{"CH", "int:" + std::to_string(kChunk)},
                          P{"THREADS", "int:128"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_combine",
-      {"part"},
+      {"part", "dims"},
       {"out"},
       kCombineSource,
       "",
-      {inst(72, 256), inst(72, 7500), inst(128, 512)},
+      {inst(72), inst(128)},
   });
   return src;
 }
@@ -180,13 +182,13 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   static auto part = make_cuda_kernel(part_source());
   static auto combine = make_cuda_kernel(combine_source());
   const int nc = (cap + kChunk - 1) / kChunk;
-  auto parts = part({q, k, v, mx::reshape(mx::astype(offset, mx::int32, s), {1}, s), mx::array({scale})},
+  auto dims = mx::array({cap}, mx::int32);
+  auto parts = part({q, k, v, mx::reshape(mx::astype(offset, mx::int32, s), {1}, s), mx::array({scale}), dims},
                     {{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1}, {kThreads, 1, 1},
-                    {{"D", d}, {"H", h}, {"HK", hk}, {"CAP", cap}, {"CH", kChunk}, {"THREADS", kThreads}},
-                    std::nullopt, false, s)[0];
-  auto out = combine({parts}, {{b * h, d}}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
-                     {{"D", d}, {"CAP", cap}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false,
-                     s)[0];
+                    {{"D", d}, {"H", h}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}}, std::nullopt, false,
+                    s)[0];
+  auto out = combine({parts, dims}, {{b * h, d}}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
+                     {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
   return mx::reshape(out, {b, 1, h * d}, s);
 }
 

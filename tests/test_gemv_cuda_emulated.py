@@ -316,11 +316,12 @@ ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 300, 72), "attn_gqa": (1, 4, 2, 100, 40)}
 def attention_cases(tag, b, h, hk, cap, d):
     nc = -(-cap // 256)
     q, kv = mx.zeros((b, h, 1, d)), mx.zeros((b, hk, cap, d))
-    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CAP=cap, CH=256, THREADS=256),
-                [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,))], [("float", (b * h * nc, d + 2))],
+    dims = mx.array([cap], mx.int32)
+    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=256, THREADS=256),
+                [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), dims], [("float", (b * h * nc, d + 2))],
                 b * h * nc, 256)
-    combine = Case("vc_decode_attn_combine", dict(D=d, CAP=cap, CH=256, THREADS=128),
-                   [mx.zeros((b * h * nc, d + 2))], [("float", (b * h, d))], b * h, 128)
+    combine = Case("vc_decode_attn_combine", dict(D=d, CH=256, THREADS=128),
+                   [mx.zeros((b * h * nc, d + 2)), dims], [("float", (b * h, d))], b * h, 128)
     return {f"{tag}_part": part, f"{tag}_combine": combine}
 
 
@@ -498,11 +499,11 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset):
     v = mx.random.normal((b, hk, cap, d), key=k3)
     scale = d**-0.5
     part = cases[f"{tag}_part"]
-    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale])]
+    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale]), mx.array([cap], mx.int32)]
     (tmp / f"{tag}_{offset}").mkdir()
     (parts,) = run(exe, f"{tag}_part", part, tmp / f"{tag}_{offset}")
     combine = cases[f"{tag}_combine"]
-    combine.inputs = [mx.array(parts)]
+    combine.inputs = [mx.array(parts), mx.array([cap], mx.int32)]
     (tmp / f"{tag}_{offset}_c").mkdir()
     (out,) = run(exe, f"{tag}_combine", combine, tmp / f"{tag}_{offset}_c")
     with mx.stream(mx.cpu):

@@ -5,8 +5,9 @@ and its pure-MLX reference.
     y[t]   = silu(bias + sum_k window[t + k] * weight[:, k])
     returns (y [b, L, C] float32, window[:, L:] — the next conv state)
 
-On a CUDA GPU this is one launch reading x in place from the in_proj output; elsewhere the
-reference runs (one compiled chain after the concatenation).
+On a CUDA GPU a decode step (L = 1) is one launch reading x in place from the in_proj output;
+a prefix and everything elsewhere run the reference (one compiled chain after the
+concatenation). `ext.causal_conv_silu` itself takes any L (an instance per L).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def causal_conv_silu_reference(conv_state: mx.array, src: mx.array, offset: int,
 
 def causal_conv_silu(conv_state: mx.array, src: mx.array, offset: int, weight: mx.array,
                      bias: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    if use_reference() or not on_cuda_gpu():
+    # The kernel is for the decode step: its length is a template arg, and a prefix (once a
+    # session, any length) would compile an instance per length.
+    if use_reference() or not on_cuda_gpu() or src.shape[1] != 1:
         return causal_conv_silu_reference(conv_state, src, offset, weight, bias)
     y, state = ext.causal_conv_silu(conv_state, src, offset, weight, bias)
     return y, state

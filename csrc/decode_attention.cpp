@@ -28,8 +28,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kChunk = 256;  // slots per block of the first launch
 
-// Template args: D, H, HK, CH, THREADS; dims = [CAP] (the buffers' slots: an input, so that a
-// growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum, values).
+// Template args: D, H, HK, CH, THREADS, SINGLE; dims = [CAP] (the buffers' slots: an input, so that
+// a growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum,
+// values); SINGLE (CAP <= CH, one chunk): the result itself, [B * H, D], and no second launch.
 constexpr const char* kPartSource = R"(
   const int CAP = dims[0];
   const int NC = (CAP + CH - 1) / CH;
@@ -84,9 +85,19 @@ constexpr const char* kPartSource = R"(
     if (d < D) wacc[warp][d] = acc[i];
   }
   __syncthreads();
-  float* out = part + static_cast<size_t>(blockIdx.x) * (D + 2);
   float mb = -inf;
   for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, wm[w]);
+  if constexpr (SINGLE) {  // one chunk holds every slot: normalize and write the result itself
+    float lsum = 0.0f;
+    for (int w = 0; w < WARPS; ++w) lsum += wm[w] == -inf ? 0.0f : expf(wm[w] - mb) * wl[w];
+    for (int d = threadIdx.x; d < D; d += THREADS) {
+      float total = 0.0f;
+      for (int w = 0; w < WARPS; ++w) total += wm[w] == -inf ? 0.0f : expf(wm[w] - mb) * wacc[w][d];
+      part[static_cast<size_t>(blockIdx.x) * D + d] = total / lsum;
+    }
+    return;
+  }
+  float* out = part + static_cast<size_t>(blockIdx.x) * (D + 2);
   for (int d = threadIdx.x; d < D + 2; d += THREADS) {
     float total = 0.0f;
     for (int w = 0; w < WARPS; ++w) {
@@ -122,12 +133,13 @@ constexpr const char* kCombineSource = R"(
 
 const CudaSource& part_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int h, int hk) {
+  auto inst = [](int d, int h, int hk, bool single) {
     return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t"},
                         {"float"},
                         {P{"D", "int:" + std::to_string(d)}, P{"H", "int:" + std::to_string(h)},
                          P{"HK", "int:" + std::to_string(hk)}, P{"CH", "int:" + std::to_string(kChunk)},
-                         P{"THREADS", "int:" + std::to_string(kThreads)}}};
+                         P{"THREADS", "int:" + std::to_string(kThreads)},
+                         P{"SINGLE", single ? "bool:true" : "bool:false"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_part",
@@ -136,7 +148,7 @@ const CudaSource& part_source() {
       kPartSource,
       "",
       // the TTS backbone, the LLM's grouped heads
-      {inst(72, 16, 16), inst(128, 40, 8)},
+      {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false)},
   });
   return src;
 }
@@ -183,10 +195,15 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   static auto combine = make_cuda_kernel(combine_source());
   const int nc = (cap + kChunk - 1) / kChunk;
   auto dims = mx::array({cap}, mx::int32);
+  const bool single = nc == 1;
   auto parts = part({q, k, v, mx::reshape(mx::astype(offset, mx::int32, s), {1}, s), mx::array({scale}), dims},
-                    {{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1}, {kThreads, 1, 1},
-                    {{"D", d}, {"H", h}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}}, std::nullopt, false,
-                    s)[0];
+                    {{b * h * nc, single ? d : d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
+                    {kThreads, 1, 1},
+                    {{"D", d}, {"H", h}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single}},
+                    std::nullopt, false, s)[0];
+  if (single) {
+    return mx::reshape(parts, {b, 1, h * d}, s);
+  }
   auto out = combine({parts, dims}, {{b * h, d}}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
                      {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
   return mx::reshape(out, {b, 1, h * d}, s);

@@ -10,7 +10,7 @@
 //
 // gumbel(u) = -log(-log(u + 1e-8) + 1e-8). Composed (voicechat.tts.mog_head), that is a softmax, a
 // sort, a scan, the masking, a logsumexp, the Gumbel argmax, two gathers and two matmuls. Here one
-// block of 1024 threads; the top-p mass is summed per component over the others (no sort), so a
+// block of 512 threads; the top-p mass is summed per component over the others (no sort), so a
 // component whose mass lies within float rounding of top_p may be decided differently from the
 // sorted scan's. CUDA through fast::cuda_kernel; elsewhere the composed reference.
 #include <pybind11/pybind11.h>
@@ -31,7 +31,7 @@ namespace mx = mlx::core;
 namespace voicechat {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 512;  // (1024 would leave 64 registers a thread)
 
 constexpr const char* kHeader = R"(
 namespace vc_mog {

@@ -301,9 +301,9 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
     mus = (mx.random.normal((n * r, hidden), key=k[4]) * hidden**-0.5).astype(w_dtype)
     low_mat = (mx.random.normal((n, latent, r), key=k[5]) * r**-0.5).astype(w_dtype)
     params = mx.array([0.95, -4.0, 0.001], mx.float32)
-    args = dict(N=n, R=r, L=latent, H=hidden, THREADS=1024, TW=w_dtype)
+    args = dict(N=n, R=r, L=latent, H=hidden, THREADS=512, TW=w_dtype)
     case = Case("vc_mog_sample", args, [y, h, u, noise, mus, low_mat, params],
-                [("float", (latent,)), ("int32_t", (1,))], 1, 1024)
+                [("float", (latent,)), ("int32_t", (1,))], 1, 512)
     with mx.stream(mx.cpu):
         ref = mog_sample_reference(y, h, u, noise, mus, low_mat, 0.95, -4.0, 0.001)
     return case, ref

@@ -104,12 +104,14 @@ std::string type_arg(const char* t) { return std::string("type:") + t; }
 // One instance of vc_qmv (split "THREADS": threads per block) or vc_qmv_warp (split "WARPS":
 // warps per block). tb: the Linear bias' type, or nullptr for none (the kernel then gets `scales`
 // in its place); epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU
-// (vc_gemv::finish).
+// (vc_gemv::finish); tn (block layout only): the RMSNorm prologue's weight type, or nullptr for
+// none (the kernel then gets `scales` for the weight and the eps).
 CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, const char* to, int bits, int group, int k,
-                          int n, int m, int rows, int split_count, const char* tb = nullptr, int epi = 0) {
+                          int n, int m, int rows, int split_count, const char* tb = nullptr, int epi = 0,
+                          const char* tn = nullptr) {
   const char* bias_type = tb ? tb : ts;
   const char* residual_type = epi == 1 ? to : ts;
-  return CudaInstance{
+  CudaInstance inst{
       {tx, "uint32_t", ts, ts, bias_type, residual_type},
       {to},
       {TemplateArg{"BITS", int_arg(bits)}, TemplateArg{"GROUP", int_arg(group)}, TemplateArg{"K", int_arg(k)},
@@ -118,6 +120,14 @@ CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, con
        TemplateArg{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, TemplateArg{"TX", type_arg(tx)},
        TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TB", type_arg(bias_type)},
        TemplateArg{"TR", type_arg(residual_type)}, TemplateArg{"TO", type_arg(to)}}};
+  if (std::string(split) == "THREADS") {  // the block layout's RMSNorm prologue
+    const char* norm_type = tn ? tn : ts;
+    inst.input_types.push_back(norm_type);
+    inst.input_types.push_back(tn ? "float" : ts);
+    inst.template_args.push_back(TemplateArg{"NORM", tn ? "bool:true" : "bool:false"});
+    inst.template_args.push_back(TemplateArg{"TN", type_arg(norm_type)});
+  }
+  return inst;
 }
 
 // One instance of vc_dense_mv / vc_dense_mv_warp (split as qmv_instance's).
@@ -140,13 +150,15 @@ const CudaSource& qmv_source() {
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_qmv",
-      {"x", "weight", "scales", "biases", "bias", "residual"},
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "norm_eps"},
       {"out"},
       gemv_cuda::kQmvSource,
       gemv_cuda::kHeader,
       {
           // The Nemotron-H projections (N, K) and the heads, 4-bit group 64, bf16 scales (up_proj
           // 15680 x 4480 and q_proj 5120 x 4480 differ from in_proj only in N).
+          inst(f, bf, f, 4, 64, 4480, 22656, 1, 8, 160, nullptr, 0, f),  // mamba in_proj after its RMSNorm
+          inst(f, bf, f, 4, 64, 4480, 15680, 1, 8, 160, nullptr, 2, f),  // mlp up_proj: RMSNorm, squared ReLU
           inst(f, bf, f, 4, 64, 4480, 22656, 1, 4, 160),    // mamba in_proj
           inst(bf, bf, bf, 4, 64, 4480, 22656, 2, 4, 160),
           inst(f, bf, f, 4, 64, 10240, 4480, 1, 4, 160, nullptr, 1),  // mamba out_proj (+ residual)
@@ -376,9 +388,13 @@ bool kernel_takes(const Epilogue& e, int m, int n) {
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
                            int threads, int warps, const std::optional<mx::array>& residual,
-                           const std::string& activation, mx::StreamOrDevice s_) {
+                           const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
+                           mx::StreamOrDevice s_) {
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec");
+  if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != k || !float_dtype(norm_weight->dtype()))) {
+    throw std::invalid_argument("quantized_matvec: norm_weight must be a float array [K] with K = " + std::to_string(k));
+  }
   auto s = mx::to_stream(s_);
   const int m = leading_rows(x);
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && float_dtype(x.dtype()) &&
@@ -386,7 +402,9 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            (!bias || (bias->ndim() == 1 && bias->shape(0) == n && float_dtype(bias->dtype()))) &&
                            kernel_takes(epi, m, n);
   if (!kernel_path) {
-    auto y = mx::quantized_matmul(x, w, scales, biases, true, group_size, bits, "affine", s);
+    // The RMSNorm prologue composed: MLX's rms_norm, then the product (what the model ran before).
+    auto in = norm_weight ? mx::fast::rms_norm(x, *norm_weight, norm_eps, s) : x;
+    auto y = mx::quantized_matmul(in, w, scales, biases, true, group_size, bits, "affine", s);
     return compose_epilogue(bias ? mx::add(y, *bias, s) : y, epi, s);
   }
   auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
@@ -396,17 +414,25 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   if (epi.residual) {
     out_dtype = mx::promote_types(out_dtype, epi.residual->dtype());
   }
-  const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, warps);
+  // The RMSNorm prologue is the block layout's: a norm takes it whatever the default.
+  const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, norm_weight ? 0 : warps);
   const bool warp = l.warps > 0;
-  auto outs = kernel(warp ? qmv_warp_source() : qmv_source())(
-      {mx::reshape(x, {m, k}, s), w, scales, biases, bias ? *bias : scales,
-       epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : scales},
-      {{m, n}}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
-      {{"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
-       {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()},
-       {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
-       {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TO", out_dtype}},
-      std::nullopt, false, s);
+  std::vector<mx::array> inputs = {mx::reshape(x, {m, k}, s), w, scales, biases, bias ? *bias : scales,
+                                   epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : scales};
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
+      {"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
+      {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()},
+      {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
+      {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TO", out_dtype}};
+  if (!warp) {
+    inputs.push_back(norm_weight ? *norm_weight : scales);
+    inputs.push_back(norm_weight ? mx::array({norm_eps}) : scales);
+    args.emplace_back("NORM", norm_weight.has_value());
+    args.emplace_back("TN", norm_weight ? norm_weight->dtype() : scales.dtype());
+  }
+  auto outs = kernel(warp ? qmv_warp_source() : qmv_source())(inputs, {{m, n}}, {out_dtype},
+                                                               {blocks_for(l, n) * l.threads, 1, 1},
+                                                               {l.threads, 1, 1}, args, std::nullopt, false, s);
   return mx::reshape(outs[0], out_shape(x, n), s);
 }
 
@@ -562,11 +588,13 @@ void bind(py::module_& m) {
   m.def("quantized_matvec", &quantized_matvec, py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("biases"),
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
-        py::arg("activation") = "", py::arg("stream") = py::none(),
+        py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
+        py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
-        "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block).");
+        "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block). norm_weight: "
+        "an RMSNorm of x first (rms_norm(x, norm_weight, norm_eps)), formed in the same launch.");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",

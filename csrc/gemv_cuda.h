@@ -159,10 +159,15 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
 // affine-quantized weight [n_rows, K * BITS / 32] (uint32) with scales / biases [n_rows, K / GROUP].
 // A 16-byte chunk holds 128 / BITS values of one group (GROUP >= 32): per chunk and row,
 // scale * sum(q x) + bias * sum(x). The next step's loads are issued before this step's math.
-template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, typename TX, typename TS>
+//
+// NORM (an RMSNorm prologue): the product's input is x * norm_w (elementwise) and ss[m] gathers
+// this thread's sum of x[m, k]^2, so that the caller can scale the sums by rsqrt(mean(x^2) + eps)
+// once the block has them: rms_norm(x) * w . q = rsqrt(...) * ((x * w) . q).
+template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool NORM = false, typename TX, typename TS,
+          typename TN = float>
 __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
                                                const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M],
-                                               int lane) {
+                                               int lane, const TN* norm_w = nullptr, float* ss = nullptr) {
   constexpr int VPW = 32 / BITS;      // values per word
   constexpr int CHUNK = 4 * VPW;      // values per 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;   // chunks per row
@@ -204,6 +209,13 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 #pragma unroll
         for (int m = 0; m < M; ++m) {
           load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
+          if constexpr (NORM) {
+#pragma unroll
+            for (int j = 0; j < VPW; ++j) {
+              ss[m] = fmaf(xv[m][j], xv[m][j], ss[m]);
+              xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
+            }
+          }
 #pragma unroll
           for (int j = 0; j < VPW; ++j) xsum[m] += xv[m][j];
         }
@@ -336,15 +348,17 @@ __device__ __forceinline__ void finish(float v, const TB* bias, const TR* residu
   out[static_cast<size_t>(m) * n + row] = static_cast<TO>(v);
 }
 
-// out[m, row0 + r] = finish(total[r * M + m]) for the block's rows inside [0, n): the store that
-// ends the block-layout matvec kernels.
+// out[m, row0 + r] = finish(total[r * M + m] (* row_scale[m])) for the block's rows inside [0, n):
+// the store that ends the block-layout matvec kernels.
 template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
 __device__ __forceinline__ void store_rows(const float* total, const TB* bias, const TR* residual, TO* out,
-                                           int row0, int n) {
+                                           int row0, int n, const float* row_scale = nullptr) {
   if (threadIdx.x < ROWS * M) {
     const int row = row0 + threadIdx.x / M;
+    const int m = threadIdx.x % M;
     if (row < n) {
-      finish<EPI, HAS_BIAS>(total[threadIdx.x], bias, residual, out, threadIdx.x % M, row, n);
+      const float v = row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
+      finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
     }
   }
 }
@@ -388,17 +402,31 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
 }  // namespace vc_gemv
 )";
 
-// y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights.
-// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, and the dtypes TX, TS, TB, TR,
-// TO (the kernel name is made of the template args only, so every dtype must be one of them).
+// y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM: x is
+// rms_norm(x) * norm_w first (eps = norm_eps[0]), formed on the fly (see qmv_accumulate).
+// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, and the dtypes TX, TS,
+// TB, TR, TN, TO (the kernel name is made of the template args only, so every dtype must be one of them).
 constexpr const char* kQmvSource = R"(
-  __shared__ float part[ROWS * M * THREADS];
-  __shared__ float total[ROWS * M];
+  constexpr int SUMS = ROWS * M + (NORM ? M : 0);  // the row sums, then (NORM) each x row's sum of squares
+  __shared__ float part[SUMS * THREADS];
+  __shared__ float total[SUMS];
   const int row0 = blockIdx.x * ROWS;
-  float acc[ROWS][M];
-  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc, threadIdx.x);
-  vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
+  float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
+  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM>(
+      x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS]);
+  vc_gemv::block_sum<SUMS, THREADS>(&acc[0][0], part, total);
+  if constexpr (NORM) {
+    __shared__ float inv_rms[M];
+    if (threadIdx.x < M) {
+      inv_rms[threadIdx.x] = rsqrtf(total[ROWS * M + threadIdx.x] / static_cast<float>(K) + static_cast<float>(norm_eps[0]));
+    }
+    __syncthreads();
+    vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N, inv_rms);
+  } else {
+    vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
+  }
 )";
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights (PRO 1:

@@ -23,6 +23,7 @@ from voicechat.kernels.gemv import (
     on_cuda_gpu,
     quantized_matvec,
     gelu_gate,
+    linear,
     stack_linears,
     quantized_matvec_reference,
     two_head_argmax,
@@ -519,3 +520,33 @@ def test_gated_input_through_the_layer_and_bad_inputs():
         ext.dense_matvec(x[:, :64], layer.weight, input="gelu_gate")
     with pytest.raises(ValueError, match="input must be"):
         ext.dense_matvec(x[:, :64], layer.weight, input="gelu")
+
+
+# --------------------------------------------------------------------------- RMSNorm prologue
+
+
+@pytest.mark.parametrize("x_dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n,k,rows,squared_relu", [(22656, 4480, 1, False), (300, 640, 2, True), (40, 128, 1, False)])
+def test_norm_prologue_equals_rms_norm_then_matvec(n, k, rows, squared_relu, x_dtype):
+    dense = mx.random.normal((n, k), key=mx.random.key(n)) * k**-0.5
+    w, s, b = mx.quantize(dense, group_size=64, bits=4)
+    s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+    x = (3.0 * mx.random.normal((rows, k), key=mx.random.key(k))).astype(x_dtype)
+    weight = 1.0 + 0.2 * mx.random.normal((k,), key=mx.random.key(1))
+    got = quantized_matvec(x, w, s, b, squared_relu=squared_relu, norm=(weight, 1e-5))
+    with mx.stream(mx.cpu):
+        want = quantized_matvec_reference(x.astype(mx.float32), w, s, b, squared_relu=squared_relu,
+                                          norm=(weight, 1e-5))
+        want = np.array(want)
+    tol = 1e-4 if x_dtype == mx.float32 else 2e-2  # bfloat16 x: the composed path rounds the norm's output
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_norm_prologue_through_the_layer_and_bad_weights():
+    layer = use_gemv(nn.QuantizedLinear(128, 24, bias=False, group_size=64, bits=4))
+    norm = nn.RMSNorm(128, eps=1e-5)
+    norm.weight = 1.0 + 0.1 * mx.random.normal((128,), key=mx.random.key(2))
+    x = mx.random.normal((1, 128), key=mx.random.key(3))
+    np.testing.assert_allclose(np.array(linear(layer, x, norm=norm)), np.array(layer(norm(x))), rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="norm_weight"):
+        ext.quantized_matvec(x, layer.weight, layer.scales, layer.biases, norm_weight=mx.ones((64,)))

@@ -171,9 +171,11 @@ def _epilogue_ref(ref, epi, residual):
     return ref
 
 
-def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0):
+def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0,
+             norm_dtype=None):
     """`warps` > 0: the warp layout (vc_qmv_warp) with that many warps per block; else the block
-    layout with `threads` threads. `epi` 1: + a residual, 2: squared ReLU."""
+    layout with `threads` threads. `epi` 1: + a residual, 2: squared ReLU. `norm_dtype`: an RMSNorm
+    prologue (block layout) with a weight of that type."""
     w, s, b = _q(n, k, bits, group, s_dtype, seed=n + k)
     x = _x((m, k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
@@ -182,11 +184,18 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
     split = dict(WARPS=warps) if warps else dict(THREADS=threads)
     args = dict(BITS=bits, GROUP=group, K=k, N=n, M=m, ROWS=rows, **split, EPI=epi, HAS_BIAS=bias is not None,
                 TX=x_dtype, TS=s_dtype, TB=bias_dtype or s_dtype, TR=residual.dtype, TO=out)
-    case = Case("vc_qmv_warp" if warps else "vc_qmv", args, [x, w, s, b, bias if bias is not None else s, residual],
+    inputs = [x, w, s, b, bias if bias is not None else s, residual]
+    norm_w = (1.0 + 0.2 * _x((k,), mx.float32, seed=9)).astype(norm_dtype) if norm_dtype else None
+    if not warps:
+        inputs += [norm_w, mx.array([1e-5])] if norm_dtype else [s, s]
+        args.update(NORM=norm_dtype is not None, TN=norm_dtype or s_dtype)
+    case = Case("vc_qmv_warp" if warps else "vc_qmv", args, inputs,
                 [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
-                [offset, 0, 0, 0, 0, 0])
+                [offset] + [0] * (len(inputs) - 1))
     with mx.stream(mx.cpu):
-        ref = mx.quantized_matmul(x.astype(mx.float32), w, s, b, transpose=True, group_size=group, bits=bits)
+        xf = x.astype(mx.float32)
+        xf = mx.fast.rms_norm(xf, norm_w.astype(mx.float32), 1e-5) if norm_dtype else xf
+        ref = mx.quantized_matmul(xf, w, s, b, transpose=True, group_size=group, bits=bits)
         ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
     return case, ref
 
@@ -390,6 +399,12 @@ def emulated(tmp_path_factory):
         "warp_q8_relu2": qmv_case(11, 384, 1, 8, 32, mx.float32, mx.float32, 4, 0, warps=4, epi=2),
         "dense_residual_bias": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 4, 160, mx.bfloat16, epi=1),
         "warp_dense_relu2": dense_case(13, 256, 2, mx.float32, mx.bfloat16, 2, 0, warps=2, epi=2),
+        # the RMSNorm prologue: in_proj's shape (two steps a row, 2 rows), up_proj's with squared ReLU,
+        # a bfloat16 norm weight with a bias and a residual, unaligned x
+        "q4_norm_m2": qmv_case(19, 4480, 2, 4, 64, mx.float32, mx.bfloat16, 8, 96, norm_dtype=mx.float32),
+        "q4_norm_relu2": qmv_case(21, 640, 1, 4, 64, mx.float32, mx.bfloat16, 8, 32, epi=2, norm_dtype=mx.float32),
+        "q8_norm_bias_residual": qmv_case(9, 384, 2, 8, 32, mx.float32, mx.float32, 4, 32, mx.float32, offset=1,
+                                          epi=1, norm_dtype=mx.bfloat16),
         # the gated-GELU input (the TTS MLP's down_proj on gate / up): several steps, both layouts
         "dense_gelu_gate": dense_case(9, 4608, 2, mx.float32, mx.bfloat16, 4, 192, pro=1),
         "dense_gelu_gate_bf16x_bias": dense_case(5, 200, 1, mx.bfloat16, mx.bfloat16, 2, 32, mx.float32, pro=1),
@@ -440,7 +455,8 @@ def emulated(tmp_path_factory):
                                   "warp_q8_g32_f16_bias", "warp_q4_g128_unaligned", "warp_dense_bf16w_bias",
                                   "warp_dense_f32w_unaligned", "warp_dense_two_steps", "q4_residual_m2",
                                   "q4_relu2_bias", "warp_q4_residual", "warp_q8_relu2", "dense_residual_bias",
-                                  "warp_dense_relu2", "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
+                                  "warp_dense_relu2", "q4_norm_m2", "q4_norm_relu2", "q8_norm_bias_residual",
+                                  "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
                                   "warp_dense_gelu_gate", "gated_norm_mixer", "gated_norm_small",
                                   "gated_norm_bf16"])
 def test_matvec_kernels_emulated(emulated, name):

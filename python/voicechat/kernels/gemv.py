@@ -64,20 +64,24 @@ def _activation(squared_relu: bool) -> str:
 # --------------------------------------------------------------------------- quantized
 
 def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None,
-                               residual=None, squared_relu: bool = False):
+                               residual=None, squared_relu: bool = False, norm=None):
+    x = x if norm is None else mx.fast.rms_norm(x, norm[0], norm[1])
     y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return _epilogue(y if bias is None else y + bias, residual, squared_relu)
 
 
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
-                     squared_relu: bool = False, stream=None):
+                     squared_relu: bool = False, norm=None, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
-    `x` [..., K], w packed uint32 [N, K * bits / 32]. The kernel does the epilogue in the same launch."""
+    `x` [..., K], w packed uint32 [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input
+    is `rms_norm(x, weight, eps)`. The kernel does the norm and the epilogue in the same launch."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
-                                          squared_relu=squared_relu)
+                                          squared_relu=squared_relu, norm=norm)
+    norm_weight, norm_eps = norm if norm is not None else (None, 1e-5)
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
-                                activation=_activation(squared_relu), stream=stream)
+                                activation=_activation(squared_relu), norm_weight=norm_weight,
+                                norm_eps=float(norm_eps), stream=stream)
 
 
 # --------------------------------------------------------------------------- dense
@@ -163,12 +167,13 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
     def from_quantized_linear(cls, layer: nn.QuantizedLinear) -> "GemvQuantizedLinear":
         return _same_arrays(cls, layer)
 
-    def __call__(self, x, *, residual=None, squared_relu: bool = False):
-        """`layer(x)`, then `relu(.)^2` or `+ residual`: one launch on the kernel path."""
+    def __call__(self, x, *, residual=None, squared_relu: bool = False, norm: nn.RMSNorm | None = None):
+        """`layer(norm(x))`, then `relu(.)^2` or `+ residual`: one launch on the kernel path."""
         if self.mode == "affine" and _gemv_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
-                                    bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
-        return _epilogue(super().__call__(x), residual, squared_relu)
+                                    bias=self.get("bias"), residual=residual, squared_relu=squared_relu,
+                                    norm=None if norm is None else (norm.weight, norm.eps))
+        return _epilogue(super().__call__(x if norm is None else norm(x)), residual, squared_relu)
 
 
 class GemvLinear(nn.Linear):
@@ -186,10 +191,15 @@ class GemvLinear(nn.Linear):
         return _epilogue(super().__call__(gelu_gate(x) if gated_input else x), residual, squared_relu)
 
 
-def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool = False) -> mx.array:
-    """`layer(x)` then `relu(.)^2` or `+ residual`, fused into the GEMV when `layer` is one of ours
-    (composed otherwise: the same ops the kernel path is held to)."""
-    if isinstance(layer, (GemvQuantizedLinear, GemvLinear)):
+def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool = False,
+           norm: nn.RMSNorm | None = None) -> mx.array:
+    """`layer(norm(x))` then `relu(.)^2` or `+ residual`, fused into the GEMV when `layer` is one of
+    ours (the norm: a `GemvQuantizedLinear`'s; composed otherwise: the same ops the kernel path is
+    held to)."""
+    if isinstance(layer, GemvQuantizedLinear):
+        return layer(x, residual=residual, squared_relu=squared_relu, norm=norm)
+    x = x if norm is None else norm(x)
+    if isinstance(layer, GemvLinear):
         return layer(x, residual=residual, squared_relu=squared_relu)
     return _epilogue(layer(x), residual, squared_relu)
 

@@ -202,9 +202,11 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.RMSNorm(self.inner, eps=self.eps)  # holds the gated norm's weight (gated_rms_norm)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
 
-    def __call__(self, x: mx.array, cache: MambaCache | None, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: MambaCache | None, residual: mx.array | None = None,
+                 norm: nn.RMSNorm | None = None) -> mx.array:
+        """`norm`: the block's RMSNorm, applied to x by in_proj (in its launch on the GEMV path)."""
         b, L, _ = x.shape
-        projected = self.in_proj(x)  # gate | x B C | dt
+        projected = linear(self.in_proj, x, norm=norm)  # gate | x B C | dt
 
         conv_state = cache.conv if cache is not None and cache.conv is not None else \
             mx.zeros((b, self.kernel - 1, self.conv_dim), mx.float32)
@@ -263,8 +265,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def __call__(self, x: mx.array, cache: None = None, residual: mx.array | None = None) -> mx.array:
-        return linear(self.down_proj, linear(self.up_proj, x, squared_relu=True), residual=residual)
+    def __call__(self, x: mx.array, cache: None = None, residual: mx.array | None = None,
+                 norm: nn.RMSNorm | None = None) -> mx.array:
+        """`norm`: the block's RMSNorm, applied to x by up_proj (in its launch on the GEMV path)."""
+        return linear(self.down_proj, linear(self.up_proj, x, squared_relu=True, norm=norm), residual=residual)
 
 
 _MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
@@ -279,8 +283,11 @@ class Block(nn.Module):
 
     def __call__(self, x: mx.array, cache) -> mx.array:
         # x + mixer(norm(x)): the residual add rides in the mixer's last projection (one launch on
-        # the GEMV path; `mixer(...) + x` otherwise, bit-identical to `x + mixer(...)`).
-        return self.mixer(self.norm(x), cache, residual=x)
+        # the GEMV path; `mixer(...) + x` otherwise, bit-identical to `x + mixer(...)`), and the
+        # norm in its first where it has one projection (Mamba, MLP; attention has three).
+        if self.kind == "attention":
+            return self.mixer(self.norm(x), cache, residual=x)
+        return self.mixer(x, cache, residual=x, norm=self.norm)
 
 
 # --------------------------------------------------------------------------- the stack

@@ -191,6 +191,12 @@ class GemvLinear(nn.Linear):
         return _epilogue(super().__call__(gelu_gate(x) if gated_input else x), residual, squared_relu)
 
 
+def norm_rides_in(layer: nn.Module, x: mx.array) -> bool:
+    """Whether `linear(layer, x, norm=...)` forms the RMSNorm inside the GEMV's launch (a
+    `GemvQuantizedLinear` on the kernel path); otherwise it is a launch of its own each call."""
+    return isinstance(layer, GemvQuantizedLinear) and layer.mode == "affine" and _gemv_applies(x)
+
+
 def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool = False,
            norm: nn.RMSNorm | None = None) -> mx.array:
     """`layer(norm(x))` then `relu(.)^2` or `+ residual`, fused into the GEMV when `layer` is one of

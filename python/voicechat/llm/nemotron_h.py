@@ -33,7 +33,7 @@ from ..config import TextConfig
 from ..kernels.causal_conv import causal_conv_silu
 from ..kernels.decode_attention import decode_attention
 from ..kernels.gated_rms_norm import gated_rms_norm
-from ..kernels.gemv import linear
+from ..kernels.gemv import linear, norm_rides_in
 from ..kernels.mamba_scan import mamba_scan_packed
 
 # --------------------------------------------------------------------------- caches
@@ -241,11 +241,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
 
-    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array | None = None,
+                 norm: nn.RMSNorm | None = None) -> mx.array:
+        """`norm`: the block's RMSNorm; each of q/k/v forms it in its own launch on the GEMV path,
+        elsewhere it runs once here."""
         b, L, _ = x.shape
-        q = self.q_proj(x).reshape(b, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if norm is not None and not norm_rides_in(self.q_proj, x):
+            x, norm = norm(x), None
+        q = linear(self.q_proj, x, norm=norm).reshape(b, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k = linear(self.k_proj, x, norm=norm).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v = linear(self.v_proj, x, norm=norm).reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         # "causal" aligns the last query with the last key, so it also covers a prefix after a cache.
         mask = "causal" if L > 1 else None
         if cache is not None:
@@ -282,11 +287,9 @@ class Block(nn.Module):
         self.mixer = _MIXERS[kind](cfg)
 
     def __call__(self, x: mx.array, cache) -> mx.array:
-        # x + mixer(norm(x)): the residual add rides in the mixer's last projection (one launch on
-        # the GEMV path; `mixer(...) + x` otherwise, bit-identical to `x + mixer(...)`), and the
-        # norm in its first where it has one projection (Mamba, MLP; attention has three).
-        if self.kind == "attention":
-            return self.mixer(self.norm(x), cache, residual=x)
+        # x + mixer(norm(x)): the residual add rides in the mixer's last projection and the norm in
+        # its first (one launch each on the GEMV path; elsewhere `mixer(...) + x`, bit-identical to
+        # `x + mixer(...)`, and the norm's own op).
         return self.mixer(x, cache, residual=x, norm=self.norm)
 
 

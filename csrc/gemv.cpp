@@ -256,6 +256,32 @@ const CudaSource& dense_source() {
   return src;
 }
 
+const CudaSource& dense_add_norm_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int k, int n, int m, int rows, int threads, bool has_bias, const char* tw, const char* tb) {
+    return CudaInstance{{"float", "float", "float", "float", "float", tw, tb},
+                        {"float", "float"},
+                        {P{"K", int_arg(k)}, P{"N", int_arg(n)}, P{"M", int_arg(m)}, P{"ROWS", int_arg(rows)},
+                         P{"THREADS", int_arg(threads)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
+                         P{"TW", type_arg(tw)}, P{"TB", type_arg(tb)}, P{"TO", "type:float"}}};
+  };
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_dense_add_norm",
+      {"h", "y", "post", "pre", "eps_arr", "weight", "bias"},
+      {"out", "h_out"},
+      gemv_cuda::kDenseAddNormSource,
+      gemv_cuda::kHeader,
+      {
+          // The TTS (CFG batch 2): into gate/up (backbone and MoG) and into the next layer's q/k/v.
+          inst(1152, 9216, 2, 8, 160, false, bf, bf),
+          inst(1152, 3456, 2, 8, 160, false, bf, bf),
+          inst(200, 24, 1, 4, 32, true, "float", "float"),
+      },
+  });
+  return src;
+}
+
 const CudaSource& argmax_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](const char* tx, const char* ts, const char* to, int m, bool logits) {
@@ -504,6 +530,48 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   return mx::reshape(outs[0], out_shape(x, n), s);
 }
 
+// ---------------------------------------------------------------- sandwich-norm seam + dense matvec
+
+// (out, h') with h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias): one launch
+// on a CUDA stream for 1-2 float32 rows; MLX ops elsewhere.
+std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const mx::array& y, const mx::array& post,
+                                             const mx::array& pre, float eps, const mx::array& w,
+                                             const std::optional<mx::array>& bias, mx::StreamOrDevice s_) {
+  if (w.ndim() != 2) {
+    throw std::invalid_argument("dense_add_norm_matvec: weight must be [N, K]");
+  }
+  const int n = w.shape(0), k = w.shape(1);
+  if (h.ndim() < 1 || h.shape() != y.shape() || h.shape(-1) != k) {
+    throw std::invalid_argument("dense_add_norm_matvec: h and y must be [..., K] alike with K = " + std::to_string(k));
+  }
+  if (post.shape() != mx::Shape{k} || pre.shape() != mx::Shape{k}) {
+    throw std::invalid_argument("dense_add_norm_matvec: post and pre must be [K]");
+  }
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != n)) {
+    throw std::invalid_argument("dense_add_norm_matvec: bias must be [N]");
+  }
+  auto s = mx::to_stream(s_);
+  const int m = leading_rows(h);
+  const bool f32 = h.dtype() == mx::float32 && y.dtype() == mx::float32 && post.dtype() == mx::float32 &&
+                   pre.dtype() == mx::float32;
+  const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && k % 8 == 0 && k <= 4096 &&
+                           f32 && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype()));
+  if (!kernel_path) {
+    auto h2 = mx::add(h, mx::fast::rms_norm(y, post, eps, s), s);
+    auto z = mx::fast::rms_norm(h2, pre, eps, s);
+    auto out = bias ? mx::addmm(*bias, z, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(z, mx::transpose(w, s), s);
+    return {out, h2};
+  }
+  const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, 0, 0, 0);
+  auto outs = kernel(dense_add_norm_source())(
+      {mx::reshape(h, {m, k}, s), mx::reshape(y, {m, k}, s), post, pre, mx::array({eps}), w, bias ? *bias : w},
+      {{m, n}, {m, k}}, {mx::float32, mx::float32}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
+      {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads}, {"HAS_BIAS", bias.has_value()},
+       {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()}, {"TO", mx::float32}},
+      std::nullopt, false, s);
+  return {mx::reshape(outs[0], out_shape(h, n), s), mx::reshape(outs[1], h.shape(), s)};
+}
+
 // ---------------------------------------------------------------- two-head argmax
 
 std::vector<mx::array> two_head_argmax_composed(const mx::array& x, const std::vector<mx::array>& a,
@@ -582,6 +650,7 @@ void bind(py::module_& m) {
   qmv_source();  // registered at import, so the compile check sees them
   qmv_warp_source();
   dense_source();
+  dense_add_norm_source();
   dense_warp_source();
   argmax_source();
   argmax_finish_source();
@@ -602,6 +671,10 @@ void bind(py::module_& m) {
         "x @ w.T (+ bias), then the epilogue, for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's "
         "matmul elsewhere (epilogue and launch overrides as quantized_matvec's). input='gelu_gate': x is "
         "[..., 2K] and gelu_tanh(x[..., :K]) * x[..., K:] is the product's input (formed as the kernel loads it).");
+  m.def("dense_add_norm_matvec", &dense_add_norm_matvec, py::arg("h"), py::arg("y"), py::arg("post"), py::arg("pre"),
+        py::arg("eps"), py::arg("w"), py::arg("bias") = py::none(), py::arg("stream") = py::none(),
+        "[out, h'] with h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias): the "
+        "sandwich-norm seam and the next dense matvec in one CUDA launch for 1-2 float32 rows; MLX ops elsewhere.");
   m.def("two_head_argmax", &two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),

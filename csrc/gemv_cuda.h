@@ -311,6 +311,20 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
   }
 }
 
+// The sum of v over the block, in every thread. scratch: THREADS / 32 floats, free again on return.
+template <int THREADS>
+__device__ __forceinline__ float block_total(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
 // total[o] = sum over the block's threads of vals[o], o < COUNT. part: COUNT * THREADS floats of
 // shared memory. Every thread of the block must call it (it synchronizes the block).
 template <int COUNT, int THREADS>
@@ -440,6 +454,44 @@ constexpr const char* kDenseSource = R"(
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS, PRO>(x, weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
   vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
+)";
+
+// The sandwich-norm seam feeding a dense matvec, in one launch (the TTS's Gemma blocks):
+//   h'[m] = h[m] + rms_norm(y[m]) * post,   x[m] = rms_norm(h'[m]) * pre,   out[m, n] = x[m] . w[n] (+ bias)
+// and h' is written too (by block 0): the residual stream the next seam adds to. Every block forms
+// x (M rows of K floats) in shared memory from h and y (K floats each: small beside its weight
+// rows), then runs the block-layout product over it. eps = eps_arr[0].
+// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, TW, TB, TO (h, y, post, pre: float).
+constexpr const char* kDenseAddNormSource = R"(
+  __shared__ __align__(16) float xs[M * K];
+  __shared__ float red[THREADS / 32];
+  __shared__ float part[ROWS * M * THREADS];
+  __shared__ float total[ROWS * M];
+  const float eps = eps_arr[0];
+  for (int m = 0; m < M; ++m) {
+    const float* ym = y + static_cast<size_t>(m) * K;
+    const float* hm = h + static_cast<size_t>(m) * K;
+    float ss = 0.0f;
+    for (int k = threadIdx.x; k < K; k += THREADS) ss = fmaf(ym[k], ym[k], ss);
+    const float r_post = rsqrtf(vc_gemv::block_total<THREADS>(ss, red) / static_cast<float>(K) + eps);
+    ss = 0.0f;
+    for (int k = threadIdx.x; k < K; k += THREADS) {
+      const float v = hm[k] + ym[k] * r_post * post[k];
+      xs[m * K + k] = v;
+      ss = fmaf(v, v, ss);
+    }
+    const float r_pre = rsqrtf(vc_gemv::block_total<THREADS>(ss, red) / static_cast<float>(K) + eps);
+    for (int k = threadIdx.x; k < K; k += THREADS) {
+      if (blockIdx.x == 0) h_out[static_cast<size_t>(m) * K + k] = xs[m * K + k];
+      xs[m * K + k] = xs[m * K + k] * r_pre * pre[k];
+    }
+  }
+  __syncthreads();
+  const int row0 = blockIdx.x * ROWS;
+  float acc[ROWS][M];
+  vc_gemv::dense_accumulate<K, M, ROWS, THREADS, 0>(static_cast<const float*>(xs), weight, row0, N, acc, threadIdx.x);
+  vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
+  vc_gemv::store_rows<ROWS, M, 0, HAS_BIAS>(total, bias, bias, out, row0, N);
 )";
 
 // The warp layout of kQmvSource: block b's warp w computes rows (b * WARPS + w) * ROWS .. + ROWS on

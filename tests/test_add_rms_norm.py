@@ -65,3 +65,36 @@ def test_the_kernel_runs_on_cuda_as_one_launch():
     mx.eval(h, y, post, pre)
     counts = count_ops(*add_rms_norm(h, y, post, pre, 1e-6))
     assert counts.get("CustomKernel") == 1 and "RMSNorm" not in counts
+
+
+@pytest.mark.parametrize("rows,bias", [(2, False), (1, True), (5, False)])
+def test_seam_with_the_next_projection_equals_the_seam_then_the_layer(rows, bias):
+    """`add_rms_norm_linear`: one launch with our dense GEMV on CUDA (1-2 rows), the seam then the
+    layer otherwise; the same numbers either way."""
+    import mlx.nn as nn
+
+    from voicechat.kernels.add_rms_norm import add_rms_norm_linear
+    from voicechat.kernels.gemv import use_gemv
+
+    h, y, post, pre = _inputs((rows, 1), 1152, seed=rows)
+    layer = use_gemv(nn.Linear(1152, 96, bias=bias))
+    layer.set_dtype(mx.bfloat16)
+    got_h, got = add_rms_norm_linear(h, y, post, pre, 1e-6, layer)
+    with mx.stream(mx.cpu):
+        want_h, z = add_rms_norm_reference(h, y, post, pre, 1e-6)
+        w = layer.weight.astype(mx.float32)
+        want = z @ w.T + (layer.bias.astype(mx.float32) if bias else 0.0)
+        want_h, want = np.array(want_h), np.array(want)
+    assert got.shape == (rows, 1, 96) and got_h.shape == h.shape
+    np.testing.assert_allclose(np.array(got_h), want_h, rtol=2e-6, atol=2e-6 * np.abs(want_h).max())
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_seam_matvec_refuses_bad_shapes():
+    h, y, post, pre = _inputs((2,), 64)
+    with pytest.raises(ValueError, match="alike"):
+        ext.dense_add_norm_matvec(h, y[:, :32], post, pre, 1e-6, mx.zeros((8, 64)))
+    with pytest.raises(ValueError, match="post and pre"):
+        ext.dense_add_norm_matvec(h, y, post[:8], pre, 1e-6, mx.zeros((8, 64)))
+    with pytest.raises(ValueError, match="bias"):
+        ext.dense_add_norm_matvec(h, y, post, pre, 1e-6, mx.zeros((8, 64)), mx.zeros((3,)))

@@ -270,6 +270,25 @@ def gated_norm_case(rows, c, groups, width, offset, dtype=mx.float32):
     return case, ref
 
 
+def dense_add_norm_case(n, k, m, w_dtype, rows, threads, bias_dtype=None):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(n + k), 4)
+    h = mx.random.normal((m, k), key=k1)
+    y = 3.0 * mx.random.normal((m, k), key=k2)
+    post = 1.0 + 0.1 * mx.random.normal((k,), key=k3)
+    pre = 1.0 + 0.1 * mx.random.normal((k,), key=k4)
+    w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
+    bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
+    args = dict(K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None, TW=w_dtype,
+                TB=bias_dtype or w_dtype, TO=mx.float32)
+    case = Case("vc_dense_add_norm", args, [h, y, post, pre, mx.array([1e-6]), w, bias if bias is not None else w],
+                [("float", (m, n)), ("float", (m, k))], -(-n // rows), threads)
+    with mx.stream(mx.cpu):
+        h2, z = add_rms_norm_reference(h, y, post, pre, 1e-6)
+        out = z @ w.T.astype(mx.float32)
+        out = out if bias is None else out + bias.astype(mx.float32)
+    return case, (out, h2)
+
+
 def add_norm_case(rows, c, y_dtype=mx.float32):
     k1, k2, k3, k4 = mx.random.split(mx.random.key(rows + c), 4)
     h = mx.random.normal((rows, c), key=k1)
@@ -413,6 +432,9 @@ def emulated(tmp_path_factory):
         "gated_norm_mixer": gated_norm_case(2, 10240, 8, 22656, 0),
         "gated_norm_small": gated_norm_case(3, 96, 2, 300, 4),
         "gated_norm_bf16": gated_norm_case(2, 10240, 8, 22656, 0, mx.bfloat16),
+        # the seam feeding a dense matvec: the TTS's gate/up (2 rows, several steps), a bias and one row
+        "dense_add_norm_tts": dense_add_norm_case(20, 1152, 2, mx.bfloat16, 8, 160),
+        "dense_add_norm_bias": dense_add_norm_case(24, 200, 1, mx.float32, 4, 32, mx.float32),
         # the sandwich-norm seam: the TTS width (CFG batch), a bfloat16 branch, a width below a block
         "add_norm_tts": add_norm_case(2, 1152),
         "add_norm_bf16_y": add_norm_case(3, 1152, mx.bfloat16),
@@ -476,6 +498,15 @@ def test_causal_conv_kernel_emulated(emulated, name):
     y_ref, state_ref = refs[name]
     np.testing.assert_allclose(y, np.array(y_ref), rtol=2e-6, atol=2e-6)
     np.testing.assert_array_equal(state, np.array(state_ref))
+
+
+@pytest.mark.parametrize("name", ["dense_add_norm_tts", "dense_add_norm_bias"])
+def test_dense_add_norm_kernel_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    out, h2 = run(exe, name, cases[name], tmp)
+    want_out, want_h2 = (np.array(a) for a in refs[name])
+    np.testing.assert_allclose(h2, want_h2, rtol=2e-6, atol=2e-6 * np.abs(want_h2).max())
+    np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5 * np.abs(want_out).max())
 
 
 @pytest.mark.parametrize("name", ["add_norm_tts", "add_norm_bf16_y", "add_norm_small"])

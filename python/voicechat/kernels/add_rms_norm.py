@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ._native import ext, use_reference
-from .gemv import on_cuda_gpu
+from .gemv import GemvLinear, on_cuda_gpu, rows_of
 
 
 @mx.compile
@@ -33,3 +33,17 @@ def add_rms_norm(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: f
     if use_reference() or not on_cuda_gpu():
         return add_rms_norm_reference(h, y, post, pre, eps)
     return tuple(ext.add_rms_norm(h, y, post, pre, eps))
+
+
+def add_rms_norm_linear(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,
+                        layer) -> tuple[mx.array, mx.array]:
+    """`(h', layer(z))` for `(h', z) = add_rms_norm(h, y, post, pre, eps)`: with a dense
+    `GemvLinear` on a CUDA GPU (1-2 float32 rows) the seam and the product are one launch
+    (`ext.dense_add_norm_matvec`); otherwise the seam, then the layer."""
+    kernel = (isinstance(layer, GemvLinear) and on_cuda_gpu() and not use_reference() and 1 <= rows_of(h) <= 2
+              and all(a.dtype == mx.float32 for a in (h, y, post, pre)))
+    if kernel:
+        out, h2 = ext.dense_add_norm_matvec(h, y, post, pre, eps, layer["weight"], layer.get("bias"))
+        return h2, out
+    h2, z = add_rms_norm(h, y, post, pre, eps)
+    return h2, layer(z)

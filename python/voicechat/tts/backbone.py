@@ -32,7 +32,7 @@ from ..config import TTSConfig
 from ..kernels.decode_attention import decode_attention
 from ..kernels.gemv import on_cuda_gpu, stack_linears
 from ..kernels.qkv_heads import qkv_heads, rope_inv_freq
-from .layers import GatedMLP, OffsetRMSNorm, add_and_norm
+from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear
 
 DEFAULT_CHUNK = 256  # cache slots added at a time (20 s of frames)
 
@@ -66,16 +66,22 @@ class Attention(nn.Module):
 
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as [B, heads, T, head_dim] (float32), RoPE at positions offset.. ."""
-        b, t, _ = x.shape
-        if self._qkv is not None and on_cuda_gpu() and self.q_norm.eps == self.k_norm.eps:
-            # one launch for the head norms, RoPE and the layout (same formula, HF's angle rounding)
-            return qkv_heads(self._qkv(x), self.q_norm.scale, self.k_norm.scale, self._inv_freq, offset,
-                             self.n_heads, self.n_kv_heads, self.q_norm.eps)
         if self._qkv is not None:
-            q_width = self.n_heads * self.head_dim
-            q, k, v = mx.split(self._qkv(x), [q_width, q_width + self.n_kv_heads * self.head_dim], axis=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.heads(self._qkv(x), offset)
+        return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), offset)
+
+    def heads(self, qkv: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """`project` from the stacked q/k/v projection's output [B, T, (H + 2 HK) * D]."""
+        if on_cuda_gpu() and self.q_norm.eps == self.k_norm.eps:
+            # one launch for the head norms, RoPE and the layout (same formula, HF's angle rounding)
+            return qkv_heads(qkv, self.q_norm.scale, self.k_norm.scale, self._inv_freq, offset,
+                             self.n_heads, self.n_kv_heads, self.q_norm.eps)
+        q_width = self.n_heads * self.head_dim
+        q, k, v = mx.split(qkv, [q_width, q_width + self.n_kv_heads * self.head_dim], axis=-1)
+        return self._heads(q, k, v, offset)
+
+    def _heads(self, q: mx.array, k: mx.array, v: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        b, t, _ = q.shape
         q = self.q_norm(q.reshape(b, t, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         k = self.k_norm(k.reshape(b, t, self.n_kv_heads, self.head_dim)).transpose(0, 2, 1, 3)
         v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -111,12 +117,23 @@ class DecoderLayer(nn.Module):
     def window(self) -> int | None:
         return self.self_attn.window
 
-    def after_attention(self, h: mx.array, attn_out: mx.array, next_norm: OffsetRMSNorm) -> tuple[mx.array, mx.array]:
+    def after_attention(self, h: mx.array, attn_out: mx.array, next_norm: OffsetRMSNorm,
+                        next_qkv=None) -> tuple[mx.array, mx.array]:
         """`h + post_attn(attn_out)`, then `+ post_ff(mlp(pre_ff(.)))`: returns the residual stream
-        and `next_norm` of it (the next layer's input norm, or the final one), each norm seam
-        one `add_and_norm`."""
-        h, z = add_and_norm(h, attn_out, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-        return add_and_norm(h, self.mlp(z), self.post_feedforward_layernorm, next_norm)
+        and `next_norm` of it (the next layer's input norm, or the final one), or, given the next
+        layer's stacked q/k/v layer `next_qkv`, that layer applied to it. Each norm seam and the
+        projection after it are one launch on a CUDA GPU once stacked (`add_and_norm_linear`)."""
+        mlp = self.mlp
+        if mlp._gate_up is not None:
+            h, gate_up = add_and_norm_linear(h, attn_out, self.post_attention_layernorm,
+                                             self.pre_feedforward_layernorm, mlp._gate_up)
+            out = mlp.down_from(gate_up)
+        else:
+            h, z = add_and_norm(h, attn_out, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            out = mlp(z)
+        if next_qkv is not None:
+            return add_and_norm_linear(h, out, self.post_feedforward_layernorm, next_norm, next_qkv)
+        return add_and_norm(h, out, self.post_feedforward_layernorm, next_norm)
 
 
 @dataclass
@@ -181,6 +198,20 @@ class Backbone(nn.Module):
         """The norm that reads layer i's output: the next layer's input norm, or the final one."""
         return self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
 
+    def _qkv_after(self, i: int):
+        """The next layer's stacked q/k/v layer (None for the last layer or unstacked)."""
+        return self.layers[i + 1].self_attn._qkv if i + 1 < len(self.layers) else None
+
+    def _layer_input(self, attn: Attention, z, qkv, offset):
+        """q, k, v of a layer from its normed input z, or from its q/k/v projection already made."""
+        return attn.project(z, offset) if qkv is None else attn.heads(qkv, offset)
+
+    def _next(self, layer: DecoderLayer, i: int, h: mx.array, attn_out: mx.array):
+        """(h, z, qkv) after layer i: z the next norm's output, or qkv the next layer's projection."""
+        next_qkv = self._qkv_after(i)
+        h, out = layer.after_attention(h, attn_out, self.norm_after(i), next_qkv)
+        return (h, None, out) if next_qkv is not None else (h, out, None)
+
     def make_cache(self, chunk: int = DEFAULT_CHUNK) -> BackboneCache:
         attn = self.layers[0].self_attn
         return BackboneCache(self.windows, attn.n_kv_heads, attn.head_dim, chunk)
@@ -194,11 +225,11 @@ class Backbone(nn.Module):
         start = cache.offset
         query_pos = mx.arange(start, start + t)[:, None]
         h = x.astype(mx.float32)
-        z = self.layers[0].input_layernorm(h)
+        z, qkv = self.layers[0].input_layernorm(h), None
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.project(z, start)
+            q, k, v = self._layer_input(attn, z, qkv, start)
             if cache.keys[i] is not None:
                 key_pos = mx.concatenate([cache.slot_positions(i), mx.arange(start, start + t)])
                 k_all = mx.concatenate([cache.keys[i], k], axis=2)
@@ -208,7 +239,7 @@ class Backbone(nn.Module):
             mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= query_pos)
             if layer.window is not None:
                 mask = mask & (key_pos[None, :] > query_pos - layer.window)
-            h, z = layer.after_attention(h, attn.attend(q, k_all, v_all, mask), self.norm_after(i))
+            h, z, qkv = self._next(layer, i, h, attn.attend(q, k_all, v_all, mask))
             new_keys.append(k)
             new_values.append(v)
         cache.reserve(start + t, b)
@@ -231,7 +262,7 @@ class Backbone(nn.Module):
 
         The buffers must already have room (`BackboneCache.reserve(offset + 1)`)."""
         h = x.astype(mx.float32)
-        z = self.layers[0].input_layernorm(h)
+        z, qkv = self.layers[0].input_layernorm(h), None
         out_keys, out_values = [], []
         start = mx.reshape(offset, (1,))
         # Layers of one window share the slot, and buffers of one capacity the mask: made once.
@@ -242,10 +273,10 @@ class Backbone(nn.Module):
                 slots[window] = start if window is None else mx.remainder(start, window)
             if capacity not in masks:
                 masks[capacity] = mx.arange(capacity) <= offset
-            q, k, v = attn.project(z, offset)
+            q, k, v = self._layer_input(attn, z, qkv, offset)
             kb = mx.slice_update(keys[i], k, slots[window], axes=(2,))
             vb = mx.slice_update(values[i], v, slots[window], axes=(2,))
-            h, z = layer.after_attention(h, attn.attend_step(q, kb, vb, offset, masks[capacity]), self.norm_after(i))
+            h, z, qkv = self._next(layer, i, h, attn.attend_step(q, kb, vb, offset, masks[capacity]))
             out_keys.append(kb)
             out_values.append(vb)
         return z, out_keys, out_values

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.add_rms_norm import add_rms_norm
+from ..kernels.add_rms_norm import add_rms_norm, add_rms_norm_linear
 from ..kernels.gemv import GemvLinear, gelu_gate, stack_linears
 
 
@@ -35,6 +35,16 @@ class OffsetRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return mx.fast.rms_norm(x.astype(mx.float32), self.scale, self.eps)
+
+
+def add_and_norm_linear(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm,
+                        layer) -> tuple[mx.array, mx.array]:
+    """`(h', layer(pre(h')))` with `h' = h + post(y)`: the seam and the next projection, one launch
+    on a CUDA GPU for our dense GEMV layers (`kernels.add_rms_norm.add_rms_norm_linear`)."""
+    if post.eps != pre.eps:
+        h, z = add_and_norm(h, y, post, pre)
+        return h, layer(z)
+    return add_rms_norm_linear(h.astype(mx.float32), y.astype(mx.float32), post.scale, pre.scale, post.eps, layer)
 
 
 def add_and_norm(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm) -> tuple[mx.array, mx.array]:
@@ -67,7 +77,10 @@ class GatedMLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if self._gate_up is None:
             return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = self._gate_up(x)
+        return self.down_from(self._gate_up(x))
+
+    def down_from(self, gate_up: mx.array) -> mx.array:
+        """down_proj(gelu(gate) * up) from the stacked gate/up output."""
         if isinstance(self.down_proj, GemvLinear):  # the kernel forms gelu(gate) * up as it loads them
             return self.down_proj(gate_up, gated_input=True)
         return self.down_proj(gelu_gate(gate_up))

@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ..config import MogHeadConfig
 from ..kernels.gemv import stack_linears
 from ..kernels.mog_sample import choose_component, component_mean, gumbel, mog_sample, top_p_keep  # noqa: F401
-from .layers import GatedMLP, OffsetRMSNorm, add_and_norm
+from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear
 
 
 class MLPLayer(nn.Module):
@@ -59,13 +59,20 @@ class MoGHead(nn.Module):
 
     def trunk(self, x: mx.array) -> mx.array:
         """`mlp_stack` in order (each layer `x + post(mlp(pre(x)))`, then the final norm), each norm
-        seam between two of them one `add_and_norm`."""
+        seam between two of them one `add_and_norm`, with the next layer's gate/up projection in
+        the same launch once stacked (`add_and_norm_linear`)."""
         *layers, final = self.mlp_stack
         h = x.astype(mx.float32)
-        z = layers[0].pre_norm(h)
+        z, gate_up = layers[0].pre_norm(h), None
         for i, layer in enumerate(layers):
-            next_norm = layers[i + 1].pre_norm if i + 1 < len(layers) else final
-            h, z = add_and_norm(h, layer.mlp(z), layer.post_norm, next_norm)
+            out = layer.mlp(z) if gate_up is None else layer.mlp.down_from(gate_up)
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            if nxt is not None and nxt.mlp._gate_up is not None:
+                h, gate_up = add_and_norm_linear(h, out, layer.post_norm, nxt.pre_norm, nxt.mlp._gate_up)
+                z = None
+            else:
+                h, z = add_and_norm(h, out, layer.post_norm, nxt.pre_norm if nxt is not None else final)
+                gate_up = None
         return z
 
     def infer(self, x: mx.array, guidance_scale: float, top_p: float, u: mx.array) -> tuple[mx.array, mx.array]:

@@ -25,6 +25,7 @@ using std::uint8_t;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct Dim3 {
   unsigned int x = 0, y = 0, z = 0;

@@ -15,7 +15,7 @@ from voicechat.tokenizer import TextTokenizer
 from voicechat.tts.char_encoder import CharVocabularyError
 from voicechat.tts.ear_tts import EarTTS
 from voicechat.tts.layers import OffsetRMSNorm
-from voicechat.tts.mog_head import top_p_keep
+from voicechat.kernels.mog_sample import top_p_keep
 
 PREFIX = "tts_model.tts_model."
 

@@ -14,7 +14,7 @@ import mlx.nn as nn
 
 from ..config import MogHeadConfig
 from ..kernels.gemv import stack_linears
-from ..kernels.mog_sample import choose_component, component_mean, gumbel, mog_sample, top_p_keep  # noqa: F401
+from ..kernels.mog_sample import choose_component, component_mean, mog_sample
 from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear
 
 

@@ -29,24 +29,7 @@ namespace {
 constexpr int kThreads = 256;
 
 // Template args: C (channels), THREADS, TH, TY, TW (post / pre), TO.
-constexpr const char* kHeader = R"(
-// Sum of v over the block; every thread gets it. `scratch` holds THREADS / 32 floats and is free
-// again when this returns.
-template <int THREADS>
-__device__ float vc_block_sum(float v, float* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) {
-    scratch[threadIdx.x >> 5] = v;
-  }
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
-  __syncthreads();
-  return total;
-}
-)";
+
 
 constexpr const char* kSource = R"(
   constexpr int PER = (C + THREADS - 1) / THREADS;
@@ -89,22 +72,20 @@ const CudaSource& source() {
   auto inst = [](int c, const std::string& t) {
     return CudaInstance{{"float", t, "float", "float", "float"},
                         {"float", "float"},
-                        {P{"C", "int:" + std::to_string(c)}, P{"THREADS", "int:" + std::to_string(kThreads)},
-                         P{"TH", "type:float"}, P{"TY", "type:" + t}, P{"TW", "type:float"}, P{"TO", "type:float"}}};
+                        {P{"C", int_arg(c)}, P{"THREADS", int_arg(kThreads)},
+                         P{"TH", "type:float"}, P{"TY", type_arg(t)}, P{"TW", "type:float"}, P{"TO", "type:float"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_add_rms_norm",
       {"h", "y", "post", "pre", "eps"},
       {"h_out", "z_out"},
       kSource,
-      kHeader,
+      block_reduce_header(),
       // the TTS width (float32 as it runs; a bfloat16 branch too); a small odd one
       {inst(1152, "float"), inst(1152, "__nv_bfloat16"), inst(100, "float")},
   });
   return src;
 }
-
-bool float_type(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
 
 std::tuple<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::array& y, const mx::array& post,
                                               const mx::array& pre, float eps, mx::StreamOrDevice s_) {
@@ -118,7 +99,7 @@ std::tuple<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::arra
   auto s = mx::to_stream(s_);
   const int rows = static_cast<int>(h.size() / c);
   const bool kernel_path = gpu_stream(s) && cuda_build() && rows > 0 && h.dtype() == mx::float32 &&
-                           float_type(y.dtype()) && post.dtype() == mx::float32 && pre.dtype() == mx::float32;
+                           float_dtype(y.dtype()) && post.dtype() == mx::float32 && pre.dtype() == mx::float32;
   if (!kernel_path) {
     auto out = mx::add(h, mx::fast::rms_norm(y, post, eps, s), s);
     return {out, mx::fast::rms_norm(out, pre, eps, s)};

@@ -61,10 +61,10 @@ const CudaSource& source() {
   auto inst = [](int c, int k, int l, int w, int offset, const std::string& ts) {
     return CudaInstance{{"float", ts, "float", "float"},
                         {"float", "float"},
-                        {P{"B", "int:1"}, P{"C", "int:" + std::to_string(c)}, P{"K", "int:" + std::to_string(k)},
-                         P{"L", "int:" + std::to_string(l)}, P{"W", "int:" + std::to_string(w)},
-                         P{"OFFSET", "int:" + std::to_string(offset)}, P{"HAS_BIAS", "bool:true"},
-                         P{"TS", "type:" + ts}, P{"THREADS", "int:" + std::to_string(kThreads)}}};
+                        {P{"B", "int:1"}, P{"C", int_arg(c)}, P{"K", int_arg(k)},
+                         P{"L", int_arg(l)}, P{"W", int_arg(w)},
+                         P{"OFFSET", int_arg(offset)}, P{"HAS_BIAS", "bool:true"},
+                         P{"TS", type_arg(ts)}, P{"THREADS", int_arg(kThreads)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_causal_conv_silu",
@@ -78,8 +78,6 @@ const CudaSource& source() {
   });
   return src;
 }
-
-bool float_type(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
 
 std::vector<mx::array> composed(const mx::array& state, const mx::array& x, const mx::array& weight,
                                 const std::optional<mx::array>& bias, mx::Stream s) {
@@ -116,7 +114,7 @@ std::vector<mx::array> causal_conv_silu(const mx::array& conv_state, const mx::a
   auto s = mx::to_stream(s_);
   const auto w2 = mx::reshape(weight, {c, k_size}, s);
   const bool kernel_path = gpu_stream(s) && cuda_build() && b > 0 && length > 0 &&
-                           conv_state.dtype() == mx::float32 && float_type(src.dtype()) &&
+                           conv_state.dtype() == mx::float32 && float_dtype(src.dtype()) &&
                            w2.dtype() == mx::float32 && (!bias || bias->dtype() == mx::float32);
   if (!kernel_path) {
     auto x = mx::slice(src, {0, 0, offset}, {b, length, offset + c}, s);

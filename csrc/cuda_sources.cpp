@@ -55,6 +55,48 @@ bool cuda_build() { return std::string_view(VC_BACKEND) == "cuda"; }
 
 bool gpu_stream(const mlx::core::Stream& s) { return s.device == mlx::core::Device::gpu; }
 
+bool float_dtype(mlx::core::Dtype t) {
+  return t == mlx::core::float32 || t == mlx::core::bfloat16 || t == mlx::core::float16;
+}
+
+std::string int_arg(int v) { return "int:" + std::to_string(v); }
+
+std::string type_arg(const std::string& cuda_type) { return "type:" + cuda_type; }
+
+const std::string& block_reduce_header() {
+  static const std::string text = R"(
+#ifndef VC_BLOCK_REDUCE
+#define VC_BLOCK_REDUCE
+template <int THREADS>
+__device__ __forceinline__ float vc_block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
+  __syncthreads();
+  return total;
+}
+
+template <int THREADS>
+__device__ __forceinline__ float vc_block_max(float v, float* scratch) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float best = scratch[0];
+#pragma unroll
+  for (int w = 1; w < THREADS / 32; ++w) best = fmaxf(best, scratch[w]);
+  __syncthreads();
+  return best;
+}
+#endif
+)";
+  return text;
+}
+
 namespace {
 void bind(py::module_& m) {
   m.def("cuda_sources", [] {

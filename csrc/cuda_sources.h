@@ -47,5 +47,16 @@ const std::deque<CudaSource>& cuda_sources();
 // Backend facts for dispatch.
 bool cuda_build();  // built against mlx-cuda
 bool gpu_stream(const mlx::core::Stream& s);
+bool float_dtype(mlx::core::Dtype t);  // float32, bfloat16 or float16: what the kernels read
+
+// Template args of a CudaInstance, as MLX writes them: int_arg(4) = "int:4", type_arg("float") =
+// "type:float".
+std::string int_arg(int v);
+std::string type_arg(const std::string& cuda_type);
+
+// Device helpers for kernel headers: vc_block_sum / vc_block_max<THREADS>(v, scratch), the sum /
+// max of v over the block in every thread (scratch: THREADS / 32 floats, free again on return).
+// Include-guarded, so several kernels' headers may carry it.
+const std::string& block_reduce_header();
 
 }  // namespace voicechat

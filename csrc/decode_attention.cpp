@@ -136,9 +136,9 @@ const CudaSource& part_source() {
   auto inst = [](int d, int h, int hk, bool single) {
     return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t"},
                         {"float"},
-                        {P{"D", "int:" + std::to_string(d)}, P{"H", "int:" + std::to_string(h)},
-                         P{"HK", "int:" + std::to_string(hk)}, P{"CH", "int:" + std::to_string(kChunk)},
-                         P{"THREADS", "int:" + std::to_string(kThreads)},
+                        {P{"D", int_arg(d)}, P{"H", int_arg(h)},
+                         P{"HK", int_arg(hk)}, P{"CH", int_arg(kChunk)},
+                         P{"THREADS", int_arg(kThreads)},
                          P{"SINGLE", single ? "bool:true" : "bool:false"}}};
   };
   static const CudaSource& src = register_cuda_source({
@@ -158,7 +158,7 @@ const CudaSource& combine_source() {
   auto inst = [](int d) {
     return CudaInstance{{"float", "int32_t"},
                         {"float"},
-                        {P{"D", "int:" + std::to_string(d)}, P{"CH", "int:" + std::to_string(kChunk)},
+                        {P{"D", int_arg(d)}, P{"CH", int_arg(kChunk)},
                          P{"THREADS", "int:128"}}};
   };
   static const CudaSource& src = register_cuda_source({

@@ -49,16 +49,7 @@ constexpr const char* kSource = R"(
     h[i] = v;
     ss += v * v;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if ((threadIdx.x & 31) == 0) {
-    warp_sums[threadIdx.x >> 5] = ss;
-  }
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) total += warp_sums[w];
-  const float r = rsqrtf(total / static_cast<float>(CG) + eps[0]);
+  const float r = rsqrtf(vc_block_sum<THREADS>(ss, warp_sums) / static_cast<float>(CG) + eps[0]);
   TO* o = out + static_cast<size_t>(row) * C + g * CG;
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
@@ -74,24 +65,22 @@ const CudaSource& source() {
   auto inst = [](int c, int g, int w, int offset, const std::string& t = "float") {
     return CudaInstance{{t, t, t, "float"},
                         {t},
-                        {P{"C", "int:" + std::to_string(c)}, P{"G", "int:" + std::to_string(g)},
-                         P{"W", "int:" + std::to_string(w)}, P{"GATE_OFFSET", "int:" + std::to_string(offset)},
-                         P{"THREADS", "int:" + std::to_string(kThreads)}, P{"TY", "type:" + t}, P{"TG", "type:" + t},
-                         P{"TW", "type:" + t}, P{"TO", "type:" + t}}};
+                        {P{"C", int_arg(c)}, P{"G", int_arg(g)},
+                         P{"W", int_arg(w)}, P{"GATE_OFFSET", int_arg(offset)},
+                         P{"THREADS", int_arg(kThreads)}, P{"TY", type_arg(t)}, P{"TG", type_arg(t)},
+                         P{"TW", type_arg(t)}, P{"TO", type_arg(t)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_gated_rms_norm",
       {"y", "gate_src", "weight", "eps"},
       {"out"},
       kSource,
-      "",
+      block_reduce_header(),
       // the published mixer (float32 as the LLM runs, bfloat16 too); a small odd one
       {inst(10240, 8, 22656, 0), inst(10240, 8, 22656, 0, "__nv_bfloat16"), inst(96, 2, 300, 4)},
   });
   return src;
 }
-
-bool float_type(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
 
 mx::array composed(const mx::array& y, const mx::array& gate, const mx::array& weight, int groups, float eps,
                    mx::Stream s) {
@@ -125,8 +114,8 @@ mx::array gated_rms_norm(const mx::array& y, const mx::array& gate_src, int gate
   auto s = mx::to_stream(s_);
   const int width = gate_src.shape(-1);
   const int rows = static_cast<int>(y.size() / c);
-  const bool kernel_path = gpu_stream(s) && cuda_build() && rows > 0 && float_type(y.dtype()) &&
-                           float_type(gate_src.dtype()) && float_type(weight.dtype());
+  const bool kernel_path = gpu_stream(s) && cuda_build() && rows > 0 && float_dtype(y.dtype()) &&
+                           float_dtype(gate_src.dtype()) && float_dtype(weight.dtype());
   if (!kernel_path) {
     mx::Shape start(gate_src.ndim(), 0), stop = gate_src.shape();
     start.back() = gate_offset;

@@ -98,8 +98,6 @@ int blocks_for(const Launch& l, int n) {
 
 using TemplateArg = std::pair<std::string, std::string>;
 
-std::string int_arg(int v) { return "int:" + std::to_string(v); }
-std::string type_arg(const char* t) { return std::string("type:") + t; }
 
 // One instance of vc_qmv (split "THREADS": threads per block) or vc_qmv_warp (split "WARPS":
 // warps per block). tb: the Linear bias' type, or nullptr for none (the kernel then gets `scales`
@@ -271,7 +269,7 @@ const CudaSource& dense_add_norm_source() {
       {"h", "y", "post", "pre", "eps_arr", "weight", "bias"},
       {"out", "h_out"},
       gemv_cuda::kDenseAddNormSource,
-      gemv_cuda::kHeader,
+      block_reduce_header() + gemv_cuda::kHeader,
       {
           // The TTS (CFG batch 2): into gate/up (backbone and MoG) and into the next layer's q/k/v.
           inst(1152, 9216, 2, 8, 160, false, bf, bf),
@@ -289,9 +287,9 @@ const CudaSource& argmax_source() {
         {tx, "uint32_t", ts, ts, "uint32_t", ts, ts},
         {"int64_t", to, to},
         {P{"BITS", "int:4"}, P{"GROUP", "int:64"}, P{"K", "int:4480"}, P{"N", "int:131072"},
-         P{"M", "int:" + std::to_string(m)}, P{"ROWS", "int:4"}, P{"THREADS", "int:160"},
-         P{"GPB", "int:" + std::to_string(kArgmaxGroupsPerBlock)}, P{"WRITE_LOGITS", logits ? "bool:true" : "bool:false"},
-         P{"TX", std::string("type:") + tx}, P{"TS", std::string("type:") + ts}, P{"TO", std::string("type:") + to}}};
+         P{"M", int_arg(m)}, P{"ROWS", "int:4"}, P{"THREADS", "int:160"},
+         P{"GPB", int_arg(kArgmaxGroupsPerBlock)}, P{"WRITE_LOGITS", logits ? "bool:true" : "bool:false"},
+         P{"TX", type_arg(tx)}, P{"TS", type_arg(ts)}, P{"TO", type_arg(to)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_two_head_argmax",
@@ -332,8 +330,6 @@ const mx::fast::CustomKernelFunction& kernel(const CudaSource& src) {
 }
 
 // ---------------------------------------------------------------- checks
-
-bool float_dtype(mx::Dtype t) { return t == mx::float32 || t == mx::bfloat16 || t == mx::float16; }
 
 int leading_rows(const mx::array& x) { return x.ndim() == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1)); }
 

@@ -14,7 +14,10 @@
 namespace voicechat::gemv_cuda {
 
 // Device helpers shared by every kernel body below (the `header` of fast::cuda_kernel).
+// Include-guarded: a header made of it and another one's text may meet it twice.
 constexpr const char* kHeader = R"(
+#ifndef VC_GEMV_HEADER
+#define VC_GEMV_HEADER
 namespace vc_gemv {
 
 // The unsigned field of v at bits [SHIFT, SHIFT + WIDTH) (SHIFT + WIDTH <= 23) as an exact float.
@@ -311,20 +314,6 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
   }
 }
 
-// The sum of v over the block, in every thread. scratch: THREADS / 32 floats, free again on return.
-template <int THREADS>
-__device__ __forceinline__ float block_total(float v, float* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
-  __syncthreads();
-  return total;
-}
-
 // total[o] = sum over the block's threads of vals[o], o < COUNT. part: COUNT * THREADS floats of
 // shared memory. Every thread of the block must call it (it synchronizes the block).
 template <int COUNT, int THREADS>
@@ -414,6 +403,7 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
 }
 
 }  // namespace vc_gemv
+#endif
 )";
 
 // y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM: x is
@@ -461,7 +451,8 @@ constexpr const char* kDenseSource = R"(
 // and h' is written too (by block 0): the residual stream the next seam adds to. Every block forms
 // x (M rows of K floats) in shared memory from h and y (K floats each: small beside its weight
 // rows), then runs the block-layout product over it. eps = eps_arr[0].
-// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, TW, TB, TO (h, y, post, pre: float).
+// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, TW, TB, TO (h, y, post, pre: float). Its header
+// is block_reduce_header() + kHeader.
 constexpr const char* kDenseAddNormSource = R"(
   __shared__ __align__(16) float xs[M * K];
   __shared__ float red[THREADS / 32];
@@ -473,14 +464,14 @@ constexpr const char* kDenseAddNormSource = R"(
     const float* hm = h + static_cast<size_t>(m) * K;
     float ss = 0.0f;
     for (int k = threadIdx.x; k < K; k += THREADS) ss = fmaf(ym[k], ym[k], ss);
-    const float r_post = rsqrtf(vc_gemv::block_total<THREADS>(ss, red) / static_cast<float>(K) + eps);
+    const float r_post = rsqrtf(vc_block_sum<THREADS>(ss, red) / static_cast<float>(K) + eps);
     ss = 0.0f;
     for (int k = threadIdx.x; k < K; k += THREADS) {
       const float v = hm[k] + ym[k] * r_post * post[k];
       xs[m * K + k] = v;
       ss = fmaf(v, v, ss);
     }
-    const float r_pre = rsqrtf(vc_gemv::block_total<THREADS>(ss, red) / static_cast<float>(K) + eps);
+    const float r_pre = rsqrtf(vc_block_sum<THREADS>(ss, red) / static_cast<float>(K) + eps);
     for (int k = threadIdx.x; k < K; k += THREADS) {
       if (blockIdx.x == 0) h_out[static_cast<size_t>(m) * K + k] = xs[m * K + k];
       xs[m * K + k] = xs[m * K + k] * r_pre * pre[k];

@@ -36,30 +36,6 @@ constexpr int kThreads = 512;  // (1024 would leave 64 registers a thread)
 constexpr const char* kHeader = R"(
 namespace vc_mog {
 
-template <int THREADS>
-__device__ float block_sum(float v, float* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < THREADS / 32; ++w) total += scratch[w];
-  __syncthreads();
-  return total;
-}
-
-template <int THREADS>
-__device__ float block_max(float v, float* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float best = scratch[0];
-  for (int w = 1; w < THREADS / 32; ++w) best = fmaxf(best, scratch[w]);
-  __syncthreads();
-  return best;
-}
-
 // (value, index) of the largest value, the smallest index among equals; -inf everywhere gives index 0.
 __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
   if (ov > v || (ov == v && oi < i)) {
@@ -104,13 +80,13 @@ constexpr const char* kSource = R"(
   // softmax of the logits
   float m = -inf;
   for (int i = tid; i < N; i += THREADS) m = fmaxf(m, y[i]);
-  m = vc_mog::block_max<THREADS>(m, scratch);
+  m = vc_block_max<THREADS>(m, scratch);
   float s = 0.0f;
   for (int i = tid; i < N; i += THREADS) {
     p[i] = expf(y[i] - m);
     s += p[i];
   }
-  s = vc_mog::block_sum<THREADS>(s, scratch);  // (its barrier also publishes p)
+  s = vc_block_sum<THREADS>(s, scratch);  // (its barrier also publishes p)
   for (int i = tid; i < N; i += THREADS) p[i] = p[i] / s;
   __syncthreads();
   // top-p: keep i while the mass strictly above it is below top_p; the kept logits' logsumexp
@@ -125,7 +101,7 @@ constexpr const char* kSource = R"(
     keep[i] = above < top_p;
     if (keep[i]) kept += expf(y[i] - m);
   }
-  const float lse = m + logf(vc_mog::block_sum<THREADS>(kept, scratch));
+  const float lse = m + logf(vc_block_sum<THREADS>(kept, scratch));
   // Gumbel-max over the kept components
   float best = -inf;
   int best_i = 0;
@@ -163,16 +139,16 @@ const CudaSource& source() {
   auto inst = [](int n, int r, int l, int h, const std::string& tw) {
     return CudaInstance{{"float", "float", "float", "float", tw, tw, "float"},
                         {"float", "int32_t"},
-                        {P{"N", "int:" + std::to_string(n)}, P{"R", "int:" + std::to_string(r)},
-                         P{"L", "int:" + std::to_string(l)}, P{"H", "int:" + std::to_string(h)},
-                         P{"THREADS", "int:" + std::to_string(kThreads)}, P{"TW", "type:" + tw}}};
+                        {P{"N", int_arg(n)}, P{"R", int_arg(r)},
+                         P{"L", int_arg(l)}, P{"H", int_arg(h)},
+                         P{"THREADS", int_arg(kThreads)}, P{"TW", type_arg(tw)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_mog_sample",
       {"y", "h", "u", "noise", "mus", "low_mat", "params"},
       {"z", "component"},
       kSource,
-      kHeader,
+      block_reduce_header() + kHeader,
       // the published head (bf16 weights); a small float32 one
       {inst(1024, 64, 512, 1152, "__nv_bfloat16"), inst(24, 4, 40, 48, "float")},
   });
@@ -199,7 +175,7 @@ std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array&
   const bool kernel_path = gpu_stream(s) && cuda_build() && n <= 4096 && y.dtype() == mx::float32 &&
                            h.dtype() == mx::float32 && u.dtype() == mx::float32 && noise.dtype() == mx::float32 &&
                            mus.dtype() == low_mat.dtype() &&
-                           (mus.dtype() == mx::float32 || mus.dtype() == mx::bfloat16 || mus.dtype() == mx::float16);
+                           float_dtype(mus.dtype());
   expect(kernel_path, "runs on a CUDA stream (float32 y, h, u, noise; N <= 4096); elsewhere use "
                       "voicechat.kernels.mog_sample, which composes MLX ops");
   static auto kernel = make_cuda_kernel(source());

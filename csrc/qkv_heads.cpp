@@ -100,9 +100,9 @@ const CudaSource& source() {
   auto inst = [](int b, int hq, int hk, int d, int t, const std::string& tx) {
     return CudaInstance{{tx, "float", "float", "float", "int32_t", "float"},
                         {"float", "float", "float"},
-                        {P{"B", "int:" + std::to_string(b)}, P{"HQ", "int:" + std::to_string(hq)}, P{"HK", "int:" + std::to_string(hk)},
-                         P{"D", "int:" + std::to_string(d)}, P{"T", "int:" + std::to_string(t)},
-                         P{"WARPS", "int:" + std::to_string(kWarpsPerBlock)}, P{"TX", "type:" + tx}}};
+                        {P{"B", int_arg(b)}, P{"HQ", int_arg(hq)}, P{"HK", int_arg(hk)},
+                         P{"D", int_arg(d)}, P{"T", int_arg(t)},
+                         P{"WARPS", int_arg(kWarpsPerBlock)}, P{"TX", type_arg(tx)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_qkv_heads",
@@ -136,7 +136,7 @@ std::tuple<mx::array, mx::array, mx::array> qkv_heads(const mx::array& qkv, cons
   const int t = rows / batch;
   auto s = mx::to_stream(s_);
   const bool kernel_path = gpu_stream(s) && cuda_build() && rows > 0 &&
-                           (qkv.dtype() == mx::float32 || qkv.dtype() == mx::bfloat16 || qkv.dtype() == mx::float16) &&
+                           float_dtype(qkv.dtype()) &&
                            q_scale.dtype() == mx::float32 && k_scale.dtype() == mx::float32 &&
                            inv_freq.dtype() == mx::float32;
   if (!kernel_path) {

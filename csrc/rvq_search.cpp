@@ -230,8 +230,8 @@ const CudaSource& cuda_step_source() {
   auto inst = [](const std::string& t, int d, int k, int nb, bool first) {
     return CudaInstance{{"float", first ? "float" : "int64_t", t, "float", "int32_t"},
                         {"float", "int64_t", "int32_t"},
-                        {P{"T", "type:" + t}, P{"D", "int:" + std::to_string(d)}, P{"K", "int:" + std::to_string(k)},
-                         P{"NB", "int:" + std::to_string(nb)}, P{"THREADS", "int:256"},
+                        {P{"T", type_arg(t)}, P{"D", int_arg(d)}, P{"K", int_arg(k)},
+                         P{"NB", int_arg(nb)}, P{"THREADS", "int:256"},
                          P{"FIRST", first ? "bool:true" : "bool:false"}}};
   };
   static const CudaSource& src = register_cuda_source({
@@ -251,8 +251,8 @@ const CudaSource& cuda_finish_source() {
   auto inst = [](const std::string& t, int d, int k, int nb) {
     return CudaInstance{{"float", "int64_t", t, "int32_t"},
                         {"float", "int32_t"},
-                        {P{"T", "type:" + t}, P{"D", "int:" + std::to_string(d)}, P{"K", "int:" + std::to_string(k)},
-                         P{"NB", "int:" + std::to_string(nb)}, P{"THREADS", "int:256"}}};
+                        {P{"T", type_arg(t)}, P{"D", int_arg(d)}, P{"K", int_arg(k)},
+                         P{"NB", int_arg(nb)}, P{"THREADS", "int:256"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_rvq_finish",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ._native import ext, use_reference
-from .gemv import GemvLinear, on_cuda_gpu, rows_of
+from .gemv import GemvLinear, gemv_applies, on_cuda_gpu
 
 
 @mx.compile
@@ -40,9 +40,7 @@ def add_rms_norm_linear(h: mx.array, y: mx.array, post: mx.array, pre: mx.array,
     """`(h', layer(z))` for `(h', z) = add_rms_norm(h, y, post, pre, eps)`: with a dense
     `GemvLinear` on a CUDA GPU (1-2 float32 rows) the seam and the product are one launch
     (`ext.dense_add_norm_matvec`); otherwise the seam, then the layer."""
-    kernel = (isinstance(layer, GemvLinear) and on_cuda_gpu() and not use_reference() and 1 <= rows_of(h) <= 2
-              and all(a.dtype == mx.float32 for a in (h, y, post, pre)))
-    if kernel:
+    if isinstance(layer, GemvLinear) and gemv_applies(h) and all(a.dtype == mx.float32 for a in (h, y, post, pre)):
         out, h2 = ext.dense_add_norm_matvec(h, y, post, pre, eps, layer["weight"], layer.get("bias"))
         return h2, out
     h2, z = add_rms_norm(h, y, post, pre, eps)

@@ -147,7 +147,8 @@ def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, stream=No
 
 # --------------------------------------------------------------------------- layers
 
-def _gemv_applies(x: mx.array) -> bool:
+def gemv_applies(x: mx.array) -> bool:
+    """Whether our GEMV layers run their kernels for `x` (1-2 rows on a CUDA GPU)."""
     return 1 <= rows_of(x) <= MAX_ROWS and on_cuda_gpu() and not use_reference()
 
 
@@ -167,9 +168,12 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
     def from_quantized_linear(cls, layer: nn.QuantizedLinear) -> "GemvQuantizedLinear":
         return _same_arrays(cls, layer)
 
+    def kernel_applies(self, x: mx.array) -> bool:
+        return self.mode == "affine" and gemv_applies(x)
+
     def __call__(self, x, *, residual=None, squared_relu: bool = False, norm: nn.RMSNorm | None = None):
         """`layer(norm(x))`, then `relu(.)^2` or `+ residual`: one launch on the kernel path."""
-        if self.mode == "affine" and _gemv_applies(x):
+        if self.kernel_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
                                     bias=self.get("bias"), residual=residual, squared_relu=squared_relu,
                                     norm=None if norm is None else (norm.weight, norm.eps))
@@ -185,7 +189,7 @@ class GemvLinear(nn.Linear):
 
     def __call__(self, x, *, residual=None, squared_relu: bool = False, gated_input: bool = False):
         """`layer(x)` with the epilogue; `gated_input`: `layer(gelu_gate(x))` (one launch on the kernel path)."""
-        if _gemv_applies(x):
+        if gemv_applies(x):
             return dense_matvec(x, self["weight"], bias=self.get("bias"), residual=residual,
                                 squared_relu=squared_relu, gated_input=gated_input)
         return _epilogue(super().__call__(gelu_gate(x) if gated_input else x), residual, squared_relu)
@@ -194,7 +198,7 @@ class GemvLinear(nn.Linear):
 def norm_rides_in(layer: nn.Module, x: mx.array) -> bool:
     """Whether `linear(layer, x, norm=...)` forms the RMSNorm inside the GEMV's launch (a
     `GemvQuantizedLinear` on the kernel path); otherwise it is a launch of its own each call."""
-    return isinstance(layer, GemvQuantizedLinear) and layer.mode == "affine" and _gemv_applies(x)
+    return isinstance(layer, GemvQuantizedLinear) and layer.kernel_applies(x)
 
 
 def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool = False,

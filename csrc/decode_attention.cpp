@@ -32,6 +32,7 @@ constexpr int kChunk = 256;  // slots per block of the first launch
 // a growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum,
 // values); SINGLE (CAP <= CH, one chunk): the result itself, [B * H, D], and no second launch.
 constexpr const char* kPartSource = R"(
+  const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   const int CAP = dims[0];
   const int NC = (CAP + CH - 1) / CH;
   constexpr int WARPS = THREADS / 32;
@@ -49,7 +50,7 @@ constexpr const char* kPartSource = R"(
   const int last = min(offset[0], CAP - 1);  // the highest valid slot
   const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
   const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
-  float m = -inf, l = 0.0f, acc[PER];
+  float m = neg_inf, l = 0.0f, acc[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
   const int end = min((chunk + 1) * CH, last + 1);
@@ -85,14 +86,14 @@ constexpr const char* kPartSource = R"(
     if (d < D) wacc[warp][d] = acc[i];
   }
   __syncthreads();
-  float mb = -inf;
+  float mb = neg_inf;
   for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, wm[w]);
   if constexpr (SINGLE) {  // one chunk holds every slot: normalize and write the result itself
     float lsum = 0.0f;
-    for (int w = 0; w < WARPS; ++w) lsum += wm[w] == -inf ? 0.0f : expf(wm[w] - mb) * wl[w];
+    for (int w = 0; w < WARPS; ++w) lsum += wm[w] == neg_inf ? 0.0f : expf(wm[w] - mb) * wl[w];
     for (int d = threadIdx.x; d < D; d += THREADS) {
       float total = 0.0f;
-      for (int w = 0; w < WARPS; ++w) total += wm[w] == -inf ? 0.0f : expf(wm[w] - mb) * wacc[w][d];
+      for (int w = 0; w < WARPS; ++w) total += wm[w] == neg_inf ? 0.0f : expf(wm[w] - mb) * wacc[w][d];
       part[static_cast<size_t>(blockIdx.x) * D + d] = total / lsum;
     }
     return;
@@ -101,7 +102,7 @@ constexpr const char* kPartSource = R"(
   for (int d = threadIdx.x; d < D + 2; d += THREADS) {
     float total = 0.0f;
     for (int w = 0; w < WARPS; ++w) {
-      const float f = wm[w] == -inf ? 0.0f : expf(wm[w] - mb);
+      const float f = wm[w] == neg_inf ? 0.0f : expf(wm[w] - mb);
       total += f * (d < D ? wacc[w][d] : wl[w]);
     }
     if (d < D) out[d + 2] = total;
@@ -112,20 +113,21 @@ constexpr const char* kPartSource = R"(
 
 // Template args: D, CH, THREADS; dims = [CAP]. out: [B * H, D] (the step's [B, 1, H * D]).
 constexpr const char* kCombineSource = R"(
+  const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   const int NC = (dims[0] + CH - 1) / CH;
   const float* pr = part + static_cast<size_t>(blockIdx.x) * NC * (D + 2);
-  float mb = -inf;
+  float mb = neg_inf;
   for (int c = 0; c < NC; ++c) mb = fmaxf(mb, pr[c * (D + 2)]);
   float lsum = 0.0f;
   for (int c = 0; c < NC; ++c) {
     const float mc = pr[c * (D + 2)];
-    if (mc != -inf) lsum += expf(mc - mb) * pr[c * (D + 2) + 1];
+    if (mc != neg_inf) lsum += expf(mc - mb) * pr[c * (D + 2) + 1];
   }
   for (int d = threadIdx.x; d < D; d += THREADS) {
     float total = 0.0f;
     for (int c = 0; c < NC; ++c) {
       const float mc = pr[c * (D + 2)];
-      if (mc != -inf) total += expf(mc - mb) * pr[c * (D + 2) + 2 + d];
+      if (mc != neg_inf) total += expf(mc - mb) * pr[c * (D + 2) + 2 + d];
     }
     out[static_cast<size_t>(blockIdx.x) * D + d] = total / lsum;
   }

@@ -70,6 +70,7 @@ __device__ int block_argmax(float v, int i, float* vs, int* is) {
 // Template args: N (components), R (low rank), L (latent), H (hidden), THREADS, TW (weights' type).
 // params: top_p, min_log_std, noise_scale.
 constexpr const char* kSource = R"(
+  const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   __shared__ float p[N];
   __shared__ unsigned char keep[N];
   __shared__ float low[R];
@@ -78,7 +79,7 @@ constexpr const char* kSource = R"(
   const int tid = threadIdx.x;
   const float top_p = params[0];
   // softmax of the logits
-  float m = -inf;
+  float m = neg_inf;
   for (int i = tid; i < N; i += THREADS) m = fmaxf(m, y[i]);
   m = vc_block_max<THREADS>(m, scratch);
   float s = 0.0f;
@@ -103,7 +104,7 @@ constexpr const char* kSource = R"(
   }
   const float lse = m + logf(vc_block_sum<THREADS>(kept, scratch));
   // Gumbel-max over the kept components
-  float best = -inf;
+  float best = neg_inf;
   int best_i = 0;
   for (int i = tid; i < N; i += THREADS) {
     if (keep[i]) {

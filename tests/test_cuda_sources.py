@@ -18,8 +18,6 @@ MLX_PRELUDE = """
 
 #include <cooperative_groups.h>
 
-#define inf cuda::std::numeric_limits<float>::infinity()
-
 """
 
 

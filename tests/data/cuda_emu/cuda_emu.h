@@ -59,7 +59,6 @@ inline unsigned int __float_as_uint(float f) {
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // CUDA: an approximation within 2 ulp
 inline int min(int a, int b) { return a < b ? a : b; }
-constexpr float inf = __builtin_huge_valf();  // what MLX's kernel prelude defines
 template <typename T>
 inline T __ldcs(const T* p) {
   return *p;

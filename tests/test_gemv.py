@@ -542,11 +542,8 @@ def test_norm_prologue_equals_rms_norm_then_matvec(n, k, rows, squared_relu, x_d
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
-def test_norm_prologue_through_the_layer_and_bad_weights():
-    layer = use_gemv(nn.QuantizedLinear(128, 24, bias=False, group_size=64, bits=4))
-    norm = nn.RMSNorm(128, eps=1e-5)
-    norm.weight = 1.0 + 0.1 * mx.random.normal((128,), key=mx.random.key(2))
+def test_norm_prologue_rejects_bad_weights():
+    layer = nn.QuantizedLinear(128, 24, bias=False, group_size=64, bits=4)
     x = mx.random.normal((1, 128), key=mx.random.key(3))
-    np.testing.assert_allclose(np.array(linear(layer, x, norm=norm)), np.array(layer(norm(x))), rtol=2e-5, atol=2e-5)
     with pytest.raises(ValueError, match="norm_weight"):
         ext.quantized_matvec(x, layer.weight, layer.scales, layer.biases, norm_weight=mx.ones((64,)))

@@ -416,18 +416,3 @@ def test_compiled_decode_equals_the_eager_step(lm, tiny_checkpoint_q4, prefix, w
             np_close(a if n is None else a[:, :, :n], b if n is None else b[:, :, :n], 1e-5, 1e-5)
     finally:
         KVCache.step = old
-
-
-def test_block_norms_ride_in_the_first_projection_on_cuda(tiny_checkpoint_q4):
-    """Prepared for decode on a CUDA GPU, every block's RMSNorm runs inside its first projection(s)
-    (in_proj, up_proj, q/k/v): a step runs MLX's rms_norm only for norm_f."""
-    from voicechat.kernels.gemv import on_cuda_gpu
-
-    if not on_cuda_gpu():
-        pytest.skip("the GEMV kernels run on a CUDA GPU")
-    lm = load_lm(tiny_checkpoint_q4).prepare()
-    cache = lm.make_cache()
-    fused = timeline(lm, 2, seed=3)
-    mx.eval(lm.step(fused[:, :1], cache).text_ids, cache.state)
-    counts = count_ops(lm.step(fused[:, 1:2], cache).text_ids)
-    assert counts.get("RMSNorm", 0) == 1

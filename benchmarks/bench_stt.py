@@ -151,3 +151,20 @@ def test_rnnt_greedy(benchmark, stt, encoded, path):
 def _eval(a):
     mx.eval(a)
     return a
+
+
+@pytest.mark.parametrize("threads", [1, 0])
+def test_rnnt_greedy_every_frame_emitting(benchmark, stt, encoded, threads):
+    """The worst case of random weights: blank pushed down, so every frame emits max_symbols tokens
+    (an LSTM step each). threads 0: the count chosen for the model's size; 1: one thread."""
+    c, joint = stt.config, stt.joint
+    enc_proj = joint.enc(encoded[0])
+    out = joint.joint_net[2]
+    out_b = out.bias - 100.0 * (mx.arange(out.bias.shape[0]) == c.rnnt_blank_id).astype(out.bias.dtype)
+    mx.eval(enc_proj, out_b)
+    args = (enc_proj, stt.decoder.prediction.embed.weight, stt.decoder.lstm_weights(), joint.pred.weight,
+            joint.pred.bias, out.weight, out_b, c.rnnt_blank_id, c.audio_config.max_symbols)
+    table = benchmark(lambda: _eval(rnnt_greedy(*args, threads=threads)))
+    tokens = int((np.array(table) >= 0).sum())
+    benchmark.extra_info.update(size=SIZE, frames=encoded.shape[1], tokens=tokens, threads=threads,
+                                ms_per_token=1e3 * benchmark.stats.stats.min / max(tokens, 1))

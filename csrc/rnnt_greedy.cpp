@@ -15,10 +15,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -67,27 +71,10 @@ struct Matrix {  // a row-contiguous [rows, cols] weight of dtype float32, bfloa
     return {a.data<void>(), a.dtype(), static_cast<int>(a.shape(0)), static_cast<int>(a.shape(1))};
   }
 
-  template <typename W>
-  void add_rows(const float* x, float* y) const {
-    const W* w = static_cast<const W*>(data);
-    for (int r = 0; r < rows; ++r) y[r] += dot(x, w + static_cast<int64_t>(r) * cols, cols);
-  }
-
-  // y += W x
-  void add_product(const float* x, float* y) const {
-    if (dtype == mx::bfloat16) {
-      add_rows<uint16_t>(x, y);
-    } else if (dtype == mx::float16) {
-      add_rows<mx::float16_t>(x, y);
-    } else {
-      add_rows<float>(x, y);
-    }
-  }
-
-  // One row as float32 (an embedding lookup).
-  void row(int r, float* out) const {
+  // Columns [c0, c1) of one row as float32 (an embedding lookup), into out[c0, c1).
+  void row(int r, int c0, int c1, float* out) const {
     const int64_t base = static_cast<int64_t>(r) * cols;
-    for (int c = 0; c < cols; ++c) {
+    for (int c = c0; c < c1; ++c) {
       if (dtype == mx::bfloat16) {
         out[c] = load(static_cast<const uint16_t*>(data), base + c);
       } else if (dtype == mx::float16) {
@@ -112,62 +99,161 @@ struct Weights {
   const float* out_b;              // [V + 1]
 };
 
-void greedy_loop(const Weights& w, int frames, int blank, int max_symbols, int32_t* out) {
-  const int layers = static_cast<int>(w.wx.size());
-  const int hidden = w.embed.cols, joint = w.pred_w.rows, classes = w.out_w.rows;
-  std::vector<std::vector<float>> h(layers, std::vector<float>(hidden, 0.0f)), c = h, h_new = h, c_new = h;
-  std::vector<float> x(hidden), gates(4 * hidden), pred(joint), act(joint), logits(classes);
-  std::fill(out, out + static_cast<int64_t>(frames) * max_symbols, -1);
-  int last = blank;
+// A sense-reversing barrier for the loop's worker threads: spins briefly (a query is tens of
+// microseconds of work), then yields, so that a busy machine is not starved by waiting threads.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int n) : n_(n) {}
+  void wait() {
+    const int gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins > 2000) std::this_thread::yield();
+    }
+  }
+
+ private:
+  const int n_;
+  std::atomic<int> arrived_{0}, generation_{0};
+};
+
+// [begin, end) of `n` items for worker `id` of `count`.
+inline std::pair<int, int> slice(int n, int id, int count) {
+  return {static_cast<int>(static_cast<int64_t>(n) * id / count), static_cast<int>(static_cast<int64_t>(n) * (id + 1) / count)};
+}
+
+// Every worker runs the same control flow (so all agree on each token without a broadcast) and
+// owns a slice of the hidden units (their four gate rows and cell update), of the joint units and
+// of the classes. Each dot product is computed whole by one thread, with the same code whatever
+// the thread count: the result is bit-identical for any count.
+struct Shared {
+  Shared(const Weights& w, int threads)
+      : layers(static_cast<int>(w.wx.size())), hidden(w.embed.cols), joint(w.pred_w.rows), classes(w.out_w.rows),
+        x(hidden), gates(4 * hidden), pred(joint), act(joint), logits(classes), best(threads), barrier(threads) {
+    for (int b = 0; b < 2; ++b) {
+      h[b].assign(layers, std::vector<float>(hidden, 0.0f));
+      c[b] = h[b];
+    }
+  }
+  const int layers, hidden, joint, classes;
+  std::vector<std::vector<float>> h[2], c[2];  // [buffer][layer][H]: the state and the candidate
+  std::vector<float> x, gates, pred, act, logits;
+  std::vector<int> best;  // each worker's first argmax over its classes (-1: none)
+  SpinBarrier barrier;
+};
+
+template <typename W>
+void add_rows(const Matrix& m, int r0, int r1, const float* x, float* y) {
+  const W* w = static_cast<const W*>(m.data);
+  for (int r = r0; r < r1; ++r) y[r] += dot(x, w + static_cast<int64_t>(r) * m.cols, m.cols);
+}
+
+// y[r] += W[r] . x for rows [r0, r1), in row order (one weight stream for the prefetcher).
+void add_rows(const Matrix& m, int r0, int r1, const float* x, float* y) {
+  if (m.dtype == mx::bfloat16) {
+    add_rows<uint16_t>(m, r0, r1, x, y);
+  } else if (m.dtype == mx::float16) {
+    add_rows<mx::float16_t>(m, r0, r1, x, y);
+  } else {
+    add_rows<float>(m, r0, r1, x, y);
+  }
+}
+
+void greedy_worker(const Weights& w, Shared& s, int id, int count, int frames, int blank, int max_symbols,
+                   int32_t* out) {
+  const int H = s.hidden;
+  const auto [u0, u1] = slice(H, id, count);
+  const auto [j0, j1] = slice(s.joint, id, count);
+  const auto [k0, k1] = slice(s.classes, id, count);
+  int cur = 0, last = blank;  // s.h[cur] / s.c[cur]: the state; the other buffer: the candidate
   bool pred_ready = false;
   for (int t = 0; t < frames; ++t) {
-    const float* enc = w.enc_proj + static_cast<int64_t>(t) * joint;
+    const float* enc = w.enc_proj + static_cast<int64_t>(t) * s.joint;
     for (int emitted = 0; emitted < max_symbols;) {
       if (!pred_ready) {  // prediction network for (last, state): candidate state and joint input
-        if (last == blank) {
-          std::fill(x.begin(), x.end(), 0.0f);
-        } else {
-          w.embed.row(last, x.data());
-        }
-        const float* in = x.data();
-        for (int l = 0; l < layers; ++l) {
-          std::memcpy(gates.data(), w.bias[l], sizeof(float) * 4 * hidden);
-          w.wx[l].add_product(in, gates.data());
-          w.wh[l].add_product(h[l].data(), gates.data());
-          for (int k = 0; k < hidden; ++k) {
-            const float ig = sigmoid(gates[k]), fg = sigmoid(gates[hidden + k]);
-            const float gg = std::tanh(gates[2 * hidden + k]), og = sigmoid(gates[3 * hidden + k]);
-            c_new[l][k] = fg * c[l][k] + ig * gg;
-            h_new[l][k] = og * std::tanh(c_new[l][k]);
+        for (int k = u0; k < u1; ++k) s.x[k] = 0.0f;
+        if (last != blank) w.embed.row(last, u0, u1, s.x.data());
+        s.barrier.wait();
+        const float* in = s.x.data();
+        for (int l = 0; l < s.layers; ++l) {
+          float* g = s.gates.data();  // this worker's units' rows only: no other worker reads them
+          for (int q = 0; q < 4; ++q) {
+            std::copy(w.bias[l] + q * H + u0, w.bias[l] + q * H + u1, g + q * H + u0);
+            add_rows(w.wx[l], q * H + u0, q * H + u1, in, g);
           }
-          in = h_new[l].data();
+          for (int q = 0; q < 4; ++q) add_rows(w.wh[l], q * H + u0, q * H + u1, s.h[cur][l].data(), g);
+          for (int k = u0; k < u1; ++k) {
+            const float c_new = sigmoid(g[H + k]) * s.c[cur][l][k] + sigmoid(g[k]) * std::tanh(g[2 * H + k]);
+            s.c[1 - cur][l][k] = c_new;
+            s.h[1 - cur][l][k] = sigmoid(g[3 * H + k]) * std::tanh(c_new);
+          }
+          s.barrier.wait();
+          in = s.h[1 - cur][l].data();
         }
-        std::memcpy(pred.data(), w.pred_b, sizeof(float) * joint);
-        w.pred_w.add_product(in, pred.data());
+        std::copy(w.pred_b + j0, w.pred_b + j1, s.pred.data() + j0);
+        add_rows(w.pred_w, j0, j1, in, s.pred.data());
         pred_ready = true;
       }
-      for (int j = 0; j < joint; ++j) act[j] = std::max(enc[j] + pred[j], 0.0f);
-      std::memcpy(logits.data(), w.out_b, sizeof(float) * classes);
-      w.out_w.add_product(act.data(), logits.data());
-      int tok = 0;
-      for (int k = 1; k < classes; ++k) {
-        if (logits[k] > logits[tok]) tok = k;
+      for (int j = j0; j < j1; ++j) s.act[j] = std::max(enc[j] + s.pred[j], 0.0f);
+      s.barrier.wait();
+      std::copy(w.out_b + k0, w.out_b + k1, s.logits.data() + k0);
+      add_rows(w.out_w, k0, k1, s.act.data(), s.logits.data());
+      int mine = -1;  // the first largest logit of this slice, NaN never chosen
+      for (int k = k0; k < k1; ++k) {
+        if (!std::isnan(s.logits[k]) && (mine < 0 || s.logits[k] > s.logits[mine])) mine = k;
       }
+      s.best[id] = mine;
+      s.barrier.wait();
+      // As one scan `tok = 0; for k: if (l[k] > l[tok]) tok = k` would pick: index 0 when l[0] is
+      // NaN, else the first largest of the non-NaN logits (0 when all are NaN).
+      int tok = -1;
+      if (!std::isnan(s.logits[0])) {
+        for (int i = 0; i < count; ++i) {
+          const int b = s.best[i];
+          if (b >= 0 && (tok < 0 || s.logits[b] > s.logits[tok])) tok = b;
+        }
+      }
+      tok = tok < 0 ? 0 : tok;
       if (tok == blank) break;
-      out[static_cast<int64_t>(t) * max_symbols + emitted] = tok;
+      if (id == 0) out[static_cast<int64_t>(t) * max_symbols + emitted] = tok;
       ++emitted;
       last = tok;
-      std::swap(h, h_new);
-      std::swap(c, c_new);
+      cur = 1 - cur;
       pred_ready = false;
     }
   }
 }
 
+// Worker threads for a model of this size: one below ~1M weights a step (the barriers would cost
+// more than they save), else up to half the cores, at most 8.
+int auto_threads(const Weights& w) {
+  const int64_t per_step = 8LL * w.embed.cols * w.embed.cols * static_cast<int64_t>(w.wx.size()) +
+                           static_cast<int64_t>(w.out_w.rows) * w.out_w.cols;
+  if (per_step < (1 << 20)) return 1;
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::max(1, std::min(8, cores / 2));
+}
+
+void greedy_loop(const Weights& w, int frames, int blank, int max_symbols, int threads, int32_t* out) {
+  std::fill(out, out + static_cast<int64_t>(frames) * max_symbols, -1);
+  const int count = std::max(1, std::min(threads > 0 ? threads : auto_threads(w), w.embed.cols));
+  Shared s(w, count);
+  std::vector<std::thread> pool;
+  for (int id = 1; id < count; ++id) {
+    pool.emplace_back(greedy_worker, std::cref(w), std::ref(s), id, count, frames, blank, max_symbols, out);
+  }
+  greedy_worker(w, s, 0, count, frames, blank, max_symbols, out);
+  for (auto& th : pool) th.join();
+}
+
 class RnntGreedy : public mx::UnaryPrimitive {
  public:
-  RnntGreedy(mx::Stream stream, int blank, int max_symbols, int layers)
-      : mx::UnaryPrimitive(stream), blank_(blank), max_symbols_(max_symbols), layers_(layers) {}
+  RnntGreedy(mx::Stream stream, int blank, int max_symbols, int layers, int threads)
+      : mx::UnaryPrimitive(stream), blank_(blank), max_symbols_(max_symbols), layers_(layers), threads_(threads) {}
 
   // inputs: enc_proj, embed, (Wx, Wh, bias) per layer, pred_w, pred_b, out_w, out_b
   void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
@@ -183,8 +269,8 @@ class RnntGreedy : public mx::UnaryPrimitive {
       w.bias.push_back(in[4 + 3 * l].data<float>());
     }
     enc.dispatch([w = std::move(w), frames = static_cast<int>(in[0].shape(0)), blank = blank_,
-                  max_symbols = max_symbols_, o = out.data<int32_t>()]() {
-      greedy_loop(w, frames, blank, max_symbols, o);
+                  max_symbols = max_symbols_, threads = threads_, o = out.data<int32_t>()]() {
+      greedy_loop(w, frames, blank, max_symbols, threads, o);
     });
   }
 
@@ -196,11 +282,11 @@ class RnntGreedy : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RnntGreedy&>(other);
-    return blank_ == o.blank_ && max_symbols_ == o.max_symbols_ && layers_ == o.layers_;
+    return blank_ == o.blank_ && max_symbols_ == o.max_symbols_ && layers_ == o.layers_ && threads_ == o.threads_;
   }
 
  private:
-  int blank_, max_symbols_, layers_;
+  int blank_, max_symbols_, layers_, threads_;
 };
 
 // ---------------------------------------------------------------- the op
@@ -211,7 +297,7 @@ void expect(bool ok, const std::string& what) {
 
 mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const std::vector<mx::array>& lstm,
                       const mx::array& pred_w, const mx::array& pred_b, const mx::array& out_w,
-                      const mx::array& out_b, int blank_id, int max_symbols, mx::StreamOrDevice stream) {
+                      const mx::array& out_b, int blank_id, int max_symbols, int threads, mx::StreamOrDevice stream) {
   expect(enc_proj.ndim() == 2, "enc_proj must be [F, J]");
   expect(embed.ndim() == 2, "embed must be [V + 1, H]");
   expect(!lstm.empty() && lstm.size() % 3 == 0, "lstm must hold (Wx, Wh, bias) for each layer");
@@ -231,6 +317,7 @@ mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const s
   expect(embed.shape(0) == classes, "embed must have one row per class (blank included)");
   expect(blank_id >= 0 && blank_id < classes, "blank_id out of range");
   expect(max_symbols >= 1, "max_symbols must be >= 1");
+  expect(threads >= 0, "threads must be >= 0 (0: chosen by the model's size)");
 
   // A caller's own CPU stream lets the loop run beside other work (its own worker thread).
   auto s = mx::default_stream(mx::Device::cpu);
@@ -255,17 +342,19 @@ mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const s
   inputs.push_back(f32(pred_b));
   inputs.push_back(weight(out_w));
   inputs.push_back(f32(out_b));
-  return mx::array({frames, max_symbols}, mx::int32, std::make_shared<RnntGreedy>(s, blank_id, max_symbols, layers),
+  return mx::array({frames, max_symbols}, mx::int32, std::make_shared<RnntGreedy>(s, blank_id, max_symbols, layers, threads),
                    std::move(inputs));
 }
 
 void bind(py::module_& m) {
   m.def("rnnt_greedy", &rnnt_greedy, py::arg("enc_proj"), py::arg("embed"), py::arg("lstm"), py::arg("pred_w"),
-        py::arg("pred_b"), py::arg("out_w"), py::arg("out_b"), py::arg("blank_id"), py::arg("max_symbols"), py::arg("stream") = py::none(),
+        py::arg("pred_b"), py::arg("out_w"), py::arg("out_b"), py::arg("blank_id"), py::arg("max_symbols"), py::arg("threads") = 0,
+        py::arg("stream") = py::none(),
         "Greedy RNNT decode of every frame: enc_proj [F, J] (the joint's encoder projection), embed [V+1, H], "
         "lstm = [Wx0, Wh0, b0, Wx1, ...], pred_w [J, H], pred_b [J], out_w [V+1, J], out_b [V+1] -> "
         "[F, max_symbols] int32 tokens per frame, -1 padded. Runs on `stream` (a CPU stream; default: the "
-        "default CPU stream).");
+        "default CPU stream). `threads`: worker threads (0: by the model's size, up to half the cores); any "
+        "count gives the same tokens.");
 }
 
 }  // namespace

@@ -67,6 +67,36 @@ def test_a_stream_of_its_own_gives_the_same_table_beside_other_work():
             rnnt_greedy(*args, VOCAB, 10, stream=mx.new_stream(mx.gpu))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("threads", [2, 3, 5, 200])
+def test_every_thread_count_gives_the_same_table(dtype, threads):
+    """The workers split hidden units, joint units and classes (unevenly here: 48, 56 and 41 rows;
+    200 is clamped to the 48 hidden units); each dot product stays whole in one thread, so the
+    tables are identical, and equal the reference's."""
+    args = _weights(90, 48, 56, VOCAB, dtype, seed=7, blank_bias=1.5)
+    one = np.array(rnnt_greedy(*args, VOCAB, 10, threads=1))
+    assert (one >= 0).sum() > 30  # many emissions: many LSTM steps across the workers
+    np.testing.assert_array_equal(np.array(rnnt_greedy(*args, VOCAB, 10, threads=threads)), one)
+    np.testing.assert_array_equal(np.array(rnnt_greedy_reference(*args, VOCAB, 10)), one)
+
+
+@pytest.mark.parametrize("nan_at", [0, 13, 14, 27])
+def test_nan_logits_pick_as_one_scan_would_with_any_thread_count(nan_at):
+    """`tok = 0; for k: if l[k] > l[tok]: tok = k`: a NaN at index 0 is chosen, elsewhere never.
+    With 3 workers the 41 classes split at 13 and 27: a NaN first in a slice, and one inside."""
+    args = list(_weights(20, 48, 56, VOCAB, mx.float32, seed=8, blank_bias=1.0))
+    out_b = np.array(args[6])
+    out_b[nan_at] = np.nan
+    args[6] = mx.array(out_b)
+    tables = [np.array(rnnt_greedy(*args, VOCAB, 4, threads=n)) for n in (1, 2, 3)]
+    for table in tables[1:]:
+        np.testing.assert_array_equal(table, tables[0])
+    if nan_at == 0:
+        assert (tables[0] == 0).all()  # the NaN wins every query, never blank: max_symbols each frame
+    else:
+        assert nan_at not in tables[0] and (tables[0] >= 0).sum() > 0
+
+
 def test_one_layer_and_full_width_float16():
     args = _weights(7, 64, 40, 24, mx.float16, seed=1, blank_bias=1.5, layers=1)
     np.testing.assert_array_equal(np.array(rnnt_greedy(*args, 24, 4)), np.array(rnnt_greedy_reference(*args, 24, 4)))
@@ -103,6 +133,8 @@ def test_bad_arguments_are_errors():
         rnnt_greedy(*args, 9, 10)
     with pytest.raises(ValueError, match="max_symbols"):
         rnnt_greedy(*args, 5, 0)
+    with pytest.raises(ValueError, match="threads"):
+        rnnt_greedy(*args, 5, 10, threads=-1)
     args[3] = args[3][:, :4]
     with pytest.raises(ValueError, match="pred_w"):
         rnnt_greedy(*args, 5, 10)

@@ -89,15 +89,17 @@ def rnnt_greedy(
     blank_id: int,
     max_symbols: int,
     stream: mx.Stream | None = None,
+    threads: int = 0,
 ) -> mx.array:
     """The C++ loop, on a CPU stream (the loop is data-dependent and sequential): `stream`, or
     the default CPU stream. Lazy like any op: `mx.async_eval` of the result on a stream of its
-    own (`mx.new_stream(mx.cpu)`) runs the loop beside the GPU's work."""
+    own (`mx.new_stream(mx.cpu)`) runs the loop beside the GPU's work. `threads`: the loop's worker
+    threads (0: by the model's size, up to half the cores); every count gives the same tokens."""
     if use_reference():
         return rnnt_greedy_reference(enc_proj, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols)
     flat = [w for layer in lstm for w in layer]
     return ext.rnnt_greedy(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id), int(max_symbols),
-                           stream=stream)
+                           threads=int(threads), stream=stream)
 
 
 def emitted_tokens(table: mx.array) -> list[int]:

@@ -131,3 +131,17 @@ def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):
     assert plain.audio_codes == result.audio_codes
     assert np.array_equal(plain.audio, result.audio)
     assert plain.host_syncs > result.frames > result.host_syncs
+
+
+def test_the_tts_on_its_own_stream_changes_nothing(chat, result, spoken_wav):
+    """`overlap_tts` (the TTS step of frame t beside the LLM step of frame t + 1, on two streams;
+    the default on a GPU) gives the same ids, codes and samples as one stream."""
+    default = chat.overlap_tts
+    try:
+        chat.overlap_tts = not default
+        other = chat.generate(spoken_wav, seed=0)
+    finally:
+        chat.overlap_tts = default
+    assert other.text_tokens == result.text_tokens and other.function_tokens == result.function_tokens
+    assert other.audio_codes == result.audio_codes
+    assert np.array_equal(other.audio, result.audio)

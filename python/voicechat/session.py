@@ -82,6 +82,11 @@ class VoiceChat:
         self._control_codes = np.array(self.tts.control_codes)
         self._silence_codes = np.array(self.tts.codec_silence_tokens)
         self._transcript_stream = mx.new_stream(mx.cpu)
+        # The TTS step of frame t and the LLM step of frame t + 1 do not depend on each other: on
+        # streams of their own a GPU can run them at the same time (same ids and codes either way).
+        # On the CPU the streams only contend for the cores (not faster on tiny models here).
+        self._tts_stream = mx.new_stream(mx.default_device())
+        self.overlap_tts = mx.default_device() == mx.gpu
 
     # ------------------------------------------------------------------ helpers
 
@@ -174,7 +179,8 @@ class VoiceChat:
 
         tts = self.tts.tts_model
         tts_cache = tts.make_cache()
-        previous_code = tts.warmup(self.tts.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
+        with self._tts_on(not pipelined):
+            previous_code = tts.warmup(self.tts.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
         mx.eval(previous_code)
         lap("tts_warmup_s")
 
@@ -212,7 +218,8 @@ class VoiceChat:
         """The frame loop. Returns (text ids, function ids, codes [T, Q] numpy, host syncs).
 
         `plain`: wait for every frame and pass its ids back as Python ints (the straightforward
-        loop, kept so tests can hold the pipelined one to it)."""
+        loop, kept so tests can hold the pipelined one to it). Otherwise, with `overlap_tts`, the
+        TTS runs on its own stream, so that frame t's TTS step and frame t + 1's LLM step overlap."""
         c = self.config
         stt, tts = self.stt, self.tts.tts_model
         pad = mx.array([[c.pad_token_id]], dtype=mx.int32)
@@ -238,7 +245,8 @@ class VoiceChat:
             text_out += [pad[0]] * prompt_frames
             function_out += [pad[0]] * prompt_frames
             for t in range(1, prompt_frames):
-                previous_code, key = tts.step(previous_code, pad[0], tts_cache, key, silence)
+                with self._tts_on(plain):
+                    previous_code, key = tts.step(previous_code, pad[0], tts_cache, key, silence)
                 code_out.append(previous_code)
             mx.async_eval(previous_code, key, *cache.state)
         prev_text, prev_function = pad, pad
@@ -255,8 +263,9 @@ class VoiceChat:
             text_out.append(text_id)
             function_out.append(function_id)
             if t >= 1:
-                previous_code, key = tts.step(previous_code, int(text_id.item()) if plain else text_id,
-                                              tts_cache, key, silence)
+                with self._tts_on(plain):
+                    previous_code, key = tts.step(previous_code, int(text_id.item()) if plain else text_id,
+                                                  tts_cache, key, silence)
                 code_out.append(previous_code)
                 if plain:
                     mx.eval(previous_code, key)
@@ -272,6 +281,11 @@ class VoiceChat:
         function = mx.concatenate(function_out).tolist()
         codes = np.array(mx.concatenate(code_out, axis=1)[0])  # [T, Q]
         return text, function, codes, syncs + 1
+
+    def _tts_on(self, plain: bool):
+        """The stream TTS steps are built on: their own (`overlap_tts`), else the default one."""
+        overlap = self.overlap_tts and not plain
+        return mx.stream(self._tts_stream if overlap else mx.default_stream(mx.default_device()))
 
     def _decode_audio(self, codes: np.ndarray) -> np.ndarray:
         """Control codes -> silence codes, then the codec over the whole answer."""

@@ -24,7 +24,7 @@ from voicechat.kernels.rel_pos_attention import position_window, rel_pos_attenti
 from voicechat.kernels.rnnt_greedy import rnnt_greedy, rnnt_greedy_reference
 from voicechat.stt.conformer import Perception
 from voicechat.stt.mel import log_mel
-from voicechat.stt.rnnt import RNNTDecoder, RNNTJoint, greedy_decode
+from voicechat.stt.rnnt import RNNTDecoder, RNNTJoint, greedy_decode, loop_weights
 from voicechat.testing import make_checkpoint
 
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
@@ -134,15 +134,15 @@ def test_rel_pos_attention(benchmark, stt, seconds, path):
     benchmark.extra_info.update(size=SIZE, seconds=seconds, frames=frames, path=path)
 
 
-@pytest.mark.parametrize("path", ["kernel", "reference"])
+# kernel-host: the loop's weights as the session passes them on a GPU (float32 copies in host memory)
+@pytest.mark.parametrize("path", ["kernel", "kernel-host", "reference"])
 def test_rnnt_greedy(benchmark, stt, encoded, path):
     c, joint = stt.config, stt.joint
     enc_proj = joint.enc(encoded[0])
     mx.eval(enc_proj)
-    out = joint.joint_net[2]
-    fn = rnnt_greedy if path == "kernel" else rnnt_greedy_reference
-    args = (enc_proj, stt.decoder.prediction.embed.weight, stt.decoder.lstm_weights(), joint.pred.weight,
-            joint.pred.bias, out.weight, out.bias, c.rnnt_blank_id, c.audio_config.max_symbols)
+    fn = rnnt_greedy_reference if path == "reference" else rnnt_greedy
+    w = loop_weights(stt.decoder, joint, host_copies=path == "kernel-host")
+    args = (enc_proj, *w, c.rnnt_blank_id, c.audio_config.max_symbols)
     table = benchmark(lambda: _eval(fn(*args)))
     benchmark.extra_info.update(size=SIZE, frames=encoded.shape[1], tokens=int((np.array(table) >= 0).sum()),
                                 path=path)
@@ -156,14 +156,14 @@ def _eval(a):
 @pytest.mark.parametrize("threads", [1, 0])
 def test_rnnt_greedy_every_frame_emitting(benchmark, stt, encoded, threads):
     """The worst case of random weights: blank pushed down, so every frame emits max_symbols tokens
-    (an LSTM step each). threads 0: the count chosen for the model's size; 1: one thread."""
+    (an LSTM step each). threads 0: the count chosen for the model's size; 1: one thread. Weights
+    as the session passes them on a GPU."""
     c, joint = stt.config, stt.joint
     enc_proj = joint.enc(encoded[0])
-    out = joint.joint_net[2]
-    out_b = out.bias - 100.0 * (mx.arange(out.bias.shape[0]) == c.rnnt_blank_id).astype(out.bias.dtype)
+    w = loop_weights(stt.decoder, joint, host_copies=True)
+    out_b = w.out_b - 100.0 * (mx.arange(w.out_b.shape[0]) == c.rnnt_blank_id)
     mx.eval(enc_proj, out_b)
-    args = (enc_proj, stt.decoder.prediction.embed.weight, stt.decoder.lstm_weights(), joint.pred.weight,
-            joint.pred.bias, out.weight, out_b, c.rnnt_blank_id, c.audio_config.max_symbols)
+    args = (enc_proj, *w[:-1], out_b, c.rnnt_blank_id, c.audio_config.max_symbols)
     table = benchmark(lambda: _eval(rnnt_greedy(*args, threads=threads)))
     tokens = int((np.array(table) >= 0).sum())
     benchmark.extra_info.update(size=SIZE, frames=encoded.shape[1], tokens=tokens, threads=threads,

@@ -10,7 +10,8 @@ from voicechat.audio import load_audio
 from voicechat.checkpoint import open_checkpoint
 from voicechat.kernels.rnnt_greedy import emitted_tokens, rnnt_greedy, rnnt_greedy_reference
 from voicechat.stt.conformer import Perception
-from voicechat.stt.rnnt import RNNTDecoder, RNNTJoint, greedy_decode, greedy_decode_reference
+from voicechat.stt.rnnt import (RNNTDecoder, RNNTJoint, greedy_decode, greedy_decode_reference, greedy_table,
+                                loop_weights)
 from voicechat.testing import make_checkpoint
 from voicechat.tokenizer import decode_pieces
 
@@ -173,6 +174,22 @@ def test_greedy_decode_equals_the_spec_loop_on_real_encoder_output(request, enco
     assert len(ids) <= encoded.shape[1] * 10
     if blank_bias == 0.5:
         assert 0 < len(ids) < encoded.shape[1] * 10
+
+
+@pytest.mark.parametrize("which", ["tiny_checkpoint", "tiny_checkpoint_q4"])
+def test_host_copies_of_the_loop_weights_give_the_same_table(request, encoded, which):
+    """The session's float32 copies (bf16 weights in the q4 checkpoint) change no token."""
+    ckpt, decoder, joint = _load(request.getfixturevalue(which))
+    blank = ckpt.config.rnnt_blank_id
+    own, copies = loop_weights(decoder, joint), loop_weights(decoder, joint, host_copies=True)
+    flat_own = [own.embed, *[w for layer in own.lstm for w in layer], *own[2:]]
+    flat_copies = [copies.embed, *[w for layer in copies.lstm for w in layer], *copies[2:]]
+    for a, b in zip(flat_own, flat_copies):
+        assert b.dtype == mx.float32 and np.array_equal(np.array(a.astype(mx.float32)), np.array(b))
+    table = greedy_table(encoded, decoder, joint, blank, 10)
+    assert (np.array(table) >= 0).any()
+    np.testing.assert_array_equal(np.array(greedy_table(encoded, decoder, joint, blank, 10, weights=copies)),
+                                  np.array(table))
 
 
 def test_reference_switch_routes_greedy_decode(tiny_checkpoint, encoded, monkeypatch):

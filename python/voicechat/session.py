@@ -29,7 +29,7 @@ from .kernels.gemv import on_cuda_gpu, use_gemv
 from .model import VoiceChatModel
 from .stt.conformer import subsampled_length
 from .kernels.rnnt_greedy import emitted_tokens
-from .stt.rnnt import greedy_table
+from .stt.rnnt import greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
@@ -82,6 +82,8 @@ class VoiceChat:
         self._control_codes = np.array(self.tts.control_codes)
         self._silence_codes = np.array(self.tts.codec_silence_tokens)
         self._transcript_stream = mx.new_stream(mx.cpu)
+        self._transcript_weights = loop_weights(self.stt.rnnt_decoder, self.stt.rnnt_joint,
+                                                host_copies=mx.default_device() == mx.gpu)
         # The TTS step of frame t and the LLM step of frame t + 1 do not depend on each other: on
         # streams of their own a GPU can run them at the same time (same ids and codes either way).
         # On the CPU the streams only contend for the cores (not faster on tiny models here).
@@ -173,7 +175,8 @@ class VoiceChat:
         # The transcript depends on nothing after the encoder: its sequential loop runs on a CPU
         # stream of its own, beside the timeline, and is read back at the end.
         transcript = greedy_table(encoded, self.stt.rnnt_decoder, self.stt.rnnt_joint, c.rnnt_blank_id,
-                                  c.audio_config.max_symbols, stream=self._transcript_stream)
+                                  c.audio_config.max_symbols, stream=self._transcript_stream,
+                                  weights=self._transcript_weights)
         mx.async_eval(transcript)
         lap("perception_s")
 

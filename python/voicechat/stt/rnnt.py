@@ -13,7 +13,10 @@ frame advances and, at the limit, the frame advances without another query; the 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
 from ..config import DecoderConfig, JointConfig
@@ -81,22 +84,52 @@ class RNNTJoint(nn.Module):
         return x
 
 
+class LoopWeights(NamedTuple):
+    """What the greedy loop reads besides the frames, in `rnnt_greedy`'s argument order."""
+
+    embed: mx.array
+    lstm: list[tuple[mx.array, mx.array, mx.array]]
+    pred_w: mx.array
+    pred_b: mx.array
+    out_w: mx.array
+    out_b: mx.array
+
+
+def loop_weights(decoder: RNNTDecoder, joint: RNNTJoint, host_copies: bool = False) -> LoopWeights:
+    """The loop's weights. `host_copies`: float32 copies written from the host, made once. With a
+    GPU the arrays live in CUDA managed memory, and the weights the GPU wrote stay in its memory,
+    where the CPU loop reads them across the bus; copies the host wrote live in host memory. Same
+    values (bfloat16 and float16 widen exactly), so the same tokens."""
+    out = joint.joint_net[2]
+    weights = LoopWeights(decoder.prediction.embed.weight, decoder.lstm_weights(), joint.pred.weight,
+                          joint.pred.bias, out.weight, out.bias)
+    if not host_copies:
+        return weights
+
+    def host(a: mx.array) -> mx.array:
+        return mx.array(np.array(a.astype(mx.float32)))
+
+    return LoopWeights(host(weights.embed), [tuple(host(w) for w in layer) for layer in weights.lstm],
+                       *(host(w) for w in weights[2:]))
+
+
 def greedy_table(
     encoded: mx.array, decoder: RNNTDecoder, joint: RNNTJoint, blank_id: int, max_symbols: int,
-    stream: mx.Stream | None = None,
+    stream: mx.Stream | None = None, weights: LoopWeights | None = None,
 ) -> mx.array:
     """The greedy decode as a lazy `[F, max_symbols]` int32 table (tokens per frame, -1 padded;
     `emitted_tokens` reads it). The loop runs on the CPU stream `stream` (default: the default one).
 
     `encoded` `[1, F, d_model]`. The joint's encoder projection of all frames is one matmul; the
     loop itself is one C++ call (VOICECHAT_REFERENCE=1 runs its pure-MLX reference instead).
+    `weights`: `loop_weights(decoder, joint, ...)` made beforehand (default: the layers' own).
     """
     if encoded.ndim != 3 or encoded.shape[0] != 1:
         raise ValueError(f"encoded must be [1, F, d_model], got {tuple(encoded.shape)}")
     enc_proj = joint.enc(encoded[0].astype(mx.float32)).astype(mx.float32)
-    out = joint.joint_net[2]
-    return rnnt_greedy(enc_proj, decoder.prediction.embed.weight, decoder.lstm_weights(), joint.pred.weight,
-                       joint.pred.bias, out.weight, out.bias, blank_id, max_symbols, stream=stream)
+    w = weights if weights is not None else loop_weights(decoder, joint)
+    return rnnt_greedy(enc_proj, w.embed, w.lstm, w.pred_w, w.pred_b, w.out_w, w.out_b, blank_id, max_symbols,
+                       stream=stream)
 
 
 def greedy_decode(

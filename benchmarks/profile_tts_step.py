@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from voicechat.kernels.decode_attention import decode_attention
 from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
 from voicechat.llm.opcount import count_ops, kernel_count
 from voicechat.tokenizer import TextTokenizer
@@ -146,6 +147,52 @@ def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
     return out
 
 
+def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
+    """The backbone step cut into its parts, each over all layers in one compiled graph (every
+    layer's own weights, so no two calls merge): where the step's time goes. The parts run on
+    the same inputs each round, so their sum only approximates the chained step."""
+    layers, backbone = tts.backbone.layers, tts.backbone
+    h = tts.cfg.hidden_size
+    x = mx.random.normal((2, 1, h), key=mx.random.key(7))
+    cache.reserve(cache.offset + 1, 2)
+    offset = mx.array(cache.offset, mx.int32)
+    start = mx.reshape(offset, (1,))
+    z = layers[0].input_layernorm(x)
+    qkv = [layer.self_attn._qkv(z) for layer in layers]
+    heads = [layer.self_attn.heads(q, offset) for layer, q in zip(layers, qkv)]
+    masks = [mx.arange(cache.keys[i].shape[2]) <= offset for i in range(len(layers))]
+    slots = [start if layer.window is None else mx.remainder(start, layer.window) for layer in layers]
+    mx.eval(x, z, qkv, heads, masks, slots)
+    core = [decode_attention(q, k, v, offset, layer.self_attn.scale, m)
+            for layer, (q, _, _), k, v, m in zip(layers, heads, cache.keys, cache.values, masks)]
+    mx.eval(core)
+    attn_out = [layer.self_attn.o_proj(c) for layer, c in zip(layers, core)]
+    mx.eval(attn_out)
+    parts = {
+        "qkv_gemv": lambda: [layer.self_attn._qkv(z) for layer in layers],
+        "qkv_heads": lambda: [layer.self_attn.heads(q, offset) for layer, q in zip(layers, qkv)],
+        "cache_writes": lambda: [mx.slice_update(b, k, s, axes=(2,)) for i, (_, k, v) in enumerate(heads)
+                                 for b, s in ((cache.keys[i], slots[i]), (cache.values[i], slots[i]))],
+        "attention": lambda: [decode_attention(q, k, v, offset, layer.self_attn.scale, m)
+                              for layer, (q, _, _), k, v, m in zip(layers, heads, cache.keys, cache.values, masks)],
+        "o_proj": lambda: [layer.self_attn.o_proj(c) for layer, c in zip(layers, core)],
+        "after_attention": lambda: [layer.after_attention(x, a, backbone.norm_after(i), backbone._qkv_after(i))
+                                    for i, (layer, a) in enumerate(zip(layers, attn_out))],
+    }
+    out = {}
+    for name, fn in parts.items():
+        compiled = mx.compile(fn)
+        out[name] = _time(compiled, rounds)
+        out[name]["ops"] = kernel_count(count_ops(*_flat(compiled())))
+    return out
+
+
+def _flat(tree) -> list:
+    if isinstance(tree, (list, tuple)):
+        return [a for item in tree for a in _flat(item)]
+    return [tree]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
@@ -156,7 +203,8 @@ def main() -> None:
     args = parser.parse_args()
     tts, cache, previous = _tts(args.size, gemv=not args.no_gemv)
     results = {"size": args.size, "device": str(mx.default_device()), "gemv": on_cuda_gpu() and not args.no_gemv,
-               **profile(tts, cache, previous, args.rounds, args.chain)}
+               **profile(tts, cache, previous, args.rounds, args.chain),
+               **{f"backbone.{k}": v for k, v in backbone_parts(tts, cache, args.rounds).items()}}
     for part, s in results.items():
         if isinstance(s, dict):
             ops = f"  {s['ops']} ops" if "ops" in s else ""

@@ -134,8 +134,8 @@ def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):
 
 
 def test_the_tts_on_its_own_stream_changes_nothing(chat, result, spoken_wav):
-    """`overlap_tts` (the TTS step of frame t beside the LLM step of frame t + 1, on two streams;
-    the default on a GPU) gives the same ids, codes and samples as one stream."""
+    """`overlap_tts` (the TTS step of frame t beside the LLM step of frame t + 1, on two streams)
+    gives the same ids, codes and samples as one stream."""
     default = chat.overlap_tts
     try:
         chat.overlap_tts = not default

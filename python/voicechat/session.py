@@ -86,9 +86,10 @@ class VoiceChat:
                                                 host_copies=mx.default_device() == mx.gpu)
         # The TTS step of frame t and the LLM step of frame t + 1 do not depend on each other: on
         # streams of their own a GPU can run them at the same time (same ids and codes either way).
-        # On the CPU the streams only contend for the cores (not faster on tiny models here).
+        # Off until measured on a GPU (bench_e2e runs both there); on the CPU the two streams only
+        # contend for the cores (not faster on tiny models here).
         self._tts_stream = mx.new_stream(mx.default_device())
-        self.overlap_tts = mx.default_device() == mx.gpu
+        self.overlap_tts = False
 
     # ------------------------------------------------------------------ helpers
 

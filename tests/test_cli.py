@@ -43,6 +43,11 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
     assert "audio" not in data
     assert set(data["timings"]) >= {"load_s", "generate_s", "perception_s", "timeline_s", "codec_s"}
     assert data["prompt_frames"] > 0 and len(data["text_tokens"]) == data["frames"]
+    # the permissions a plain open() gives under the umask (the atomic write's temp file has 0o600)
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (wav, js):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_same_seed_gives_a_byte_identical_wav(capsys, tmp_path, tiny_checkpoint, spoken_wav):

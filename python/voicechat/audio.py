@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_output
 
 
 class AudioError(ValueError):
@@ -90,13 +91,6 @@ def write_wav(path: str | os.PathLike, samples: np.ndarray, rate: int) -> Path:
     samples = np.asarray(samples, dtype=np.float32).reshape(-1)
     if not np.all(np.isfinite(samples)):
         raise AudioError(f"{path}: refusing to write NaN or infinite samples")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            sf.write(f, np.clip(samples, -1.0, 1.0), rate, subtype="PCM_16", format="WAV")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_output(path, "wb") as f:
+        sf.write(f, np.clip(samples, -1.0, 1.0), rate, subtype="PCM_16", format="WAV")
     return path

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 from importlib import resources
 from pathlib import Path
+
+from .files import atomic_output
 
 DEFAULT_MODEL = "mlx-community/NemotronLabs-VoiceChat-11B-4bit"
 
@@ -57,17 +58,9 @@ class _UsageError(ValueError):
 
 
 def _write_json_atomic(path: str, data: dict) -> None:
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent if str(target.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_output(path) as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
 
 
 def _demo_inputs(workdir: Path) -> tuple[str, str]:

@@ -67,7 +67,10 @@ class Result:
 
 
 class VoiceChat:
-    """A loaded model: `generate()` runs the offline timeline on one input."""
+    """A loaded model: `generate()` runs the offline timeline on one input.
+
+    `overlap_tts` (default False): run each frame's TTS step on a stream of its own, beside the
+    next frame's LLM step (same outputs; whether it is faster depends on the device)."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import mlx.core as mx
-import numpy as np
 import mlx.nn as nn
+import numpy as np
 
 from ..config import DecoderConfig, JointConfig
 from ..kernels.rnnt_greedy import emitted_tokens, rnnt_greedy

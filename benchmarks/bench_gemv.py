@@ -13,6 +13,8 @@ Cases, each ours vs MLX's op, float32 and bfloat16 activations:
 - argmax: both heads' argmax in one pass vs two `mx.quantized_matmul` + `mx.argmax`;
 - floor:  every Nemotron-H projection (one distinct weight each) + both heads, one row: the LLM
           step's matmul floor.
+q4 and floor also time "mma", the tensor-core experiment (`ext.quantized_matvec_planes` on x
+split once beforehand: the kernel alone).
 Each timed round evaluates many calls (mx.eval, time.perf_counter, after warm-up); weights are
 cycled over copies totalling >= 256 MB so that a call reads them from memory, not from the
 H200's 50 MB L2. GB/s counts the packed weights, scales and biases once per call. On a CPU the
@@ -179,10 +181,15 @@ def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0, warps=-1, copies
                     for w, s, b in order]
         return [quantized_matvec(x, w, s, b) for w, s, b in order]
 
+    planes, xsum = ext.split_x(x)  # split once: the kernel alone, as producers writing split x would run it
+
+    def mma():
+        return [ext.quantized_matvec_planes(planes, xsum, w, s, b) for w, s, b in order]
+
     def mlx():
         return [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4) for w, s, b in order]
 
-    return calls, {"ours": ours, "mlx": mlx}
+    return calls, {"ours": ours, "mma": mma, "mlx": mlx}
 
 
 def dense_runs(n, k, x_dtype, rows=2, rows_per_block=0, threads=0, warps=-1, copies=None):
@@ -217,8 +224,11 @@ def floor_runs(size, x_dtype):
     mx.eval(list(xs.values()))
     pairs = [(xs[k], w) for (_, _, k), w in zip(projections, weights)]
     total = sum(q4_bytes(n, k) for _, n, k in projections)
+    split = {k: ext.split_x(x) for k, x in xs.items()}
+    mx.eval(list(split.values()))
     return len(projections), total, {
         "ours": lambda: [quantized_matvec(x, w, s, b) for x, (w, s, b) in pairs],
+        "mma": lambda: [ext.quantized_matvec_planes(*split[x.shape[-1]], w, s, b) for x, (w, s, b) in pairs],
         "mlx": lambda: [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4) for x, (w, s, b) in pairs],
     }
 
@@ -363,7 +373,7 @@ def _bench(benchmark, run, calls, bytes_per_call, **info):
     return out
 
 
-@pytest.mark.parametrize("impl", ["ours", "mlx"])
+@pytest.mark.parametrize("impl", ["ours", "mma", "mlx"])
 @pytest.mark.parametrize("x", list(DTYPES))
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=_shape_ids(Q4_SHAPES))
 def test_q4_matvec(benchmark, n, k, x, impl):
@@ -393,7 +403,7 @@ def test_two_head_argmax(benchmark, x, impl):
     release()
 
 
-@pytest.mark.parametrize("impl", ["ours", "mlx"])
+@pytest.mark.parametrize("impl", ["ours", "mma", "mlx"])
 @pytest.mark.parametrize("x", list(DTYPES))
 def test_llm_matmul_floor(benchmark, x, impl):
     count, total, runs = floor_runs(SIZE, DTYPES[x])

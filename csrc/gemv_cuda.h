@@ -578,4 +578,121 @@ constexpr const char* kArgmaxFinishSource = R"(
   }
 )";
 
+// ---------------------------------------------------------------- tensor-core 4-bit matvec
+//
+// An experiment (opt-in, `quantized_matvec(..., mma=True)`): the same product on tensor cores.
+// x reaches the kernel split in three bfloat16 planes (hi, mid, lo: x = hi + mid + lo with
+// float32's 24 significand bits) and as per-group sums; each weight nibble becomes an exact
+// bfloat16 integer two at a time (byte_perm, lop3, hfma2); one mma.sync.m16n8k16 (bf16 in, float32 accumulate) per plane
+// and 16 x 16 tile; per 64-wide group, scale * acc + bias * sum(x) as the CUDA-core kernels do.
+
+// Helpers for kQmvMmaSource. VC_EMU_MMA: the CPU emulation supplies vc_mma::mma_bf16 (no inline PTX).
+constexpr const char* kMmaHeader = R"(
+#ifndef VC_MMA_HEADER
+#define VC_MMA_HEADER
+namespace vc_mma {
+
+// The two nibbles of byte t of w (low nibble first: MLX's packing) as a bfloat16 pair of exact
+// integers (low half: the low nibble). `w4` = w >> 4 (shared by a word's four bytes): byte t of w
+// into byte 0 and byte t of w4 into byte 2 (its low nibble: w's high one), each nibble under the
+// exponent of 128 (0x4300 | n = 128 + n), then one packed FMA that removes the 128: exact.
+// `selector` = t | t << 4 | (t + 4) << 8 | (t + 4) << 12.
+__device__ __forceinline__ unsigned int int4_pair(unsigned int w, unsigned int w4, unsigned int selector) {
+  const unsigned int v = (__byte_perm(w, w4, selector) & 0x000F000Fu) | 0x43004300u;
+  const __nv_bfloat162 h = __hfma2(
+      __halves2bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(v & 0xFFFFu)),
+                         __ushort_as_bfloat16(static_cast<unsigned short>(v >> 16))),
+      __halves2bfloat162(__float2bfloat16(1.0f), __float2bfloat16(1.0f)),
+      __halves2bfloat162(__float2bfloat16(-128.0f), __float2bfloat16(-128.0f)));
+  return static_cast<unsigned int>(__bfloat16_as_ushort(h.x)) |
+         (static_cast<unsigned int>(__bfloat16_as_ushort(h.y)) << 16);
+}
+
+#ifndef VC_EMU_MMA
+// c += A b for one warp: A 16 x 16 (a: this lane's 4 bf16 pairs), b 16 x 8 (2 pairs), c 16 x 8
+// float32 (4 values), in mma.sync.m16n8k16.row.col's fragment layout.
+__device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, const unsigned int* b) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+}  // namespace vc_mma
+#endif
+)";
+
+// out[n, row] = x[n, :] . dequant(w)[row, :] for 4-bit group-64 weights, M <= 2 input rows.
+// Block: 16 weight rows; its WARPS warps take the row tile's groups in turn (split K) and add up
+// through shared memory at the end. Lane (g = lane / 4, t = lane % 4) holds rows g and g + 8 and
+// columns 2t, 2t + 1 of each fragment (mma.m16n8k16's layout): its A pairs are byte t of the
+// tile's two words of rows g and g + 8; its B pairs are x[g][2t..] and x[g][2t + 8..] of a plane
+// (zeros for g >= M); its results (t == 0: columns 0 and 1, the input rows) rows g and g + 8.
+// Inputs: xp [3, M, K] bf16 planes, xsum [M, K / 64] float, weight, scales, biases, bias, residual.
+// Template args: K, N, M, WARPS, EPI, HAS_BIAS, TS, TB, TR, TO.
+constexpr const char* kQmvMmaSource = R"(
+  constexpr int GROUPS = K / 64;
+  static_assert(K % 64 == 0 && M >= 1 && M <= 2, "4-bit, group 64, one or two input rows");
+  __shared__ float part[WARPS][16][2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const int ra = min(row0 + g, N - 1), rb = min(row0 + g + 8, N - 1);
+  const unsigned int* wa = weight + static_cast<size_t>(ra) * (K / 8);
+  const unsigned int* wb = weight + static_cast<size_t>(rb) * (K / 8);
+  const unsigned short* planes = reinterpret_cast<const unsigned short*>(xp);
+  const unsigned int selector = static_cast<unsigned int>(t) * 0x11u | (static_cast<unsigned int>(t) + 4u) * 0x1100u;
+  float total[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [row g, row g + 8][input row]; lanes t == 0
+  for (int grp = warp; grp < GROUPS; grp += WARPS) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int tile = 0; tile < 4; ++tile) {
+      const int k0 = grp * 64 + tile * 16;
+      const uint2 qa = *reinterpret_cast<const uint2*>(wa + k0 / 8);
+      const uint2 qb = *reinterpret_cast<const uint2*>(wb + k0 / 8);
+      const unsigned int a[4] = {vc_mma::int4_pair(qa.x, qa.x >> 4, selector), vc_mma::int4_pair(qb.x, qb.x >> 4, selector),
+                                 vc_mma::int4_pair(qa.y, qa.y >> 4, selector), vc_mma::int4_pair(qb.y, qb.y >> 4, selector)};
+#pragma unroll
+      for (int p = 0; p < 3; ++p) {
+        unsigned int b[2] = {0u, 0u};
+        if (g < M) {
+          const unsigned short* xr = planes + (static_cast<size_t>(p) * M + g) * K + k0 + 2 * t;
+          b[0] = *reinterpret_cast<const unsigned int*>(xr);
+          b[1] = *reinterpret_cast<const unsigned int*>(xr + 8);
+        }
+        vc_mma::mma_bf16(c, a, b);
+      }
+    }
+    if (t == 0) {
+      const float sa = static_cast<float>(scales[static_cast<size_t>(ra) * GROUPS + grp]);
+      const float ba = static_cast<float>(biases[static_cast<size_t>(ra) * GROUPS + grp]);
+      const float sb = static_cast<float>(scales[static_cast<size_t>(rb) * GROUPS + grp]);
+      const float bb = static_cast<float>(biases[static_cast<size_t>(rb) * GROUPS + grp]);
+#pragma unroll
+      for (int n = 0; n < M; ++n) {
+        const float xs = xsum[n * GROUPS + grp];
+        total[0][n] += fmaf(sa, c[n], ba * xs);
+        total[1][n] += fmaf(sb, c[2 + n], bb * xs);
+      }
+    }
+  }
+  if (t == 0) {
+#pragma unroll
+    for (int n = 0; n < M; ++n) {
+      part[warp][g][n] = total[0][n];
+      part[warp][g + 8][n] = total[1][n];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16 * M) {
+    const int r = threadIdx.x / M, n = threadIdx.x % M;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += part[w][r][n];
+    if (row0 + r < N) vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, n, row0 + r, N);
+  }
+)";
+
 }  // namespace voicechat::gemv_cuda

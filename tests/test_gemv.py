@@ -134,6 +134,55 @@ def test_quantized_full_size_equals_mlx(n, k, dtype, rows):
     _check_quantized(n, k, dtype, rows)
 
 
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("n,k", LLM_FULL + [(37, 640)])
+def test_tensor_core_experiment_equals_mlx(n, k, rows):
+    """quantized_matvec(mma=True) (the tensor-core kernel; emulated on the CPU in
+    test_gemv_cuda_emulated.py) at every LLM shape, float32 x, bias and both epilogues."""
+    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
+    x = _x((rows, k), mx.float32, seed=rows)
+    assert_close(quantized_matvec(x, w, s, b, mma=True), reference(quantized_matvec_reference, x, w, s, b))
+    bias, residual = _x((n,), mx.float32, seed=3), _x((rows, n), mx.float32, seed=4)
+    assert_close(quantized_matvec(x, w, s, b, bias=bias, residual=residual, mma=True),
+                 reference(quantized_matvec_reference, x, w, s, b, bias=bias, residual=residual))
+    assert_close(quantized_matvec(x, w, s, b, squared_relu=True, mma=True),
+                 reference(quantized_matvec_reference, x, w, s, b, squared_relu=True))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_split_x_is_exact_and_the_planes_product_equals_mlx(rows):
+    """split_x's three bfloat16 planes add up to x bit for bit (magnitudes 1e-30..1e30, mixed signs);
+    the planes' product (the tensor-core kernel on CUDA, MLX's op on the sum elsewhere) equals MLX's."""
+    rng = np.random.default_rng(rows)
+    x_np = (rng.standard_normal((rows, 640)) * 10.0 ** rng.integers(-30, 30, (rows, 640))).astype(np.float32)
+    planes, xsum = ext.split_x(mx.array(x_np))
+    assert planes.shape == (3 * rows, 640) and planes.dtype == mx.bfloat16 and xsum.shape == (rows, 10)
+    parts = np.array(planes.astype(mx.float32)).reshape(3, rows, 640)
+    np.testing.assert_array_equal((parts[0] + parts[1]) + parts[2], x_np)
+    assert np.count_nonzero(parts[2]) > 0  # the third plane carries bits
+    x = _x((rows, 640), mx.float32, seed=rows)
+    w, s, b = _quantized(37, 640, seed=rows)
+    planes, xsum = ext.split_x(x)
+    bias = _x((37,), mx.float32, seed=3)
+    assert_close(ext.quantized_matvec_planes(planes, xsum, w, s, b, bias=bias, activation="relu_squared"),
+                 reference(quantized_matvec_reference, x, w, s, b, bias=bias, squared_relu=True))
+
+
+def test_tensor_core_experiment_rejects_what_it_does_not_take():
+    w, s, b = _quantized(40, 640, bits=8, group=64)
+    with pytest.raises(ValueError, match="mma takes 4-bit"):
+        quantized_matvec(_x((1, 640), mx.float32), w, s, b, 64, 8, mma=True)
+    w, s, b = _quantized(40, 640)
+    planes, xsum = ext.split_x(_x((1, 640), mx.float32))
+    with pytest.raises(ValueError, match="xsum"):
+        ext.quantized_matvec_planes(planes, xsum[:, :5], w, s, b)
+    with pytest.raises(ValueError, match="planes"):
+        ext.quantized_matvec_planes(planes[:2], xsum, w, s, b)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ext.split_x(_x((1, 96), mx.float32))
+
+
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])
 def test_quantized_input_shapes_and_bias(shape):
     w, s, b = _quantized(72, 192)

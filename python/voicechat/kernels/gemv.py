@@ -71,19 +71,21 @@ def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits:
 
 
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
-                     squared_relu: bool = False, norm=None, stream=None):
+                     squared_relu: bool = False, norm=None, mma: bool = False, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
     `x` [..., K], w packed uint32 [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input
     is `rms_norm(x, weight, eps)`. The kernel does the norm and the epilogue in the same launch. (The
     model does not use `norm`: at the LLM's shapes on the H200 it cost more than the separate norm's
-    launch saved, 8.0 against 5.5 ms of GPU time a step, as every row block re-reads x and the weight.)"""
+    launch saved, 8.0 against 5.5 ms of GPU time a step, as every row block re-reads x and the weight.)
+    `mma`: the tensor-core experiment (4-bit, group 64, no `norm`; not yet measured, not used by the
+    model); off CUDA it changes nothing."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)
     norm_weight, norm_eps = norm if norm is not None else (None, 1e-5)
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
                                 activation=_activation(squared_relu), norm_weight=norm_weight,
-                                norm_eps=float(norm_eps), stream=stream)
+                                norm_eps=float(norm_eps), mma=mma, stream=stream)
 
 
 # --------------------------------------------------------------------------- dense

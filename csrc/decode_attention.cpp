@@ -5,9 +5,9 @@
 //
 // G = H / HK (grouped heads). MLX's fast attention takes neither a mask array nor head dim 72 on
 // CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
-// two launches whatever the buffer size: NC chunks of CH slots per (b, h) each keep an online
-// softmax (max, sum, weighted values) over their valid slots, then one block per (b, h) merges
-// the chunks. No block waits for another. CUDA through fast::cuda_kernel; elsewhere MLX's
+// NC chunks of CH slots per (b, h) each keep an online softmax (max, sum, weighted values) over
+// their valid slots, then one block per (b, h) merges the chunks: two launches, or one while the
+// buffers hold <= CH slots (the chunk normalizes and writes the result itself). No block waits for another. CUDA through fast::cuda_kernel; elsewhere MLX's
 // attention with the mask (the reference: voicechat.kernels.decode_attention).
 #include <pybind11/pybind11.h>
 

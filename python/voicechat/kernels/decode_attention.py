@@ -4,7 +4,7 @@ the C++ / CUDA kernels and the pure-MLX reference.
     out[b, h] = softmax over slots s <= offset of (scale * q[b, h] . k[b, h // G, s]) @ v[b, h // G, s]
 
 `q [B, H, 1, D]`, `k, v [B, HK, CAP, D]` float32, `offset` an int32 array: returns `[B, 1, H * D]`.
-On a CUDA GPU two launches whatever CAP (MLX's fast attention takes no mask array on CUDA, and
+On a CUDA GPU one launch while CAP <= 256, two beyond (MLX's fast attention takes no mask array on CUDA, and
 its fallback is a matmul, the mask, a softmax and a matmul); elsewhere MLX's attention with the
 mask.
 """

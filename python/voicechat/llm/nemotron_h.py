@@ -249,7 +249,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v)
             mask = cache.attention_mask(L)
-        if isinstance(cache, BufferKV) and L == 1:  # the compiled decode step: two launches on CUDA
+        if isinstance(cache, BufferKV) and L == 1:  # the compiled decode step: decode_attention's kernel on CUDA
             o = decode_attention(q, k, v, cache.offset, self.scale, mask)
         else:
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)

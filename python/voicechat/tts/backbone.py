@@ -90,8 +90,8 @@ class Attention(nn.Module):
         return q, k, v.astype(mx.float32)
 
     def attend_step(self, q: mx.array, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array) -> mx.array:
-        """One query at `offset` over the whole buffers k, v (`mask`: their slots <= offset): two
-        launches on CUDA (`kernels.decode_attention`), MLX's attention with the mask elsewhere."""
+        """One query at `offset` over the whole buffers k, v (`mask`: their slots <= offset): our
+        kernel on CUDA (`kernels.decode_attention`), MLX's attention with the mask elsewhere."""
         return self.o_proj(decode_attention(q, k, v, offset, self.scale, mask))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:

@@ -29,8 +29,6 @@ namespace {
 constexpr int kThreads = 256;
 
 // Template args: C (channels), THREADS, TH, TY, TW (post / pre), TO.
-
-
 constexpr const char* kSource = R"(
   constexpr int PER = (C + THREADS - 1) / THREADS;
   __shared__ float scratch[THREADS / 32];

@@ -440,6 +440,16 @@ mx::array compose_epilogue(mx::array y, const Epilogue& e, mx::Stream s) {
   return e.residual ? mx::add(y, *e.residual, s) : y;
 }
 
+// The matvec's output dtype: what MLX's ops give x (or its float32 planes) times the weight's
+// scales (or the weight), plus the bias and the residual.
+mx::Dtype output_dtype(mx::Dtype x, mx::Dtype weight, const std::optional<mx::array>& bias, const Epilogue& epi) {
+  auto out = mx::promote_types(x, weight);
+  if (bias) {
+    out = mx::promote_types(out, bias->dtype());
+  }
+  return epi.residual ? mx::promote_types(out, epi.residual->dtype()) : out;
+}
+
 // Whether the kernel can write the epilogue: the residual covers exactly the output rows.
 bool kernel_takes(const Epilogue& e, int m, int n) {
   return !e.residual || static_cast<int>(e.residual->size()) == m * n;
@@ -490,13 +500,7 @@ mx::array quantized_matvec_planes(const mx::array& planes, const mx::array& xsum
   }
   const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec_planes");
   auto s = mx::to_stream(s_);
-  auto out_dtype = mx::promote_types(mx::float32, scales.dtype());
-  if (bias) {
-    out_dtype = mx::promote_types(out_dtype, bias->dtype());
-  }
-  if (epi.residual) {
-    out_dtype = mx::promote_types(out_dtype, epi.residual->dtype());
-  }
+  const auto out_dtype = output_dtype(mx::float32, scales.dtype(), bias, epi);
   if (!(gpu_stream(s) && cuda_build() && float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
         kernel_takes(epi, m, n))) {
     auto x = mx::sum(mx::reshape(mx::astype(planes, mx::float32, s), {3, m, k}, s), 0, false, s);
@@ -531,13 +535,7 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
     auto y = mx::quantized_matmul(in, w, scales, biases, true, group_size, bits, "affine", s);
     return compose_epilogue(bias ? mx::add(y, *bias, s) : y, epi, s);
   }
-  auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
-  if (bias) {
-    out_dtype = mx::promote_types(out_dtype, bias->dtype());
-  }
-  if (epi.residual) {
-    out_dtype = mx::promote_types(out_dtype, epi.residual->dtype());
-  }
+  const auto out_dtype = output_dtype(x.dtype(), scales.dtype(), bias, epi);
   if (mma) {
     const auto [planes, xsum] = split_x(x, m, k, s);
     return mx::reshape(qmv_mma(planes, xsum, w, scales, biases, bias, epi, m, n, k, out_dtype, s), out_shape(x, n), s);
@@ -611,13 +609,7 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
     auto y = bias ? mx::addmm(*bias, in, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(in, mx::transpose(w, s), s);
     return compose_epilogue(y, epi, s);
   }
-  auto out_dtype = mx::promote_types(x.dtype(), w.dtype());
-  if (bias) {
-    out_dtype = mx::promote_types(out_dtype, bias->dtype());
-  }
-  if (epi.residual) {
-    out_dtype = mx::promote_types(out_dtype, epi.residual->dtype());
-  }
+  const auto out_dtype = output_dtype(x.dtype(), w.dtype(), bias, epi);
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, rows_per_block, threads, warps);
   const bool warp = l.warps > 0;
   auto outs = kernel(warp ? dense_warp_source() : dense_source())(

@@ -24,6 +24,8 @@ import voicechat
 from voicechat.audio import load_audio
 from voicechat.testing import make_checkpoint, random_checkpoint
 
+from mlx_settings import mlx_env
+
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
 
 
@@ -52,8 +54,10 @@ def _input(seconds: float) -> np.ndarray:
 SECONDS = [int(v) for v in os.environ.get("VOICECHAT_BENCH_SECONDS", "5,30,120").split(",")]
 
 
-# On a GPU, also the TTS on a stream of its own (beside the next LLM step), for the A/B.
-OVERLAP = [False, True] if mx.default_device() == mx.gpu else [False]
+# On a GPU, also the TTS on a stream of its own (beside the next LLM step), for the A/B;
+# VOICECHAT_BENCH_OVERLAP="0" (or "1") runs one setting.
+OVERLAP = [bool(int(v)) for v in os.environ.get("VOICECHAT_BENCH_OVERLAP", "0,1" if mx.default_device() == mx.gpu
+                                                else "0").split(",")]
 
 
 @pytest.mark.parametrize("overlap_tts", OVERLAP)
@@ -84,6 +88,6 @@ def test_generate(benchmark, chat, seconds, overlap_tts):
         "transcript_chars": len(r.user_transcript),
         "stage_share": {k: v / r.timings["generate_s"] for k, v in stages.items()},
         "stage_s": stages, "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        "weights_gb": chat.weights_bytes / 1e9,
+        "weights_gb": chat.weights_bytes / 1e9, "mlx_env": mlx_env(),
     })
     assert first.text_tokens == r.text_tokens

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_settings import mlx_env
+
 from voicechat.kernels.decode_attention import decode_attention
 from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
 from voicechat.llm.opcount import count_ops, kernel_count
@@ -70,28 +72,41 @@ def _stats(samples: list[float]) -> dict:
 
 
 def _time(run, rounds: int) -> dict:
-    """run() builds one lazy result; each round evaluates it and waits."""
-    samples = []
+    """run() builds one lazy result; each round evaluates it from an idle device and waits. Also
+    `host_ms`: building it and queueing its kernels (`async_eval` returns once they are launched),
+    the host's share of the round."""
+    samples, host = [], []
     for _ in range(rounds + 3):
+        mx.synchronize()
         t0 = time.perf_counter()
-        mx.eval(run())
+        out = run()
+        mx.async_eval(out)
+        t1 = time.perf_counter()
+        mx.eval(out)
         samples.append(time.perf_counter() - t0)
-    return _stats(samples[3:])
+        host.append(t1 - t0)
+    return {**_stats(samples[3:]), "host_ms": _stats(host[3:])["median_ms"]}
 
 
 def _chain(step, first, length: int) -> dict:
-    """`step(prev) -> next`, queued `length` times with async_eval: ms per link, steady state."""
-    per = []
+    """`step(prev) -> next`, queued `length` times with async_eval: ms per link, steady state, and
+    `host_ms` the host's time per link (building and queueing, with any wait MLX makes when too
+    much is queued)."""
+    per, host = [], []
     for _ in range(3):
         x = first
         mx.eval(x)
         t0 = time.perf_counter()
+        busy = 0.0
         for _ in range(length):
+            h0 = time.perf_counter()
             x = step(x)
             mx.async_eval(x)
+            busy += time.perf_counter() - h0
         mx.eval(x)
         per.append((time.perf_counter() - t0) / length)
-    return _stats(per)
+        host.append(busy / length)
+    return {**_stats(per), "host_ms": _stats(host)["median_ms"]}
 
 
 def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
@@ -200,15 +215,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--chain", type=int, default=30, help="steps per pipelined chain")
     parser.add_argument("--json")
+    parser.add_argument("--no-parts", action="store_true", help="skip the backbone's parts")
     args = parser.parse_args()
     tts, cache, previous = _tts(args.size, gemv=not args.no_gemv)
+    parts = {} if args.no_parts else backbone_parts(tts, cache, args.rounds)
     results = {"size": args.size, "device": str(mx.default_device()), "gemv": on_cuda_gpu() and not args.no_gemv,
-               **profile(tts, cache, previous, args.rounds, args.chain),
-               **{f"backbone.{k}": v for k, v in backbone_parts(tts, cache, args.rounds).items()}}
+               "mlx_env": mlx_env(), **profile(tts, cache, previous, args.rounds, args.chain),
+               **{f"backbone.{k}": v for k, v in parts.items()}}
+    print("mlx env:", results["mlx_env"] or "defaults")
     for part, s in results.items():
-        if isinstance(s, dict):
+        if isinstance(s, dict) and "min_ms" in s:
             ops = f"  {s['ops']} ops" if "ops" in s else ""
-            print(f"{part:>22}: min {s['min_ms']:7.2f} ms  median {s['median_ms']:7.2f} ms{ops}", flush=True)
+            host = f"  host {s['host_ms']:6.2f} ms" if "host_ms" in s else ""
+            print(f"{part:>22}: min {s['min_ms']:7.2f} ms  median {s['median_ms']:7.2f} ms{host}{ops}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

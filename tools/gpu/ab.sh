@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the lent H200, after test.sh's build: the end-to-end frame (and the LLM step) under MLX-CUDA's
+# graph settings, one process per arm, one warm kernel cache for all (the first arm pays the JIT).
+#   bash tools/gpu/ab.sh default MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400
+# An arm is `default` or VAR=VALUE[,VAR=VALUE]. AB_LLM=1 also runs profile_llm_step per arm.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+export PYTHONPATH=${AB_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1 VOICECHAT_BENCH_SIZE=${VOICECHAT_BENCH_SIZE:-full}
+export VOICECHAT_BENCH_SECONDS=${VOICECHAT_BENCH_SECONDS:-5} VOICECHAT_BENCH_OVERLAP=${VOICECHAT_BENCH_OVERLAP:-0}
+export MLX_PTX_CACHE_DIR=/tmp/ptx-ab
+for arm in "$@"; do
+  settings=()
+  [ "$arm" = default ] || IFS=, read -ra settings <<<"$arm"
+  tag=${arm//[^A-Za-z0-9]/_}
+  echo "== $arm"
+  env "${settings[@]}" timeout -s INT -k 15 "${AB_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider \
+    benchmarks/bench_e2e.py --benchmark-enable --benchmark-json="$OUT/e2e_$tag.json" \
+    --benchmark-columns=min,median,rounds 2>&1 | grep -E "test_generate|passed|failed|Error" | tail -5
+  python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['benchmarks'][0]['extra_info']; \
+print({k: round(b[k], 2) for k in ('ms_per_frame', 'timeline_ms_per_frame', 'rtf')})" "$OUT/e2e_$tag.json"
+  if [ "${AB_LLM:-0}" = 1 ]; then
+    (cd benchmarks && env "${settings[@]}" timeout 150 python3 profile_llm_step.py --size "$VOICECHAT_BENCH_SIZE" --compiled-only \
+      --json "$OUT/llm_$tag.json" 2>&1 | tail -7)
+  fi
+done

@@ -112,18 +112,18 @@ std::vector<mx::array> causal_conv_silu(const mx::array& conv_state, const mx::a
     throw std::invalid_argument("causal_conv_silu: bias must be [C]");
   }
   auto s = mx::to_stream(s_);
-  const auto w2 = mx::reshape(weight, {c, k_size}, s);
   const bool kernel_path = gpu_stream(s) && cuda_build() && b > 0 && length > 0 &&
                            conv_state.dtype() == mx::float32 && float_dtype(src.dtype()) &&
-                           w2.dtype() == mx::float32 && (!bias || bias->dtype() == mx::float32);
+                           weight.dtype() == mx::float32 && (!bias || bias->dtype() == mx::float32);
   if (!kernel_path) {
     auto x = mx::slice(src, {0, 0, offset}, {b, length, offset + c}, s);
-    return composed(conv_state, x, w2, bias, s);
+    return composed(conv_state, x, mx::reshape(weight, {c, k_size}, s), bias, s);
   }
   static auto kernel = make_cuda_kernel(source());
   const size_t threads = size_t(b) * (length + k_size - 1) * c;
   const int grid = static_cast<int>((threads + kThreads - 1) / kThreads) * kThreads;
-  return kernel({conv_state, src, w2, bias ? *bias : w2},
+  // The weight as stored ([C, K] or [C, K, 1]: the same flat values), not reshaped: one node less a layer.
+  return kernel({conv_state, src, weight, bias ? *bias : weight},
                 {{b, length, c}, {b, k_size - 1, c}}, {mx::float32, mx::float32}, {grid, 1, 1}, {kThreads, 1, 1},
                 {{"B", b}, {"C", c}, {"K", k_size}, {"L", length}, {"W", width}, {"OFFSET", offset},
                  {"HAS_BIAS", bias.has_value()}, {"TS", src.dtype()}, {"THREADS", kThreads}},

@@ -198,17 +198,19 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   const int nc = (cap + kChunk - 1) / kChunk;
   auto dims = mx::array({cap}, mx::int32);
   const bool single = nc == 1;
-  auto parts = part({q, k, v, mx::reshape(mx::astype(offset, mx::int32, s), {1}, s), mx::array({scale}), dims},
-                    {{b * h * nc, single ? d : d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
+  // The offset goes in as its one value and a one-launch result comes out as [B, 1, H * D] (the
+  // same flat values as [B * H, D]): no reshape nodes in the graph.
+  const mx::Shape result{b, 1, h * d};
+  auto parts = part({q, k, v, mx::astype(offset, mx::int32, s), mx::array({scale}), dims},
+                    {single ? result : mx::Shape{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
                     {kThreads, 1, 1},
                     {{"D", d}, {"H", h}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single}},
                     std::nullopt, false, s)[0];
   if (single) {
-    return mx::reshape(parts, {b, 1, h * d}, s);
+    return parts;
   }
-  auto out = combine({parts, dims}, {{b * h, d}}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
-                     {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
-  return mx::reshape(out, {b, 1, h * d}, s);
+  return combine({parts, dims}, {result}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
+                 {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
 }
 
 void bind(py::module_& m) {

@@ -125,13 +125,13 @@ mx::array gated_rms_norm(const mx::array& y, const mx::array& gate_src, int gate
   static auto kernel = make_cuda_kernel(source());
   // The composed ops' result type; the kernel computes in float32 throughout and rounds once.
   const auto out_dtype = mx::promote_types(mx::promote_types(y.dtype(), gate_src.dtype()), weight.dtype());
-  auto outs = kernel({mx::reshape(y, {rows, c}, s), mx::reshape(gate_src, {rows, width}, s), weight,
-                      mx::array(eps, mx::float32)},
-                     {{rows, c}}, {out_dtype}, {rows * groups * kThreads, 1, 1}, {kThreads, 1, 1},
+  // Inputs and output keep the caller's shapes (read and written flat): no reshape nodes.
+  auto outs = kernel({y, gate_src, weight, mx::array(eps, mx::float32)},
+                     {y.shape()}, {out_dtype}, {rows * groups * kThreads, 1, 1}, {kThreads, 1, 1},
                      {{"C", c}, {"G", groups}, {"W", width}, {"GATE_OFFSET", gate_offset}, {"THREADS", kThreads},
                       {"TY", y.dtype()}, {"TG", gate_src.dtype()}, {"TW", weight.dtype()}, {"TO", out_dtype}},
                      std::nullopt, false, s);
-  return mx::reshape(outs[0], y.shape(), s);
+  return outs[0];
 }
 
 void bind(py::module_& m) {

@@ -543,8 +543,9 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
   // The RMSNorm prologue is the block layout's: a norm takes it whatever the default.
   const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, norm_weight ? 0 : warps);
   const bool warp = l.warps > 0;
-  std::vector<mx::array> inputs = {mx::reshape(x, {m, k}, s), w, scales, biases, bias ? *bias : scales,
-                                   epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : scales};
+  // x and the residual go in with their own shapes (the kernel reads them flat, row-contiguous as
+  // MLX makes every kernel input) and the output comes out shaped: no reshape nodes in the graph.
+  std::vector<mx::array> inputs = {x, w, scales, biases, bias ? *bias : scales, epi.residual ? *epi.residual : scales};
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
       {"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
       {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()},
@@ -556,10 +557,9 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
     args.emplace_back("NORM", norm_weight.has_value());
     args.emplace_back("TN", norm_weight ? norm_weight->dtype() : scales.dtype());
   }
-  auto outs = kernel(warp ? qmv_warp_source() : qmv_source())(inputs, {{m, n}}, {out_dtype},
-                                                               {blocks_for(l, n) * l.threads, 1, 1},
-                                                               {l.threads, 1, 1}, args, std::nullopt, false, s);
-  return mx::reshape(outs[0], out_shape(x, n), s);
+  return kernel(warp ? qmv_warp_source() : qmv_source())(inputs, {out_shape(x, n)}, {out_dtype},
+                                                         {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1}, args,
+                                                         std::nullopt, false, s)[0];
 }
 
 // ---------------------------------------------------------------- dense matvec
@@ -613,15 +613,14 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, rows_per_block, threads, warps);
   const bool warp = l.warps > 0;
   auto outs = kernel(warp ? dense_warp_source() : dense_source())(
-      {mx::reshape(x, {m, gated ? 2 * k : k}, s), w, bias ? *bias : w,
-       epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : w},
-      {{m, n}}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
+      {x, w, bias ? *bias : w, epi.residual ? *epi.residual : w},  // flat, as in quantized_matvec
+      {out_shape(x, n)}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads},
        {"EPI", epi.kind()}, {"PRO", gated ? 1 : 0}, {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TW", w.dtype()},
        {"TB", bias ? bias->dtype() : w.dtype()}, {"TR", epi.residual ? epi.residual->dtype() : w.dtype()},
        {"TO", out_dtype}},
       std::nullopt, false, s);
-  return mx::reshape(outs[0], out_shape(x, n), s);
+  return outs[0];
 }
 
 // ---------------------------------------------------------------- sandwich-norm seam + dense matvec
@@ -658,12 +657,12 @@ std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const mx::array
   }
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, 0, 0, 0);
   auto outs = kernel(dense_add_norm_source())(
-      {mx::reshape(h, {m, k}, s), mx::reshape(y, {m, k}, s), post, pre, mx::array({eps}), w, bias ? *bias : w},
-      {{m, n}, {m, k}}, {mx::float32, mx::float32}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
+      {h, y, post, pre, mx::array({eps}), w, bias ? *bias : w},  // flat, as in quantized_matvec
+      {out_shape(h, n), h.shape()}, {mx::float32, mx::float32}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads}, {"HAS_BIAS", bias.has_value()},
        {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()}, {"TO", mx::float32}},
       std::nullopt, false, s);
-  return {mx::reshape(outs[0], out_shape(h, n), s), mx::reshape(outs[1], h.shape(), s)};
+  return {outs[0], outs[1]};
 }
 
 // ---------------------------------------------------------------- two-head argmax
@@ -708,9 +707,9 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
   }
   const int row_groups = (n + l.rows - 1) / l.rows;
   const int nb = (row_groups + kArgmaxGroupsPerBlock - 1) / kArgmaxGroupsPerBlock;
-  const mx::Shape logits_shape = return_logits ? mx::Shape{m, n} : mx::Shape{1};
+  const mx::Shape logits_shape = return_logits ? out_shape(x, n) : mx::Shape{1};
   auto outs = kernel(argmax_source())(
-      {mx::reshape(x, {m, k}, s), head_a[0], head_a[1], head_a[2], head_b[0], head_b[1], head_b[2]},
+      {x, head_a[0], head_a[1], head_a[2], head_b[0], head_b[1], head_b[2]},  // flat, as in quantized_matvec
       {{m, 2, nb}, logits_shape, logits_shape}, {mx::int64, out_dtype, out_dtype}, {2 * nb * l.threads, 1, 1},
       {l.threads, 1, 1},
       {{"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads},
@@ -718,15 +717,13 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
        {"TS", head_a[1].dtype()}, {"TO", out_dtype}},
       std::nullopt, false, s);
   constexpr int kFinishThreads = 256;
-  auto ids = kernel(argmax_finish_source())({outs[0]}, {{m, 2}}, {mx::int32}, {2 * m * kFinishThreads, 1, 1},
-                                            {kFinishThreads, 1, 1}, {{"NB", nb}, {"THREADS", kFinishThreads}},
-                                            std::nullopt, false, s)[0];
-  auto ids_shape = out_shape(x, 2);
-  ids = mx::reshape(ids, ids_shape, s);
+  auto ids = kernel(argmax_finish_source())({outs[0]}, {out_shape(x, 2)}, {mx::int32},
+                                            {2 * m * kFinishThreads, 1, 1}, {kFinishThreads, 1, 1},
+                                            {{"NB", nb}, {"THREADS", kFinishThreads}}, std::nullopt, false, s)[0];
   if (!return_logits) {
     return {ids};
   }
-  return {ids, mx::reshape(outs[1], out_shape(x, n), s), mx::reshape(outs[2], out_shape(x, n), s)};
+  return {ids, outs[1], outs[2]};
 }
 
 // ---------------------------------------------------------------- bindings

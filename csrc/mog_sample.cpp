@@ -180,9 +180,9 @@ std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array&
   expect(kernel_path, "runs on a CUDA stream (float32 y, h, u, noise; N <= 4096); elsewhere use "
                       "voicechat.kernels.mog_sample, which composes MLX ops");
   static auto kernel = make_cuda_kernel(source());
-  auto flat = [&](const mx::array& a) { return mx::reshape(a, {static_cast<int>(a.size())}, s); };
   auto params = mx::array({top_p, min_log_std, noise_scale});
-  auto outs = kernel({flat(y), flat(h), flat(u), flat(noise), mus, low_mat, params}, {{l}, {1}},
+  // y, h, u and noise are read flat (row-contiguous, as MLX makes every kernel input): no reshapes.
+  auto outs = kernel({y, h, u, noise, mus, low_mat, params}, {{l}, {1}},
                      {mx::float32, mx::int32}, {kThreads, 1, 1}, {kThreads, 1, 1},
                      {{"N", n}, {"R", r}, {"L", l}, {"H", hidden}, {"THREADS", kThreads}, {"TW", mus.dtype()}},
                      std::nullopt, false, s);

@@ -146,8 +146,8 @@ std::tuple<mx::array, mx::array, mx::array> qkv_heads(const mx::array& qkv, cons
   static auto kernel = make_cuda_kernel(source());
   const int items = rows * (heads + 2 * kv_heads);
   const int blocks = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  auto outs = kernel({mx::reshape(qkv, {rows, qkv.shape(-1)}, s), q_scale, k_scale, inv_freq,
-                      mx::reshape(mx::astype(offset, mx::int32, s), {1}, s), mx::array(eps, mx::float32)},
+  // qkv read flat and the offset as its one value, whatever their shapes: no reshape nodes.
+  auto outs = kernel({qkv, q_scale, k_scale, inv_freq, mx::astype(offset, mx::int32, s), mx::array(eps, mx::float32)},
                      {{batch, heads, t, d}, {batch, kv_heads, t, d}, {batch, kv_heads, t, d}},
                      {mx::float32, mx::float32, mx::float32}, {blocks * 32 * kWarpsPerBlock, 1, 1},
                      {32 * kWarpsPerBlock, 1, 1},

@@ -284,22 +284,22 @@ std::vector<mx::array> rvq_search_cuda(const mx::array& residual, const mx::arra
   for (int i = 0; i < count; ++i) {
     const bool first = i == 0;
     auto outs = step({r, keys, codebooks, norms, mx::array({start + i}, mx::int32)},
-                     {{rows, dim}, {rows, nb}, {rows}}, {mx::float32, mx::int64, mx::int32},
+                     {{rows, dim}, {rows, nb}, {rows, 1}}, {mx::float32, mx::int64, mx::int32},
                      {rows * nb * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
                      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads},
                       {"FIRST", first}},
                      std::nullopt, false, s);
     if (!first) {
-      codes.push_back(mx::reshape(outs[2], {rows, 1}, s));
+      codes.push_back(outs[2]);  // [rows, 1] as written: no reshape
     }
     r = outs[0];
     keys = outs[1];
   }
-  auto outs = finish({r, keys, codebooks, mx::array({start + count - 1}, mx::int32)}, {{rows, dim}, {rows}},
+  auto outs = finish({r, keys, codebooks, mx::array({start + count - 1}, mx::int32)}, {{rows, dim}, {rows, 1}},
                      {mx::float32, mx::int32}, {rows * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
                      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads}},
                      std::nullopt, false, s);
-  codes.push_back(mx::reshape(outs[1], {rows, 1}, s));
+  codes.push_back(outs[1]);
   return {codes.size() == 1 ? codes[0] : mx::concatenate(codes, 1, s), outs[0]};
 }
 

@@ -526,6 +526,25 @@ def test_stacked_linears_give_each_layers_output(dtype, bias, rows):
         np.testing.assert_array_equal(np.array(layer(x).astype(mx.float32)), np.array(want.astype(mx.float32)))
 
 
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (8, 64), (4, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_stacked_quantized_linears_give_each_layers_output_exactly(bits, group_size, rows):
+    """Quantization is per row, so a stack of quantized layers is the same numbers; LLM q/k/v."""
+    layers = [nn.QuantizedLinear(128, n, bias=False, group_size=group_size, bits=bits) for n in (96, 32, 32)]
+    x = mx.random.normal((rows, 128), key=mx.random.key(rows))
+    expected = [layer(x) for layer in layers]
+    mx.eval(expected)
+    stacked = stack_linears(layers)
+    assert type(stacked) is nn.QuantizedLinear and stacked.weight.shape[0] == 160
+    assert (stacked.bits, stacked.group_size) == (bits, group_size)
+    parts = mx.split(stacked(x), [96, 128], axis=-1)
+    for part, layer, want in zip(parts, layers, expected):
+        np.testing.assert_allclose(np.array(part), np.array(want), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.array(layer(x)), np.array(want))
+    with pytest.raises(ValueError, match="bits and group size"):
+        stack_linears([nn.QuantizedLinear(64, 8, bits=4), nn.QuantizedLinear(64, 8, bits=8)])
+
+
 def test_stacked_linears_keep_their_class_and_cost_no_memory():
     mx.clear_cache()
     layers = [use_gemv(nn.Linear(512, 512, bias=False)) for _ in range(3)]

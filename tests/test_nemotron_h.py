@@ -320,6 +320,8 @@ def test_prepare_casts_once_and_changes_nothing(tiny_checkpoint_q4):
     raw, prepared = load_lm(tiny_checkpoint_q4), load_lm(tiny_checkpoint_q4).prepare(decode_kernels=False)
     assert prepared.lm_head.scales.dtype == mx.float32 and prepared.lm_head.weight.dtype == mx.uint32
     assert prepared.llm.norm_f.weight.dtype == mx.float32
+    attention = [layer.mixer for layer in prepared.llm.layers if layer.kind == "attention"]
+    assert attention and all(a._qkv is not None for a in attention)  # q/k/v stacked: covered below
     fused = timeline(raw, 5, seed=12)
     caches = raw.make_cache(), prepared.make_cache()
     # Bit-identical on the CPU. On CUDA, MLX runs other quantized-matmul kernels for float32 than

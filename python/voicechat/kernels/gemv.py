@@ -203,19 +203,30 @@ def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool =
     return _epilogue(layer(x), residual, squared_relu)
 
 
-def stack_linears(layers) -> nn.Linear:
-    """One dense layer whose output is the concatenation of `layers`' outputs over the same
-    input: one launch instead of `len(layers)`. `nn.Linear` or `GemvLinear` layers of one class,
-    all with or all without bias; the result has that class. The given layers keep working: their
-    arrays become views of the stacked ones (row ranges of one buffer), so stacking costs no memory."""
+_DENSE = (nn.Linear, GemvLinear)
+_QUANTIZED = (nn.QuantizedLinear, GemvQuantizedLinear)
+
+
+def stack_linears(layers) -> nn.Module:
+    """One layer whose output is the concatenation of `layers`' outputs over the same input: one
+    launch instead of `len(layers)`. Layers of one class (`nn.Linear`, `GemvLinear`,
+    `nn.QuantizedLinear` or `GemvQuantizedLinear`), all with or all without bias, quantized ones
+    alike (mode, bits, group size); the result has that class. Each output row is computed as
+    before (quantization is per row), so the values are the same. The given layers keep working:
+    their arrays become views of the stacked ones (row ranges of one buffer), so stacking costs no
+    memory."""
     first = layers[0]
     kind, has_bias = type(first), "bias" in first
-    if kind not in (nn.Linear, GemvLinear) or any(type(l) is not kind or ("bias" in l) != has_bias for l in layers):
-        raise TypeError("stack_linears: dense layers of one class (nn.Linear or GemvLinear), all with or without bias")
+    if kind not in _DENSE + _QUANTIZED or any(type(l) is not kind or ("bias" in l) != has_bias for l in layers):
+        raise TypeError("stack_linears: layers of one class (nn.Linear, GemvLinear, nn.QuantizedLinear or "
+                        "GemvQuantizedLinear), all with or without bias")
+    quantized = kind in _QUANTIZED
+    if quantized and len({(l.mode, l.bits, l.group_size) for l in layers}) != 1:
+        raise ValueError("stack_linears: quantized layers must share mode, bits and group size")
     if len({l.weight.shape[1] for l in layers}) != 1:
         raise ValueError("stack_linears: the layers must share their input width")
     stacked = _same_arrays(kind, first)
-    names = ("weight", "bias") if has_bias else ("weight",)
+    names = [n for n in ("weight", "scales", "biases", "bias") if n in first]
     for name in names:
         stacked[name] = mx.concatenate([l[name] for l in layers])
     mx.eval(stacked.parameters())

@@ -73,7 +73,7 @@ def _warm_session(tts, aria):
     cache = tts.make_cache()
     prompt = mx.zeros((1, PROMPT_FRAMES, cfg.num_quantizers), mx.int32)
     previous = tts.warmup(aria, prompt, cache)
-    mx.eval(previous, cache.keys, cache.values)
+    mx.eval(previous, cache.buffers)
     return cache, previous
 
 
@@ -87,7 +87,7 @@ def test_tts_backbone_step(benchmark, model):
 
     def run():
         h = tts.backbone.step(x, cache, step_fn)
-        mx.eval(h, cache.keys, cache.values)
+        mx.eval(h, cache.buffers)
 
     benchmark.pedantic(run, warmup_rounds=3, rounds=50, iterations=1)
 

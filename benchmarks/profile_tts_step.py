@@ -27,6 +27,7 @@ from voicechat.kernels.decode_attention import decode_attention
 from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
 from voicechat.llm.opcount import count_ops, kernel_count
 from voicechat.tokenizer import TextTokenizer
+from voicechat.tts.backbone import stacked_kv
 from voicechat.tts.ear_tts import EarTTS
 
 PROMPT_FRAMES = 37
@@ -63,7 +64,7 @@ def _tts(size: str, gemv: bool):
     cache = tts.make_cache()
     prompt = mx.zeros((1, PROMPT_FRAMES, tts.cfg.num_quantizers), mx.int32)
     previous = tts.warmup(aria, prompt, cache)
-    mx.eval(previous, cache.keys, cache.values)
+    mx.eval(previous, cache.buffers)
     return tts, cache, previous
 
 
@@ -122,7 +123,7 @@ def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
     offset = mx.array(cache.offset, mx.int32)
 
     def backbone_once():
-        return backbone(hidden, offset, cache.keys, cache.values)
+        return backbone(hidden, offset, cache.buffers)
 
     out["backbone"] = _time(backbone_once, rounds)
     out["backbone"]["ops"] = kernel_count(count_ops(backbone_once()))
@@ -171,25 +172,33 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
     x = mx.random.normal((2, 1, h), key=mx.random.key(7))
     cache.reserve(cache.offset + 1, 2)
     offset = mx.array(cache.offset, mx.int32)
-    start = mx.reshape(offset, (1,))
     z = layers[0].input_layernorm(x)
     qkv = [layer.self_attn._qkv(z) for layer in layers]
     heads = [layer.self_attn.heads(q, offset) for layer, q in zip(layers, qkv)]
-    masks = [mx.arange(cache.keys[i].shape[2]) <= offset for i in range(len(layers))]
-    slots = [start if layer.window is None else mx.remainder(start, layer.window) for layer in layers]
-    mx.eval(x, z, qkv, heads, masks, slots)
-    core = [decode_attention(q, k, v, offset, layer.self_attn.scale, m)
-            for layer, (q, _, _), k, v, m in zip(layers, heads, cache.keys, cache.values, masks)]
+    buffers = [cache.layer_kv(i) for i in range(len(layers))]
+    masks = [mx.arange(cache.capacity(i)) <= offset for i in range(len(layers))]
+    slots = [offset if window is None else mx.remainder(offset, window) for window in cache.groups]
+    news = [(k, v, slots[cache.place[i][0]]) for i, (_, k, v) in enumerate(heads)]
+    mx.eval(x, z, qkv, heads, buffers, masks, slots)
+
+    def attention():
+        return [decode_attention(q, k, v, offset, layer.self_attn.scale, m, new=new)
+                for layer, (q, _, _), (k, v), m, new in zip(layers, heads, buffers, masks, news)]
+
+    def cache_writes():
+        return [mx.slice_update(buf, stacked_kv([(k, v) for (_, k, v), (group, _) in zip(heads, cache.place)
+                                                 if group == g]), mx.reshape(slots[g], (1,)), axes=(4,))
+                for g, buf in enumerate(cache.buffers)]
+
+    core = attention()
     mx.eval(core)
     attn_out = [layer.self_attn.o_proj(c) for layer, c in zip(layers, core)]
     mx.eval(attn_out)
     parts = {
         "qkv_gemv": lambda: [layer.self_attn._qkv(z) for layer in layers],
         "qkv_heads": lambda: [layer.self_attn.heads(q, offset) for layer, q in zip(layers, qkv)],
-        "cache_writes": lambda: [mx.slice_update(b, k, s, axes=(2,)) for i, (_, k, v) in enumerate(heads)
-                                 for b, s in ((cache.keys[i], slots[i]), (cache.values[i], slots[i]))],
-        "attention": lambda: [decode_attention(q, k, v, offset, layer.self_attn.scale, m)
-                              for layer, (q, _, _), k, v, m in zip(layers, heads, cache.keys, cache.values, masks)],
+        "cache_writes": cache_writes,
+        "attention": attention,
         "o_proj": lambda: [layer.self_attn.o_proj(c) for layer, c in zip(layers, core)],
         "after_attention": lambda: [layer.after_attention(x, a, backbone.norm_after(i), backbone._qkv_after(i))
                                     for i, (layer, a) in enumerate(zip(layers, attn_out))],

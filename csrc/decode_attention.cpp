@@ -3,6 +3,10 @@
 //
 //   out[b, h] = softmax_s(scale * q[b, h] . k[b, h / G, s]) @ v[b, h / G, s]   over slots s <= offset
 //
+// Optionally slot `slot` is read from k_new / v_new [B, HK, 1, D] instead of the buffers: the new
+// position's key, not yet written (the TTS backbone writes every layer's new keys in one update
+// after the step). slot = -1: the buffers only.
+//
 // G = H / HK (grouped heads). MLX's fast attention takes neither a mask array nor head dim 72 on
 // CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
 // NC chunks of CH slots per (b, h) each keep an online softmax (max, sum, weighted values) over
@@ -11,6 +15,7 @@
 // attention with the mask (the reference: voicechat.kernels.decode_attention).
 #include <pybind11/pybind11.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -50,12 +55,15 @@ constexpr const char* kPartSource = R"(
   const int last = min(offset[0], CAP - 1);  // the highest valid slot
   const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
   const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
+  const int cur = slot[0];  // read from k_new / v_new (-1: none)
+  const float* kn = k_new + (static_cast<size_t>(b) * HK + hk) * D;
+  const float* vn = v_new + (static_cast<size_t>(b) * HK + hk) * D;
   float m = neg_inf, l = 0.0f, acc[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
   const int end = min((chunk + 1) * CH, last + 1);
   for (int s = chunk * CH + warp; s < end; s += WARPS) {
-    const float* ks = kb + static_cast<size_t>(s) * D;
+    const float* ks = s == cur ? kn : kb + static_cast<size_t>(s) * D;
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -68,7 +76,7 @@ constexpr const char* kPartSource = R"(
     const float m_new = fmaxf(m, score);
     const float keep = expf(m - m_new), w = expf(score - m_new);
     l = l * keep + w;
-    const float* vs = vb + static_cast<size_t>(s) * D;
+    const float* vs = s == cur ? vn : vb + static_cast<size_t>(s) * D;
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       const int d = lane + 32 * i;
@@ -136,7 +144,7 @@ constexpr const char* kCombineSource = R"(
 const CudaSource& part_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int d, int h, int hk, bool single) {
-    return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t"},
+    return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t", "float", "float", "int32_t"},
                         {"float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)},
                          P{"HK", int_arg(hk)}, P{"CH", int_arg(kChunk)},
@@ -145,7 +153,7 @@ const CudaSource& part_source() {
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_part",
-      {"q", "k", "v", "offset", "scale", "dims"},
+      {"q", "k", "v", "offset", "scale", "dims", "k_new", "v_new", "slot"},
       {"part"},
       kPartSource,
       "",
@@ -178,16 +186,26 @@ void expect(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("decode_attention: " + what);
 }
 
-// q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid).
+// q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid);
+// k_new, v_new [B, HK, 1, D] and slot: read in that slot instead of the buffers (all three or none).
 // Returns [B, 1, H * D] float32.
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& offset,
-                           float scale, mx::StreamOrDevice s_) {
+                           float scale, const std::optional<mx::array>& k_new, const std::optional<mx::array>& v_new,
+                           const std::optional<mx::array>& slot, mx::StreamOrDevice s_) {
   expect(q.ndim() == 4 && q.shape(2) == 1, "q must be [B, H, 1, D]");
   expect(k.ndim() == 4 && v.shape() == k.shape(), "k and v must be [B, HK, CAP, D] alike");
   const int b = q.shape(0), h = q.shape(1), d = q.shape(3), hk = k.shape(1), cap = k.shape(2);
   expect(k.shape(0) == b && k.shape(3) == d, "q and k disagree in batch or head dim");
   expect(hk >= 1 && h % hk == 0, "the query heads must be a multiple of the K/V heads");
   expect(offset.size() == 1, "offset must hold one position");
+  const bool with_new = k_new.has_value();
+  expect(with_new == v_new.has_value() && with_new == slot.has_value(), "give k_new, v_new and slot together");
+  if (with_new) {
+    const mx::Shape one{b, hk, 1, d};
+    expect(k_new->shape() == one && v_new->shape() == one, "k_new and v_new must be [B, HK, 1, D]");
+    expect(k_new->dtype() == mx::float32 && v_new->dtype() == mx::float32, "k_new and v_new must be float32");
+    expect(slot->size() == 1, "slot must hold one slot");
+  }
   auto s = mx::to_stream(s_);
   expect(gpu_stream(s) && cuda_build() && q.dtype() == mx::float32 && k.dtype() == mx::float32 &&
              v.dtype() == mx::float32,
@@ -201,7 +219,9 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   // The offset goes in as its one value and a one-launch result comes out as [B, 1, H * D] (the
   // same flat values as [B * H, D]): no reshape nodes in the graph.
   const mx::Shape result{b, 1, h * d};
-  auto parts = part({q, k, v, mx::astype(offset, mx::int32, s), mx::array({scale}), dims},
+  // Without a new key: slot -1, and k_new / v_new fill their places unread.
+  auto parts = part({q, k, v, mx::astype(offset, mx::int32, s), mx::array({scale}), dims, with_new ? *k_new : q,
+                     with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : mx::array({-1}, mx::int32)},
                     {single ? result : mx::Shape{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
                     {kThreads, 1, 1},
                     {{"D", d}, {"H", h}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single}},
@@ -217,9 +237,11 @@ void bind(py::module_& m) {
   part_source();  // registered at import, so the compile checks see them
   combine_source();
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"),
-        py::arg("scale"), py::arg("stream") = py::none(),
+        py::arg("scale"), py::kw_only(), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
+        py::arg("slot") = py::none(), py::arg("stream") = py::none(),
         "Attention of one query q [B, H, 1, D] over the slots <= offset of K/V buffers [B, HK, CAP, D] "
-        "(grouped heads): [B, 1, H * D] float32, in two CUDA launches; CUDA streams only.");
+        "(grouped heads), slot `slot` read from k_new / v_new [B, HK, 1, D] when given: [B, 1, H * D] "
+        "float32, in one CUDA launch while CAP <= 256, two beyond; CUDA streams only.");
 }
 
 }  // namespace

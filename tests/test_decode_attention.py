@@ -35,14 +35,35 @@ def test_reference_is_the_formula():
     np.testing.assert_allclose(np.array(got).reshape(1, 4, 8), want, rtol=1e-5, atol=1e-5)
 
 
+def _new_key(b, hk, d, seed):
+    k1, k2 = mx.random.split(mx.random.key(seed + 100))
+    return mx.random.normal((b, hk, 1, d), key=k1), mx.random.normal((b, hk, 1, d), key=k2)
+
+
+@pytest.mark.parametrize("b,h,hk,cap,d,offset", [(2, 4, 4, 20, 8, 11), (1, 4, 2, 20, 8, 0), (1, 6, 2, 16, 8, 40)])
+def test_a_new_key_reads_as_the_buffer_with_its_slot_written(b, h, hk, cap, d, offset):
+    """`new = (k, v, slot)` equals writing them into the slot first: a growing buffer (slot =
+    offset), grouped heads at position 0, and a full ring (slot = offset % cap)."""
+    q, k, v = _inputs(b, h, hk, cap, d, seed=offset)
+    k_new, v_new = _new_key(b, hk, d, offset)
+    slot = offset % cap
+    got = decode_attention(q, k, v, mx.array(offset, mx.int32), d**-0.5, new=(k_new, v_new, mx.array(slot, mx.int32)))
+    written_k, written_v = np.array(k), np.array(v)
+    written_k[:, :, slot], written_v[:, :, slot] = np.array(k_new)[:, :, 0], np.array(v_new)[:, :, 0]
+    want = decode_attention_reference(q, mx.array(written_k), mx.array(written_v), mx.array(offset, mx.int32), d**-0.5)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
 @pytest.mark.parametrize("b,h,hk,cap,d", [(2, 16, 16, 256, 72), (2, 16, 16, 7500, 72), (1, 40, 8, 512, 128)])
 @pytest.mark.parametrize("offset", [0, 200, 300, 9000])
-def test_kernels_equal_the_reference(b, h, hk, cap, d, offset):
+@pytest.mark.parametrize("with_new", [False, True])
+def test_kernels_equal_the_reference(b, h, hk, cap, d, offset, with_new):
     q, k, v = _inputs(b, h, hk, cap, d, seed=offset)
-    got = decode_attention(q, k, v, mx.array([offset], mx.int32), d**-0.5)
+    new = (*_new_key(b, hk, d, offset), mx.array(offset % cap, mx.int32)) if with_new else None
+    got = decode_attention(q, k, v, mx.array([offset], mx.int32), d**-0.5, new=new)
     with mx.stream(mx.cpu):
-        want = np.array(decode_attention_reference(q, k, v, mx.array(offset, mx.int32), d**-0.5))
+        want = np.array(decode_attention_reference(q, k, v, mx.array(offset, mx.int32), d**-0.5, new=new))
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5)
 
 
@@ -53,6 +74,11 @@ def test_bad_arguments_are_refused():
     q, k, v = _inputs(1, 4, 2, 20, 8)
     with pytest.raises(ValueError, match=r"\[B, H, 1, D\]"):
         ext.decode_attention(mx.concatenate([q, q], axis=2), k, v, mx.array([0], mx.int32), 1.0)
+    k_new, v_new = _new_key(1, 2, 8, 0)
+    with pytest.raises(ValueError, match="together"):
+        ext.decode_attention(q, k, v, mx.array([0], mx.int32), 1.0, k_new=k_new, v_new=v_new)
+    with pytest.raises(ValueError, match=r"\[B, HK, 1, D\]"):
+        ext.decode_attention(q, k, v, mx.array([0], mx.int32), 1.0, k_new=k, v_new=v, slot=mx.array([0], mx.int32))
     if not ON_CUDA:
         with pytest.raises(ValueError, match="CUDA stream"):
             ext.decode_attention(q, k, v, mx.array([0], mx.int32), 1.0)

@@ -373,8 +373,9 @@ def attention_cases(tag, b, h, hk, cap, d):
     q, kv = mx.zeros((b, h, 1, d)), mx.zeros((b, hk, cap, d))
     dims = mx.array([cap], mx.int32)
     single = nc == 1  # one chunk: the part kernel writes the result
+    new = mx.zeros((b, hk, 1, d))
     part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=256, THREADS=256, SINGLE=single),
-                [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), dims],
+                [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), dims, new, new, mx.zeros((1,), mx.int32)],
                 [("float", (b * h * nc, d if single else d + 2))], b * h * nc, 256)
     combine = Case("vc_decode_attn_combine", dict(D=d, CH=256, THREADS=128),
                    [mx.zeros((b * h * nc, d + 2)), dims], [("float", (b * h, d))], b * h, 128)
@@ -568,27 +569,34 @@ def test_mog_sample_kernel_emulated(emulated, name):
 
 @pytest.mark.parametrize("tag", list(ATTN_CONFIGS))
 @pytest.mark.parametrize("offset", [0, 10, 270, 5000])
-def test_decode_attention_kernels_emulated(emulated, tag, offset):
+@pytest.mark.parametrize("with_new", [False, True])
+def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
     """Slot 0 only, the first chunk only (the second empty), into the second, all (a full ring);
-    `attn_single`: one chunk, no merge launch."""
+    `attn_single`: one chunk, no merge launch. `with_new`: the new key and value read in the
+    position's slot (as the TTS backbone's step does) instead of the buffers'."""
     exe, cases, _, _, tmp = emulated
     b, h, hk, cap, d = ATTN_CONFIGS[tag]
-    k1, k2, k3 = mx.random.split(mx.random.key(offset + d), 3)
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(offset + d), 5)
     q = mx.random.normal((b, h, 1, d), key=k1)
     k = mx.random.normal((b, hk, cap, d), key=k2)
     v = mx.random.normal((b, hk, cap, d), key=k3)
+    k_new, v_new = mx.random.normal((b, hk, 1, d), key=k4), mx.random.normal((b, hk, 1, d), key=k5)
+    slot = offset % cap if with_new else -1
     scale = d**-0.5
     part = cases[f"{tag}_part"]
-    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale]), mx.array([cap], mx.int32)]
-    (tmp / f"{tag}_{offset}").mkdir()
-    (out,) = run(exe, f"{tag}_part", part, tmp / f"{tag}_{offset}")
+    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale]), mx.array([cap], mx.int32),
+                   k_new, v_new, mx.array([slot], mx.int32)]
+    name = f"{tag}_{offset}_{int(with_new)}"
+    (tmp / name).mkdir()
+    (out,) = run(exe, f"{tag}_part", part, tmp / name)
     if cap > 256:
         combine = cases[f"{tag}_combine"]
         combine.inputs = [mx.array(out), mx.array([cap], mx.int32)]
-        (tmp / f"{tag}_{offset}_c").mkdir()
-        (out,) = run(exe, f"{tag}_combine", combine, tmp / f"{tag}_{offset}_c")
+        (tmp / f"{name}_c").mkdir()
+        (out,) = run(exe, f"{tag}_combine", combine, tmp / f"{name}_c")
     with mx.stream(mx.cpu):
-        want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale)
+        new = (k_new, v_new, mx.array(slot, mx.int32)) if with_new else None
+        want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale, new=new)
     np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
 
 

@@ -287,7 +287,7 @@ def test_warmup_uses_only_prompt_frame_35(tiny):
     def keys_after(prompt):
         cache = tts.make_cache()
         previous = tts.warmup(aria, prompt, cache)
-        mx.eval(cache.keys)
+        mx.eval(cache.buffers)
         return cache, previous
 
     base = prompt_codes(ckpt, 1)
@@ -296,11 +296,11 @@ def test_warmup_uses_only_prompt_frame_35(tiny):
     (c0, p0), (c1, _), (c2, _) = keys_after(base), keys_after(other), keys_after(changed)
     extra_frame = mx.concatenate([base, prompt_codes(ckpt, 3)[:, :1]], axis=1)  # F + 1 frames: last dropped
     c3, _ = keys_after(extra_frame)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c3.keys))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(c0.buffers, c3.buffers))
     assert c0.offset == 37
     assert (p0 == tts.cfg.codebook_size).all().item() and p0.shape == (1, 1, 31)
-    assert all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c1.keys))
-    assert not all(mx.array_equal(a, b).item() for a, b in zip(c0.keys, c2.keys))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(c0.buffers, c1.buffers))
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(c0.buffers, c2.buffers))
 
 
 # --------------------------------------------------------------------------- loading
@@ -378,7 +378,8 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     """On a CUDA GPU a backbone layer is 6 launches of ours: the head norms + RoPE, the attention
     (one launch: buffers of <= 256 slots), o_proj, the norm seam with gate/up, down_proj with the
     gated GELU, the norm seam with the next layer's q/k/v (the last: the final norm). Layer 0 adds
-    its q/k/v GEMV and MLX's rms_norm (its input norm); MLX's attention never runs."""
+    its q/k/v GEMV and MLX's rms_norm (its input norm); MLX's attention never runs. The new keys
+    and values are written once per window (one concatenation, one update each), not per layer."""
     from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
     from voicechat.llm.opcount import count_ops
 
@@ -394,10 +395,11 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     cache = fresh.make_cache()
     cache.reserve(1, 2)
     x = mx.random.normal((2, 1, fresh.cfg.hidden_size))
-    mx.eval(x, cache.keys, cache.values)
-    h, keys, values = fresh.backbone.step_arrays(x, mx.array(0, mx.int32), cache.keys, cache.values)
-    counts = count_ops(h, keys, values)
+    mx.eval(x, cache.buffers)
+    h, buffers = fresh.backbone.step_arrays(x, mx.array(0, mx.int32), cache.buffers)
+    counts = count_ops(h, *buffers)
     layers = fresh.cfg.num_hidden_layers
+    assert counts.get("Concatenate") == counts.get("DynamicSliceUpdate") == len(cache.groups) == 2
     assert max(cache.capacity(i) for i in range(layers)) <= 256
     assert counts.get("CustomKernel") == 6 * layers + 1
     assert counts.get("RMSNorm") == 1 and "RoPE" not in counts and "ScaledDotProductAttention" not in counts

@@ -4,9 +4,15 @@ the C++ / CUDA kernels and the pure-MLX reference.
     out[b, h] = softmax over slots s <= offset of (scale * q[b, h] . k[b, h // G, s]) @ v[b, h // G, s]
 
 `q [B, H, 1, D]`, `k, v [B, HK, CAP, D]` float32, `offset` an int32 array: returns `[B, 1, H * D]`.
-On a CUDA GPU one launch while CAP <= 256, two beyond (MLX's fast attention takes no mask array on CUDA, and
-its fallback is a matmul, the mask, a softmax and a matmul); elsewhere MLX's attention with the
-mask.
+With `new = (k_new, v_new, slot)` (`[B, HK, 1, D]` each and an int32 array), slot `slot` is read
+as holding `k_new` / `v_new` instead of what the buffers hold there: the step attends as if the
+new position were already written, and the caller writes it later (the TTS backbone writes all
+its layers' new keys in one update).
+
+On a CUDA GPU one launch while CAP <= 256, two beyond (MLX's fast attention takes no mask array on
+CUDA, and its fallback is a matmul, the mask, a softmax and a matmul); elsewhere MLX ops: its
+attention with the mask, or, with `new`, the scores over the buffer and the new key, one softmax
+and two products (no copy of the buffers).
 """
 
 from __future__ import annotations
@@ -17,16 +23,33 @@ from ._native import ext, use_reference
 from .gemv import on_cuda_gpu
 
 
-def decode_attention_reference(q, k, v, offset, scale: float, mask=None):
+def decode_attention_reference(q, k, v, offset, scale: float, mask=None, new=None):
     """`mask`: the `[CAP]` validity of the slots, if already made (`arange(CAP) <= offset`)."""
-    mask = mx.arange(k.shape[2]) <= offset if mask is None else mask
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    b, h, _, d = out.shape
-    return out.transpose(0, 2, 1, 3).reshape(b, 1, h * d)
+    cap = k.shape[2]
+    mask = mx.arange(cap) <= offset if mask is None else mask
+    if new is None:
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        b, h, _, d = out.shape
+        return out.transpose(0, 2, 1, 3).reshape(b, 1, h * d)
+    k_new, v_new, slot = new
+    b, h, _, d = q.shape
+    hk = k.shape[1]
+    qg = q.astype(mx.float32).reshape(b, hk, h // hk, d)  # the query heads of each K/V head
+    scores = (qg @ k.swapaxes(-1, -2)) * scale  # [B, HK, G, CAP]
+    scores = mx.where(mask & (mx.arange(cap) != slot), scores, -mx.inf)
+    fresh = (qg @ k_new.swapaxes(-1, -2)) * scale  # [B, HK, G, 1]
+    p = mx.softmax(mx.concatenate([scores, fresh], axis=-1), axis=-1)
+    out = p[..., :cap] @ v + p[..., cap:] * v_new
+    return out.reshape(b, 1, h * d)
 
 
-def decode_attention(q, k, v, offset, scale: float, mask=None):
+def decode_attention(q, k, v, offset, scale: float, mask=None, new=None):
     kernel_takes = all(a.dtype == mx.float32 for a in (q, k, v)) and q.shape[2] == 1
+    if new is not None:
+        kernel_takes = kernel_takes and all(a.dtype == mx.float32 for a in new[:2])
     if use_reference() or not on_cuda_gpu() or not kernel_takes:
-        return decode_attention_reference(q, k, v, offset, scale, mask)
-    return ext.decode_attention(q, k, v, offset, scale)
+        return decode_attention_reference(q, k, v, offset, scale, mask, new)
+    if new is None:
+        return ext.decode_attention(q, k, v, offset, scale)
+    k_new, v_new, slot = new
+    return ext.decode_attention(q, k, v, offset, scale, k_new=k_new, v_new=v_new, slot=slot)

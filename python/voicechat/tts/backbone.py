@@ -19,6 +19,12 @@ In both, after writing position `p`, slot `s` is valid for the query at `p` iff 
 ring every slot is valid once `p >= window - 1`), so a step needs only that one mask, equivalent
 to "no mask" over the keys a growing cache would hold. Attention is permutation-invariant over
 keys, so the ring's order does not matter (RoPE is applied before a key is stored).
+
+Layers of one window share capacity and slot, so their keys and values live in one buffer per
+window (`BackboneCache.buffers`: `[layers, 2, B, kv_heads, capacity, head_dim]`). A step attends
+each layer over its buffer with the slot of the new position holding the new key (the attention
+takes it beside the buffer), and writes all of a window's new keys and values at the end, in one
+update: two buffer writes a step instead of two per layer.
 """
 
 from __future__ import annotations
@@ -89,10 +95,12 @@ class Attention(nn.Module):
         k = mx.fast.rope(k, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
         return q, k, v.astype(mx.float32)
 
-    def attend_step(self, q: mx.array, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array) -> mx.array:
-        """One query at `offset` over the whole buffers k, v (`mask`: their slots <= offset): our
-        kernel on CUDA (`kernels.decode_attention`), MLX's attention with the mask elsewhere."""
-        return self.o_proj(decode_attention(q, k, v, offset, self.scale, mask))
+    def attend_step(self, q: mx.array, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array,
+                    new: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+        """One query at `offset` over the whole buffers k, v (`mask`: their slots <= offset), with
+        `new = (k, v, slot)`: the new position's key and value, seen in that slot (not yet written
+        there). Our kernel on CUDA, composed MLX ops elsewhere (`kernels.decode_attention`)."""
+        return self.o_proj(decode_attention(q, k, v, offset, self.scale, mask, new=new))
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -136,42 +144,60 @@ class DecoderLayer(nn.Module):
         return add_and_norm(h, out, self.post_feedforward_layernorm, next_norm)
 
 
+def window_groups(windows: list[int | None]) -> tuple[list[int | None], list[tuple[int, int]]]:
+    """The distinct windows in order of first use, and each layer's (group, index in group)."""
+    groups: list[int | None] = []
+    place, counts = [], {}
+    for window in windows:
+        if window not in counts:
+            groups.append(window)
+            counts[window] = 0
+        place.append((groups.index(window), counts[window]))
+        counts[window] += 1
+    return groups, place
+
+
 @dataclass
 class BackboneCache:
-    """Per-layer K/V buffers `[B, kv_heads, capacity, head_dim]` (float32) and the next position."""
+    """The K/V of every layer, one float32 buffer per window (`window_groups`):
+    `buffers[g] [layers of g, 2 (k, v), B, kv_heads, capacity, head_dim]`; and the next position."""
 
     windows: list[int | None]
     kv_heads: int
     head_dim: int
     chunk: int = DEFAULT_CHUNK
-    keys: list[mx.array | None] = field(default_factory=list)
-    values: list[mx.array | None] = field(default_factory=list)
+    buffers: list[mx.array | None] = field(default_factory=list)
     offset: int = 0
 
     def __post_init__(self):
-        if not self.keys:
-            self.keys = [None] * len(self.windows)
-            self.values = [None] * len(self.windows)
+        self.groups, self.place = window_groups(self.windows)
+        self.sizes = [sum(1 for g, _ in self.place if g == i) for i in range(len(self.groups))]
+        if not self.buffers:
+            self.buffers = [None] * len(self.groups)
 
     def capacity(self, i: int) -> int:
-        return 0 if self.keys[i] is None else self.keys[i].shape[2]
+        buf = self.buffers[self.place[i][0]]
+        return 0 if buf is None else buf.shape[4]
+
+    def layer_kv(self, i: int) -> tuple[mx.array, mx.array]:
+        """Layer `i`'s key and value buffers `[B, kv_heads, capacity, head_dim]` (views)."""
+        g, j = self.place[i]
+        return self.buffers[g][j, 0], self.buffers[g][j, 1]
 
     def reserve(self, end: int, batch: int) -> None:
         """Make room for positions `< end`: global buffers hold `end` slots, sliding ones
         `min(end, window)` (beyond that the ring reuses slots)."""
-        for i, window in enumerate(self.windows):
+        for g, window in enumerate(self.groups):
             need = end if window is None else min(end, window)
-            have = self.capacity(i)
+            buf = self.buffers[g]
+            have = 0 if buf is None else buf.shape[4]
             if need <= have:
                 continue
             cap = -(-need // self.chunk) * self.chunk
             if window is not None:
                 cap = min(cap, window)
-            shape = (batch, self.kv_heads, cap - have, self.head_dim)
-            # Two distinct arrays: buffers are updated in place (`buf[..., slots, :] = k`).
-            for bufs in (self.keys, self.values):
-                pad = mx.zeros(shape, mx.float32)
-                bufs[i] = pad if bufs[i] is None else mx.concatenate([bufs[i], pad], axis=2)
+            pad = mx.zeros((self.sizes[g], 2, batch, self.kv_heads, cap - have, self.head_dim), mx.float32)
+            self.buffers[g] = pad if buf is None else mx.concatenate([buf, pad], axis=4)
 
     def slot_positions(self, i: int) -> mx.array:
         """Absolute position held by each slot of layer `i` (-1 where nothing is stored yet)."""
@@ -180,6 +206,13 @@ class BackboneCache:
         window = self.windows[i]
         pos = slots if window is None else last - mx.remainder(last - slots, window)
         return mx.where(slots < self.offset, pos, -1)
+
+
+def stacked_kv(pairs: list[tuple[mx.array, mx.array]]) -> mx.array:
+    """`[(k, v) [B, HK, T, D] per layer]` -> `[layers, 2, B, HK, T, D]` in one concatenation."""
+    first = pairs[0][0]
+    flat = mx.concatenate([a for pair in pairs for a in pair], axis=0)
+    return flat.reshape(len(pairs), 2, *first.shape)
 
 
 class Backbone(nn.Module):
@@ -226,65 +259,70 @@ class Backbone(nn.Module):
         query_pos = mx.arange(start, start + t)[:, None]
         h = x.astype(mx.float32)
         z, qkv = self.layers[0].input_layernorm(h), None
-        new_keys, new_values = [], []
+        new_kv = []
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             q, k, v = self._layer_input(attn, z, qkv, start)
-            if cache.keys[i] is not None:
+            if cache.capacity(i):
+                old_k, old_v = cache.layer_kv(i)
                 key_pos = mx.concatenate([cache.slot_positions(i), mx.arange(start, start + t)])
-                k_all = mx.concatenate([cache.keys[i], k], axis=2)
-                v_all = mx.concatenate([cache.values[i], v], axis=2)
+                k_all = mx.concatenate([old_k, k], axis=2)
+                v_all = mx.concatenate([old_v, v], axis=2)
             else:
                 key_pos, k_all, v_all = mx.arange(start, start + t), k, v
             mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= query_pos)
             if layer.window is not None:
                 mask = mask & (key_pos[None, :] > query_pos - layer.window)
             h, z, qkv = self._next(layer, i, h, attn.attend(q, k_all, v_all, mask))
-            new_keys.append(k)
-            new_values.append(v)
+            new_kv.append((k, v))
         cache.reserve(start + t, b)
-        for i, window in enumerate(cache.windows):
-            k, v = new_keys[i], new_values[i]
-            positions = mx.arange(start, start + t)
+        positions = mx.arange(start, start + t)
+        for g, window in enumerate(cache.groups):
+            update = stacked_kv([kv for kv, (group, _) in zip(new_kv, cache.place) if group == g])
+            pos = positions
             if window is not None and t > window:  # only the last `window` keys are ever seen again
-                k, v, positions = k[:, :, -window:], v[:, :, -window:], positions[-window:]
-            slots = positions if window is None else mx.remainder(positions, window)
-            cache.keys[i][:, :, slots] = k
-            cache.values[i][:, :, slots] = v
+                update, pos = update[..., -window:, :], positions[-window:]
+            slots = pos if window is None else mx.remainder(pos, window)
+            cache.buffers[g][:, :, :, :, slots] = update
         cache.offset = start + t
         return z
 
     # ------------------------------------------------------------------ one token
 
-    def step_arrays(self, x: mx.array, offset: mx.array, keys: list[mx.array], values: list[mx.array]):
+    def step_arrays(self, x: mx.array, offset: mx.array, buffers: list[mx.array]):
         """Pure function of arrays (compilable): one token `x [B, 1, hidden]` at position
-        `offset` (int32 scalar array); returns `(hidden [B, 1, hidden], keys', values')`.
+        `offset` (int32 scalar array) with the cache's `buffers`; returns `(hidden [B, 1, hidden],
+        buffers')`.
 
-        The buffers must already have room (`BackboneCache.reserve(offset + 1)`)."""
+        Each layer attends over its buffer with the new position's slot holding its new key (the
+        attention takes that key beside the buffer); the new keys and values of a window's layers
+        are written together at the end. The buffers must already have room
+        (`BackboneCache.reserve(offset + 1)`)."""
+        groups, place = window_groups(self.windows)
         h = x.astype(mx.float32)
         z, qkv = self.layers[0].input_layernorm(h), None
-        out_keys, out_values = [], []
-        start = mx.reshape(offset, (1,))
-        # Layers of one window share the slot, and buffers of one capacity the mask: made once.
-        slots, masks = {}, {}
+        slots = [offset if window is None else mx.remainder(offset, window) for window in groups]
+        masks = {}  # buffers of one capacity share the mask
+        new_kv: list[list] = [[] for _ in groups]
         for i, layer in enumerate(self.layers):
-            attn, window, capacity = layer.self_attn, layer.window, keys[i].shape[2]
-            if window not in slots:
-                slots[window] = start if window is None else mx.remainder(start, window)
+            attn = layer.self_attn
+            g, j = place[i]
+            capacity = buffers[g].shape[4]
             if capacity not in masks:
                 masks[capacity] = mx.arange(capacity) <= offset
             q, k, v = self._layer_input(attn, z, qkv, offset)
-            kb = mx.slice_update(keys[i], k, slots[window], axes=(2,))
-            vb = mx.slice_update(values[i], v, slots[window], axes=(2,))
-            h, z, qkv = self._next(layer, i, h, attn.attend_step(q, kb, vb, offset, masks[capacity]))
-            out_keys.append(kb)
-            out_values.append(vb)
-        return z, out_keys, out_values
+            old_k, old_v = buffers[g][j, 0], buffers[g][j, 1]
+            out = attn.attend_step(q, old_k, old_v, offset, masks[capacity], (k, v, slots[g]))
+            h, z, qkv = self._next(layer, i, h, out)
+            new_kv[g].append((k, v))
+        start = [mx.reshape(slot, (1,)) for slot in slots]
+        buffers = [mx.slice_update(buf, stacked_kv(kv), s, axes=(4,)) for buf, kv, s in zip(buffers, new_kv, start)]
+        return z, buffers
 
     def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:
         """One token through the stack with the caches (uncompiled unless `step_fn` is given)."""
         cache.reserve(cache.offset + 1, x.shape[0])
         fn = step_fn or self.step_arrays
-        h, cache.keys, cache.values = fn(x, mx.array(cache.offset, mx.int32), cache.keys, cache.values)
+        h, cache.buffers = fn(x, mx.array(cache.offset, mx.int32), cache.buffers)
         cache.offset += 1
         return h

@@ -187,7 +187,7 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
 
     def cache_writes():
         return [mx.slice_update(buf, stacked_kv([(k, v) for (_, k, v), (group, _) in zip(heads, cache.place)
-                                                 if group == g]), mx.reshape(slots[g], (1,)), axes=(4,))
+                                                 if group == g]), mx.reshape(slots[g], (1,)), axes=(2,))
                 for g, buf in enumerate(cache.buffers)]
 
     core = attention()

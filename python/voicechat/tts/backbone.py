@@ -21,7 +21,9 @@ to "no mask" over the keys a growing cache would hold. Attention is permutation-
 keys, so the ring's order does not matter (RoPE is applied before a key is stored).
 
 Layers of one window share capacity and slot, so their keys and values live in one buffer per
-window (`BackboneCache.buffers`: `[layers, 2, B, kv_heads, capacity, head_dim]`). A step attends
+window (`BackboneCache.buffers`: `[2 * layers, B * kv_heads, capacity, head_dim]`, keys of the
+window's layer j at 2j, values at 2j + 1; four dimensions, as MLX-CUDA's slice update takes no
+more than 10 between the buffer and its update). A step attends
 each layer over its buffer with the slot of the new position holding the new key (the attention
 takes it beside the buffer), and writes all of a window's new keys and values at the end, in one
 update: two buffer writes a step instead of two per layer.
@@ -160,7 +162,8 @@ def window_groups(windows: list[int | None]) -> tuple[list[int | None], list[tup
 @dataclass
 class BackboneCache:
     """The K/V of every layer, one float32 buffer per window (`window_groups`):
-    `buffers[g] [layers of g, 2 (k, v), B, kv_heads, capacity, head_dim]`; and the next position."""
+    `buffers[g] [2 * layers of g, B * kv_heads, capacity, head_dim]` (layer j's keys at 2j, its
+    values at 2j + 1); and the next position."""
 
     windows: list[int | None]
     kv_heads: int
@@ -177,12 +180,12 @@ class BackboneCache:
 
     def capacity(self, i: int) -> int:
         buf = self.buffers[self.place[i][0]]
-        return 0 if buf is None else buf.shape[4]
+        return 0 if buf is None else buf.shape[2]
 
     def layer_kv(self, i: int) -> tuple[mx.array, mx.array]:
         """Layer `i`'s key and value buffers `[B, kv_heads, capacity, head_dim]` (views)."""
         g, j = self.place[i]
-        return self.buffers[g][j, 0], self.buffers[g][j, 1]
+        return layer_kv(self.buffers[g], j, self.kv_heads)
 
     def reserve(self, end: int, batch: int) -> None:
         """Make room for positions `< end`: global buffers hold `end` slots, sliding ones
@@ -190,14 +193,14 @@ class BackboneCache:
         for g, window in enumerate(self.groups):
             need = end if window is None else min(end, window)
             buf = self.buffers[g]
-            have = 0 if buf is None else buf.shape[4]
+            have = 0 if buf is None else buf.shape[2]
             if need <= have:
                 continue
             cap = -(-need // self.chunk) * self.chunk
             if window is not None:
                 cap = min(cap, window)
-            pad = mx.zeros((self.sizes[g], 2, batch, self.kv_heads, cap - have, self.head_dim), mx.float32)
-            self.buffers[g] = pad if buf is None else mx.concatenate([buf, pad], axis=4)
+            pad = mx.zeros((2 * self.sizes[g], batch * self.kv_heads, cap - have, self.head_dim), mx.float32)
+            self.buffers[g] = pad if buf is None else mx.concatenate([buf, pad], axis=2)
 
     def slot_positions(self, i: int) -> mx.array:
         """Absolute position held by each slot of layer `i` (-1 where nothing is stored yet)."""
@@ -208,11 +211,18 @@ class BackboneCache:
         return mx.where(slots < self.offset, pos, -1)
 
 
+def layer_kv(buffer: mx.array, j: int, kv_heads: int) -> tuple[mx.array, mx.array]:
+    """Keys and values `[B, kv_heads, capacity, head_dim]` of a window buffer's layer j (views)."""
+    _, bh, cap, d = buffer.shape
+    shape = (bh // kv_heads, kv_heads, cap, d)
+    return buffer[2 * j].reshape(shape), buffer[2 * j + 1].reshape(shape)
+
+
 def stacked_kv(pairs: list[tuple[mx.array, mx.array]]) -> mx.array:
-    """`[(k, v) [B, HK, T, D] per layer]` -> `[layers, 2, B, HK, T, D]` in one concatenation."""
-    first = pairs[0][0]
+    """`[(k, v) [B, HK, T, D] per layer]` -> `[2 * layers, B * HK, T, D]` in one concatenation."""
+    b, hk, t, d = pairs[0][0].shape
     flat = mx.concatenate([a for pair in pairs for a in pair], axis=0)
-    return flat.reshape(len(pairs), 2, *first.shape)
+    return flat.reshape(2 * len(pairs), b * hk, t, d)
 
 
 class Backbone(nn.Module):
@@ -281,9 +291,9 @@ class Backbone(nn.Module):
             update = stacked_kv([kv for kv, (group, _) in zip(new_kv, cache.place) if group == g])
             pos = positions
             if window is not None and t > window:  # only the last `window` keys are ever seen again
-                update, pos = update[..., -window:, :], positions[-window:]
+                update, pos = update[:, :, -window:], positions[-window:]
             slots = pos if window is None else mx.remainder(pos, window)
-            cache.buffers[g][:, :, :, :, slots] = update
+            cache.buffers[g][:, :, slots] = update
         cache.offset = start + t
         return z
 
@@ -307,16 +317,16 @@ class Backbone(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             g, j = place[i]
-            capacity = buffers[g].shape[4]
+            capacity = buffers[g].shape[2]
             if capacity not in masks:
                 masks[capacity] = mx.arange(capacity) <= offset
             q, k, v = self._layer_input(attn, z, qkv, offset)
-            old_k, old_v = buffers[g][j, 0], buffers[g][j, 1]
+            old_k, old_v = layer_kv(buffers[g], j, attn.n_kv_heads)
             out = attn.attend_step(q, old_k, old_v, offset, masks[capacity], (k, v, slots[g]))
             h, z, qkv = self._next(layer, i, h, out)
             new_kv[g].append((k, v))
         start = [mx.reshape(slot, (1,)) for slot in slots]
-        buffers = [mx.slice_update(buf, stacked_kv(kv), s, axes=(4,)) for buf, kv, s in zip(buffers, new_kv, start)]
+        buffers = [mx.slice_update(buf, stacked_kv(kv), s, axes=(2,)) for buf, kv, s in zip(buffers, new_kv, start)]
         return z, buffers
 
     def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:

@@ -13,7 +13,7 @@ python3 -c "import voicechat.kernels as k; print(k.build_info())"
 # sox is not on the GPU machine: its two tests are left out there.
 # pytest-timeout is on the GPU image: one hung test (a GPU kernel that never returns) costs 60 s,
 # not the whole run.
-timeout -s INT -k 20 "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rfE --timeout=60 ${TESTS:-tests} \
+timeout -s INT -k 20 "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rfE --timeout=${PER_TEST_TIMEOUT:-60} ${TESTS:-tests} \
   -k "not other_formats_and_stereo and not stereo_other_rate" --durations=15 2>&1 | tee "$OUT/tests.log" | tail -60
 timeout "${GEMV_TIMEOUT:-150}" python3 benchmarks/bench_gemv.py --size full --json "$OUT/gemv.json" ${GEMV_ARGS:-} 2>&1 \
   | tee "$OUT/gemv.log" | tail -45

@@ -23,10 +23,10 @@ keys, so the ring's order does not matter (RoPE is applied before a key is store
 Layers of one window share capacity and slot, so their keys and values live in one buffer per
 window (`BackboneCache.buffers`: `[2 * layers, B * kv_heads, capacity, head_dim]`, keys of the
 window's layer j at 2j, values at 2j + 1; four dimensions, as MLX-CUDA's slice update takes no
-more than 10 between the buffer and its update). A step attends
-each layer over its buffer with the slot of the new position holding the new key (the attention
-takes it beside the buffer), and writes all of a window's new keys and values at the end, in one
-update: two buffer writes a step instead of two per layer.
+more than 10 between the buffer and its update). A step attends each layer over its buffer with
+the slot of the new position holding the new key (the attention takes it beside the buffer), and
+writes all of a window's new keys and values at the end, in one update: two buffer writes a step
+instead of two per layer.
 """
 
 from __future__ import annotations

@@ -37,8 +37,7 @@ def chat(tmp_path_factory):
     else:
         chat = voicechat.load(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny"))
     chat.load_s = time.perf_counter() - start
-    weights = sum(v.nbytes for v in chat.checkpoint.tensors.values())
-    chat.weights_bytes = weights
+    chat.weights_bytes = chat.checkpoint.nbytes
     return chat
 
 

@@ -282,10 +282,22 @@ class Checkpoint:
     path: Path
     config: VoiceChatConfig
     tensors: dict[str, mx.array] = field(repr=False)
+    nbytes: int = 0  # of all tensors, counted before `release()`
+    released: bool = False
+
+    def __post_init__(self):
+        self.nbytes = self.nbytes or sum(v.nbytes for v in self.tensors.values())
 
     @property
     def quantization(self) -> dict[str, dict[str, int]]:
         return quantization_map(self.config)
+
+    def release(self) -> None:
+        """Drop the tensors once loaded: a module keeps what it uses, and every tensor it replaced
+        by a converted copy (a cast, a stacked projection, a layout change) would otherwise stay in
+        memory twice. `nbytes` keeps their size."""
+        self.tensors = {}
+        self.released = True
 
     def load_into(self, module: nn.Module, prefix: str, ignore: Iterable[str] = ()) -> None:
         """Quantize `module` as config.json says, then load the tensors under `prefix` into it.
@@ -293,6 +305,8 @@ class Checkpoint:
         `ignore`: key prefixes (relative to `prefix`) that belong to other modules, for loading
         one part of a subtree on its own.
         """
+        if self.released:
+            raise CheckpointError(f"{self.path}: its tensors were released after loading; open it again")
         ignore = tuple(ignore)
         quantize_modules(module, self.quantization, prefix)
         tensors = {k: v for k, v in subtree(self.tensors, prefix).items() if not (ignore and k.startswith(ignore))}

@@ -347,6 +347,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
     tts.set_tokenizer(tokenizer)
     tts.prepare()
     mx.eval(model.parameters())
+    checkpoint.release()  # the model holds what it uses; converted tensors would stay twice
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)
     chat.warmup_codes()
     return chat

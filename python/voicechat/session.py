@@ -330,7 +330,9 @@ class VoiceChat:
 
 
 def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
-    """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory)."""
+    """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory).
+
+    A `Checkpoint` passed in is used up: its tensors are released once the model holds them."""
     checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)
     config = checkpoint.config
     model = VoiceChatModel(config)

@@ -2,7 +2,8 @@
 # On the lent H200, after test.sh's build: the end-to-end frame (and the LLM step) under MLX-CUDA's
 # graph settings, one process per arm, one warm kernel cache for all (the first arm pays the JIT).
 #   bash tools/gpu/ab.sh default MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400
-# An arm is `default` or VAR=VALUE[,VAR=VALUE]. AB_LLM=1 also runs profile_llm_step per arm.
+# An arm is `default` or VAR=VALUE[,VAR=VALUE]. AB_LLM=1 / AB_TTS=1 also run profile_llm_step /
+# profile_tts_step (without the backbone's parts) per arm: their host share against the wait.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=${AB_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1 VOICECHAT_BENCH_SIZE=${VOICECHAT_BENCH_SIZE:-full}
@@ -21,5 +22,9 @@ print({k: round(b[k], 2) for k in ('ms_per_frame', 'timeline_ms_per_frame', 'rtf
   if [ "${AB_LLM:-0}" = 1 ]; then
     (cd benchmarks && env "${settings[@]}" timeout 150 python3 profile_llm_step.py --size "$VOICECHAT_BENCH_SIZE" --compiled-only \
       --json "$OUT/llm_$tag.json" 2>&1 | tail -7)
+  fi
+  if [ "${AB_TTS:-0}" = 1 ]; then
+    (cd benchmarks && env "${settings[@]}" timeout 150 python3 profile_tts_step.py --size "$VOICECHAT_BENCH_SIZE" \
+      --no-parts --json "$OUT/tts_$tag.json" 2>&1 | tail -7)
   fi
 done

@@ -87,6 +87,7 @@ def test_generate(benchmark, chat, seconds, overlap_tts):
         "transcript_chars": len(r.user_transcript),
         "stage_share": {k: v / r.timings["generate_s"] for k, v in stages.items()},
         "stage_s": stages, "peak_memory_gb": mx.get_peak_memory() / 1e9,
-        "weights_gb": chat.weights_bytes / 1e9, "mlx_env": mlx_env(),
+        "weights_gb": chat.weights_bytes / 1e9, "peak_over_weights": mx.get_peak_memory() / chat.weights_bytes,
+        "mlx_env": mlx_env(),
     })
     assert first.text_tokens == r.text_tokens

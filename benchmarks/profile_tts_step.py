@@ -27,7 +27,7 @@ from voicechat.kernels.decode_attention import decode_attention
 from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
 from voicechat.llm.opcount import count_ops, kernel_count
 from voicechat.tokenizer import TextTokenizer
-from voicechat.tts.backbone import stacked_kv
+from voicechat.tts.backbone import write_step_kv
 from voicechat.tts.ear_tts import EarTTS
 
 PROMPT_FRAMES = 37
@@ -185,10 +185,11 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
         return [decode_attention(q, k, v, offset, layer.self_attn.scale, m, new=new)
                 for layer, (q, _, _), (k, v), m, new in zip(layers, heads, buffers, masks, news)]
 
+    new_kv = [[(k, v) for (_, k, v), (group, _) in zip(heads, cache.place) if group == g]
+              for g in range(len(cache.groups))]
+
     def cache_writes():
-        return [mx.slice_update(buf, stacked_kv([(k, v) for (_, k, v), (group, _) in zip(heads, cache.place)
-                                                 if group == g]), mx.reshape(slots[g], (1,)), axes=(2,))
-                for g, buf in enumerate(cache.buffers)]
+        return write_step_kv(cache.buffers, new_kv, slots)
 
     core = attention()
     mx.eval(core)

@@ -225,6 +225,14 @@ def stacked_kv(pairs: list[tuple[mx.array, mx.array]]) -> mx.array:
     return flat.reshape(2 * len(pairs), b * hk, t, d)
 
 
+def write_step_kv(buffers: list[mx.array], new_kv: list[list[tuple[mx.array, mx.array]]],
+                  slots: list[mx.array]) -> list[mx.array]:
+    """A step's cache writes: window g's new keys and values (`new_kv[g]`, a (k, v) `[B, HK, 1, D]`
+    per layer of the window, in order) into slot `slots[g]` of `buffers[g]`, one update each."""
+    return [mx.slice_update(buf, stacked_kv(kv), mx.reshape(slot, (1,)), axes=(2,))
+            for buf, kv, slot in zip(buffers, new_kv, slots)]
+
+
 class Backbone(nn.Module):
     """`layers.N.*` and `norm`: the Gemma-3 stack without embeddings or head."""
 
@@ -325,9 +333,7 @@ class Backbone(nn.Module):
             out = attn.attend_step(q, old_k, old_v, offset, masks[capacity], (k, v, slots[g]))
             h, z, qkv = self._next(layer, i, h, out)
             new_kv[g].append((k, v))
-        start = [mx.reshape(slot, (1,)) for slot in slots]
-        buffers = [mx.slice_update(buf, stacked_kv(kv), s, axes=(2,)) for buf, kv, s in zip(buffers, new_kv, start)]
-        return z, buffers
+        return z, write_step_kv(buffers, new_kv, slots)
 
     def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:
         """One token through the stack with the caches (uncompiled unless `step_fn` is given)."""

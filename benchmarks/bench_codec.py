@@ -1,4 +1,5 @@
-"""Codec benchmarks: decode of one code frame and of 10 s, encode of the 38-frame TTS warmup.
+"""Codec benchmarks: decode of one code frame and of 10 s (in one pass and in the windows `decode`
+uses by default, with each one's peak memory), encode of the 38-frame TTS warmup.
 
     PYTHONPATH=python python -m pytest benchmarks/bench_codec.py --benchmark-enable
     VOICECHAT_BENCH_SIZE=full ...   # random weights at the real shapes (no checkpoint file)
@@ -17,6 +18,7 @@ import pytest
 
 from voicechat.checkpoint import open_checkpoint
 from voicechat.codec import AudioCodec
+from voicechat.codec.codec import DECODE_CHUNK_FRAMES
 from voicechat.config import VoiceChatConfig
 from voicechat.testing import make_checkpoint
 
@@ -58,8 +60,14 @@ def test_decode_one_frame(benchmark, codec):
     _run(benchmark, codec.decode, _codes(codec, 1))
 
 
-def test_decode_10s(benchmark, codec):
-    _run(benchmark, codec.decode, _codes(codec, FRAMES_10S))
+@pytest.mark.parametrize("chunk", [None, DECODE_CHUNK_FRAMES], ids=["whole", "windows"])
+def test_decode_10s(benchmark, codec, chunk):
+    codes = _codes(codec, FRAMES_10S)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    _run(benchmark, lambda c: codec.decode(c, chunk_frames=chunk), codes)
+    benchmark.extra_info["peak_activation_gb"] = (mx.get_peak_memory() - base) / 1e9
 
 
 def test_encode_warmup_38_frames(benchmark, codec):

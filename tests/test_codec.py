@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 from voicechat.checkpoint import load_weights, open_checkpoint, subtree, to_mlx_layout
 from voicechat.codec import AudioCodec, istft, stft
-from voicechat.codec.codec import _downsample, _upsample
+from voicechat.codec.codec import _downsample, _upsample, decode_context, decode_windows
 from voicechat.codec.stft import istft_reference, stft_reference
 from voicechat.config import CodecConfig, VoiceChatConfig
 from voicechat.testing import make_checkpoint, tiny_config
@@ -214,6 +214,69 @@ def test_encoder_latent_t_sees_six_samples_past_its_frame(codec):
     edge = wave.copy()
     edge[:, 1764 + 5] += 0.5
     assert not np.array_equal(np.array(codec.encode_latent(mx.array(edge)))[:, 0], base[:, 0])
+
+
+# --------------------------------------------------------------------------- windowed decode
+
+def _decode_in_windows(codec, codes, chunk, history, ahead) -> np.ndarray:
+    latent, spf = codec.prvq.decode(codes), codec.samples_per_frame
+    pieces = [codec.decode_latent(latent[:, lo:hi])[:, (s - lo) * spf : (e - lo) * spf]
+              for lo, hi, s, e in decode_windows(latent.shape[1], chunk, history, ahead)]
+    return np.array(mx.concatenate(pieces, axis=1))
+
+
+def test_decode_context_of_the_published_codec_is_three_frames_back_one_ahead():
+    assert decode_context(CodecConfig()) == (3, 1)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 32])
+def test_decode_windows_tile_the_input_with_one_window_length(chunk):
+    history, ahead = 3, 1
+    for frames in range(1, 80):
+        windows = decode_windows(frames, chunk, history, ahead)
+        kept = [f for _, _, s, e in windows for f in range(s, e)]
+        assert kept == list(range(frames))
+        assert len({hi - lo for lo, hi, _, _ in windows}) == 1
+        for lo, hi, s, e in windows:
+            assert 0 <= lo <= s and e <= hi <= frames
+            assert lo == 0 or s - lo >= history
+            assert hi == frames or hi - e >= ahead
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 32])
+def test_windowed_decode_equals_the_whole_decode(codec, chunk):
+    codes = _random_codes(codec.config, 2, 45, seed=chunk)
+    whole = np.array(codec.decode(codes, chunk_frames=None))
+    np.testing.assert_allclose(np.array(codec.decode(codes, chunk_frames=chunk)), whole, rtol=0, atol=1e-5)
+
+
+def test_one_frame_less_of_context_changes_the_samples(codec):
+    # The context decode_context derives is the least that is exact: a window with one frame less
+    # of history (or no look-ahead) gives other samples.
+    codes = _random_codes(codec.config, 1, 30, seed=9)
+    whole = np.array(codec.decode(codes, chunk_frames=None))
+    history, ahead = decode_context(codec.config)
+    np.testing.assert_allclose(_decode_in_windows(codec, codes, 4, history, ahead), whole, rtol=0, atol=1e-5)
+    assert np.abs(_decode_in_windows(codec, codes, 4, history - 1, ahead) - whole).max() > 1e-3
+    assert np.abs(_decode_in_windows(codec, codes, 4, history, ahead - 1) - whole).max() > 1e-3
+
+
+def test_windowed_decode_holds_a_window_of_activations_not_the_whole_answer(codec):
+    codes = _random_codes(codec.config, 1, 240, seed=4)
+    mx.eval(codes, codec.prvq.codebooks())
+    peaks = {}
+    for chunk in (None, 16):
+        mx.synchronize()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        mx.eval(codec.decode(codes, chunk_frames=chunk))
+        peaks[chunk] = mx.get_peak_memory() - base
+    assert peaks[16] < peaks[None] / 4, peaks
+
+
+def test_decode_refuses_a_chunk_of_no_frames(codec):
+    with pytest.raises(ValueError, match="chunk_frames"):
+        codec.decode(_random_codes(codec.config, 1, 2), chunk_frames=0)
 
 
 # --------------------------------------------------------------------------- fast path = reference

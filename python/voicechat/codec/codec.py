@@ -17,6 +17,13 @@ the periodic Hann window is 0 at its first tap, so code frame t + 1 first touche
 1764 (t + 1) - 5: the last 5 samples of each frame wait for the next one. An incremental decoder
 keeps the 6-frame left context of every block (and the iSTFT overlap) between calls.
 
+Memory. Decoding the whole answer at once holds ~18 MB of activations per code frame at full size
+(the last stage runs 441 STFT frames a code frame through 4 x 384 channels): 6.6 GB for 30 s.
+`decode` therefore runs fixed windows of `DECODE_CHUNK_FRAMES` code frames plus the history and
+look-ahead above (`decode_context`: 3 frames back, 1 ahead for the published codec) and keeps each
+window's own samples. Every window has the same length, so one set of compiled kernels serves
+every input length.
+
 Weights are loaded strictly below `tts_model.audio_codec.`; the loader converts the published
 torch layouts (Conv1d [out, in, k], ConvTranspose1d [in, out, k]) by module type. Loading casts
 every weight to float32 once (the codec computes in float32), so nothing is converted per call.
@@ -34,9 +41,12 @@ from ..config import CodecConfig
 from ..kernels import use_reference
 from ..kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
 from .stft import istft, istft_reference, stft, stft_reference
+from .stft import padding as stft_padding
 
 MAX_MAGNITUDE = 100.0
 LAYER_NORM_EPS = 1e-6
+# Code frames of output per decode window: with the 4 of context, ~0.35 GB of activations at full size.
+DECODE_CHUNK_FRAMES = 16
 
 
 # --------------------------------------------------------------------------- layers
@@ -214,6 +224,44 @@ class PRVQ(nn.Module):
 
 # --------------------------------------------------------------------------- the codec
 
+def decode_context(cfg: CodecConfig) -> tuple[int, int]:
+    """(history, look-ahead) in code frames that decoding a run of frames exactly needs.
+
+    Zero padding at a window's start reaches `blocks x (k - 1)` frames into every decoder stage,
+    widened by each later upsampling; the iSTFT then needs 2 more STFT frames before a frame's
+    first sample. At its end, a frame's last samples overlap the next code frame's first STFT
+    frames (the 5-sample horizon above). For the published codec: (1026 + 2) / 441 -> 3 frames
+    back, 1 ahead.
+    """
+    per_code = math.prod(cfg.downsample_rates)
+    reach, rate = 0, 1  # reach in STFT frames; rate: a stage's frames per code frame
+    for factor in reversed(cfg.downsample_rates):
+        rate *= factor
+        reach += cfg.blocks_per_stage * (cfg.block_kernel_size - 1) * (per_code // rate)
+    left, _ = stft_padding(cfg.n_fft, cfg.hop_length)
+    reach += (cfg.n_fft - 1 - left) // cfg.hop_length
+    ahead = (left - 1) // cfg.hop_length + 1 if left else 0
+    return -(-reach // per_code), -(-ahead // per_code)
+
+
+def decode_windows(frames: int, chunk: int, history: int, ahead: int) -> list[tuple[int, int, int, int]]:
+    """(window start, window end, keep start, keep end) in code frames, covering [0, frames).
+
+    Every window has the same length `history + chunk + ahead` (or is the whole input when that is
+    shorter). A window's start is clamped into the input: at 0 the zero padding is the true start;
+    near the end a window reaches further back than it needs, which changes nothing.
+    """
+    size = history + chunk + ahead
+    if frames <= size:
+        return [(0, frames, 0, frames)]
+    windows = []
+    for start in range(0, frames, chunk):
+        end = min(start + chunk, frames)
+        lo = min(max(start - history, 0), frames - size)
+        windows.append((lo, lo + size, start, end))
+    return windows
+
+
 @mx.compile
 def _spectrum(features: mx.array) -> mx.array:
     """Decoder output [B, F, 2 * bins] (magnitude logits, phases) -> (real, imaginary) parts.
@@ -295,15 +343,31 @@ class AudioCodec(nn.Module):
         features = self.decoder(latent.astype(mx.float32))
         return istft(_spectrum(features), self.config.n_fft, self.config.hop_length)
 
-    def decode(self, codes: mx.array) -> mx.array:
-        """codes [B, Q, T] -> wave [B, T * 1764] float32 (full history: every frame recomputed).
+    def decode(self, codes: mx.array, chunk_frames: int | None = DECODE_CHUNK_FRAMES) -> mx.array:
+        """codes [B, Q, T] -> wave [B, T * 1764] float32.
+
+        Decoded in windows of `chunk_frames` output frames plus their context (see the module
+        docstring); `None` decodes everything in one pass. Both give the same samples, to float
+        rounding. Each window is dispatched (`mx.async_eval`) as soon as it is built, so that its
+        activations are freed before the next window's are made; nothing waits for the device.
 
         Every code must lie in [0, codebook_size): control codes are replaced by the caller
         (with the per-codebook silence codes) before decoding; nothing here syncs to check.
         """
         if use_reference():
             return self.decode_latent_reference(self.prvq.decode_reference(codes))
-        return self.decode_latent(self.prvq.decode(codes))
+        latent = self.prvq.decode(codes)
+        if chunk_frames is None:
+            return self.decode_latent(latent)
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be a positive number of code frames, got {chunk_frames}")
+        spf = self.samples_per_frame
+        pieces = []
+        for lo, hi, start, end in decode_windows(latent.shape[1], chunk_frames, *decode_context(self.config)):
+            wave = self.decode_latent(latent[:, lo:hi])
+            pieces.append(wave[:, (start - lo) * spf : (end - lo) * spf])
+            mx.async_eval(pieces[-1])
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
 
     # ----------------------------------------------------------------------- references
 

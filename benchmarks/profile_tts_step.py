@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from mlx_settings import mlx_env
 
-from voicechat.kernels.decode_attention import decode_attention
+from voicechat.kernels.decode_attention import decode_attention, decode_attention_qkv
 from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
 from voicechat.llm.opcount import count_ops, kernel_count
 from voicechat.tokenizer import TextTokenizer
@@ -185,6 +185,12 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
         return [decode_attention(q, k, v, offset, layer.self_attn.scale, m, new=new)
                 for layer, (q, _, _), (k, v), m, new in zip(layers, heads, buffers, masks, news)]
 
+    def attention_from_qkv():  # what the step runs on CUDA: the head preparation inside the attention
+        return [decode_attention_qkv(q, a.q_norm.scale, a.k_norm.scale, a._inv_freq, a.q_norm.eps, k, v, offset,
+                                     a.scale, slot, a.n_heads, m)[0]
+                for a, q, (k, v), m, (_, _, slot) in zip((layer.self_attn for layer in layers), qkv, buffers,
+                                                         masks, news)]
+
     new_kv = [[(k, v) for (_, k, v), (group, _) in zip(heads, cache.place) if group == g]
               for g in range(len(cache.groups))]
 
@@ -200,6 +206,7 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
         "qkv_heads": lambda: [layer.self_attn.heads(q, offset) for layer, q in zip(layers, qkv)],
         "cache_writes": cache_writes,
         "attention": attention,
+        "attention_from_qkv": attention_from_qkv,
         "o_proj": lambda: [layer.self_attn.o_proj(c) for layer, c in zip(layers, core)],
         "after_attention": lambda: [layer.after_attention(x, a, backbone.norm_after(i), backbone._qkv_after(i))
                                     for i, (layer, a) in enumerate(zip(layers, attn_out))],

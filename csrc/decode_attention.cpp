@@ -14,10 +14,12 @@
 // buffers hold <= CH slots (the chunk normalizes and writes the result itself). No block waits for another. CUDA through fast::cuda_kernel; elsewhere MLX's
 // attention with the mask (the reference: voicechat.kernels.decode_attention).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 #include "cuda_sources.h"
 #include "mlx/mlx.h"
@@ -36,7 +38,7 @@ constexpr int kChunk = 256;  // slots per block of the first launch
 // Template args: D, H, HK, CH, THREADS, SINGLE; dims = [CAP] (the buffers' slots: an input, so that
 // a growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum,
 // values); SINGLE (CAP <= CH, one chunk): the result itself, [B * H, D], and no second launch.
-constexpr const char* kPartSource = R"(
+constexpr const char* kPartHead = R"(
   const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   const int CAP = dims[0];
   const int NC = (CAP + CH - 1) / CH;
@@ -49,7 +51,10 @@ constexpr const char* kPartSource = R"(
   const int chunk = blockIdx.x % NC;
   const int b = bh / H, h = bh % H, hk = h / (H / HK);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int d = threadIdx.x; d < D; d += THREADS) qs[d] = q[static_cast<size_t>(bh) * D + d];
+)";
+
+// The plain kernel: q [B, H, 1, D] and the new key / value (k_new, v_new, slot) as inputs.
+constexpr const char* kPlainPrologue = R"(  for (int d = threadIdx.x; d < D; d += THREADS) qs[d] = q[static_cast<size_t>(bh) * D + d];
   __syncthreads();
   const float sc = scale[0];
   const int last = min(offset[0], CAP - 1);  // the highest valid slot
@@ -58,7 +63,71 @@ constexpr const char* kPartSource = R"(
   const int cur = slot[0];  // read from k_new / v_new (-1: none)
   const float* kn = k_new + (static_cast<size_t>(b) * HK + hk) * D;
   const float* vn = v_new + (static_cast<size_t>(b) * HK + hk) * D;
-  float m = neg_inf, l = 0.0f, acc[PER];
+)";
+
+// From the stacked projection instead (vc_decode_attn_qkv_part): warp 0 makes this head's q, warp 1
+// the new key of its K/V head (RMS norm per head times q_scale / k_scale, then rotate-half RoPE at
+// position offset: qkv_heads' formula, operation for operation), warp 2 copies the new value; the
+// first chunk of the first query head of each K/V head writes that key and value out for the cache.
+// Template arg TX: qkv's type.
+constexpr const char* kQkvPrologue = R"(
+  __shared__ float kns[D], vns[D];
+  {
+    constexpr int HALF = D / 2;
+    constexpr int PAIRS = (HALF + 31) / 32;
+    constexpr int ROW = (H + 2 * HK) * D;
+    if (warp < 2) {
+      const TX* x = qkv + static_cast<size_t>(b) * ROW + (warp == 0 ? h : H + hk) * D;
+      const float* norm_scale = warp == 0 ? q_scale : k_scale;
+      float* o = warp == 0 ? qs : kns;
+      float lo[PAIRS], hi[PAIRS];
+      float ss = 0.0f;
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) {
+        const int i = lane + 32 * p;
+        lo[p] = i < HALF ? static_cast<float>(x[i]) : 0.0f;
+        hi[p] = i < HALF ? static_cast<float>(x[i + HALF]) : 0.0f;
+        ss += lo[p] * lo[p] + hi[p] * hi[p];
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      const float r = rsqrtf(ss / static_cast<float>(D) + eps[0]);
+      const float position = static_cast<float>(offset[0]);
+#pragma unroll
+      for (int p = 0; p < PAIRS; ++p) {
+        const int i = lane + 32 * p;
+        if (i < HALF) {
+          const float a = lo[p] * r * norm_scale[i];
+          const float c = hi[p] * r * norm_scale[i + HALF];
+          const float angle = position * inv_freq[i];
+          const float cs = cosf(angle);
+          const float sn = sinf(angle);
+          o[i] = a * cs - c * sn;
+          o[i + HALF] = c * cs + a * sn;
+        }
+      }
+    } else if (warp == 2) {
+      const TX* x = qkv + static_cast<size_t>(b) * ROW + (H + HK + hk) * D;
+      for (int d = lane; d < D; d += 32) vns[d] = static_cast<float>(x[d]);
+    }
+  }
+  __syncthreads();
+  if (chunk == 0 && h % (H / HK) == 0) {
+    for (int d = threadIdx.x; d < D; d += THREADS) {
+      k_out[(static_cast<size_t>(b) * HK + hk) * D + d] = kns[d];
+      v_out[(static_cast<size_t>(b) * HK + hk) * D + d] = vns[d];
+    }
+  }
+  const float sc = scale[0];
+  const int last = min(offset[0], CAP - 1);  // the highest valid slot
+  const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
+  const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
+  const int cur = slot[0];
+  const float* kn = kns;
+  const float* vn = vns;
+)";
+
+constexpr const char* kPartBody = R"(  float m = neg_inf, l = 0.0f, acc[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
   const int end = min((chunk + 1) * CH, last + 1);
@@ -155,10 +224,32 @@ const CudaSource& part_source() {
       "vc_decode_attn_part",
       {"q", "k", "v", "offset", "scale", "dims", "k_new", "v_new", "slot"},
       {"part"},
-      kPartSource,
+      std::string(kPartHead) + kPlainPrologue + kPartBody,
       "",
       // the TTS backbone, the LLM's grouped heads
       {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false)},
+  });
+  return src;
+}
+
+const CudaSource& qkv_part_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int d, int h, int hk, bool single, const std::string& tx) {
+    return CudaInstance{{tx, "float", "float", "float", "float", "float", "float", "int32_t", "float", "int32_t",
+                         "int32_t"},
+                        {"float", "float", "float"},
+                        {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"HK", int_arg(hk)}, P{"CH", int_arg(kChunk)},
+                         P{"THREADS", int_arg(kThreads)}, P{"SINGLE", single ? "bool:true" : "bool:false"},
+                         P{"TX", type_arg(tx)}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_decode_attn_qkv_part",
+      {"qkv", "q_scale", "k_scale", "inv_freq", "eps", "k", "v", "offset", "scale", "dims", "slot"},
+      {"part", "k_out", "v_out"},
+      std::string(kPartHead) + kQkvPrologue + kPartBody,
+      "",
+      // the TTS backbone's step (one chunk, then two), grouped heads in bfloat16
+      {inst(72, 16, 16, true, "float"), inst(72, 16, 16, false, "float"), inst(80, 4, 2, false, "__nv_bfloat16")},
   });
   return src;
 }
@@ -233,8 +324,54 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                  {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
 }
 
+// The TTS step's head preparation and attention in one launch (two beyond 256 slots): q and the new
+// key / value come from the stacked projection qkv [B, (H + 2 HK) * D] (any leading shape; float32,
+// bfloat16 or float16), normed and rotated as qkv_heads does at position `offset`; the new key and
+// value are read in `slot` instead of the buffers k, v [B, HK, CAP, D]. Returns (out [B, 1, H * D],
+// k_new, v_new [B, HK, 1, D]) float32: the step's attention and what the cache is to store.
+std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
+    const mx::array& qkv, const mx::array& q_scale, const mx::array& k_scale, const mx::array& inv_freq, float eps,
+    const mx::array& k, const mx::array& v, const mx::array& offset, float scale, const mx::array& slot, int heads,
+    mx::StreamOrDevice s_) {
+  expect(k.ndim() == 4 && v.shape() == k.shape(), "k and v must be [B, HK, CAP, D] alike");
+  const int b = k.shape(0), hk = k.shape(1), cap = k.shape(2), d = k.shape(3);
+  expect(heads >= 1 && heads % hk == 0, "the query heads must be a multiple of the K/V heads");
+  expect(q_scale.ndim() == 1 && q_scale.shape(0) == d && k_scale.shape() == q_scale.shape(),
+         "q_scale and k_scale must be [D]");
+  expect(d % 2 == 0 && inv_freq.shape() == mx::Shape{d / 2}, "D must be even and inv_freq [D / 2]");
+  expect(qkv.size() == static_cast<size_t>(b) * (heads + 2 * hk) * d,
+         "qkv must hold B x (heads + 2 kv_heads) x D values");
+  expect(offset.size() == 1 && slot.size() == 1, "offset and slot must hold one value each");
+  auto s = mx::to_stream(s_);
+  expect(gpu_stream(s) && cuda_build() && float_dtype(qkv.dtype()) && k.dtype() == mx::float32 &&
+             v.dtype() == mx::float32 && q_scale.dtype() == mx::float32 && k_scale.dtype() == mx::float32 &&
+             inv_freq.dtype() == mx::float32,
+         "decode_attention_qkv runs on a CUDA stream (float32 buffers, scales and inv_freq); elsewhere use "
+         "voicechat.kernels.decode_attention.decode_attention_qkv, which composes qkv_heads and the attention");
+  static auto part = make_cuda_kernel(qkv_part_source());
+  static auto combine = make_cuda_kernel(combine_source());
+  const int nc = (cap + kChunk - 1) / kChunk;
+  auto dims = mx::array({cap}, mx::int32);
+  const bool single = nc == 1;
+  const mx::Shape result{b, 1, heads * d}, one{b, hk, 1, d};
+  auto outs = part({qkv, q_scale, k_scale, inv_freq, mx::array({eps}), k, v, mx::astype(offset, mx::int32, s),
+                    mx::array({scale}), dims, mx::astype(slot, mx::int32, s)},
+                   {single ? result : mx::Shape{b * heads * nc, d + 2}, one, one},
+                   {mx::float32, mx::float32, mx::float32}, {b * heads * nc * kThreads, 1, 1}, {kThreads, 1, 1},
+                   {{"D", d}, {"H", heads}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single},
+                    {"TX", qkv.dtype()}},
+                   std::nullopt, false, s);
+  if (single) {
+    return {outs[0], outs[1], outs[2]};
+  }
+  auto out = combine({outs[0], dims}, {result}, {mx::float32}, {b * heads * 128, 1, 1}, {128, 1, 1},
+                     {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
+  return {out, outs[1], outs[2]};
+}
+
 void bind(py::module_& m) {
   part_source();  // registered at import, so the compile checks see them
+  qkv_part_source();
   combine_source();
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"),
         py::arg("scale"), py::kw_only(), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
@@ -242,6 +379,13 @@ void bind(py::module_& m) {
         "Attention of one query q [B, H, 1, D] over the slots <= offset of K/V buffers [B, HK, CAP, D] "
         "(grouped heads), slot `slot` read from k_new / v_new [B, HK, 1, D] when given: [B, 1, H * D] "
         "float32, in one CUDA launch while CAP <= 256, two beyond; CUDA streams only.");
+  m.def("decode_attention_qkv", &decode_attention_qkv, py::arg("qkv"), py::arg("q_scale"), py::arg("k_scale"),
+        py::arg("inv_freq"), py::arg("eps"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
+        py::arg("slot"), py::arg("heads"), py::kw_only(), py::arg("stream") = py::none(),
+        "qkv_heads and decode_attention with a new key in one launch: from the stacked projection qkv "
+        "[B, (heads + 2 HK) * D], q and the new key are RMS-normed per head (q_scale / k_scale) and rotated at "
+        "`offset`; the new key and value are read in `slot` instead of the buffers k, v [B, HK, CAP, D]. Returns "
+        "(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D]) float32; CUDA streams only.");
 }
 
 }  // namespace

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from voicechat.kernels import ext
-from voicechat.kernels.decode_attention import decode_attention, decode_attention_reference
+from voicechat.kernels.decode_attention import decode_attention, decode_attention_qkv, decode_attention_reference
 from voicechat.kernels.gemv import on_cuda_gpu
+from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
 
 ON_CUDA = on_cuda_gpu()
 
@@ -82,3 +83,47 @@ def test_bad_arguments_are_refused():
     if not ON_CUDA:
         with pytest.raises(ValueError, match="CUDA stream"):
             ext.decode_attention(q, k, v, mx.array([0], mx.int32), 1.0)
+
+
+def _qkv_inputs(b, h, hk, cap, d, dtype, seed):
+    keys = mx.random.split(mx.random.key(seed), 5)
+    qkv = (2.0 * mx.random.normal((b, 1, (h + 2 * hk) * d), key=keys[0])).astype(dtype)
+    q_scale = 1.0 + 0.1 * mx.random.normal((d,), key=keys[1])
+    k_scale = 1.0 + 0.1 * mx.random.normal((d,), key=keys[2])
+    return (qkv, q_scale, k_scale, rope_inv_freq(d, 1e4), mx.random.normal((b, hk, cap, d), key=keys[3]),
+            mx.random.normal((b, hk, cap, d), key=keys[4]))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
+@pytest.mark.parametrize("b,h,hk,cap,d,dtype", [(2, 16, 16, 256, 72, mx.float32), (2, 16, 16, 7500, 72, mx.float32),
+                                                (1, 4, 2, 300, 80, mx.bfloat16)])
+@pytest.mark.parametrize("offset", [0, 200, 9000])
+def test_attention_from_the_projection_equals_heads_then_attention(b, h, hk, cap, d, dtype, offset):
+    """The TTS step's fused launch: the output, and the new key and value it hands the cache, equal
+    qkv_heads then the attention with that key in the position's slot (the TTS step's shapes, a
+    ring of 7500 slots, grouped bfloat16 heads)."""
+    qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(b, h, hk, cap, d, dtype, seed=offset + d)
+    slot = mx.array(offset % cap, mx.int32)
+    got, k_new, v_new = decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, 1e-6, k, v,
+                                             mx.array(offset, mx.int32), 256**-0.5, slot, h)
+    with mx.stream(mx.cpu):
+        q, want_k, want_v = qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, h, hk, 1e-6)
+        want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), 256**-0.5, new=(want_k, want_v, slot))
+    assert k_new.shape == v_new.shape == (b, hk, 1, d)
+    np.testing.assert_allclose(np.array(k_new), np.array(want_k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.array(v_new), np.array(want_v))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-5)
+
+
+def test_attention_from_the_projection_refuses_bad_arguments():
+    qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(1, 4, 2, 20, 8, mx.float32, seed=1)
+    zero = mx.array([0], mx.int32)
+    with pytest.raises(ValueError, match="multiple of the K/V heads"):
+        ext.decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, 1e-6, k, v, zero, 1.0, zero, 3)
+    with pytest.raises(ValueError, match="B x \\(heads"):
+        ext.decode_attention_qkv(qkv[..., :-8], q_scale, k_scale, inv_freq, 1e-6, k, v, zero, 1.0, zero, 4)
+    with pytest.raises(ValueError, match="inv_freq"):
+        ext.decode_attention_qkv(qkv, q_scale, k_scale, inv_freq[:2], 1e-6, k, v, zero, 1.0, zero, 4)
+    if not ON_CUDA:
+        with pytest.raises(ValueError, match="CUDA stream"):
+            ext.decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, 1e-6, k, v, zero, 1.0, zero, 4)

@@ -382,6 +382,24 @@ def attention_cases(tag, b, h, hk, cap, d):
     return {f"{tag}_part": part, f"{tag}_combine": combine}
 
 
+# (B, H, HK, CAP, D, qkv's dtype) of the attention from the stacked projection: the TTS step over two
+# chunks and over one, grouped heads with a bfloat16 projection
+ATTN_QKV_CONFIGS = {"attn_qkv_tts": (2, 4, 4, 300, 72, mx.float32), "attn_qkv_single": (2, 4, 4, 200, 72, mx.float32),
+                    "attn_qkv_gqa_bf16": (1, 4, 2, 500, 40, mx.bfloat16)}
+
+
+def attention_qkv_case(b, h, hk, cap, d, dtype):
+    nc = -(-cap // 256)
+    single = nc == 1
+    kv = mx.zeros((b, hk, cap, d))
+    inputs = [mx.zeros((b, 1, (h + 2 * hk) * d), dtype), mx.zeros((d,)), mx.zeros((d,)), mx.zeros((d // 2,)),
+              mx.zeros((1,)), kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), mx.array([cap], mx.int32),
+              mx.zeros((1,), mx.int32)]
+    return Case("vc_decode_attn_qkv_part", dict(D=d, H=h, HK=hk, CH=256, THREADS=256, SINGLE=single, TX=dtype),
+                inputs, [("float", (b * h * nc, d if single else d + 2)), ("float", (b, hk, 1, d)),
+                         ("float", (b, hk, 1, d))], b * h * nc, 256)
+
+
 RVQ_CONFIGS = {"rvq_f32": (mx.float32, 40, 52, 4), "rvq_bf16": (mx.bfloat16, 64, 128, 32)}  # T, D, K, NB
 
 
@@ -485,6 +503,12 @@ def emulated(tmp_path_factory):
     for tag, config in ATTN_CONFIGS.items():
         for name, case in attention_cases(tag, *config).items():
             cases[name], refs[name] = case, None
+    for tag, config in ATTN_QKV_CONFIGS.items():
+        cases[tag], refs[tag] = attention_qkv_case(*config), None
+        b, h, hk, cap, d, _ = config
+        cases[f"{tag}_combine"] = Case("vc_decode_attn_combine", dict(D=d, CH=256, THREADS=128),
+                                       [mx.zeros((b * h * -(-cap // 256), d + 2)), mx.array([cap], mx.int32)],
+                                       [("float", (b * h, d))], b * h, 128)
     for tag, config in RVQ_CONFIGS.items():
         for name, case in rvq_cases(tag, *config).items():
             cases[name], refs[name] = case, None
@@ -597,6 +621,40 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
     with mx.stream(mx.cpu):
         new = (k_new, v_new, mx.array(slot, mx.int32)) if with_new else None
         want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale, new=new)
+    np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tag", list(ATTN_QKV_CONFIGS))
+@pytest.mark.parametrize("offset", [0, 10, 270, 5000])
+def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
+    """The head preparation inside the attention equals qkv_heads then the attention with the new
+    key in the position's slot; the key and value it writes out equal qkv_heads' k and v."""
+    exe, cases, _, _, tmp = emulated
+    b, h, hk, cap, d, dtype = ATTN_QKV_CONFIGS[tag]
+    keys = mx.random.split(mx.random.key(offset + d + 1), 5)
+    qkv = (2.0 * mx.random.normal((b, 1, (h + 2 * hk) * d), key=keys[0])).astype(dtype)
+    q_scale = 1.0 + 0.1 * mx.random.normal((d,), key=keys[1])
+    k_scale = 1.0 + 0.1 * mx.random.normal((d,), key=keys[2])
+    inv_freq = rope_inv_freq(d, 1e4)
+    k, v = mx.random.normal((b, hk, cap, d), key=keys[3]), mx.random.normal((b, hk, cap, d), key=keys[4])
+    slot, scale = offset % cap, 256**-0.5
+    case = cases[tag]
+    case.inputs = [qkv, q_scale, k_scale, inv_freq, mx.array([1e-6]), k, v, mx.array([offset], mx.int32),
+                   mx.array([scale]), mx.array([cap], mx.int32), mx.array([slot], mx.int32)]
+    name = f"{tag}_{offset}"
+    (tmp / name).mkdir()
+    out, k_new, v_new = run(exe, tag, case, tmp / name)
+    if cap > 256:
+        combine = cases[f"{tag}_combine"]
+        combine.inputs = [mx.array(out), mx.array([cap], mx.int32)]
+        (tmp / f"{name}_c").mkdir()
+        (out,) = run(exe, f"{tag}_combine", combine, tmp / f"{name}_c")
+    with mx.stream(mx.cpu):
+        q, want_k, want_v = qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, h, hk, 1e-6)
+        want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale,
+                                          new=(want_k, want_v, mx.array(slot, mx.int32)))
+    np.testing.assert_allclose(k_new, np.array(want_k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v_new, np.array(want_v), rtol=0, atol=0)
     np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
 
 

@@ -13,6 +13,10 @@ On a CUDA GPU one launch while CAP <= 256, two beyond (MLX's fast attention take
 CUDA, and its fallback is a matmul, the mask, a softmax and a matmul); elsewhere MLX ops: its
 attention with the mask, or, with `new`, the scores over the buffer and the new key, one softmax
 and two products (no copy of the buffers).
+
+`decode_attention_qkv` is the TTS step's form: q and the new key / value come from the stacked
+q/k/v projection, normed and rotated as `qkv_heads` does, in the same launch on a CUDA GPU (one
+launch a layer fewer); it also returns that key and value for the cache.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import mlx.core as mx
 
 from ._native import ext, use_reference
 from .gemv import on_cuda_gpu
+from .qkv_heads import qkv_heads
 
 
 def decode_attention_reference(q, k, v, offset, scale: float, mask=None, new=None):
@@ -53,3 +58,18 @@ def decode_attention(q, k, v, offset, scale: float, mask=None, new=None):
         return ext.decode_attention(q, k, v, offset, scale)
     k_new, v_new, slot = new
     return ext.decode_attention(q, k, v, offset, scale, k_new=k_new, v_new=v_new, slot=slot)
+
+
+def decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps: float, k, v, offset, scale: float, slot, heads: int,
+                         mask=None):
+    """`qkv [B, 1, (heads + 2 HK) * D]` -> `(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D])`:
+    `qkv_heads` at position `offset`, then the attention over the buffers `k, v [B, HK, CAP, D]`
+    with the new key and value read in `slot`. One CUDA launch (two beyond 256 slots); elsewhere
+    those two functions."""
+    kernel_takes = qkv.ndim == 3 and qkv.shape[1] == 1 and k.dtype == mx.float32 and v.dtype == mx.float32
+    if use_reference() or not on_cuda_gpu() or not kernel_takes:
+        q, k_new, v_new = qkv_heads(qkv, q_scale, k_scale, inv_freq, offset, heads, k.shape[1], eps)
+        return decode_attention(q, k, v, offset, scale, mask, new=(k_new, v_new, slot)), k_new, v_new
+    offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
+    slot = slot if isinstance(slot, mx.array) else mx.array(slot, mx.int32)
+    return tuple(ext.decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps, k, v, offset, scale, slot, heads))

@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TTSConfig
-from ..kernels.decode_attention import decode_attention
+from ..kernels.decode_attention import decode_attention, decode_attention_qkv
 from ..kernels.gemv import on_cuda_gpu, stack_linears
 from ..kernels.qkv_heads import qkv_heads, rope_inv_freq
 from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear
@@ -103,6 +103,21 @@ class Attention(nn.Module):
         `new = (k, v, slot)`: the new position's key and value, seen in that slot (not yet written
         there). Our kernel on CUDA, composed MLX ops elsewhere (`kernels.decode_attention`)."""
         return self.o_proj(decode_attention(q, k, v, offset, self.scale, mask, new=new))
+
+    def attend_step_from(self, z, qkv, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array, slot: mx.array):
+        """One step from the layer's normed input `z`, or from its stacked q/k/v projection `qkv`
+        already made: `(o_proj(attention), new key, new value)`, the new key and value seen in
+        `slot` of the buffers k, v. On a CUDA GPU with the stacked projection, the head norms and
+        RoPE run inside the attention launch (`decode_attention_qkv`): one launch a layer fewer."""
+        if qkv is None and self._qkv is not None:
+            qkv = self._qkv(z)
+        if qkv is not None and on_cuda_gpu() and self.q_norm.eps == self.k_norm.eps:
+            out, k_new, v_new = decode_attention_qkv(qkv, self.q_norm.scale, self.k_norm.scale, self._inv_freq,
+                                                     self.q_norm.eps, k, v, offset, self.scale, slot, self.n_heads,
+                                                     mask)
+            return self.o_proj(out), k_new, v_new
+        q, k_new, v_new = self.project(z, offset) if qkv is None else self.heads(qkv, offset)
+        return self.attend_step(q, k, v, offset, mask, (k_new, v_new, slot)), k_new, v_new
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -328,9 +343,8 @@ class Backbone(nn.Module):
             capacity = buffers[g].shape[2]
             if capacity not in masks:
                 masks[capacity] = mx.arange(capacity) <= offset
-            q, k, v = self._layer_input(attn, z, qkv, offset)
             old_k, old_v = layer_kv(buffers[g], j, attn.n_kv_heads)
-            out = attn.attend_step(q, old_k, old_v, offset, masks[capacity], (k, v, slots[g]))
+            out, k, v = attn.attend_step_from(z, qkv, old_k, old_v, offset, masks[capacity], slots[g])
             h, z, qkv = self._next(layer, i, h, out)
             new_kv[g].append((k, v))
         return z, write_step_kv(buffers, new_kv, slots)

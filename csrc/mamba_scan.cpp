@@ -282,6 +282,113 @@ const CudaSource& cuda_source() {
   return src;
 }
 
+// The decode step's causal conv + SiLU and scan in one launch (vc_mamba_conv_scan_step), for one
+// position read from the in_proj output `projected` [b, 1, W] (x | B | C at columns X_OFF..,
+// dt at DT_OFF): causal_conv_silu's and the scan's formulas, operation for operation. A block
+// holds RB rows (warps) of one (batch, head); it first convolves its group's B and C into shared
+// memory (each block of a group recomputes them: 2N channels of K taps, against one launch), then
+// each warp convolves its x channel and scans its row as mamba_scan does. The next conv state is
+// the last K - 1 inputs: x channels written by their row's lane 0, B and C by the first block of
+// each group. Template args: H, P, G, N, K, W, X_OFF, DT_OFF, RB, HAS_BIAS, HAS_STATE, TS
+// (projected's type), LO_BITS, HI_BITS. dims = [batch].
+constexpr const char* kConvScanSource = R"(
+  constexpr int PER_LANE = (N + 31) / 32;
+  constexpr int CONV = H * P + 2 * G * N;
+  constexpr int CHUNKS = P / RB;
+  __shared__ float bc[2 * N];
+  const int batch = dims[0];
+  const int bi = blockIdx.x / (H * CHUNKS);
+  const int h = (blockIdx.x / CHUNKS) % H;
+  const int chunk = blockIdx.x % CHUNKS;
+  if (bi >= batch) {
+    return;
+  }
+  const int g = h / (H / G);
+  const int lane = threadIdx.x & 31;
+  const int p = chunk * RB + (threadIdx.x >> 5);
+  const TS* src = projected + static_cast<size_t>(bi) * W;
+  const float* cs = conv_state + static_cast<size_t>(bi) * (K - 1) * CONV;
+  float* ns = new_state + static_cast<size_t>(bi) * (K - 1) * CONV;
+  auto conv = [&](int c) -> float {  // causal_conv_silu at the new position
+    float v = HAS_BIAS ? static_cast<float>(conv_bias[c]) : 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const float w = k < K - 1 ? cs[static_cast<size_t>(k) * CONV + c] : static_cast<float>(src[X_OFF + c]);
+      v = v + w * static_cast<float>(conv_weight[c * K + k]);
+    }
+    return v / (1.0f + expf(-v));
+  };
+  auto shift = [&](int c) {  // the next conv state of channel c
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+      ns[static_cast<size_t>(j) * CONV + c] =
+          j + 1 < K - 1 ? cs[static_cast<size_t>(j + 1) * CONV + c] : static_cast<float>(src[X_OFF + c]);
+    }
+  };
+  const bool group_first = h % (H / G) == 0 && chunk == 0;
+  for (int i = threadIdx.x; i < 2 * N; i += RB * 32) {
+    const int c = H * P + (i < N ? g * N + i : G * N + g * N + (i - N));
+    bc[i] = conv(c);
+    if (group_first) shift(c);
+  }
+  __syncthreads();
+  const int cx = h * P + p;
+  const float xv = conv(cx);
+  if (lane == 0) shift(cx);
+
+  const int row = (bi * H + h) * P + p;
+  const float lo = __int_as_float(LO_BITS);
+  const float hi = __int_as_float(HI_BITS);
+  const float A = -expf(static_cast<float>(A_log[h]));
+  const float Dh = static_cast<float>(D[h]);
+  const float bias = static_cast<float>(dt_bias[h]);
+  const float v = static_cast<float>(src[DT_OFF + h]) + bias;
+  const float step = fminf(fmaxf(v > 20.0f ? v : log1pf(expf(v)), lo), hi);
+  const float decay = expf(step * A);
+  const float dx = step * xv;
+  float acc = 0.0f;
+  for (int j = 0; j < PER_LANE; ++j) {
+    const int n = lane + 32 * j;
+    if (n < N) {
+      const float s0 = HAS_STATE ? static_cast<float>(state[static_cast<size_t>(row) * N + n]) : 0.0f;
+      const float s1 = decay * s0 + dx * bc[n];
+      acc += s1 * bc[N + n];
+      state_out[static_cast<size_t>(row) * N + n] = s1;
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    acc += __shfl_xor_sync(0xffffffff, acc, off);
+  }
+  if (lane == 0) {
+    y[static_cast<size_t>(bi) * H * P + h * P + p] = acc + Dh * xv;
+  }
+)";
+
+const CudaSource& conv_scan_source() {
+  using Arg = std::pair<std::string, std::string>;
+  auto inst = [](int h, int p, int g, int n, int w, int x_off, int dt_off, int rb, const std::string& ts,
+                 const std::string& dparams, bool has_state) {
+    return CudaInstance{{ts, "float", "float", "float", "float", dparams, dparams, "float", "int32_t"},
+                        {"float", "float", "float"},
+                        {Arg{"H", int_arg(h)}, Arg{"P", int_arg(p)}, Arg{"G", int_arg(g)}, Arg{"N", int_arg(n)},
+                         Arg{"K", "int:4"}, Arg{"W", int_arg(w)}, Arg{"X_OFF", int_arg(x_off)},
+                         Arg{"DT_OFF", int_arg(dt_off)}, Arg{"RB", int_arg(rb)}, Arg{"HAS_BIAS", "bool:true"},
+                         Arg{"HAS_STATE", has_state ? "bool:true" : "bool:false"}, Arg{"TS", type_arg(ts)},
+                         Arg{"LO_BITS", "int:0"}, Arg{"HI_BITS", "int:2139095040"}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_mamba_conv_scan_step",
+      {"projected", "conv_state", "conv_weight", "conv_bias", "A_log", "D", "dt_bias", "state", "dims"},
+      {"y", "state_out", "new_state"},
+      kConvScanSource,
+      "",
+      // the published mixer (float32 activations, bf16 D / dt_bias); bfloat16 activations, no state
+      {inst(128, 80, 8, 128, 22656, 10240, 22528, 8, "float", "__nv_bfloat16", true),
+       inst(8, 16, 2, 24, 500, 128, 300, 8, "__nv_bfloat16", "float", false)},
+  });
+  return src;
+}
+
 // `dims` = [L, batch] as int32, one evaluated array per shape (built once, kept for the process).
 mx::array dims_array(int L, int b) {
   static std::mutex lock;
@@ -436,8 +543,59 @@ std::vector<mx::array> mamba_scan_packed(const mx::array& xbc, const mx::array& 
   return mamba_scan(x, dt, A_log, B, C, D, dt_bias, state, lo, hi, method);
 }
 
+// The decode step's conv and scan in one launch (CUDA streams only): projected [b, 1, W] (in_proj's
+// output: x | B | C at columns x_offset.., dt at dt_offset), conv_state [b, K-1, H*P + 2*G*N] and
+// the float32 conv weight [C, K(, 1)] / bias [C]. Returns (y [b, 1, H*P] float32, the new ssm
+// state [b, H, P, N] float32, the new conv state).
+std::vector<mx::array> mamba_conv_scan_step(const mx::array& projected, const mx::array& conv_state, int x_offset,
+                                            const mx::array& conv_weight, const std::optional<mx::array>& conv_bias,
+                                            int dt_offset, const mx::array& A_log, const mx::array& D,
+                                            const mx::array& dt_bias, std::optional<mx::array> state, int heads,
+                                            int head_dim, int groups, int state_size, float lo, float hi,
+                                            mx::StreamOrDevice s_) {
+  const int H = heads, P = head_dim, G = groups, N = state_size, conv = H * P + 2 * G * N;
+  auto fail = [](const std::string& what) { throw std::invalid_argument("mamba_conv_scan_step: " + what); };
+  if (projected.ndim() != 3 || projected.shape(1) != 1) fail("projected must be [b, 1, W] (one position)");
+  const int b = projected.shape(0), width = projected.shape(2);
+  if (H < 1 || P < 1 || G < 1 || N < 1 || H % G != 0) fail("groups must divide heads; all sizes positive");
+  if (conv_state.ndim() != 3 || conv_state.shape(0) != b || conv_state.shape(2) != conv || conv_state.shape(1) < 1) {
+    fail("conv_state must be [b, K-1, heads * head_dim + 2 * groups * state_size]");
+  }
+  const int k_size = conv_state.shape(1) + 1;
+  if (conv_weight.ndim() < 2 || conv_weight.shape(0) != conv || conv_weight.shape(1) != k_size ||
+      conv_weight.size() != static_cast<size_t>(conv) * k_size) {
+    fail("conv_weight must be [C, K] (or [C, K, 1])");
+  }
+  if (conv_bias && conv_bias->shape() != mx::Shape{conv}) fail("conv_bias must be [C]");
+  if (x_offset < 0 || x_offset + conv > width || dt_offset < 0 || dt_offset + H > width) {
+    fail("the x | B | C or dt columns lie outside projected");
+  }
+  check_params(A_log, D, dt_bias, state, b, H, P, N);
+  auto s = mx::to_stream(s_);
+  if (!(gpu_stream(s) && cuda_build() && float_dtype(projected.dtype()) && conv_state.dtype() == mx::float32 &&
+        conv_weight.dtype() == mx::float32 && (!conv_bias || conv_bias->dtype() == mx::float32))) {
+    fail("runs on a CUDA stream (float32 conv state and weights); elsewhere use causal_conv_silu then "
+         "mamba_scan_packed (voicechat.kernels.mamba_scan.mamba_conv_scan_step does)");
+  }
+  if (state) state = as_dtype(*state, mx::float32, s);
+  int rb = 8;
+  while (P % rb != 0) rb /= 2;
+  static auto kernel = make_cuda_kernel(conv_scan_source());
+  const auto& st = state ? *state : dt_bias;  // not read without a state
+  return kernel({projected, conv_state, conv_weight, conv_bias ? *conv_bias : conv_weight, A_log, D, dt_bias, st,
+                 mx::array({b}, mx::int32)},
+                {{b, 1, H * P}, {b, H, P, N}, {b, k_size - 1, conv}}, {mx::float32, mx::float32, mx::float32},
+                {b * H * (P / rb) * rb * 32, 1, 1}, {rb * 32, 1, 1},
+                {{"H", H}, {"P", P}, {"G", G}, {"N", N}, {"K", k_size}, {"W", width}, {"X_OFF", x_offset},
+                 {"DT_OFF", dt_offset}, {"RB", rb}, {"HAS_BIAS", conv_bias.has_value()},
+                 {"HAS_STATE", state.has_value()}, {"TS", projected.dtype()}, {"LO_BITS", float_bits(lo)},
+                 {"HI_BITS", float_bits(hi)}},
+                std::nullopt, false, s);
+}
+
 void bind(py::module_& m) {
-  cuda_source();  // registered at import, so the compile check sees it
+  cuda_source();  // registered at import, so the compile checks see them
+  conv_scan_source();
   m.def("mamba_scan", &mamba_scan, py::arg("x"), py::arg("dt"), py::arg("A_log"), py::arg("B"), py::arg("C"),
         py::arg("D"), py::arg("dt_bias"), py::arg("state") = py::none(), py::arg("lo") = 0.0f,
         py::arg("hi") = std::numeric_limits<float>::infinity(), py::arg("method") = "auto",
@@ -449,6 +607,13 @@ void bind(py::module_& m) {
         py::arg("hi") = std::numeric_limits<float>::infinity(), py::arg("method") = "auto",
         "mamba_scan on the mixer's packed buffers: xbc [b, L, H*P + 2*G*N] (x | B | C) and dt_src [b, L, W] "
         "with dt at columns [dt_offset, dt_offset + H).");
+  m.def("mamba_conv_scan_step", &mamba_conv_scan_step, py::arg("projected"), py::arg("conv_state"),
+        py::arg("x_offset"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_offset"), py::arg("A_log"),
+        py::arg("D"), py::arg("dt_bias"), py::arg("state"), py::arg("heads"), py::arg("head_dim"), py::arg("groups"),
+        py::arg("state_size"), py::arg("lo") = 0.0f, py::arg("hi") = std::numeric_limits<float>::infinity(),
+        py::arg("stream") = py::none(),
+        "causal_conv_silu then mamba_scan_packed for one decode position, in one CUDA launch: (y [b, 1, H*P], "
+        "ssm state [b, H, P, N], conv state [b, K-1, C]), all float32. CUDA streams only.");
 }
 
 }  // namespace

@@ -25,6 +25,7 @@ from voicechat.kernels.gemv import gelu_gate
 from voicechat.kernels.mog_sample import mog_sample_reference
 from voicechat.kernels.rvq import codebook_norms, rvq_search_reference
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
+from voicechat.kernels.mamba_scan import mamba_scan_packed_reference
 from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
 
@@ -432,6 +433,34 @@ def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
     return case, ref
 
 
+def conv_scan_case(b, h, p, g, n, extra, src_dtype=mx.float32, with_state=True):
+    """The decode step's conv + scan: projected = [gate (h*p) | x B C | dt (h) | `extra` columns]."""
+    keys = mx.random.split(mx.random.key(h + p + n), 9)
+    conv, k = h * p + 2 * g * n, 4
+    width = h * p + conv + h + extra
+    projected = mx.random.normal((b, 1, width), key=keys[0]).astype(src_dtype)
+    conv_state = mx.random.normal((b, k - 1, conv), key=keys[1])
+    weight = 0.5 * mx.random.normal((conv, k, 1), key=keys[2])
+    bias = 0.1 * mx.random.normal((conv,), key=keys[3])
+    A_log = mx.random.normal((h,), key=keys[4]) * 0.5
+    D = mx.random.normal((h,), key=keys[5]).astype(mx.bfloat16)
+    dt_bias = (mx.random.normal((h,), key=keys[6]) - 1.0).astype(mx.bfloat16)
+    state = mx.random.normal((b, h, p, n), key=keys[7])
+    rb = 8 if p % 8 == 0 else 4 if p % 4 == 0 else 2 if p % 2 == 0 else 1
+    args = dict(H=h, P=p, G=g, N=n, K=k, W=width, X_OFF=h * p, DT_OFF=h * p + conv, RB=rb, HAS_BIAS=True,
+                HAS_STATE=with_state, TS=src_dtype, LO_BITS=0, HI_BITS=2139095040)
+    case = Case("vc_mamba_conv_scan_step", args,
+                [projected, conv_state, weight, bias, A_log, D, dt_bias, state if with_state else dt_bias,
+                 mx.array([b], mx.int32)],
+                [("float", (b, 1, h * p)), ("float", (b, h, p, n)), ("float", (b, k - 1, conv))],
+                b * h * (p // rb), rb * 32)
+    with mx.stream(mx.cpu):
+        xbc, new_conv = causal_conv_silu_reference(conv_state, projected, h * p, weight, bias)
+        y, new_state = mamba_scan_packed_reference(xbc, projected, h * p + conv, A_log, D, dt_bias,
+                                                   state if with_state else None, h, p, g, n)
+    return case, (y.reshape(b, 1, h * p), new_state, new_conv)
+
+
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
     if shutil.which("g++") is None:
@@ -498,6 +527,10 @@ def emulated(tmp_path_factory):
         # the causal conv + SiLU: a step and a prefix longer than the kernel, bfloat16 input
         "conv_step": conv_case(1, 1, 300, 4, 700, 256),
         "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
+        # the decode step's conv + scan: 8-row blocks, a state size over 32 not a multiple of it, two
+        # batch rows; bfloat16 activations without a state and 4-row blocks
+        "conv_scan_b2": conv_scan_case(2, 8, 16, 2, 40, 5),
+        "conv_scan_bf16_no_state": conv_scan_case(1, 4, 12, 2, 24, 0, mx.bfloat16, with_state=False),
     }.items():
         cases[name], refs[name] = case, ref
     for tag, config in ATTN_CONFIGS.items():
@@ -554,6 +587,17 @@ def test_causal_conv_kernel_emulated(emulated, name):
     y_ref, state_ref = refs[name]
     np.testing.assert_allclose(y, np.array(y_ref), rtol=2e-6, atol=2e-6)
     np.testing.assert_array_equal(state, np.array(state_ref))
+
+
+@pytest.mark.parametrize("name", ["conv_scan_b2", "conv_scan_bf16_no_state"])
+def test_conv_scan_step_kernel_emulated(emulated, name):
+    """One launch equals causal_conv_silu then the scan: y, the ssm state and the conv state."""
+    exe, cases, refs, _, tmp = emulated
+    y, state, conv_state = run(exe, name, cases[name], tmp)
+    y_ref, state_ref, conv_ref = refs[name]
+    np.testing.assert_allclose(y, np.array(y_ref), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(state, np.array(state_ref), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(conv_state, np.array(conv_ref))
 
 
 @pytest.mark.parametrize("name", ["dense_add_norm_tts", "dense_add_norm_bias"])

@@ -6,8 +6,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from voicechat.kernels.mamba_scan import (mamba_scan, mamba_scan_packed, mamba_scan_packed_reference,
-                                         mamba_scan_reference)
+from voicechat.kernels import ext
+from voicechat.kernels.causal_conv import causal_conv_silu_reference
+from voicechat.kernels.gemv import on_cuda_gpu
+from voicechat.kernels.mamba_scan import (mamba_conv_scan_step, mamba_scan, mamba_scan_packed,
+                                         mamba_scan_packed_reference, mamba_scan_reference)
 
 
 def _case(b, L, H, P, G, N, dtype, seed, with_state=True):
@@ -144,3 +147,59 @@ def test_bad_shapes_are_errors():
         mamba_scan(x, dt, A_log, mx.repeat(B[:, :, :1], 3, axis=2), mx.repeat(C[:, :, :1], 3, axis=2), D, dt_bias, None)
     with pytest.raises(ValueError, match="state"):
         mamba_scan(x, dt, A_log, B, C, D, dt_bias, state[:, :4])
+
+
+def _step_case(b, H, P, G, N, dtype, seed):
+    """The decode step's inputs: in_proj's output [gate | x B C | dt], the conv state and weights."""
+    keys = iter(mx.random.split(mx.random.key(seed), 9))
+    conv = H * P + 2 * G * N
+    projected = mx.random.normal((b, 1, H * P + conv + H), key=next(keys)).astype(dtype)
+    conv_state = mx.random.normal((b, 3, conv), key=next(keys))
+    weight = 0.5 * mx.random.normal((conv, 4, 1), key=next(keys))
+    bias = 0.1 * mx.random.normal((conv,), key=next(keys))
+    _, _, A_log, _, _, D, dt_bias, state = _case(b, 1, H, P, G, N, mx.float32, seed)
+    return projected, conv_state, weight, bias, A_log, D, dt_bias, state
+
+
+def _conv_then_scan(projected, conv_state, weight, bias, A_log, D, dt_bias, state, H, P, G, N):
+    with mx.stream(mx.cpu):
+        xbc, conv_next = causal_conv_silu_reference(conv_state, projected, H * P, weight, bias)
+        y, s = mamba_scan_packed_reference(xbc, projected, H * P + xbc.shape[-1], A_log, D, dt_bias, state, H, P, G,
+                                           N)
+        return y.reshape(projected.shape[0], 1, H * P), s, conv_next
+
+
+@pytest.mark.parametrize("b,H,P,G,N,dtype", [(1, 128, 80, 8, 128, mx.float32), (2, 8, 12, 2, 40, mx.bfloat16)])
+def test_conv_scan_step_equals_conv_then_scan(b, H, P, G, N, dtype):
+    """The decode step's one launch on CUDA (the published mixer's shape; bfloat16 activations, 4-row
+    blocks, two batch rows); the two calls it stands for elsewhere."""
+    case = _step_case(b, H, P, G, N, dtype, seed=H + N)
+    projected, conv_state, weight, bias, A_log, D, dt_bias, state = case
+    conv = H * P + 2 * G * N
+    y, s, conv_next = mamba_conv_scan_step(projected, conv_state, H * P, weight, bias, H * P + conv, A_log, D,
+                                           dt_bias, state, H, P, G, N)
+    want_y, want_s, want_conv = _conv_then_scan(*case, H, P, G, N)
+    assert y.shape == (b, 1, H * P) and s.shape == (b, H, P, N) and conv_next.shape == (b, 3, conv)
+    np.testing.assert_allclose(np.array(y), np.array(want_y.astype(mx.float32)), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.array(s), np.array(want_s), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.array(conv_next), np.array(want_conv))
+
+
+def test_conv_scan_step_refuses_bad_arguments():
+    H, P, G, N = 4, 8, 2, 16
+    projected, conv_state, weight, bias, A_log, D, dt_bias, state = _step_case(1, H, P, G, N, mx.float32, seed=1)
+    conv = H * P + 2 * G * N
+    args = lambda **kw: dict(dict(projected=projected, conv_state=conv_state, x_offset=H * P, conv_weight=weight,
+                                  conv_bias=bias, dt_offset=H * P + conv, A_log=A_log, D=D, dt_bias=dt_bias,
+                                  state=state, heads=H, head_dim=P, groups=G, state_size=N), **kw)
+    with pytest.raises(ValueError, match="one position"):
+        ext.mamba_conv_scan_step(**args(projected=mx.concatenate([projected, projected], axis=1)))
+    with pytest.raises(ValueError, match="conv_state"):
+        ext.mamba_conv_scan_step(**args(conv_state=conv_state[..., 1:]))
+    with pytest.raises(ValueError, match="outside projected"):
+        ext.mamba_conv_scan_step(**args(dt_offset=H * P + conv + 1))
+    with pytest.raises(ValueError, match="groups must divide"):
+        ext.mamba_conv_scan_step(**args(groups=3))
+    if not on_cuda_gpu():
+        with pytest.raises(ValueError, match="CUDA stream"):
+            ext.mamba_conv_scan_step(**args())

@@ -18,8 +18,11 @@ import math
 import mlx.core as mx
 
 from ._native import ext, use_reference
+from .causal_conv import causal_conv_silu
+from .gemv import on_cuda_gpu
 
-__all__ = ["mamba_scan", "mamba_scan_reference", "mamba_scan_packed", "mamba_scan_packed_reference"]
+__all__ = ["mamba_scan", "mamba_scan_reference", "mamba_scan_packed", "mamba_scan_packed_reference",
+           "mamba_conv_scan_step"]
 
 _NO_LIMIT = (0.0, math.inf)
 
@@ -146,3 +149,25 @@ def mamba_scan_packed(
     y, s = ext.mamba_scan_packed(xbc, dt_src, dt_offset, A_log, D, dt_bias, state, heads, head_dim, groups,
                                  state_size, time_step_limit[0], time_step_limit[1], method)
     return y, s
+
+
+def mamba_conv_scan_step(
+    projected: mx.array, conv_state: mx.array, x_offset: int, conv_weight: mx.array, conv_bias: mx.array | None,
+    dt_offset: int, A_log: mx.array, D: mx.array, dt_bias: mx.array, state: mx.array | None, heads: int,
+    head_dim: int, groups: int, state_size: int, time_step_limit: tuple[float, float] = _NO_LIMIT,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The decode step's `causal_conv_silu` then `mamba_scan_packed` on in_proj's output
+    `projected [b, 1, W]` (x | B | C at columns x_offset.., dt at dt_offset): `(y [b, 1, H*P],
+    ssm state [b, H, P, N], conv state [b, K-1, C])`. One launch on a CUDA GPU (the conv of the
+    group's B and C is redone by each block there), those two calls elsewhere."""
+    b = projected.shape[0]
+    kernel_takes = (projected.shape[1] == 1 and conv_state.dtype == mx.float32 and conv_weight.dtype == mx.float32
+                    and (conv_bias is None or conv_bias.dtype == mx.float32))
+    if use_reference() or not on_cuda_gpu() or not kernel_takes:
+        xbc, new_conv = causal_conv_silu(conv_state, projected, x_offset, conv_weight, conv_bias)
+        y, ssm = mamba_scan_packed(xbc, projected, dt_offset, A_log, D, dt_bias, state, heads, head_dim, groups,
+                                   state_size, time_step_limit)
+        return y.reshape(b, projected.shape[1], heads * head_dim), ssm, new_conv
+    return tuple(ext.mamba_conv_scan_step(projected, conv_state, x_offset, conv_weight, conv_bias, dt_offset, A_log,
+                                          D, dt_bias, state, heads, head_dim, groups, state_size,
+                                          time_step_limit[0], time_step_limit[1]))

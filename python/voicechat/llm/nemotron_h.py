@@ -34,7 +34,7 @@ from ..kernels.causal_conv import causal_conv_silu
 from ..kernels.decode_attention import decode_attention
 from ..kernels.gated_rms_norm import gated_rms_norm
 from ..kernels.gemv import linear, stack_linears
-from ..kernels.mamba_scan import mamba_scan_packed
+from ..kernels.mamba_scan import mamba_conv_scan_step, mamba_scan_packed
 
 # --------------------------------------------------------------------------- caches
 
@@ -208,19 +208,25 @@ class Mamba2Mixer(nn.Module):
 
         conv_state = cache.conv if cache is not None and cache.conv is not None else \
             mx.zeros((b, self.kernel - 1, self.conv_dim), mx.float32)
-        xbc, conv_state = causal_conv_silu(conv_state, projected, self.inner, self.conv1d.weight,
-                                           self.conv1d.bias if self._conv_has_bias else None)
-
-        # The scan reads x, B, C from the conv output and dt from the projection in place.
-        y, ssm = mamba_scan_packed(
-            xbc, projected, self._dt_offset, self.A_log, self.D, self.dt_bias,
-            cache.ssm if cache is not None else None, self.num_heads, self.head_dim, self.n_groups,
-            self.state_size, self._time_step_limit)
+        conv_bias = self.conv1d.bias if self._conv_has_bias else None
+        ssm = cache.ssm if cache is not None else None
+        if L == 1:  # the decode step: conv and scan in one launch on CUDA
+            y, ssm, conv_state = mamba_conv_scan_step(
+                projected, conv_state, self.inner, self.conv1d.weight, conv_bias, self._dt_offset, self.A_log,
+                self.D, self.dt_bias, ssm, self.num_heads, self.head_dim, self.n_groups, self.state_size,
+                self._time_step_limit)
+        else:
+            xbc, conv_state = causal_conv_silu(conv_state, projected, self.inner, self.conv1d.weight, conv_bias)
+            # The scan reads x, B, C from the conv output and dt from the projection in place.
+            y, ssm = mamba_scan_packed(
+                xbc, projected, self._dt_offset, self.A_log, self.D, self.dt_bias, ssm, self.num_heads,
+                self.head_dim, self.n_groups, self.state_size, self._time_step_limit)
+            y = y.reshape(b, L, self.inner)
         if cache is not None:
             cache.conv, cache.ssm = conv_state, ssm
 
         # RMSNorm over groups of y * silu(gate), the gate read in place from the projection.
-        y = gated_rms_norm(y.reshape(b, L, self.inner), projected, 0, self.norm.weight, self.n_groups, self.eps)
+        y = gated_rms_norm(y, projected, 0, self.norm.weight, self.n_groups, self.eps)
         return linear(self.out_proj, y, residual=residual)
 
 

@@ -56,6 +56,7 @@ inline unsigned int __float_as_uint(float f) {
   std::memcpy(&v, &f, 4);
   return v;
 }
+inline float __int_as_float(int v) { return __uint_as_float(static_cast<unsigned int>(v)); }
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // CUDA: an approximation within 2 ulp
 inline int min(int a, int b) { return a < b ? a : b; }

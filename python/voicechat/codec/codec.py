@@ -25,8 +25,10 @@ window's own samples. Every window has the same length, so one set of compiled k
 every input length.
 
 Weights are loaded strictly below `tts_model.audio_codec.`; the loader converts the published
-torch layouts (Conv1d [out, in, k], ConvTranspose1d [in, out, k]) by module type. Loading casts
-every weight to float32 once (the codec computes in float32), so nothing is converted per call.
+torch layouts (Conv1d [out, in, k], ConvTranspose1d [in, out, k]) by module type. They stay in the
+checkpoint's dtype (bf16 published): the codec computes in float32 and casts each weight as it
+uses it (exact), so a float32 copy of its ~165M parameters is never held (0.33 GB at full size);
+the casts cost a pass over the weights per decode window.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
 
 from ..config import CodecConfig
 from ..kernels import use_reference
@@ -76,32 +77,44 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _convnext(x, self.dwconv.weight, self.dwconv.bias, self.norm.weight, self.norm.bias,
-                         self.pwconv1.weight, self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias)
+        return _convnext(x, *(_f32(a) for a in (self.dwconv.weight, self.dwconv.bias, self.norm.weight, self.norm.bias,
+                                               self.pwconv1.weight, self.pwconv1.bias, self.pwconv2.weight,
+                                               self.pwconv2.bias)))
 
     def reference(self, x: mx.array) -> mx.array:
-        k = self.dwconv.weight.shape[1]
-        h = self.dwconv(mx.pad(x, ((0, 0), (k - 1, 0), (0, 0))))
+        k, channels = self.dwconv.weight.shape[1], self.dwconv.weight.shape[0]
+        h = _conv(mx.pad(x, ((0, 0), (k - 1, 0), (0, 0))), self.dwconv, groups=channels)
         mean = h.mean(axis=-1, keepdims=True)
         var = mx.square(h - mean).mean(axis=-1, keepdims=True)
-        h = (h - mean) * mx.rsqrt(var + LAYER_NORM_EPS) * self.norm.weight + self.norm.bias
-        h = self.pwconv1(h)
+        h = (h - mean) * mx.rsqrt(var + LAYER_NORM_EPS) * _f32(self.norm.weight) + _f32(self.norm.bias)
+        h = _conv(h, self.pwconv1)
         h = 0.5 * h * (1.0 + mx.erf(h / math.sqrt(2.0)))
-        return x + self.pwconv2(h)
+        return x + _conv(h, self.pwconv2)
+
+
+def _f32(a: mx.array) -> mx.array:
+    """A weight as the float32 the codec computes in (exact; no copy when it already is)."""
+    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+
+
+def _conv(x: mx.array, layer: nn.Conv1d, stride: int = 1, groups: int = 1) -> mx.array:
+    """`layer(x)` (unpadded) with its weights in float32: the references' convolution."""
+    y = mx.conv1d(x, _f32(layer.weight), stride=stride, groups=groups)
+    return y + _f32(layer.bias) if "bias" in layer else y
 
 
 def _downsample(x: mx.array, conv: nn.Conv1d) -> mx.array:
     """Conv1d with kernel = stride, no padding, no bias, as one matmul: [B, T, C] -> [B, T/k, out]."""
     out, k, c = conv.weight.shape
     b, t, _ = x.shape
-    return x.reshape(b, t // k, k * c) @ conv.weight.reshape(out, k * c).T
+    return x.reshape(b, t // k, k * c) @ _f32(conv.weight).reshape(out, k * c).T
 
 
 def _upsample(x: mx.array, conv: nn.ConvTranspose1d) -> mx.array:
     """ConvTranspose1d with kernel = stride, no bias: each input frame becomes k output frames."""
     out, k, c = conv.weight.shape
     b, t, _ = x.shape
-    y = x @ conv.weight.reshape(out * k, c).T  # [B, T, out * k], index o * k + j
+    y = x @ _f32(conv.weight).reshape(out * k, c).T  # [B, T, out * k], index o * k + j
     return y.reshape(b, t, out, k).transpose(0, 1, 3, 2).reshape(b, t * k, out)
 
 
@@ -130,7 +143,7 @@ class AudioEncoder(nn.Module):
 
     def reference(self, x: mx.array) -> mx.array:
         for layer in self.layers:
-            x = layer.reference(x) if isinstance(layer, ConvNeXtBlock) else layer(x)
+            x = layer.reference(x) if isinstance(layer, ConvNeXtBlock) else _conv(x, layer, stride=layer.weight.shape[1])
         return x
 
 
@@ -162,7 +175,12 @@ class AudioDecoder(nn.Module):
 
     def reference(self, x: mx.array) -> mx.array:
         for layer in self.layers:
-            x = layer.reference(x) if isinstance(layer, ConvNeXtBlock) else layer(x)
+            if isinstance(layer, ConvNeXtBlock):
+                x = layer.reference(x)
+            elif isinstance(layer, nn.ConvTranspose1d):
+                x = mx.conv_transpose1d(x, _f32(layer.weight), stride=layer.weight.shape[1])
+            else:
+                x = _conv(x, layer)
         return x
 
 
@@ -289,9 +307,9 @@ def _spectrum_reference(features: mx.array) -> mx.array:
 class AudioCodec(nn.Module):
     """The codec network: `encoder`, `decoder`, `prvq` under `tts_model.audio_codec.`.
 
-    Computes in float32 throughout (the checkpoint stores bf16): loading casts every weight to
-    float32 once. A bf16 network was tried and is not offered: on random weights its decoder
-    phases (tens of radians) lose ~0.25 rad, a 14 % RMS waveform error.
+    Computes in float32 throughout (the checkpoint stores bf16; each weight is cast where it is
+    used). A bf16 network was tried and is not offered: on random weights its decoder phases (tens
+    of radians) lose ~0.25 rad, a 14 % RMS waveform error.
     """
 
     def __init__(self, cfg: CodecConfig):
@@ -304,15 +322,6 @@ class AudioCodec(nn.Module):
     @property
     def samples_per_frame(self) -> int:
         return self.config.samples_per_frame
-
-    def update(self, parameters: dict, strict: bool = True) -> "AudioCodec":
-        """Load parameters (the checkpoint loader calls this), then cast them to float32 once."""
-        super().update(parameters, strict)
-        changed = [(k, v.astype(mx.float32)) for k, v in tree_flatten(self.parameters())
-                   if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32]
-        if changed:
-            super().update(tree_unflatten(changed))
-        return self
 
     # ----------------------------------------------------------------------- encode
 

@@ -233,6 +233,21 @@ def test_compiled_step_gives_the_same_codes(tiny_checkpoint, tiny):
     assert mx.array_equal(run_session(compiled, ckpt, 3, TEXT), run_session(tts, ckpt, 3, TEXT)).item()
 
 
+def test_cfg_fusion_equals_the_fusion_of_the_concatenated_batch(tiny):
+    """The step's fusion (the audio projected once, the null row's text projection made at load)
+    gives the rows of the gated fusion over [(code, text), (code, null)]."""
+    tts, _ = tiny
+    tts.prepare()
+    h = tts.cfg.hidden_size
+    code = mx.random.normal((1, 3, h), key=mx.random.key(11))
+    cond = mx.random.normal((1, 3, h), key=mx.random.key(12))
+    null = mx.broadcast_to(tts.null_emb.astype(mx.float32), cond.shape)
+    want = tts.gated_fusion_audio_text(mx.concatenate([code, code]), mx.concatenate([cond, null]))
+    got = tts.fuse(code, cond)
+    assert got.shape == (2, 3, h)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+
+
 def test_stacked_projections_give_the_codes_of_separate_ones(tiny_checkpoint, tiny):
     tts, ckpt = tiny  # stacked (the default)
     tts.prepare()

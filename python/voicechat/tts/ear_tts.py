@@ -130,8 +130,9 @@ class EarTTS(nn.Module):
             stack_projections(self.backbone)
             stack_projections(self.mog_head)
         q, k, d = self.rvq_embs.shape
-        # One zero row per codebook: index K (mask) contributes nothing to a depth sum.
-        padded = mx.concatenate([self.rvq_embs, mx.zeros((q, 1, d), self.rvq_embs.dtype)], axis=1)
+        # One zero row per codebook: index K (mask) contributes nothing to a depth sum. Held in
+        # float32 (exact; 65 MB at full size) so that a depth sum is a gather and a sum, no cast.
+        padded = mx.concatenate([self.rvq_embs.astype(mx.float32), mx.zeros((q, 1, d), mx.float32)], axis=1)
         self._rvq_flat = padded.reshape(q * (k + 1), d)
         self._rvq_norms = codebook_norms(self.rvq_embs)
         # Constants of every step, made once: inside the compiled step an arange or a full is a
@@ -162,7 +163,7 @@ class EarTTS(nn.Module):
         """`sum_q rvq_embs[q][code[..., q]]` with index K (mask) adding zero: [..., Q] -> [..., latent]."""
         self._prepare_weights()
         index = code.astype(mx.int32) + self._rvq_offsets
-        return self._rvq_flat[index].astype(mx.float32).sum(axis=-2)
+        return self._rvq_flat[index].sum(axis=-2)
 
     def code_embedding(self, code: mx.array) -> mx.array:
         return self.embed_code(self.depthsum(code))

@@ -88,6 +88,7 @@ def test_generate(benchmark, chat, seconds, overlap_tts):
         "stage_share": {k: v / r.timings["generate_s"] for k, v in stages.items()},
         "stage_s": stages, "peak_memory_gb": mx.get_peak_memory() / 1e9,
         "weights_gb": chat.weights_bytes / 1e9, "peak_over_weights": mx.get_peak_memory() / chat.weights_bytes,
+        "peak_gb_after_stage": first.peak_memory_gb,
         "mlx_env": mlx_env(),
     })
     assert first.text_tokens == r.text_tokens

@@ -44,6 +44,11 @@ def test_result_shapes_and_lengths(chat, result, spoken_wav):
     assert all(0 <= t < chat.config.text_config.vocab_size for t in result.text_tokens + result.function_tokens)
     assert set(result.timings) >= {"perception_s", "tts_warmup_s", "timeline_s", "codec_s", "transcript_s", "generate_s"}
     assert result.host_syncs <= 5 + frames // 32  # a handful, not one per frame
+    # the running peak memory after each stage: every stage, never falling, above zero
+    peaks = result.peak_memory_gb
+    assert list(peaks) == [k for k in result.timings if k != "generate_s"]
+    assert all(a <= b for a, b in zip(list(peaks.values()), list(peaks.values())[1:]))
+    assert list(peaks.values())[0] > 0
 
 
 def test_intermediates_are_finite(chat, spoken_wav):

@@ -55,6 +55,9 @@ class Result:
     frames: int = 0
     prompt_frames: int = 0
     host_syncs: int = 0  # times the host waited for the device during generate()
+    # mx.get_peak_memory() in GB after each stage (the process's peak since the last
+    # mx.reset_peak_memory()): the first stage at the final value is the one that set the peak.
+    peak_memory_gb: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         """Everything but the samples, with the same field names."""
@@ -63,6 +66,7 @@ class Result:
             "sample_rate": self.sample_rate, "text_tokens": self.text_tokens,
             "function_tokens": self.function_tokens, "audio_codes": self.audio_codes, "frames": self.frames,
             "prompt_frames": self.prompt_frames, "timings": dict(self.timings),
+            "peak_memory_gb": dict(self.peak_memory_gb),
         }
 
 
@@ -155,12 +159,14 @@ class VoiceChat:
         """
         c = self.config
         timings: dict[str, float] = {}
+        peaks: dict[str, float] = {}
         clock = time.perf_counter()
 
         def lap(name: str) -> None:
             nonlocal clock
             now = time.perf_counter()
             timings[name] = now - clock
+            peaks[name] = mx.get_peak_memory() / 1e9
             clock = now
 
         wave = self._input_audio(audio, sample_rate, extra_decoding_seconds)
@@ -219,6 +225,7 @@ class VoiceChat:
             frames=frames,
             prompt_frames=prompt_frames,
             host_syncs=syncs + 4,  # + perception, warmup, codec and transcript: one wait each
+            peak_memory_gb=peaks,
         )
 
     def _timeline(self, audio_embeds, ids, previous_code, tts_cache, seed, progress, plain=False):

@@ -59,4 +59,9 @@ std::string type_arg(const std::string& cuda_type);
 // Include-guarded, so several kernels' headers may carry it.
 const std::string& block_reduce_header();
 
+// Device helper for kernel headers: vc_head_norm_rope<D, TX>(x, scale, inv_freq, eps, position, o,
+// lane), one warp: one attention head's RMS norm (times scale) and rotate-half RoPE, the TTS's
+// head preparation (qkv_heads, decode_attention_qkv). Include-guarded. Defined in qkv_heads.cpp.
+const std::string& head_norm_rope_header();
+
 }  // namespace voicechat

@@ -66,48 +66,19 @@ constexpr const char* kPlainPrologue = R"(  for (int d = threadIdx.x; d < D; d +
 )";
 
 // From the stacked projection instead (vc_decode_attn_qkv_part): warp 0 makes this head's q, warp 1
-// the new key of its K/V head (RMS norm per head times q_scale / k_scale, then rotate-half RoPE at
-// position offset: qkv_heads' formula, operation for operation), warp 2 copies the new value; the
+// the new key of its K/V head (vc_head_norm_rope, as qkv_heads does), warp 2 copies the new value; the
 // first chunk of the first query head of each K/V head writes that key and value out for the cache.
 // Template arg TX: qkv's type.
 constexpr const char* kQkvPrologue = R"(
   __shared__ float kns[D], vns[D];
   {
-    constexpr int HALF = D / 2;
-    constexpr int PAIRS = (HALF + 31) / 32;
     constexpr int ROW = (H + 2 * HK) * D;
+    const TX* row = qkv + static_cast<size_t>(b) * ROW;
     if (warp < 2) {
-      const TX* x = qkv + static_cast<size_t>(b) * ROW + (warp == 0 ? h : H + hk) * D;
-      const float* norm_scale = warp == 0 ? q_scale : k_scale;
-      float* o = warp == 0 ? qs : kns;
-      float lo[PAIRS], hi[PAIRS];
-      float ss = 0.0f;
-#pragma unroll
-      for (int p = 0; p < PAIRS; ++p) {
-        const int i = lane + 32 * p;
-        lo[p] = i < HALF ? static_cast<float>(x[i]) : 0.0f;
-        hi[p] = i < HALF ? static_cast<float>(x[i + HALF]) : 0.0f;
-        ss += lo[p] * lo[p] + hi[p] * hi[p];
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      const float r = rsqrtf(ss / static_cast<float>(D) + eps[0]);
-      const float position = static_cast<float>(offset[0]);
-#pragma unroll
-      for (int p = 0; p < PAIRS; ++p) {
-        const int i = lane + 32 * p;
-        if (i < HALF) {
-          const float a = lo[p] * r * norm_scale[i];
-          const float c = hi[p] * r * norm_scale[i + HALF];
-          const float angle = position * inv_freq[i];
-          const float cs = cosf(angle);
-          const float sn = sinf(angle);
-          o[i] = a * cs - c * sn;
-          o[i + HALF] = c * cs + a * sn;
-        }
-      }
+      vc_head_norm_rope<D, TX>(row + (warp == 0 ? h : H + hk) * D, warp == 0 ? q_scale : k_scale, inv_freq, eps[0],
+                               static_cast<float>(offset[0]), warp == 0 ? qs : kns, lane);
     } else if (warp == 2) {
-      const TX* x = qkv + static_cast<size_t>(b) * ROW + (H + HK + hk) * D;
+      const TX* x = row + (H + HK + hk) * D;
       for (int d = lane; d < D; d += 32) vns[d] = static_cast<float>(x[d]);
     }
   }
@@ -247,7 +218,7 @@ const CudaSource& qkv_part_source() {
       {"qkv", "q_scale", "k_scale", "inv_freq", "eps", "k", "v", "offset", "scale", "dims", "slot"},
       {"part", "k_out", "v_out"},
       std::string(kPartHead) + kQkvPrologue + kPartBody,
-      "",
+      head_norm_rope_header(),
       // the TTS backbone's step (one chunk, then two), grouped heads in bfloat16
       {inst(72, 16, 16, true, "float"), inst(72, 16, 16, false, "float"), inst(80, 4, 2, false, "__nv_bfloat16")},
   });
@@ -277,6 +248,13 @@ void expect(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("decode_attention: " + what);
 }
 
+// The second launch: one block per (b, h) merges its chunks' partial softmaxes -> [B, 1, H * D].
+mx::array combine_chunks(const mx::array& parts, const mx::array& dims, int b, int h, int d, mx::Stream s) {
+  static auto combine = make_cuda_kernel(combine_source());
+  return combine({parts, dims}, {{b, 1, h * d}}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
+                 {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
+}
+
 // q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid);
 // k_new, v_new [B, HK, 1, D] and slot: read in that slot instead of the buffers (all three or none).
 // Returns [B, 1, H * D] float32.
@@ -303,7 +281,6 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
          "runs on a CUDA stream (float32); elsewhere use voicechat.kernels.decode_attention, which uses "
          "MLX's attention with a mask");
   static auto part = make_cuda_kernel(part_source());
-  static auto combine = make_cuda_kernel(combine_source());
   const int nc = (cap + kChunk - 1) / kChunk;
   auto dims = mx::array({cap}, mx::int32);
   const bool single = nc == 1;
@@ -317,11 +294,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                     {kThreads, 1, 1},
                     {{"D", d}, {"H", h}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single}},
                     std::nullopt, false, s)[0];
-  if (single) {
-    return parts;
-  }
-  return combine({parts, dims}, {result}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
-                 {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
+  return single ? parts : combine_chunks(parts, dims, b, h, d, s);
 }
 
 // The TTS step's head preparation and attention in one launch (two beyond 256 slots): q and the new
@@ -349,7 +322,6 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
          "decode_attention_qkv runs on a CUDA stream (float32 buffers, scales and inv_freq); elsewhere use "
          "voicechat.kernels.decode_attention.decode_attention_qkv, which composes qkv_heads and the attention");
   static auto part = make_cuda_kernel(qkv_part_source());
-  static auto combine = make_cuda_kernel(combine_source());
   const int nc = (cap + kChunk - 1) / kChunk;
   auto dims = mx::array({cap}, mx::int32);
   const bool single = nc == 1;
@@ -361,12 +333,7 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
                    {{"D", d}, {"H", heads}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single},
                     {"TX", qkv.dtype()}},
                    std::nullopt, false, s);
-  if (single) {
-    return {outs[0], outs[1], outs[2]};
-  }
-  auto out = combine({outs[0], dims}, {result}, {mx::float32}, {b * heads * 128, 1, 1}, {128, 1, 1},
-                     {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
-  return {out, outs[1], outs[2]};
+  return {single ? outs[0] : combine_chunks(outs[0], dims, b, heads, d, s), outs[1], outs[2]};
 }
 
 void bind(py::module_& m) {

@@ -25,25 +25,18 @@ namespace py = pybind11;
 namespace mx = mlx::core;
 
 namespace voicechat {
-namespace {
 
-constexpr int kWarpsPerBlock = 4;
-
-// Template args: B, HQ, HK, D, T (positions per batch row), WARPS (per block), TX (qkv's type).
-constexpr const char* kSource = R"(
+const std::string& head_norm_rope_header() {
+  static const std::string text = R"(
+#ifndef VC_HEAD_NORM_ROPE
+#define VC_HEAD_NORM_ROPE
+// One head of D values at x, by one warp (lane-strided pairs i, i + D/2): RMS norm over the head
+// times scale, then rotate-half RoPE at `position` (angle = position * inv_freq[i]), into o.
+template <int D, typename TX>
+__device__ __forceinline__ void vc_head_norm_rope(const TX* x, const float* scale, const float* inv_freq, float eps,
+                                                  float position, float* o, int lane) {
   constexpr int HALF = D / 2;
   constexpr int PAIRS = (HALF + 31) / 32;
-  constexpr int HEADS = HQ + 2 * HK;
-  const int lane = threadIdx.x & 31;
-  const int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
-  if (item >= B * T * HEADS) {
-    return;
-  }
-  const int row = item / HEADS;
-  const int head = item % HEADS;
-  const int b = row / T;
-  const int t = row % T;
-  const TX* x = qkv + static_cast<size_t>(row) * (HEADS * D) + head * D;
   float lo[PAIRS], hi[PAIRS];
   float ss = 0.0f;
 #pragma unroll
@@ -53,33 +46,9 @@ constexpr const char* kSource = R"(
     hi[p] = i < HALF ? static_cast<float>(x[i + HALF]) : 0.0f;
     ss += lo[p] * lo[p] + hi[p] * hi[p];
   }
-  float* out;
-  int h;
-  int heads;
-  if (head < HQ) {
-    out = q_out; h = head; heads = HQ;
-  } else if (head < HQ + HK) {
-    out = k_out; h = head - HQ; heads = HK;
-  } else {
-    out = v_out; h = head - HQ - HK; heads = HK;
-  }
-  float* o = out + ((static_cast<size_t>(b) * heads + h) * T + t) * D;
-  if (head >= HQ + HK) {
-#pragma unroll
-    for (int p = 0; p < PAIRS; ++p) {
-      const int i = lane + 32 * p;
-      if (i < HALF) {
-        o[i] = lo[p];
-        o[i + HALF] = hi[p];
-      }
-    }
-    return;
-  }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  const float r = rsqrtf(ss / static_cast<float>(D) + eps[0]);
-  const float* scale = head < HQ ? q_scale : k_scale;
-  const float position = static_cast<float>(offset[0] + t);
+  const float r = rsqrtf(ss / static_cast<float>(D) + eps);
 #pragma unroll
   for (int p = 0; p < PAIRS; ++p) {
     const int i = lane + 32 * p;
@@ -93,6 +62,46 @@ constexpr const char* kSource = R"(
       o[i + HALF] = c * cs + a * sn;
     }
   }
+}
+#endif
+)";
+  return text;
+}
+
+namespace {
+
+constexpr int kWarpsPerBlock = 4;
+
+// Template args: B, HQ, HK, D, T (positions per batch row), WARPS (per block), TX (qkv's type).
+constexpr const char* kSource = R"(
+  constexpr int HEADS = HQ + 2 * HK;
+  const int lane = threadIdx.x & 31;
+  const int item = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (item >= B * T * HEADS) {
+    return;
+  }
+  const int row = item / HEADS;
+  const int head = item % HEADS;
+  const int b = row / T;
+  const int t = row % T;
+  const TX* x = qkv + static_cast<size_t>(row) * (HEADS * D) + head * D;
+  float* out;
+  int h;
+  int heads;
+  if (head < HQ) {
+    out = q_out; h = head; heads = HQ;
+  } else if (head < HQ + HK) {
+    out = k_out; h = head - HQ; heads = HK;
+  } else {
+    out = v_out; h = head - HQ - HK; heads = HK;
+  }
+  float* o = out + ((static_cast<size_t>(b) * heads + h) * T + t) * D;
+  if (head >= HQ + HK) {
+    for (int d = lane; d < D; d += 32) o[d] = static_cast<float>(x[d]);
+    return;
+  }
+  vc_head_norm_rope<D, TX>(x, head < HQ ? q_scale : k_scale, inv_freq, eps[0], static_cast<float>(offset[0] + t), o,
+                           lane);
 )";
 
 const CudaSource& source() {
@@ -109,7 +118,7 @@ const CudaSource& source() {
       {"qkv", "q_scale", "k_scale", "inv_freq", "offset", "eps"},
       {"q_out", "k_out", "v_out"},
       kSource,
-      "",
+      head_norm_rope_header(),
       // the TTS backbone: a step and the 37-frame warmup; grouped heads and D over 64, bfloat16
       {inst(2, 16, 16, 72, 1, "float"), inst(2, 16, 16, 72, 37, "float"), inst(1, 4, 2, 80, 3, "__nv_bfloat16")},
   });

@@ -635,6 +635,17 @@ def test_mog_sample_kernel_emulated(emulated, name):
     np.testing.assert_allclose(z, np.array(z_ref), rtol=2e-5, atol=2e-5)
 
 
+def _merged(exe, cases, tag, out, cap, tmp):
+    """The attention's second launch (over 256 slots): the chunks' partial softmaxes merged."""
+    if cap <= 256:
+        return out
+    combine = cases[f"{tag}_combine"]
+    combine.inputs = [mx.array(out), mx.array([cap], mx.int32)]
+    tmp.mkdir()
+    (merged,) = run(exe, f"{tag}_combine", combine, tmp)
+    return merged
+
+
 @pytest.mark.parametrize("tag", list(ATTN_CONFIGS))
 @pytest.mark.parametrize("offset", [0, 10, 270, 5000])
 @pytest.mark.parametrize("with_new", [False, True])
@@ -657,11 +668,7 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
     name = f"{tag}_{offset}_{int(with_new)}"
     (tmp / name).mkdir()
     (out,) = run(exe, f"{tag}_part", part, tmp / name)
-    if cap > 256:
-        combine = cases[f"{tag}_combine"]
-        combine.inputs = [mx.array(out), mx.array([cap], mx.int32)]
-        (tmp / f"{name}_c").mkdir()
-        (out,) = run(exe, f"{tag}_combine", combine, tmp / f"{name}_c")
+    out = _merged(exe, cases, tag, out, cap, tmp / f"{name}_c")
     with mx.stream(mx.cpu):
         new = (k_new, v_new, mx.array(slot, mx.int32)) if with_new else None
         want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale, new=new)
@@ -688,11 +695,7 @@ def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
     name = f"{tag}_{offset}"
     (tmp / name).mkdir()
     out, k_new, v_new = run(exe, tag, case, tmp / name)
-    if cap > 256:
-        combine = cases[f"{tag}_combine"]
-        combine.inputs = [mx.array(out), mx.array([cap], mx.int32)]
-        (tmp / f"{name}_c").mkdir()
-        (out,) = run(exe, f"{tag}_combine", combine, tmp / f"{name}_c")
+    out = _merged(exe, cases, tag, out, cap, tmp / f"{name}_c")
     with mx.stream(mx.cpu):
         q, want_k, want_v = qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, h, hk, 1e-6)
         want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale,

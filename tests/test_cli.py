@@ -42,6 +42,9 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
         assert key in data
     assert "audio" not in data
     assert set(data["timings"]) >= {"load_s", "generate_s", "perception_s", "timeline_s", "codec_s"}
+    # the peak after each stage of generate (reset after the load): some stage allocated something
+    assert set(data["peak_memory_gb"]) == set(data["timings"]) - {"load_s", "generate_s"}
+    assert max(data["peak_memory_gb"].values()) > 0
     assert data["prompt_frames"] > 0 and len(data["text_tokens"]) == data["frames"]
     # the permissions a plain open() gives under the umask (the atomic write's temp file has 0o600)
     umask = os.umask(0)

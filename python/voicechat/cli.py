@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         say("note: -n is ignored; the answer is as long as the input timeline plus --extra-decoding-seconds")
 
     # Deferred: importing mlx and the extension takes a moment, and argument errors should not wait.
+    import mlx.core as mx
+
     from .audio import write_wav
     from .session import load
 
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         chat = load(model)
         load_s = time.perf_counter() - start
+        mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
         progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
         try:
             result = chat.generate(audio, system_prompt=args.system_prompt,

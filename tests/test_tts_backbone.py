@@ -131,6 +131,22 @@ def test_stepping_from_position_zero_and_chunked_prefill_agree(backbone):
     np.testing.assert_allclose(np.asarray(mx.concatenate(chunks, axis=1)), np.asarray(full), atol=5e-5, rtol=1e-5)
 
 
+def test_a_step_reads_each_layers_keys_in_place(backbone):
+    """The layers' keys and values are views of their window's buffer: no gather (a copy of the
+    layer's keys and a launch each) anywhere in a step."""
+    from voicechat.llm.opcount import count_ops
+
+    model, cfg = backbone
+    x = inputs(cfg, 10, seed=7)
+    cache = model.make_cache()
+    model.prefill(x[:, :5], cache)
+    mx.eval(cache.buffers)
+    cache.reserve(6, x.shape[0])
+    h, buffers = model.step_arrays(x[:, 5:6], mx.array(5, mx.int32), cache.buffers)
+    counts = count_ops(h, *buffers)
+    assert "Gather" not in counts and counts["DynamicSliceUpdate"] == len(cache.groups)
+
+
 def test_compiled_step_equals_the_uncompiled_step(backbone):
     model, cfg = backbone
     x = inputs(cfg, 45, seed=3)

@@ -256,11 +256,11 @@ class VoiceChat:
             fused = stt.fused_input(mx.broadcast_to(pad, (1, prompt_frames)), prompt,
                                     mx.broadcast_to(pad, (1, prompt_frames)))
             stt.step(fused, cache)
-            text_out += [pad[0]] * prompt_frames
-            function_out += [pad[0]] * prompt_frames
+            text_out += [pad.reshape(1)] * prompt_frames
+            function_out += [pad.reshape(1)] * prompt_frames
             for t in range(1, prompt_frames):
                 with self._tts_on(plain):
-                    previous_code, key = tts.step(previous_code, pad[0], tts_cache, key, silence)
+                    previous_code, key = tts.step(previous_code, pad.reshape(1), tts_cache, key, silence)
                 code_out.append(previous_code)
             mx.async_eval(previous_code, key, *cache.state)
         prev_text, prev_function = pad, pad

@@ -227,10 +227,13 @@ class BackboneCache:
 
 
 def layer_kv(buffer: mx.array, j: int, kv_heads: int) -> tuple[mx.array, mx.array]:
-    """Keys and values `[B, kv_heads, capacity, head_dim]` of a window buffer's layer j (views)."""
+    """Keys and values `[B, kv_heads, capacity, head_dim]` of a window buffer's layer j (views).
+
+    Sliced with ranges: MLX runs an integer index (`buffer[2 * j]`) as a gather, a launch and a
+    copy of the layer's keys each step."""
     _, bh, cap, d = buffer.shape
     shape = (bh // kv_heads, kv_heads, cap, d)
-    return buffer[2 * j].reshape(shape), buffer[2 * j + 1].reshape(shape)
+    return buffer[2 * j : 2 * j + 1].reshape(shape), buffer[2 * j + 1 : 2 * j + 2].reshape(shape)
 
 
 def stacked_kv(pairs: list[tuple[mx.array, mx.array]]) -> mx.array:

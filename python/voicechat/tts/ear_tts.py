@@ -197,7 +197,9 @@ class EarTTS(nn.Module):
         for i, count in enumerate(self._schedule):
             # All codes are the mask at first, whose embedding is exactly zero: x is the hidden state.
             x = hidden if done == 0 else self.code_embedding(code)[:, None, :] + hidden  # [2, 1, hidden]
-            z = mog.sample(x, cfg.guidance_scale, cfg.top_p, uniforms[i], normals[i], cfg.noise_scale)
+            # Rows taken as range slices (views): an integer index is a gather, a launch each.
+            u, noise = (a[i : i + 1].reshape(a.shape[1:]) for a in (uniforms, normals))
+            z = mog.sample(x, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale)
             new, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms)
             code = mx.concatenate([code[:, :done], new.astype(mx.int32), code[:, done + count:]], axis=1)
             done += count

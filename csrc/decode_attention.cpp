@@ -56,11 +56,6 @@ constexpr const char* kPartHead = R"(
 // The plain kernel: q [B, H, 1, D] and the new key / value (k_new, v_new, slot) as inputs.
 constexpr const char* kPlainPrologue = R"(  for (int d = threadIdx.x; d < D; d += THREADS) qs[d] = q[static_cast<size_t>(bh) * D + d];
   __syncthreads();
-  const float sc = scale[0];
-  const int last = min(offset[0], CAP - 1);  // the highest valid slot
-  const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
-  const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
-  const int cur = slot[0];  // read from k_new / v_new (-1: none)
   const float* kn = k_new + (static_cast<size_t>(b) * HK + hk) * D;
   const float* vn = v_new + (static_cast<size_t>(b) * HK + hk) * D;
 )";
@@ -89,16 +84,18 @@ constexpr const char* kQkvPrologue = R"(
       v_out[(static_cast<size_t>(b) * HK + hk) * D + d] = vns[d];
     }
   }
-  const float sc = scale[0];
-  const int last = min(offset[0], CAP - 1);  // the highest valid slot
-  const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
-  const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
-  const int cur = slot[0];
   const float* kn = kns;
   const float* vn = vns;
 )";
 
-constexpr const char* kPartBody = R"(  float m = neg_inf, l = 0.0f, acc[PER];
+// Both prologues leave qs (this head's query) in shared memory and kn / vn (the new key and value,
+// read in slot `slot`; -1: none); the body reads the buffers around them.
+constexpr const char* kPartBody = R"(  const float sc = scale[0];
+  const int cur = slot[0];
+  const int last = min(offset[0], CAP - 1);  // the highest valid slot
+  const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
+  const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
+  float m = neg_inf, l = 0.0f, acc[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
   const int end = min((chunk + 1) * CH, last + 1);

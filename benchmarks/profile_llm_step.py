@@ -43,14 +43,14 @@ def _stats(samples: list[float]) -> dict:
     return {"min_ms": 1e3 * min(samples), "median_ms": 1e3 * statistics.median(samples), "rounds": len(samples)}
 
 
-def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False) -> dict:
+def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False, context: int = CONTEXT) -> dict:
     h = lm.llm.config.hidden_size
-    audio = mx.random.normal((1, CONTEXT + chain + 1, h), key=mx.random.key(0))
-    pad = mx.full((1, CONTEXT), PAD, dtype=mx.int32)
+    audio = mx.random.normal((1, context + chain + 1, h), key=mx.random.key(0))
+    pad = mx.full((1, context), PAD, dtype=mx.int32)
     primed = lm.make_cache()
-    first = lm.step(lm.fused_input(pad, audio[:, :CONTEXT], pad), primed)
+    first = lm.step(lm.fused_input(pad, audio[:, :context], pad), primed)
     mx.eval(audio, first.text_ids, first.function_ids, primed.state)
-    frame = audio[:, CONTEXT : CONTEXT + 1]
+    frame = audio[:, context : context + 1]
     text, function = first.text_ids[:, None].astype(mx.int32), first.function_ids[:, None].astype(mx.int32)
 
     def step(t, f, audio_frame, cache):
@@ -86,7 +86,7 @@ def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False) -> di
         busy = 0.0
         for i in range(chain):
             h0 = time.perf_counter()
-            t, f = step(t, f, audio[:, CONTEXT + i : CONTEXT + i + 1], cache)
+            t, f = step(t, f, audio[:, context + i : context + i + 1], cache)
             t, f = t[:, None], f[:, None]
             mx.async_eval(t, f, *cache.state)
             busy += time.perf_counter() - h0
@@ -107,12 +107,13 @@ def main() -> None:
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
     parser.add_argument("--json")
     parser.add_argument("--compiled-only", action="store_true", help="skip the eager step")
+    parser.add_argument("--context", type=int, default=CONTEXT, help="positions in the cache before the step")
     args = parser.parse_args()
     lm = _lm(args.size)
-    results = {"size": args.size, "device": str(mx.default_device()), "mlx_env": mlx_env()}
+    results = {"size": args.size, "context": args.context, "device": str(mx.default_device()), "mlx_env": mlx_env()}
     if not args.compiled_only:
-        results["eager"] = profile(lm)
-    results["compiled"] = profile(lm, compiled=True)
+        results["eager"] = profile(lm, context=args.context)
+    results["compiled"] = profile(lm, compiled=True, context=args.context)
     print("mlx env:", results["mlx_env"] or "defaults")
     for variant, parts in results.items():
         if variant in ("eager", "compiled"):

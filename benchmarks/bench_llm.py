@@ -107,6 +107,32 @@ def test_llm_decode_step(benchmark, lm):
                                 ops_kernels=kernel_count(counts), ops=dict(counts))
 
 
+CHAIN = 40  # steps per pipelined chain
+
+
+def test_llm_decode_pipelined(benchmark, lm):
+    """CHAIN compiled steps as the session runs them: each fed the previous step's ids and queued
+    with `mx.async_eval`, one wait at the end. The benchmark's time is the chain's; ms a step is
+    in `extra_info` (bench_reference_mlx_lm's pipelined test is its like)."""
+    primed, text, function, frame = _primed(lm)
+    audio = _audio(lm, CONTEXT + CHAIN)[:, CONTEXT:]
+
+    def chain():
+        cache = primed.copy()
+        t, f = text, function
+        for i in range(CHAIN):
+            t, f = lm.decode(t, audio[:, i : i + 1], f, cache)
+            t, f = t[:, None], f[:, None]
+            mx.async_eval(t, f, *cache.state)
+        mx.eval(t, f)
+        return t
+
+    mx.eval(audio)
+    assert benchmark(chain).shape == (1, 1)
+    benchmark.extra_info.update(size=SIZE, context=CONTEXT, chain=CHAIN,
+                                ms_per_step=1e3 * benchmark.stats.stats.min / CHAIN)
+
+
 def test_llm_prefix64(benchmark, lm):
     audio = _audio(lm, 64)
     pad = mx.full((1, 64), PAD, dtype=mx.int32)

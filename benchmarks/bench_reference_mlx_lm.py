@@ -78,3 +78,26 @@ def test_mlx_lm_step_both_heads(benchmark, reference):
     step()
     benchmark.pedantic(step, rounds=30, iterations=1, warmup_rounds=3)
     benchmark.extra_info["size"] = SIZE
+
+
+CHAIN = 40  # steps per pipelined chain, as bench_llm's
+
+
+def test_mlx_lm_pipelined_step_both_heads(benchmark, reference):
+    """CHAIN steps as mlx-lm's own generate loop runs them: each fed the previous step's argmax and
+    queued with `mx.async_eval`, one wait at the end. ms a step is in `extra_info`."""
+    model, second_head, cache = reference
+
+    def chain():
+        token = mx.array([[12]], dtype=mx.int32)
+        for _ in range(CHAIN):
+            hidden = model.backbone(token, cache=cache)[:, -1]
+            token = mx.argmax(model.lm_head(hidden), -1, keepdims=True).astype(mx.int32)
+            other = mx.argmax(second_head(hidden), -1)
+            mx.async_eval(token, other)
+        mx.eval(token, other)
+        return token
+
+    chain()
+    assert benchmark.pedantic(chain, rounds=5, iterations=1, warmup_rounds=1).shape == (1, 1)
+    benchmark.extra_info.update(size=SIZE, chain=CHAIN, ms_per_step=1e3 * benchmark.stats.stats.min / CHAIN)

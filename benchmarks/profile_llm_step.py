@@ -107,16 +107,20 @@ def main() -> None:
     parser.add_argument("--size", choices=("tiny", "full"), default="tiny")
     parser.add_argument("--json")
     parser.add_argument("--compiled-only", action="store_true", help="skip the eager step")
-    parser.add_argument("--context", type=int, default=CONTEXT, help="positions in the cache before the step")
+    parser.add_argument("--context", default=str(CONTEXT),
+                        help="positions in the cache before the step; several, comma-separated, profile each")
     args = parser.parse_args()
+    contexts = [int(v) for v in args.context.split(",")]
     lm = _lm(args.size)
-    results = {"size": args.size, "context": args.context, "device": str(mx.default_device()), "mlx_env": mlx_env()}
+    results = {"size": args.size, "context": contexts[0], "device": str(mx.default_device()), "mlx_env": mlx_env()}
     if not args.compiled_only:
-        results["eager"] = profile(lm, context=args.context)
-    results["compiled"] = profile(lm, compiled=True, context=args.context)
+        results["eager"] = profile(lm, context=contexts[0])
+    results["compiled"] = profile(lm, compiled=True, context=contexts[0])
+    for context in contexts[1:]:  # the compiled step only
+        results[f"compiled@{context}"] = profile(lm, compiled=True, context=context)
     print("mlx env:", results["mlx_env"] or "defaults")
     for variant, parts in results.items():
-        if variant in ("eager", "compiled"):
+        if variant.startswith(("eager", "compiled")):
             for part, s in parts.items():
                 print(f"{variant:>9} {part:>15}: min {s['min_ms']:7.2f} ms  median {s['median_ms']:7.2f} ms")
     if args.json:

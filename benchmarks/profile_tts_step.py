@@ -34,7 +34,7 @@ PROMPT_FRAMES = 37
 FULL_VOCAB_FOR_PROFILE = 2048
 
 
-def _tts(size: str, gemv: bool, context: int = 0):
+def _tts(size: str, gemv: bool):
     from bench_tts import _random_weights
 
     from voicechat.checkpoint import open_checkpoint
@@ -65,14 +65,19 @@ def _tts(size: str, gemv: bool, context: int = 0):
     prompt = mx.zeros((1, PROMPT_FRAMES, tts.cfg.num_quantizers), mx.int32)
     previous = tts.warmup(aria, prompt, cache)
     mx.eval(previous, cache.buffers)
-    # Frames of the timeline already stepped: the attention's and the buffers' cost grow with them.
+    return tts, cache, previous
+
+
+def _advance(tts: EarTTS, cache, previous, offset: int):
+    """Step the timeline until the cache holds `offset` positions: the attention's and the
+    buffers' costs grow with them."""
     key, text = mx.random.key(0), mx.array([0], mx.int32)
-    silence = mx.zeros((cfg.tts_config.num_quantizers,), mx.int32)
-    for _ in range(context):
+    silence = mx.zeros((tts.cfg.num_quantizers,), mx.int32)
+    while cache.offset < offset:
         previous, key = tts.step(previous, text, cache, key, silence)
         mx.async_eval(previous, key)
     mx.eval(previous, cache.buffers)
-    return tts, cache, previous
+    return previous
 
 
 def _stats(samples: list[float]) -> dict:
@@ -94,6 +99,11 @@ def _time(run, rounds: int) -> dict:
         samples.append(time.perf_counter() - t0)
         host.append(t1 - t0)
     return {**_stats(samples[3:]), "host_ms": _stats(host[3:])["median_ms"]}
+
+
+def _ops(counts) -> dict:
+    """The launches (`ops`) and, for reading where they go, the count of each primitive."""
+    return {"ops": kernel_count(counts), "op_kinds": dict(counts.most_common())}
 
 
 def _chain(step, first, length: int) -> dict:
@@ -133,18 +143,18 @@ def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
         return backbone(hidden, offset, cache.buffers)
 
     out["backbone"] = _time(backbone_once, rounds)
-    out["backbone"]["ops"] = kernel_count(count_ops(backbone_once()))
+    out["backbone"].update(_ops(count_ops(backbone_once())))
 
     mog = mx.compile(lambda x, u, noise: tts.mog_head.sample(x, cfg.guidance_scale, cfg.top_p, u, noise,
                                                              cfg.noise_scale))
     u = mx.random.uniform(shape=(1, 1, tts.mog_head.num_predictions), key=mx.random.key(2))
     noise = mx.random.normal((1, 1, cfg.latent_size), key=mx.random.key(6))
     out["mog_sample"] = _time(lambda: mog(hidden, u, noise), rounds)
-    out["mog_sample"]["ops"] = kernel_count(count_ops(mog(hidden, u, noise)))
+    out["mog_sample"].update(_ops(count_ops(mog(hidden, u, noise))))
 
     generate = mx.compile(tts.generate_codes)
     out["generate_codes"] = _time(lambda: generate(hidden, mx.random.key(3)), rounds)
-    out["generate_codes"]["ops"] = kernel_count(count_ops(generate(hidden, mx.random.key(3))))
+    out["generate_codes"].update(_ops(count_ops(generate(hidden, mx.random.key(3)))))
     # Each link takes the previous key, and the codes are evaluated too (else only the keys would be).
     out["generate_codes_chain"] = _chain(lambda codes_key: generate(hidden, codes_key[1]),
                                          (previous, mx.random.key(4)), chain)
@@ -160,7 +170,7 @@ def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
         return codes, key
 
     out["step"] = _time(whole_step, rounds)
-    out["step"]["ops"] = kernel_count(count_ops(*whole_step()))
+    out["step"].update(_ops(count_ops(*whole_step())))
 
     def linked(prev_and_key):
         codes, key = tts.step(prev_and_key[0], text, cache, prev_and_key[1], silence)
@@ -222,7 +232,7 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
     for name, fn in parts.items():
         compiled = mx.compile(fn)
         out[name] = _time(compiled, rounds)
-        out[name]["ops"] = kernel_count(count_ops(*_flat(compiled())))
+        out[name].update(_ops(count_ops(*_flat(compiled()))))
     return out
 
 
@@ -240,13 +250,22 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=30, help="steps per pipelined chain")
     parser.add_argument("--json")
     parser.add_argument("--no-parts", action="store_true", help="skip the backbone's parts")
-    parser.add_argument("--context", type=int, default=0, help="timeline frames stepped after the warmup")
+    parser.add_argument("--context", default="0", help="timeline frames stepped after the warmup; several, "
+                        "comma-separated (ascending), profile the step at each (the parts at the first)")
     args = parser.parse_args()
-    tts, cache, previous = _tts(args.size, gemv=not args.no_gemv, context=args.context)
+    contexts = [int(v) for v in args.context.split(",")]
+    tts, cache, previous = _tts(args.size, gemv=not args.no_gemv)
+    warm = cache.offset
+    previous = _advance(tts, cache, previous, warm + contexts[0])
     parts = {} if args.no_parts else backbone_parts(tts, cache, args.rounds)
-    results = {"size": args.size, "context": args.context, "device": str(mx.default_device()), "gemv": on_cuda_gpu() and not args.no_gemv,
-               "mlx_env": mlx_env(), **profile(tts, cache, previous, args.rounds, args.chain),
+    results = {"size": args.size, "context": contexts[0], "device": str(mx.default_device()),
+               "gemv": on_cuda_gpu() and not args.no_gemv, "mlx_env": mlx_env(),
+               **profile(tts, cache, previous, args.rounds, args.chain),
                **{f"backbone.{k}": v for k, v in parts.items()}}
+    for context in contexts[1:]:
+        previous = _advance(tts, cache, previous, warm + context)
+        later = profile(tts, cache, previous, args.rounds, args.chain)
+        results.update({f"{k}@{context}": v for k, v in later.items()})
     print("mlx env:", results["mlx_env"] or "defaults")
     for part, s in results.items():
         if isinstance(s, dict) and "min_ms" in s:

@@ -11,8 +11,11 @@
 // CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
 // NC chunks of CH slots per (b, h) each keep an online softmax (max, sum, weighted values) over
 // their valid slots, then one block per (b, h) merges the chunks: two launches, or one while the
-// buffers hold <= CH slots (the chunk normalizes and writes the result itself). No block waits for another. CUDA through fast::cuda_kernel; elsewhere MLX's
-// attention with the mask (the reference: voicechat.kernels.decode_attention).
+// buffers hold <= CH slots (the chunk normalizes and writes the result itself). No block waits for
+// another. A chunk's warps take 32 slots at a time, a slot a lane, so a step's time does not grow
+// slot by slot (one slot a warp at a time grew the TTS step ~1.5 ms between 40 and 490 positions
+// on the H200). CUDA through fast::cuda_kernel; elsewhere MLX's attention with the mask (the
+// reference: voicechat.kernels.decode_attention).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -33,7 +36,7 @@ namespace voicechat {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kChunk = 256;  // slots per block of the first launch
+constexpr int kChunk = 1024;  // slots per block of the first launch: 4 passes of its 8 warps
 
 // Template args: D, H, HK, CH, THREADS, SINGLE; dims = [CAP] (the buffers' slots: an input, so that
 // a growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum,
@@ -44,7 +47,7 @@ constexpr const char* kPartHead = R"(
   const int NC = (CAP + CH - 1) / CH;
   constexpr int WARPS = THREADS / 32;
   constexpr int PER = (D + 31) / 32;  // dims per lane
-  __shared__ float qs[D];
+  __shared__ __align__(16) float qs[D];
   __shared__ float wm[WARPS], wl[WARPS];
   __shared__ float wacc[WARPS][D];
   const int bh = blockIdx.x / NC;
@@ -65,7 +68,8 @@ constexpr const char* kPlainPrologue = R"(  for (int d = threadIdx.x; d < D; d +
 // first chunk of the first query head of each K/V head writes that key and value out for the cache.
 // Template arg TX: qkv's type.
 constexpr const char* kQkvPrologue = R"(
-  __shared__ float kns[D], vns[D];
+  __shared__ __align__(16) float kns[D];
+  __shared__ __align__(16) float vns[D];
   {
     constexpr int ROW = (H + 2 * HK) * D;
     const TX* row = qkv + static_cast<size_t>(b) * ROW;
@@ -98,26 +102,54 @@ constexpr const char* kPartBody = R"(  const float sc = scale[0];
   float m = neg_inf, l = 0.0f, acc[PER];
 #pragma unroll
   for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+  // Passes of 32 slots a warp, a slot a lane: every lane scores its own key row (independent loads,
+  // so the whole pass is in flight at once, not one slot's latency after another), the warp takes
+  // the pass's max and weights with shuffles, then gathers the pass's value rows with lanes over d.
+  // The online softmax runs across a warp's passes.
   const int end = min((chunk + 1) * CH, last + 1);
-  for (int s = chunk * CH + warp; s < end; s += WARPS) {
-    const float* ks = s == cur ? kn : kb + static_cast<size_t>(s) * D;
-    float dot = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int d = lane + 32 * i;
-      if (d < D) dot += qs[d] * ks[d];
+  for (int base = chunk * CH + warp * 32; base < end; base += THREADS) {
+    const int s = base + lane;
+    float score = neg_inf;
+    if (s < end) {
+      const float* ks = s == cur ? kn : kb + static_cast<size_t>(s) * D;
+      float dot = 0.0f;
+      if (D % 4 == 0 && (reinterpret_cast<unsigned long long>(ks) & 15ull) == 0ull) {
+#pragma unroll 6
+        for (int d = 0; d < D; d += 4) {
+          const float4 kv = *reinterpret_cast<const float4*>(ks + d);
+          dot = fmaf(qs[d], kv.x, dot);
+          dot = fmaf(qs[d + 1], kv.y, dot);
+          dot = fmaf(qs[d + 2], kv.z, dot);
+          dot = fmaf(qs[d + 3], kv.w, dot);
+        }
+      } else {
+        for (int d = 0; d < D; ++d) dot = fmaf(qs[d], ks[d], dot);
+      }
+      score = dot * sc;
     }
+    float pass_max = score;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    const float score = dot * sc;
-    const float m_new = fmaxf(m, score);
-    const float keep = expf(m - m_new), w = expf(score - m_new);
-    l = l * keep + w;
-    const float* vs = s == cur ? vn : vb + static_cast<size_t>(s) * D;
+    for (int off = 16; off > 0; off >>= 1) pass_max = fmaxf(pass_max, __shfl_xor_sync(0xffffffffu, pass_max, off));
+    const float m_new = fmaxf(m, pass_max);  // finite: slot `base` is valid
+    const float keep = expf(m - m_new);
+    const float w = s < end ? expf(score - m_new) : 0.0f;
+    float pass_sum = w;
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int d = lane + 32 * i;
-      acc[i] = acc[i] * keep + (d < D ? w * vs[d] : 0.0f);
+    for (int off = 16; off > 0; off >>= 1) pass_sum += __shfl_xor_sync(0xffffffffu, pass_sum, off);
+    l = l * keep + pass_sum;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) acc[i] *= keep;
+    const int n = min(32, end - base);
+#pragma unroll 8
+    for (int j = 0; j < n; ++j) {
+      const float wj = __shfl_sync(0xffffffffu, w, j);
+      const int sj = base + j;
+      const float* vs = sj == cur ? vn : vb + static_cast<size_t>(sj) * D;
+#pragma unroll
+      for (int i = 0; i < PER; ++i) {
+        const int d = lane + 32 * i;
+        if (d < D) acc[i] = fmaf(wj, vs[d], acc[i]);
+      }
     }
     m = m_new;
   }
@@ -294,7 +326,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   return single ? parts : combine_chunks(parts, dims, b, h, d, s);
 }
 
-// The TTS step's head preparation and attention in one launch (two beyond 256 slots): q and the new
+// The TTS step's head preparation and attention in one launch (two beyond 1024 slots): q and the new
 // key / value come from the stacked projection qkv [B, (H + 2 HK) * D] (any leading shape; float32,
 // bfloat16 or float16), normed and rotated as qkv_heads does at position `offset`; the new key and
 // value are read in `slot` instead of the buffers k, v [B, HK, CAP, D]. Returns (out [B, 1, H * D],
@@ -342,7 +374,7 @@ void bind(py::module_& m) {
         py::arg("slot") = py::none(), py::arg("stream") = py::none(),
         "Attention of one query q [B, H, 1, D] over the slots <= offset of K/V buffers [B, HK, CAP, D] "
         "(grouped heads), slot `slot` read from k_new / v_new [B, HK, 1, D] when given: [B, 1, H * D] "
-        "float32, in one CUDA launch while CAP <= 256, two beyond; CUDA streams only.");
+        "float32, in one CUDA launch while CAP <= 1024, two beyond; CUDA streams only.");
   m.def("decode_attention_qkv", &decode_attention_qkv, py::arg("qkv"), py::arg("q_scale"), py::arg("k_scale"),
         py::arg("inv_freq"), py::arg("eps"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
         py::arg("slot"), py::arg("heads"), py::kw_only(), py::arg("stream") = py::none(),

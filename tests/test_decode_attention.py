@@ -56,8 +56,9 @@ def test_a_new_key_reads_as_the_buffer_with_its_slot_written(b, h, hk, cap, d, o
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
-@pytest.mark.parametrize("b,h,hk,cap,d", [(2, 16, 16, 256, 72), (2, 16, 16, 7500, 72), (1, 40, 8, 512, 128)])
-@pytest.mark.parametrize("offset", [0, 200, 300, 9000])
+@pytest.mark.parametrize("b,h,hk,cap,d", [(2, 16, 16, 256, 72), (2, 16, 16, 7500, 72), (1, 40, 8, 512, 128),
+                                         (1, 40, 8, 1500, 128)])
+@pytest.mark.parametrize("offset", [0, 200, 300, 1100, 9000])
 @pytest.mark.parametrize("with_new", [False, True])
 def test_kernels_equal_the_reference(b, h, hk, cap, d, offset, with_new):
     q, k, v = _inputs(b, h, hk, cap, d, seed=offset)
@@ -97,7 +98,7 @@ def _qkv_inputs(b, h, hk, cap, d, dtype, seed):
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
 @pytest.mark.parametrize("b,h,hk,cap,d,dtype", [(2, 16, 16, 256, 72, mx.float32), (2, 16, 16, 7500, 72, mx.float32),
                                                 (1, 4, 2, 300, 80, mx.bfloat16)])
-@pytest.mark.parametrize("offset", [0, 200, 9000])
+@pytest.mark.parametrize("offset", [0, 200, 1100, 9000])
 def test_attention_from_the_projection_equals_heads_then_attention(b, h, hk, cap, d, dtype, offset):
     """The TTS step's fused launch: the output, and the new key and value it hands the cache, equal
     qkv_heads then the attention with that key in the position's slot (the TTS step's shapes, a

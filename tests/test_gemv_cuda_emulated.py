@@ -365,38 +365,42 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
     return case, ref
 
 
-# (B, H, HK, CAP, D) of the decode attention: the TTS's heads over two chunks of slots, grouped heads
-ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 300, 72), "attn_gqa": (1, 4, 2, 500, 40), "attn_single": (2, 4, 4, 200, 72)}
+# Slots per block of the decode attention's first launch (csrc/decode_attention.cpp's kChunk).
+ATTN_CHUNK = 1024
+# (B, H, HK, CAP, D) of the decode attention: the TTS's heads over two chunks of slots, grouped heads,
+# one chunk, a head dim that is no multiple of 4 (the scalar key loads)
+ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 1300, 72), "attn_gqa": (1, 4, 2, 1500, 40), "attn_single": (2, 4, 4, 300, 72),
+                "attn_odd_dim": (1, 2, 1, 1100, 42)}
 
 
 def attention_cases(tag, b, h, hk, cap, d):
-    nc = -(-cap // 256)
+    nc = -(-cap // ATTN_CHUNK)
     q, kv = mx.zeros((b, h, 1, d)), mx.zeros((b, hk, cap, d))
     dims = mx.array([cap], mx.int32)
     single = nc == 1  # one chunk: the part kernel writes the result
     new = mx.zeros((b, hk, 1, d))
-    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=256, THREADS=256, SINGLE=single),
+    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ATTN_CHUNK, THREADS=256, SINGLE=single),
                 [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), dims, new, new, mx.zeros((1,), mx.int32)],
                 [("float", (b * h * nc, d if single else d + 2))], b * h * nc, 256)
-    combine = Case("vc_decode_attn_combine", dict(D=d, CH=256, THREADS=128),
+    combine = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_CHUNK, THREADS=128),
                    [mx.zeros((b * h * nc, d + 2)), dims], [("float", (b * h, d))], b * h, 128)
     return {f"{tag}_part": part, f"{tag}_combine": combine}
 
 
 # (B, H, HK, CAP, D, qkv's dtype) of the attention from the stacked projection: the TTS step over two
 # chunks and over one, grouped heads with a bfloat16 projection
-ATTN_QKV_CONFIGS = {"attn_qkv_tts": (2, 4, 4, 300, 72, mx.float32), "attn_qkv_single": (2, 4, 4, 200, 72, mx.float32),
-                    "attn_qkv_gqa_bf16": (1, 4, 2, 500, 40, mx.bfloat16)}
+ATTN_QKV_CONFIGS = {"attn_qkv_tts": (2, 4, 4, 1300, 72, mx.float32), "attn_qkv_single": (2, 4, 4, 300, 72, mx.float32),
+                    "attn_qkv_gqa_bf16": (1, 4, 2, 1500, 40, mx.bfloat16)}
 
 
 def attention_qkv_case(b, h, hk, cap, d, dtype):
-    nc = -(-cap // 256)
+    nc = -(-cap // ATTN_CHUNK)
     single = nc == 1
     kv = mx.zeros((b, hk, cap, d))
     inputs = [mx.zeros((b, 1, (h + 2 * hk) * d), dtype), mx.zeros((d,)), mx.zeros((d,)), mx.zeros((d // 2,)),
               mx.zeros((1,)), kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), mx.array([cap], mx.int32),
               mx.zeros((1,), mx.int32)]
-    return Case("vc_decode_attn_qkv_part", dict(D=d, H=h, HK=hk, CH=256, THREADS=256, SINGLE=single, TX=dtype),
+    return Case("vc_decode_attn_qkv_part", dict(D=d, H=h, HK=hk, CH=ATTN_CHUNK, THREADS=256, SINGLE=single, TX=dtype),
                 inputs, [("float", (b * h * nc, d if single else d + 2)), ("float", (b, hk, 1, d)),
                          ("float", (b, hk, 1, d))], b * h * nc, 256)
 
@@ -539,8 +543,8 @@ def emulated(tmp_path_factory):
     for tag, config in ATTN_QKV_CONFIGS.items():
         cases[tag], refs[tag] = attention_qkv_case(*config), None
         b, h, hk, cap, d, _ = config
-        cases[f"{tag}_combine"] = Case("vc_decode_attn_combine", dict(D=d, CH=256, THREADS=128),
-                                       [mx.zeros((b * h * -(-cap // 256), d + 2)), mx.array([cap], mx.int32)],
+        cases[f"{tag}_combine"] = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_CHUNK, THREADS=128),
+                                       [mx.zeros((b * h * -(-cap // ATTN_CHUNK), d + 2)), mx.array([cap], mx.int32)],
                                        [("float", (b * h, d))], b * h, 128)
     for tag, config in RVQ_CONFIGS.items():
         for name, case in rvq_cases(tag, *config).items():
@@ -636,8 +640,8 @@ def test_mog_sample_kernel_emulated(emulated, name):
 
 
 def _merged(exe, cases, tag, out, cap, tmp):
-    """The attention's second launch (over 256 slots): the chunks' partial softmaxes merged."""
-    if cap <= 256:
+    """The attention's second launch (over ATTN_CHUNK slots): the chunks' partial softmaxes merged."""
+    if cap <= ATTN_CHUNK:
         return out
     combine = cases[f"{tag}_combine"]
     combine.inputs = [mx.array(out), mx.array([cap], mx.int32)]
@@ -647,10 +651,11 @@ def _merged(exe, cases, tag, out, cap, tmp):
 
 
 @pytest.mark.parametrize("tag", list(ATTN_CONFIGS))
-@pytest.mark.parametrize("offset", [0, 10, 270, 5000])
+@pytest.mark.parametrize("offset", [0, 10, 270, 1100, 5000])
 @pytest.mark.parametrize("with_new", [False, True])
 def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
-    """Slot 0 only, the first chunk only (the second empty), into the second, all (a full ring);
+    """Slot 0 only, one pass of a warp only partly, passes of several warps (the second chunk
+    empty), into the second chunk, all (a full ring);
     `attn_single`: one chunk, no merge launch. `with_new`: the new key and value read in the
     position's slot (as the TTS backbone's step does) instead of the buffers'."""
     exe, cases, _, _, tmp = emulated
@@ -676,7 +681,7 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
 
 
 @pytest.mark.parametrize("tag", list(ATTN_QKV_CONFIGS))
-@pytest.mark.parametrize("offset", [0, 10, 270, 5000])
+@pytest.mark.parametrize("offset", [0, 10, 270, 1100, 5000])
 def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
     """The head preparation inside the attention equals qkv_heads then the attention with the new
     key in the position's slot; the key and value it writes out equal qkv_heads' k and v."""

@@ -391,7 +391,7 @@ def test_composed_rope_equals_mlx_fast_rope():
 
 def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     """On a CUDA GPU a backbone layer is 5 launches of ours: the attention with the head norms +
-    RoPE inside (one launch: buffers of <= 256 slots), o_proj, the norm seam with gate/up, down_proj with the
+    RoPE inside (one launch: buffers of <= 1024 slots), o_proj, the norm seam with gate/up, down_proj with the
     gated GELU, the norm seam with the next layer's q/k/v (the last: the final norm). Layer 0 adds
     its q/k/v GEMV and MLX's rms_norm (its input norm); MLX's attention never runs. The new keys
     and values are written once per window (one concatenation, one update each), not per layer."""
@@ -419,3 +419,9 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     assert counts.get("CustomKernel") == 5 * layers + 1
     assert counts.get("RMSNorm") == 1 and "RoPE" not in counts and "ScaledDotProductAttention" not in counts
     assert "Gather" not in counts  # each layer's keys are views of its window's buffer
+    # Still one attention launch a layer at 768 slots (a 60 s answer): no merge launch below 1024.
+    cache.reserve(700, 2)
+    mx.eval(cache.buffers)
+    assert max(cache.capacity(i) for i in range(layers)) == 768
+    h, buffers = fresh.backbone.step_arrays(x, mx.array(699, mx.int32), cache.buffers)
+    assert count_ops(h, *buffers).get("CustomKernel") == 5 * layers + 1

@@ -9,7 +9,7 @@ as holding `k_new` / `v_new` instead of what the buffers hold there: the step at
 new position were already written, and the caller writes it later (the TTS backbone writes all
 its layers' new keys in one update).
 
-On a CUDA GPU one launch while CAP <= 256, two beyond (MLX's fast attention takes no mask array on
+On a CUDA GPU one launch while CAP <= 1024, two beyond (MLX's fast attention takes no mask array on
 CUDA, and its fallback is a matmul, the mask, a softmax and a matmul); elsewhere MLX ops: its
 attention with the mask, or, with `new`, the scores over the buffer and the new key, one softmax
 and two products (no copy of the buffers).
@@ -64,7 +64,7 @@ def decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps: float, k, v, offs
                          mask=None):
     """`qkv [B, 1, (heads + 2 HK) * D]` -> `(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D])`:
     `qkv_heads` at position `offset`, then the attention over the buffers `k, v [B, HK, CAP, D]`
-    with the new key and value read in `slot`. One CUDA launch (two beyond 256 slots); elsewhere
+    with the new key and value read in `slot`. One CUDA launch (two beyond 1024 slots); elsewhere
     those two functions."""
     kernel_takes = qkv.ndim == 3 and qkv.shape[1] == 1 and k.dtype == mx.float32 and v.dtype == mx.float32
     if use_reference() or not on_cuda_gpu() or not kernel_takes:

@@ -1,7 +1,7 @@
 // Runs a CUDA kernel body on the CPU, to check a kernel's index math and reductions where there
 // is no GPU: one std::thread per CUDA thread of a block, the blocks one after another.
 // __shared__ variables become function statics (shared by the block's threads; blocks do not
-// overlap), __syncthreads a block barrier, __shfl_xor_sync an exchange through a warp barrier.
+// overlap), __syncthreads a block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier.
 // Only what our kernel sources use is here. Hardware facts (alignment faults, caching, timing)
 // are not modelled.
 #pragma once
@@ -162,6 +162,19 @@ inline T __shfl_xor_sync(unsigned int, T v, int offset) {
   w.bar.arrive_and_wait();
   T r;
   std::memcpy(&r, &w.slot[lane ^ offset], sizeof(T));
+  w.bar.arrive_and_wait();
+  return r;
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned int, T v, int src) {
+  static_assert(sizeof(T) <= 8, "up to 64-bit values");
+  auto& w = *cuda_emu::block->warps[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  std::memcpy(&w.slot[lane], &v, sizeof(T));
+  w.bar.arrive_and_wait();
+  T r;
+  std::memcpy(&r, &w.slot[src & 31], sizeof(T));
   w.bar.arrive_and_wait();
   return r;
 }

@@ -357,11 +357,11 @@ class AudioCodec(nn.Module):
 
         Decoded in windows of `chunk_frames` output frames plus their context (see the module
         docstring); `None` decodes everything in one pass. Both give the same samples, to float
-        rounding. Each window is dispatched (`mx.async_eval`) as soon as it is built, and the one
-        before it is waited for: two windows in flight, so the device never idles while the host
-        builds the next, and at most two windows' activations are held. (Not waiting at all let the
-        host queue every window at once on CUDA, whose buffers live until their kernels complete:
-        7.7 GB over the timeline for a 30 s answer on the H200.)
+        rounding. Each window's graph is built while the one before it runs, then that one is
+        waited for and this one dispatched (`mx.async_eval`): one window's activations at a time
+        (~0.36 GB at full size), the host's graph building still beside the device. (Not waiting at
+        all let the host queue every window at once on CUDA, whose buffers live until their kernels
+        complete: 7.7 GB over the timeline for a 30 s answer on the H200.)
 
         Every code must lie in [0, codebook_size): control codes are replaced by the caller
         (with the per-codebook silence codes) before decoding; nothing here syncs to check.
@@ -377,10 +377,10 @@ class AudioCodec(nn.Module):
         pieces = []
         for lo, hi, start, end in decode_windows(latent.shape[1], chunk_frames, *decode_context(self.config)):
             wave = self.decode_latent(latent[:, lo:hi])
+            if pieces:
+                mx.eval(pieces[-1])
             pieces.append(wave[:, (start - lo) * spf : (end - lo) * spf])
             mx.async_eval(pieces[-1])
-            if len(pieces) > 1:
-                mx.eval(pieces[-2])
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=1)
 
     # ----------------------------------------------------------------------- references

@@ -334,8 +334,9 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
   if (gpu_stream(s)) {
     // The kernels for the few rows of a TTS step; the composed ops (a GEMM per codebook) for many.
     if (cuda_build() && (method == "fused" || (method == "auto" && residual.shape(0) <= 8))) {
-      return rvq_search_cuda(mx::contiguous(residual, false, s), mx::contiguous(codebooks, false, s),
-                             mx::contiguous(norms32, false, s), start, count, s);
+      // No mx::contiguous here: cuda_kernel makes its inputs row-contiguous itself, at eval and
+      // only when they are not, while a Contiguous node costs the TTS step's graph a node each.
+      return rvq_search_cuda(residual, codebooks, norms32, start, count, s);
     }
     return rvq_search_composed(residual, codebooks, norms32, start, count, s);
   }

@@ -44,6 +44,24 @@ def test_full_size_shapes_one_row(dtype):
     np.testing.assert_allclose(np.array(r), np.array(ref_r), rtol=1e-4, atol=1e-3)
 
 
+def test_strided_inputs_equal_contiguous_ones_without_copy_nodes_on_cuda():
+    # Transposed views (not row-contiguous) give the same codes and residual. On CUDA the kernels
+    # make their inputs row-contiguous themselves (only when needed): no Contiguous node per call.
+    from voicechat.kernels.gemv import on_cuda_gpu
+    from voicechat.llm.opcount import count_ops
+
+    key_r, key_e = mx.random.split(mx.random.key(11))
+    residual = mx.random.normal((40, 3), key=key_r).T                            # [3, 40], strided
+    codebooks = mx.random.normal((6, 40, 48), key=key_e).transpose(0, 2, 1)   # [6, 48, 40], strided
+    norms = codebook_norms(codebooks)
+    codes, r = rvq_search(residual, codebooks, 1, 4, norms, method="fused")
+    want_codes, want_r = rvq_search(mx.contiguous(residual), mx.contiguous(codebooks), 1, 4, norms, method="fused")
+    np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
+    np.testing.assert_array_equal(np.array(r), np.array(want_r))
+    if on_cuda_gpu():
+        assert "Contiguous" not in count_ops(*rvq_search(residual, codebooks, 1, 4, norms, method="fused"))
+
+
 def test_exact_codewords_are_found_and_residual_vanishes():
     # A residual that is an exact sum of one codeword per codebook decodes to those codewords.
     rng = np.random.default_rng(0)

@@ -75,7 +75,8 @@ def test_generate(benchmark, chat, seconds, overlap_tts):
 
     benchmark.pedantic(run, rounds=1 if seconds >= 120 else 3, iterations=1, warmup_rounds=0)
     r = results[-1]
-    gen = benchmark.stats.stats.min
+    # with --benchmark-disable (a smoke run) there are no stats: the last run's own time
+    gen = benchmark.stats.stats.min if benchmark.stats else r.timings["generate_s"]
     frames = r.frames + r.prompt_frames
     stages = {k: v for k, v in r.timings.items() if k != "generate_s"}
     benchmark.extra_info.update({

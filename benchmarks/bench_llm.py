@@ -129,8 +129,9 @@ def test_llm_decode_pipelined(benchmark, lm):
 
     mx.eval(audio)
     assert benchmark(chain).shape == (1, 1)
-    benchmark.extra_info.update(size=SIZE, context=CONTEXT, chain=CHAIN,
-                                ms_per_step=1e3 * benchmark.stats.stats.min / CHAIN)
+    if benchmark.stats:  # none with --benchmark-disable
+        benchmark.extra_info.update(size=SIZE, context=CONTEXT, chain=CHAIN,
+                                    ms_per_step=1e3 * benchmark.stats.stats.min / CHAIN)
 
 
 def test_llm_prefix64(benchmark, lm):

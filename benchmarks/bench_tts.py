@@ -87,7 +87,7 @@ def test_tts_backbone_step(benchmark, model):
 
     def run():
         h = tts.backbone.step(x, cache, step_fn)
-        mx.eval(h, cache.buffers)
+        mx.eval(h, cache.buffers, cache.pending)
 
     benchmark.pedantic(run, warmup_rounds=3, rounds=50, iterations=1)
 

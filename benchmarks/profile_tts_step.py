@@ -140,7 +140,7 @@ def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
     offset = mx.array(cache.offset, mx.int32)
 
     def backbone_once():
-        return backbone(hidden, offset, cache.buffers)
+        return backbone(hidden, offset, cache.buffers, cache.pending)
 
     out["backbone"] = _time(backbone_once, rounds)
     out["backbone"].update(_ops(count_ops(backbone_once())))

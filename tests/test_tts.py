@@ -408,11 +408,12 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     fresh.set_tokenizer(TextTokenizer(tiny_checkpoint / "tokenizer.json"))
     fresh.prepare()  # norm scales, the stacks
     cache = fresh.make_cache()
-    cache.reserve(1, 2)
     x = mx.random.normal((2, 1, fresh.cfg.hidden_size))
-    mx.eval(x, cache.buffers)
-    h, buffers = fresh.backbone.step_arrays(x, mx.array(0, mx.int32), cache.buffers)
-    counts = count_ops(h, *buffers)
+    fresh.backbone.step(x, cache)  # its keys are left pending, written by the next step
+    cache.reserve(2, 2)
+    mx.eval(x, cache.buffers, cache.pending)
+    h, buffers, pending = fresh.backbone.step_arrays(x, mx.array(1, mx.int32), cache.buffers, cache.pending)
+    counts = count_ops(h, *buffers, *pending[0])
     layers = fresh.cfg.num_hidden_layers
     assert counts.get("Concatenate") == counts.get("DynamicSliceUpdate") == len(cache.groups) == 2
     assert max(cache.capacity(i) for i in range(layers)) <= 256
@@ -423,5 +424,5 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     cache.reserve(700, 2)
     mx.eval(cache.buffers)
     assert max(cache.capacity(i) for i in range(layers)) == 768
-    h, buffers = fresh.backbone.step_arrays(x, mx.array(699, mx.int32), cache.buffers)
-    assert count_ops(h, *buffers).get("CustomKernel") == 5 * layers + 1
+    h, buffers, pending = fresh.backbone.step_arrays(x, mx.array(699, mx.int32), cache.buffers, cache.pending)
+    assert count_ops(h, *buffers, *pending[0]).get("CustomKernel") == 5 * layers + 1

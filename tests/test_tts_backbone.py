@@ -131,20 +131,63 @@ def test_stepping_from_position_zero_and_chunked_prefill_agree(backbone):
     np.testing.assert_allclose(np.asarray(mx.concatenate(chunks, axis=1)), np.asarray(full), atol=5e-5, rtol=1e-5)
 
 
+def _step_after_one(model, cfg):
+    """A cache after a prefill of 5 positions and one step (its keys pending), and the graph of
+    the next step: `(cache, h, buffers, pending)`."""
+    x = inputs(cfg, 10, seed=7)
+    cache = model.make_cache()
+    model.prefill(x[:, :5], cache)
+    model.step(x[:, 5:6], cache)
+    mx.eval(cache.buffers, cache.pending)
+    cache.reserve(7, x.shape[0])
+    return (cache, *model.step_arrays(x[:, 6:7], mx.array(6, mx.int32), cache.buffers, cache.pending))
+
+
 def test_a_step_reads_each_layers_keys_in_place(backbone):
     """The layers' keys and values are views of their window's buffer: no gather (a copy of the
     layer's keys and a launch each) anywhere in a step."""
     from voicechat.llm.opcount import count_ops
 
     model, cfg = backbone
-    x = inputs(cfg, 10, seed=7)
+    cache, h, buffers, pending = _step_after_one(model, cfg)
+    counts = count_ops(h, *buffers, *pending[0])
+    assert "Gather" not in counts and counts["DynamicSliceUpdate"] == len(cache.groups)
+
+
+def test_a_step_writes_the_last_steps_keys_before_reading_the_buffers(backbone):
+    """The buffers a step is given feed its pending writes and nothing else: every launch of the
+    step reads the updated buffers. (Reading them before the update, as the step once did, kept
+    them in use at the update, which on CUDA then copied them whole every step.)"""
+    import re
+    import tempfile
+
+    model, cfg = backbone
+    _, h, buffers, pending = _step_after_one(model, cfg)
+    with tempfile.NamedTemporaryFile(suffix=".dot") as f:
+        mx.export_to_dot(f.name, h, *buffers, *pending[0])
+        text = open(f.name).read()
+    names = dict(re.findall(r'(\d+) \[label ="([^"]+)"', text))
+    sources = set(re.findall(r'rank=source; "(\w+)"', text))
+    consumers: dict[str, set[str]] = {}
+    for a, b in re.findall(r'"?(\w+)"? -> "?(\w+)"?', text):
+        if a in sources:
+            consumers.setdefault(a, set()).add(names.get(b, b))
+    updated = [c for c in consumers.values() if "DynamicSliceUpdate" in c]
+    assert len(updated) >= 2 * len(buffers)  # each update's buffer and its stacked keys
+    assert all(c == {"DynamicSliceUpdate"} for c in updated), updated
+
+
+def test_pending_keys_are_written_by_the_next_step_or_a_flush(backbone):
+    model, cfg = backbone
+    x = inputs(cfg, 8, seed=5)
     cache = model.make_cache()
     model.prefill(x[:, :5], cache)
-    mx.eval(cache.buffers)
-    cache.reserve(6, x.shape[0])
-    h, buffers = model.step_arrays(x[:, 5:6], mx.array(5, mx.int32), cache.buffers)
-    counts = count_ops(h, *buffers)
-    assert "Gather" not in counts and counts["DynamicSliceUpdate"] == len(cache.groups)
+    before = [np.array(b) for b in cache.buffers]
+    model.step(x[:, 5:6], cache)
+    assert cache.pending is not None and cache.offset == 6
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(before, cache.buffers))  # slot 5 not yet
+    k5, _ = cache.layer_kv(0)  # flushes
+    assert cache.pending is None and float(mx.abs(k5[:, :, 5]).max()) > 0
 
 
 def test_compiled_step_equals_the_uncompiled_step(backbone):

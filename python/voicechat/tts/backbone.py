@@ -178,7 +178,13 @@ def window_groups(windows: list[int | None]) -> tuple[list[int | None], list[tup
 class BackboneCache:
     """The K/V of every layer, one float32 buffer per window (`window_groups`):
     `buffers[g] [2 * layers of g, B * kv_heads, capacity, head_dim]` (layer j's keys at 2j, its
-    values at 2j + 1); and the next position."""
+    values at 2j + 1); and the next position.
+
+    A single-token step leaves its new keys `pending` (stacked per window, with their slots): the
+    next step writes them first, before any of its launches reads the buffers. Written at the end
+    of their own step instead, after that step's attention had read the buffers, the update could
+    never reuse the buffer in place on CUDA (MLX keeps a launch's inputs until it completes) and
+    copied it whole every step. `flush()` writes them for any other reader."""
 
     windows: list[int | None]
     kv_heads: int
@@ -186,6 +192,7 @@ class BackboneCache:
     chunk: int = DEFAULT_CHUNK
     buffers: list[mx.array | None] = field(default_factory=list)
     offset: int = 0
+    pending: tuple[list[mx.array], list[mx.array]] | None = None  # (stacked K/V, slot) per window
 
     def __post_init__(self):
         self.groups, self.place = window_groups(self.windows)
@@ -198,9 +205,17 @@ class BackboneCache:
         return 0 if buf is None else buf.shape[2]
 
     def layer_kv(self, i: int) -> tuple[mx.array, mx.array]:
-        """Layer `i`'s key and value buffers `[B, kv_heads, capacity, head_dim]` (views)."""
+        """Layer `i`'s key and value buffers `[B, kv_heads, capacity, head_dim]` (views), with
+        every stored position written."""
+        self.flush()
         g, j = self.place[i]
         return layer_kv(self.buffers[g], j, self.kv_heads)
+
+    def flush(self) -> None:
+        """Write the last step's pending keys and values into the buffers."""
+        if self.pending is not None:
+            self.buffers = write_stacks(self.buffers, *self.pending)
+            self.pending = None
 
     def reserve(self, end: int, batch: int) -> None:
         """Make room for positions `< end`: global buffers hold `end` slots, sliding ones
@@ -243,12 +258,17 @@ def stacked_kv(pairs: list[tuple[mx.array, mx.array]]) -> mx.array:
     return flat.reshape(2 * len(pairs), b * hk, t, d)
 
 
+def write_stacks(buffers: list[mx.array], stacks: list[mx.array], slots: list[mx.array]) -> list[mx.array]:
+    """`stacks[g] [2 * layers of g, B * HK, 1, D]` into slot `slots[g]` of `buffers[g]`, one update each."""
+    return [mx.slice_update(buf, stack, mx.reshape(slot, (1,)), axes=(2,))
+            for buf, stack, slot in zip(buffers, stacks, slots)]
+
+
 def write_step_kv(buffers: list[mx.array], new_kv: list[list[tuple[mx.array, mx.array]]],
                   slots: list[mx.array]) -> list[mx.array]:
     """A step's cache writes: window g's new keys and values (`new_kv[g]`, a (k, v) `[B, HK, 1, D]`
     per layer of the window, in order) into slot `slots[g]` of `buffers[g]`, one update each."""
-    return [mx.slice_update(buf, stacked_kv(kv), mx.reshape(slot, (1,)), axes=(2,))
-            for buf, kv, slot in zip(buffers, new_kv, slots)]
+    return write_stacks(buffers, [stacked_kv(kv) for kv in new_kv], slots)
 
 
 class Backbone(nn.Module):
@@ -291,6 +311,7 @@ class Backbone(nn.Module):
         """Run `x [B, T, hidden]` at positions `cache.offset ..` (causal, windowed) and store its
         keys; returns the final-norm hidden states `[B, T, hidden]`."""
         b, t, _ = x.shape
+        cache.flush()
         start = cache.offset
         query_pos = mx.arange(start, start + t)[:, None]
         h = x.astype(mx.float32)
@@ -325,15 +346,18 @@ class Backbone(nn.Module):
 
     # ------------------------------------------------------------------ one token
 
-    def step_arrays(self, x: mx.array, offset: mx.array, buffers: list[mx.array]):
+    def step_arrays(self, x: mx.array, offset: mx.array, buffers: list[mx.array], pending=None):
         """Pure function of arrays (compilable): one token `x [B, 1, hidden]` at position
-        `offset` (int32 scalar array) with the cache's `buffers`; returns `(hidden [B, 1, hidden],
-        buffers')`.
+        `offset` (int32 scalar array) with the cache's `buffers` and `pending` writes (see
+        `BackboneCache`); returns `(hidden [B, 1, hidden], buffers', pending')`.
 
-        Each layer attends over its buffer with the new position's slot holding its new key (the
-        attention takes that key beside the buffer); the new keys and values of a window's layers
-        are written together at the end. The buffers must already have room
+        The previous step's pending keys are written first. Each layer then attends over its
+        buffer with the new position's slot holding its new key (the attention takes that key
+        beside the buffer); the new keys and values of a window's layers are stacked into this
+        step's pending write. The buffers must already have room
         (`BackboneCache.reserve(offset + 1)`)."""
+        if pending is not None:
+            buffers = write_stacks(buffers, *pending)
         groups, place = window_groups(self.windows)
         h = x.astype(mx.float32)
         z, qkv = self.layers[0].input_layernorm(h), None
@@ -350,12 +374,12 @@ class Backbone(nn.Module):
             out, k, v = attn.attend_step_from(z, qkv, old_k, old_v, offset, masks[capacity], slots[g])
             h, z, qkv = self._next(layer, i, h, out)
             new_kv[g].append((k, v))
-        return z, write_step_kv(buffers, new_kv, slots)
+        return z, buffers, ([stacked_kv(kv) for kv in new_kv], slots)
 
     def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:
         """One token through the stack with the caches (uncompiled unless `step_fn` is given)."""
         cache.reserve(cache.offset + 1, x.shape[0])
         fn = step_fn or self.step_arrays
-        h, cache.buffers = fn(x, mx.array(cache.offset, mx.int32), cache.buffers)
+        h, cache.buffers, cache.pending = fn(x, mx.array(cache.offset, mx.int32), cache.buffers, cache.pending)
         cache.offset += 1
         return h

@@ -251,16 +251,16 @@ class EarTTS(nn.Module):
         q = self.cfg.num_quantizers
         text = mx.array(text_id, mx.int32) if not isinstance(text_id, mx.array) else text_id.astype(mx.int32)
         cache.reserve(cache.offset + 1, 2)
-        codes, key, cache.buffers = self._step_fn(
+        codes, key, cache.buffers, cache.pending = self._step_fn(
             previous_code.astype(mx.int32).reshape(1, 1, q), text.reshape(1), mx.array(cache.offset, mx.int32),
-            key, silence_codes.astype(mx.int32).reshape(q), cache.buffers)
+            key, silence_codes.astype(mx.int32).reshape(q), cache.buffers, cache.pending)
         cache.offset += 1
         return codes, key
 
-    def _step_graph(self, previous_code, text_id, offset, key, silence, buffers):
+    def _step_graph(self, previous_code, text_id, offset, key, silence, buffers, pending):
         code = mx.where((text_id == self.eos_id)[:, None, None], silence[None, None, :], previous_code)
         cond = self._char_table[mx.minimum(text_id, self.vocab_size)][None]  # [1, 1, hidden]
         x = self.fuse(self.code_embedding(code), cond)
-        hidden, buffers = self.backbone.step_arrays(x, offset, buffers)
+        hidden, buffers, pending = self.backbone.step_arrays(x, offset, buffers, pending)
         codes, key = self.generate_codes(hidden, key)
-        return codes, key, buffers
+        return codes, key, buffers, pending

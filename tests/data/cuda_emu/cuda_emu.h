@@ -153,23 +153,12 @@ inline void launch(int blocks, int threads, const std::function<void()>& kernel)
 
 inline void __syncthreads() { cuda_emu::block->bar.arrive_and_wait(); }
 
+namespace cuda_emu {
+// Every lane of the warp deposits v, then reads lane `src`'s.
 template <typename T>
-inline T __shfl_xor_sync(unsigned int, T v, int offset) {
+inline T warp_exchange(T v, int src) {
   static_assert(sizeof(T) <= 8, "up to 64-bit values");
-  auto& w = *cuda_emu::block->warps[threadIdx.x / 32];
-  const int lane = threadIdx.x % 32;
-  std::memcpy(&w.slot[lane], &v, sizeof(T));
-  w.bar.arrive_and_wait();
-  T r;
-  std::memcpy(&r, &w.slot[lane ^ offset], sizeof(T));
-  w.bar.arrive_and_wait();
-  return r;
-}
-
-template <typename T>
-inline T __shfl_sync(unsigned int, T v, int src) {
-  static_assert(sizeof(T) <= 8, "up to 64-bit values");
-  auto& w = *cuda_emu::block->warps[threadIdx.x / 32];
+  auto& w = *block->warps[threadIdx.x / 32];
   const int lane = threadIdx.x % 32;
   std::memcpy(&w.slot[lane], &v, sizeof(T));
   w.bar.arrive_and_wait();
@@ -177,6 +166,17 @@ inline T __shfl_sync(unsigned int, T v, int src) {
   std::memcpy(&r, &w.slot[src & 31], sizeof(T));
   w.bar.arrive_and_wait();
   return r;
+}
+}  // namespace cuda_emu
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned int, T v, int offset) {
+  return cuda_emu::warp_exchange(v, (threadIdx.x % 32) ^ offset);
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned int, T v, int src) {
+  return cuda_emu::warp_exchange(v, src);
 }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for one warp, from the PTX ISA's fragment

@@ -277,6 +277,19 @@ void expect(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("decode_attention: " + what);
 }
 
+// How the first launch splits CAP slots: nc chunks of kChunk, the dims input [CAP], and whether one
+// chunk holds them all (the part kernel then writes the result, no merge launch).
+struct Chunking {
+  int nc;
+  mx::array dims;
+  bool single;
+};
+
+Chunking chunking(int cap) {
+  const int nc = (cap + kChunk - 1) / kChunk;
+  return {nc, mx::array({cap}, mx::int32), nc == 1};
+}
+
 // The second launch: one block per (b, h) merges its chunks' partial softmaxes -> [B, 1, H * D].
 mx::array combine_chunks(const mx::array& parts, const mx::array& dims, int b, int h, int d, mx::Stream s) {
   static auto combine = make_cuda_kernel(combine_source());
@@ -310,9 +323,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
          "runs on a CUDA stream (float32); elsewhere use voicechat.kernels.decode_attention, which uses "
          "MLX's attention with a mask");
   static auto part = make_cuda_kernel(part_source());
-  const int nc = (cap + kChunk - 1) / kChunk;
-  auto dims = mx::array({cap}, mx::int32);
-  const bool single = nc == 1;
+  const auto [nc, dims, single] = chunking(cap);
   // The offset goes in as its one value and a one-launch result comes out as [B, 1, H * D] (the
   // same flat values as [B * H, D]): no reshape nodes in the graph.
   const mx::Shape result{b, 1, h * d};
@@ -351,9 +362,7 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
          "decode_attention_qkv runs on a CUDA stream (float32 buffers, scales and inv_freq); elsewhere use "
          "voicechat.kernels.decode_attention.decode_attention_qkv, which composes qkv_heads and the attention");
   static auto part = make_cuda_kernel(qkv_part_source());
-  const int nc = (cap + kChunk - 1) / kChunk;
-  auto dims = mx::array({cap}, mx::int32);
-  const bool single = nc == 1;
+  const auto [nc, dims, single] = chunking(cap);
   const mx::Shape result{b, 1, heads * d}, one{b, hk, 1, d};
   auto outs = part({qkv, q_scale, k_scale, inv_freq, mx::array({eps}), k, v, mx::astype(offset, mx::int32, s),
                     mx::array({scale}), dims, mx::astype(slot, mx::int32, s)},

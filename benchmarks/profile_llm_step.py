@@ -45,6 +45,7 @@ def _stats(samples: list[float]) -> dict:
 
 def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False, context: int = CONTEXT) -> dict:
     h = lm.llm.config.hidden_size
+    context = max(context, 1)  # the prefix call takes at least one position
     audio = mx.random.normal((1, context + chain + 1, h), key=mx.random.key(0))
     pad = mx.full((1, context), PAD, dtype=mx.int32)
     primed = lm.make_cache()

@@ -4,14 +4,15 @@
 //   out[b, h] = softmax_s(scale * q[b, h] . k[b, h / G, s]) @ v[b, h / G, s]   over slots s <= offset
 //
 // Optionally slot `slot` is read from k_new / v_new [B, HK, 1, D] instead of the buffers: the new
-// position's key, not yet written (the TTS backbone writes every layer's new keys in one update
-// after the step). slot = -1: the buffers only.
+// position's key, not yet written (on CUDA the TTS step's launch then writes it in place, see
+// decode_attention_qkv; elsewhere the backbone writes every layer's new keys in one update). slot =
+// -1: the buffers only.
 //
 // G = H / HK (grouped heads). MLX's fast attention takes neither a mask array nor head dim 72 on
 // CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
 // NC chunks of CH slots per (b, h) each keep an online softmax (max, sum, weighted values) over
 // their valid slots, then one block per (b, h) merges the chunks: two launches, or one while the
-// buffers hold <= CH slots (the chunk normalizes and writes the result itself). No block waits for
+// buffers hold <= 1024 slots (one chunk normalizes and writes the result itself). No block waits for
 // another. A chunk's warps take 32 slots at a time, a slot a lane, so a step's time does not grow
 // slot by slot (one slot a warp at a time grew the TTS step ~1.5 ms between 40 and 490 positions
 // on the H200). CUDA through fast::cuda_kernel; elsewhere MLX's attention with the mask (the
@@ -36,10 +37,15 @@ namespace voicechat {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kChunk = 1024;  // slots per block of the first launch: 4 passes of its 8 warps
+// Slots per block of the first launch. Up to kChunk slots one block per (b, h) takes them all (4
+// passes of its 8 warps) and writes the result: one launch. Beyond, the merge launch is paid
+// anyway, so the chunks shrink to one pass a warp (kSplitChunk) for 4x the blocks: the TTS's 32
+// (b, h) pairs read ~0.8 GB of K/V a step at 120 s, and 64 blocks could not stream it.
+constexpr int kChunk = 1024;
+constexpr int kSplitChunk = 256;
 
-// Template args: D, H, HK, CH, THREADS, SINGLE; dims = [CAP] (the buffers' slots: an input, so that
-// a growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum,
+// Template args: D, H, HK, CH (kChunk when SINGLE, else kSplitChunk), THREADS, SINGLE; dims = [CAP]
+// (the buffers' slots: an input, so that a growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum,
 // values); SINGLE (CAP <= CH, one chunk): the result itself, [B * H, D], and no second launch.
 constexpr const char* kPartHead = R"(
   const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
@@ -65,8 +71,9 @@ constexpr const char* kPlainPrologue = R"(  for (int d = threadIdx.x; d < D; d +
 
 // From the stacked projection instead (vc_decode_attn_qkv_part): warp 0 makes this head's q, warp 1
 // the new key of its K/V head (vc_head_norm_rope, as qkv_heads does), warp 2 copies the new value; the
-// first chunk of the first query head of each K/V head writes that key and value out for the cache.
-// Template arg TX: qkv's type.
+// first chunk of the first query head of each K/V head writes that key and value out for the cache,
+// and with WRITE also into the buffers' slot itself (in place: see decode_attention_qkv).
+// Template args TX: qkv's type; WRITE.
 constexpr const char* kQkvPrologue = R"(
   __shared__ __align__(16) float kns[D];
   __shared__ __align__(16) float vns[D];
@@ -86,6 +93,13 @@ constexpr const char* kQkvPrologue = R"(
     for (int d = threadIdx.x; d < D; d += THREADS) {
       k_out[(static_cast<size_t>(b) * HK + hk) * D + d] = kns[d];
       v_out[(static_cast<size_t>(b) * HK + hk) * D + d] = vns[d];
+    }
+    if constexpr (WRITE) {  // no block of this launch reads the slot from the buffers (it reads kns / vns)
+      const size_t at = ((static_cast<size_t>(b) * HK + hk) * CAP + slot[0]) * D;
+      for (int d = threadIdx.x; d < D; d += THREADS) {
+        const_cast<float*>(k)[at + d] = kns[d];
+        const_cast<float*>(v)[at + d] = vns[d];
+      }
     }
   }
   const float* kn = kns;
@@ -216,7 +230,7 @@ const CudaSource& part_source() {
     return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t", "float", "float", "int32_t"},
                         {"float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)},
-                         P{"HK", int_arg(hk)}, P{"CH", int_arg(kChunk)},
+                         P{"HK", int_arg(hk)}, P{"CH", int_arg(single ? kChunk : kSplitChunk)},
                          P{"THREADS", int_arg(kThreads)},
                          P{"SINGLE", single ? "bool:true" : "bool:false"}}};
   };
@@ -234,13 +248,14 @@ const CudaSource& part_source() {
 
 const CudaSource& qkv_part_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int h, int hk, bool single, const std::string& tx) {
+  auto inst = [](int d, int h, int hk, bool single, const std::string& tx, bool write) {
     return CudaInstance{{tx, "float", "float", "float", "float", "float", "float", "int32_t", "float", "int32_t",
                          "int32_t"},
                         {"float", "float", "float"},
-                        {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"HK", int_arg(hk)}, P{"CH", int_arg(kChunk)},
-                         P{"THREADS", int_arg(kThreads)}, P{"SINGLE", single ? "bool:true" : "bool:false"},
-                         P{"TX", type_arg(tx)}}};
+                        {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"HK", int_arg(hk)},
+                         P{"CH", int_arg(single ? kChunk : kSplitChunk)}, P{"THREADS", int_arg(kThreads)},
+                         P{"SINGLE", single ? "bool:true" : "bool:false"}, P{"TX", type_arg(tx)},
+                         P{"WRITE", write ? "bool:true" : "bool:false"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_qkv_part",
@@ -248,8 +263,10 @@ const CudaSource& qkv_part_source() {
       {"part", "k_out", "v_out"},
       std::string(kPartHead) + kQkvPrologue + kPartBody,
       head_norm_rope_header(),
-      // the TTS backbone's step (one chunk, then two), grouped heads in bfloat16
-      {inst(72, 16, 16, true, "float"), inst(72, 16, 16, false, "float"), inst(80, 4, 2, false, "__nv_bfloat16")},
+      // the TTS backbone's step (one chunk, then several; writing the cache in place), grouped heads in
+      // bfloat16
+      {inst(72, 16, 16, true, "float", true), inst(72, 16, 16, false, "float", true),
+       inst(72, 16, 16, true, "float", false), inst(80, 4, 2, false, "__nv_bfloat16", false)},
   });
   return src;
 }
@@ -259,7 +276,7 @@ const CudaSource& combine_source() {
   auto inst = [](int d) {
     return CudaInstance{{"float", "int32_t"},
                         {"float"},
-                        {P{"D", int_arg(d)}, P{"CH", int_arg(kChunk)},
+                        {P{"D", int_arg(d)}, P{"CH", int_arg(kSplitChunk)},
                          P{"THREADS", "int:128"}}};
   };
   static const CudaSource& src = register_cuda_source({
@@ -277,24 +294,27 @@ void expect(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("decode_attention: " + what);
 }
 
-// How the first launch splits CAP slots: nc chunks of kChunk, the dims input [CAP], and whether one
-// chunk holds them all (the part kernel then writes the result, no merge launch).
+// How the first launch splits CAP slots: nc chunks of ch slots (kChunk up to kChunk slots, else
+// kSplitChunk), the dims input [CAP], and whether one chunk holds them all (the part kernel then
+// writes the result, no merge launch).
 struct Chunking {
   int nc;
   mx::array dims;
   bool single;
+  int ch;  // slots per chunk
 };
 
 Chunking chunking(int cap) {
-  const int nc = (cap + kChunk - 1) / kChunk;
-  return {nc, mx::array({cap}, mx::int32), nc == 1};
+  const int ch = cap <= kChunk ? kChunk : kSplitChunk;
+  const int nc = (cap + ch - 1) / ch;
+  return {nc, mx::array({cap}, mx::int32), nc == 1, ch};
 }
 
 // The second launch: one block per (b, h) merges its chunks' partial softmaxes -> [B, 1, H * D].
 mx::array combine_chunks(const mx::array& parts, const mx::array& dims, int b, int h, int d, mx::Stream s) {
   static auto combine = make_cuda_kernel(combine_source());
   return combine({parts, dims}, {{b, 1, h * d}}, {mx::float32}, {b * h * 128, 1, 1}, {128, 1, 1},
-                 {{"D", d}, {"CH", kChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
+                 {{"D", d}, {"CH", kSplitChunk}, {"THREADS", 128}}, std::nullopt, false, s)[0];
 }
 
 // q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid);
@@ -323,7 +343,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
          "runs on a CUDA stream (float32); elsewhere use voicechat.kernels.decode_attention, which uses "
          "MLX's attention with a mask");
   static auto part = make_cuda_kernel(part_source());
-  const auto [nc, dims, single] = chunking(cap);
+  const auto [nc, dims, single, ch] = chunking(cap);
   // The offset goes in as its one value and a one-launch result comes out as [B, 1, H * D] (the
   // same flat values as [B * H, D]): no reshape nodes in the graph.
   const mx::Shape result{b, 1, h * d};
@@ -332,7 +352,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                      with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : mx::array({-1}, mx::int32)},
                     {single ? result : mx::Shape{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
                     {kThreads, 1, 1},
-                    {{"D", d}, {"H", h}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single}},
+                    {{"D", d}, {"H", h}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single}},
                     std::nullopt, false, s)[0];
   return single ? parts : combine_chunks(parts, dims, b, h, d, s);
 }
@@ -342,10 +362,19 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 // bfloat16 or float16), normed and rotated as qkv_heads does at position `offset`; the new key and
 // value are read in `slot` instead of the buffers k, v [B, HK, CAP, D]. Returns (out [B, 1, H * D],
 // k_new, v_new [B, HK, 1, D]) float32: the step's attention and what the cache is to store.
+//
+// write_cache: the launch also stores k_new / v_new in `slot` of k and v themselves, in place, where
+// MLX sees no write. That is what lets a decode step keep its cache without an update op: MLX-CUDA
+// keeps every launch's inputs until it completes, so an update of a buffer that launches still in
+// flight read is never done in place but copies the whole buffer (~0.8 GB a step at 120 s). Safe
+// because (a) no block of the launch reads the slot from memory (it reads the new key from shared
+// memory), (b) every earlier reader of the slot is an ancestor of this launch in the graph (the
+// previous steps' attention feeds this step's input), and (c) k and v are row-contiguous views of
+// the cache's buffers (MLX would otherwise hand the kernel a copy; the GPU tests would see it).
 std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
     const mx::array& qkv, const mx::array& q_scale, const mx::array& k_scale, const mx::array& inv_freq, float eps,
     const mx::array& k, const mx::array& v, const mx::array& offset, float scale, const mx::array& slot, int heads,
-    mx::StreamOrDevice s_) {
+    bool write_cache, mx::StreamOrDevice s_) {
   expect(k.ndim() == 4 && v.shape() == k.shape(), "k and v must be [B, HK, CAP, D] alike");
   const int b = k.shape(0), hk = k.shape(1), cap = k.shape(2), d = k.shape(3);
   expect(heads >= 1 && heads % hk == 0, "the query heads must be a multiple of the K/V heads");
@@ -362,14 +391,14 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
          "decode_attention_qkv runs on a CUDA stream (float32 buffers, scales and inv_freq); elsewhere use "
          "voicechat.kernels.decode_attention.decode_attention_qkv, which composes qkv_heads and the attention");
   static auto part = make_cuda_kernel(qkv_part_source());
-  const auto [nc, dims, single] = chunking(cap);
+  const auto [nc, dims, single, ch] = chunking(cap);
   const mx::Shape result{b, 1, heads * d}, one{b, hk, 1, d};
   auto outs = part({qkv, q_scale, k_scale, inv_freq, mx::array({eps}), k, v, mx::astype(offset, mx::int32, s),
                     mx::array({scale}), dims, mx::astype(slot, mx::int32, s)},
                    {single ? result : mx::Shape{b * heads * nc, d + 2}, one, one},
                    {mx::float32, mx::float32, mx::float32}, {b * heads * nc * kThreads, 1, 1}, {kThreads, 1, 1},
-                   {{"D", d}, {"H", heads}, {"HK", hk}, {"CH", kChunk}, {"THREADS", kThreads}, {"SINGLE", single},
-                    {"TX", qkv.dtype()}},
+                   {{"D", d}, {"H", heads}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},
+                    {"TX", qkv.dtype()}, {"WRITE", write_cache}},
                    std::nullopt, false, s);
   return {single ? outs[0] : combine_chunks(outs[0], dims, b, heads, d, s), outs[1], outs[2]};
 }
@@ -386,11 +415,14 @@ void bind(py::module_& m) {
         "float32, in one CUDA launch while CAP <= 1024, two beyond; CUDA streams only.");
   m.def("decode_attention_qkv", &decode_attention_qkv, py::arg("qkv"), py::arg("q_scale"), py::arg("k_scale"),
         py::arg("inv_freq"), py::arg("eps"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
-        py::arg("slot"), py::arg("heads"), py::kw_only(), py::arg("stream") = py::none(),
+        py::arg("slot"), py::arg("heads"), py::kw_only(), py::arg("write_cache") = false,
+        py::arg("stream") = py::none(),
         "qkv_heads and decode_attention with a new key in one launch: from the stacked projection qkv "
         "[B, (heads + 2 HK) * D], q and the new key are RMS-normed per head (q_scale / k_scale) and rotated at "
         "`offset`; the new key and value are read in `slot` instead of the buffers k, v [B, HK, CAP, D]. Returns "
-        "(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D]) float32; CUDA streams only.");
+        "(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D]) float32; CUDA streams only. write_cache=True also "
+        "stores the new key and value in `slot` of k and v in place (they must be row-contiguous views of the "
+        "cache's buffers, and nothing may read the slot's old contents later).");
 }
 
 }  // namespace

@@ -116,6 +116,40 @@ def test_attention_from_the_projection_equals_heads_then_attention(b, h, hk, cap
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
+@pytest.mark.parametrize("cap,offset", [(300, 7), (1300, 1299), (7500, 9000)])
+def test_attention_from_the_projection_writes_the_cache_in_place(cap, offset):
+    """write_cache: the launch stores the new key and value in the slot of the buffers it was given,
+    views of a stacked buffer as the TTS cache hands them (MLX must pass the kernel their own
+    memory); every other slot unchanged, the output as without the write."""
+    from voicechat.tts.backbone import layer_kv
+
+    b, h, hk, d = 2, 16, 16, 72
+    qkv, q_scale, k_scale, inv_freq, _, _ = _qkv_inputs(b, h, hk, 8, d, mx.float32, seed=cap)
+    stack = mx.random.normal((4, b * hk, cap, d), key=mx.random.key(cap))
+    mx.eval(stack)
+    before = np.array(stack)
+    k, v = layer_kv(stack, 1, hk)
+    slot = mx.array(offset % cap, mx.int32)
+    args = (qkv, q_scale, k_scale, inv_freq, 1e-6, k, v, mx.array(offset, mx.int32), 256**-0.5, slot, h)
+    plain = decode_attention_qkv(*args)
+    mx.eval(plain)
+    got, k_new, v_new = decode_attention_qkv(*args, write_cache=True)
+    mx.eval(got, k_new, v_new)
+    want = before.copy()
+    want[2, :, offset % cap] = np.array(k_new).reshape(b * hk, d)
+    want[3, :, offset % cap] = np.array(v_new).reshape(b * hk, d)
+    np.testing.assert_array_equal(np.array(stack), want)
+    np.testing.assert_array_equal(np.array(got), np.array(plain[0]))
+
+
+def test_write_cache_is_refused_off_the_kernel_path():
+    qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(1, 4, 2, 20, 8, mx.float32, seed=3)
+    with mx.stream(mx.cpu), pytest.raises(ValueError, match="write_cache"):
+        decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, 1e-6, k, v, mx.array(3, mx.int32), 0.5,
+                             mx.array(3, mx.int32), 4, write_cache=True)
+
+
 def test_attention_from_the_projection_refuses_bad_arguments():
     qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(1, 4, 2, 20, 8, mx.float32, seed=1)
     zero = mx.array([0], mx.int32)

@@ -40,10 +40,11 @@ CUDA_TYPE = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__h
 class Case:
     """One kernel launch: the source, template args, inputs (mx arrays), output shapes / types."""
 
-    def __init__(self, source, template_args, inputs, outputs, blocks, threads, offsets=None):
+    def __init__(self, source, template_args, inputs, outputs, blocks, threads, offsets=None, written=()):
         self.source, self.template_args, self.inputs, self.outputs = SOURCES[source], template_args, inputs, outputs
         self.blocks, self.threads = blocks, threads
         self.offsets = offsets or [0] * len(inputs)  # elements to shift an input pointer by (unaligned)
+        self.written = tuple(written)  # inputs the kernel writes in place: read back after the launch
 
     def input_types(self):
         return [CUDA_TYPE[a.dtype] for a in self.inputs]
@@ -65,6 +66,7 @@ class Case:
         args = [f"in{i}.data() + offsets[{i}]" for i in range(len(self.inputs))]
         args += [f"out{i}.data()" for i in range(len(self.outputs))]
         writes = [f"cuda_emu_io::write(dir + \"/out{i}.bin\", out{i});" for i in range(len(self.outputs))]
+        writes += [f"cuda_emu_io::write(dir + \"/in{i}.after.bin\", in{i});" for i in self.written]
         return f"""
 namespace {name} {{
 void kernel({", ".join(params)}) {{
@@ -136,7 +138,12 @@ def run(exe: Path, name: str, case: Case, tmp: Path) -> list[np.ndarray]:
     counts = [int(np.prod(shape)) for _, shape in case.outputs]
     subprocess.run([str(exe), name, str(d), str(case.blocks), str(case.threads), str(len(counts)),
                     *map(str, counts), *map(str, case.offsets)], check=True, timeout=300)
-    return [np.fromfile(d / f"out{i}.bin", dtype=NP[t]).reshape(shape) for i, (t, shape) in enumerate(case.outputs)]
+    outs = [np.fromfile(d / f"out{i}.bin", dtype=NP[t]).reshape(shape) for i, (t, shape) in enumerate(case.outputs)]
+    for i in case.written:  # after the outputs: the inputs written in place, as they are after the launch
+        a = case.inputs[i]
+        data = np.fromfile(d / f"in{i}.after.bin", dtype=NP[CUDA_TYPE[a.dtype]])
+        outs.append(data[case.offsets[i]:].reshape(a.shape))
+    return outs
 
 
 def as_float(a: np.ndarray, cuda_type: str) -> np.ndarray:
@@ -365,8 +372,15 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
     return case, ref
 
 
-# Slots per block of the decode attention's first launch (csrc/decode_attention.cpp's kChunk).
-ATTN_CHUNK = 1024
+# Slots per block of the decode attention's first launch (csrc/decode_attention.cpp): all of them up
+# to ATTN_CHUNK (one launch), else ATTN_SPLIT_CHUNK a block and a merge launch.
+ATTN_CHUNK, ATTN_SPLIT_CHUNK = 1024, 256
+
+
+def attn_chunking(cap):
+    """(slots per chunk, chunks) of the first launch over `cap` slots."""
+    ch = ATTN_CHUNK if cap <= ATTN_CHUNK else ATTN_SPLIT_CHUNK
+    return ch, -(-cap // ch)
 # (B, H, HK, CAP, D) of the decode attention: the TTS's heads over two chunks of slots, grouped heads,
 # one chunk, a head dim that is no multiple of 4 (the scalar key loads)
 ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 1300, 72), "attn_gqa": (1, 4, 2, 1500, 40), "attn_single": (2, 4, 4, 300, 72),
@@ -374,35 +388,40 @@ ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 1300, 72), "attn_gqa": (1, 4, 2, 1500, 40)
 
 
 def attention_cases(tag, b, h, hk, cap, d):
-    nc = -(-cap // ATTN_CHUNK)
+    ch, nc = attn_chunking(cap)
     q, kv = mx.zeros((b, h, 1, d)), mx.zeros((b, hk, cap, d))
     dims = mx.array([cap], mx.int32)
     single = nc == 1  # one chunk: the part kernel writes the result
     new = mx.zeros((b, hk, 1, d))
-    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ATTN_CHUNK, THREADS=256, SINGLE=single),
+    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single),
                 [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), dims, new, new, mx.zeros((1,), mx.int32)],
                 [("float", (b * h * nc, d if single else d + 2))], b * h * nc, 256)
-    combine = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_CHUNK, THREADS=128),
+    combine = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_SPLIT_CHUNK, THREADS=128),
                    [mx.zeros((b * h * nc, d + 2)), dims], [("float", (b * h, d))], b * h, 128)
     return {f"{tag}_part": part, f"{tag}_combine": combine}
 
 
-# (B, H, HK, CAP, D, qkv's dtype) of the attention from the stacked projection: the TTS step over two
-# chunks and over one, grouped heads with a bfloat16 projection
-ATTN_QKV_CONFIGS = {"attn_qkv_tts": (2, 4, 4, 1300, 72, mx.float32), "attn_qkv_single": (2, 4, 4, 300, 72, mx.float32),
-                    "attn_qkv_gqa_bf16": (1, 4, 2, 1500, 40, mx.bfloat16)}
+# (B, H, HK, CAP, D, qkv's dtype, WRITE) of the attention from the stacked projection: the TTS step
+# over several chunks and over one, writing the cache in place over one and several chunks, grouped
+# heads with a bfloat16 projection
+ATTN_QKV_CONFIGS = {"attn_qkv_tts": (2, 4, 4, 1300, 72, mx.float32, False),
+                    "attn_qkv_single": (2, 4, 4, 300, 72, mx.float32, False),
+                    "attn_qkv_write": (2, 4, 4, 300, 72, mx.float32, True),
+                    "attn_qkv_write_chunks": (2, 4, 2, 1300, 72, mx.float32, True),
+                    "attn_qkv_gqa_bf16": (1, 4, 2, 1500, 40, mx.bfloat16, False)}
 
 
-def attention_qkv_case(b, h, hk, cap, d, dtype):
-    nc = -(-cap // ATTN_CHUNK)
+def attention_qkv_case(b, h, hk, cap, d, dtype, write):
+    ch, nc = attn_chunking(cap)
     single = nc == 1
     kv = mx.zeros((b, hk, cap, d))
     inputs = [mx.zeros((b, 1, (h + 2 * hk) * d), dtype), mx.zeros((d,)), mx.zeros((d,)), mx.zeros((d // 2,)),
               mx.zeros((1,)), kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), mx.array([cap], mx.int32),
               mx.zeros((1,), mx.int32)]
-    return Case("vc_decode_attn_qkv_part", dict(D=d, H=h, HK=hk, CH=ATTN_CHUNK, THREADS=256, SINGLE=single, TX=dtype),
+    return Case("vc_decode_attn_qkv_part",
+                dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, TX=dtype, WRITE=write),
                 inputs, [("float", (b * h * nc, d if single else d + 2)), ("float", (b, hk, 1, d)),
-                         ("float", (b, hk, 1, d))], b * h * nc, 256)
+                         ("float", (b, hk, 1, d))], b * h * nc, 256, written=(5, 6) if write else ())
 
 
 RVQ_CONFIGS = {"rvq_f32": (mx.float32, 40, 52, 4), "rvq_bf16": (mx.bfloat16, 64, 128, 32)}  # T, D, K, NB
@@ -542,9 +561,9 @@ def emulated(tmp_path_factory):
             cases[name], refs[name] = case, None
     for tag, config in ATTN_QKV_CONFIGS.items():
         cases[tag], refs[tag] = attention_qkv_case(*config), None
-        b, h, hk, cap, d, _ = config
-        cases[f"{tag}_combine"] = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_CHUNK, THREADS=128),
-                                       [mx.zeros((b * h * -(-cap // ATTN_CHUNK), d + 2)), mx.array([cap], mx.int32)],
+        b, h, hk, cap, d = config[:5]
+        cases[f"{tag}_combine"] = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_SPLIT_CHUNK, THREADS=128),
+                                       [mx.zeros((b * h * attn_chunking(cap)[1], d + 2)), mx.array([cap], mx.int32)],
                                        [("float", (b * h, d))], b * h, 128)
     for tag, config in RVQ_CONFIGS.items():
         for name, case in rvq_cases(tag, *config).items():
@@ -640,7 +659,7 @@ def test_mog_sample_kernel_emulated(emulated, name):
 
 
 def _merged(exe, cases, tag, out, cap, tmp):
-    """The attention's second launch (over ATTN_CHUNK slots): the chunks' partial softmaxes merged."""
+    """The attention's second launch (beyond ATTN_CHUNK slots): the chunks' partial softmaxes merged."""
     if cap <= ATTN_CHUNK:
         return out
     combine = cases[f"{tag}_combine"]
@@ -686,7 +705,7 @@ def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
     """The head preparation inside the attention equals qkv_heads then the attention with the new
     key in the position's slot; the key and value it writes out equal qkv_heads' k and v."""
     exe, cases, _, _, tmp = emulated
-    b, h, hk, cap, d, dtype = ATTN_QKV_CONFIGS[tag]
+    b, h, hk, cap, d, dtype, write = ATTN_QKV_CONFIGS[tag]
     keys = mx.random.split(mx.random.key(offset + d + 1), 5)
     qkv = (2.0 * mx.random.normal((b, 1, (h + 2 * hk) * d), key=keys[0])).astype(dtype)
     q_scale = 1.0 + 0.1 * mx.random.normal((d,), key=keys[1])
@@ -699,8 +718,15 @@ def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
                    mx.array([scale]), mx.array([cap], mx.int32), mx.array([slot], mx.int32)]
     name = f"{tag}_{offset}"
     (tmp / name).mkdir()
-    out, k_new, v_new = run(exe, tag, case, tmp / name)
+    out, k_new, v_new, *written = run(exe, tag, case, tmp / name)
     out = _merged(exe, cases, tag, out, cap, tmp / f"{name}_c")
+    if write:  # the new key and value stored in the slot, every other slot as it was
+        for after, before, new in zip(written, (k, v), (k_new, v_new)):
+            want_buffer = np.array(before)
+            want_buffer[:, :, slot] = new[:, :, 0]
+            np.testing.assert_array_equal(after, want_buffer)
+    else:
+        assert not written
     with mx.stream(mx.cpu):
         q, want_k, want_v = qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, h, hk, 1e-6)
         want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale,

@@ -119,6 +119,47 @@ def test_steps_with_caches_equal_the_full_recompute(backbone, chunk):
     np.testing.assert_allclose(np.asarray(steps), np.asarray(full), atol=5e-5, rtol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def stacked(tiny_checkpoint):
+    """The backbone as `EarTTS.prepare` leaves it: q/k/v stacked, so that on CUDA the step's
+    attention launches prepare the heads and store the new keys in the buffers themselves."""
+    ckpt = open_checkpoint(tiny_checkpoint)
+    cfg = ckpt.config.tts_config
+    model = Backbone(cfg)
+    ckpt.load_into(model, PREFIX)
+    for layer in model.layers:
+        layer.self_attn.stack()
+    return model, cfg
+
+
+def test_stacked_steps_equal_the_full_recompute(stacked):
+    """The step as the model runs it: on CUDA each attention launch writes its layer's new key and
+    value in place (no update op: `pending` stays None), elsewhere the pending writes. Past the
+    window (the rings overwrite slots a previous step read), through buffer growth (chunk 8), and
+    compiled as EarTTS compiles it."""
+    from voicechat.kernels.gemv import on_cuda_gpu
+
+    model, cfg = stacked
+    assert model.writes_cache_in_place() == on_cuda_gpu()
+    x = inputs(cfg, 80, seed=4)
+    full = model.prefill(x, model.make_cache())
+    compiled = mx.compile(model.step_arrays)
+    for step_fn in (None, compiled):
+        cache = model.make_cache(8)
+        outs = [model.prefill(x[:, :37], cache)]
+        for p in range(37, 80):
+            outs.append(model.step(x[:, p : p + 1], cache, step_fn))
+            assert (cache.pending is None) == on_cuda_gpu()
+        np.testing.assert_allclose(np.asarray(mx.concatenate(outs, axis=1)), np.asarray(full), atol=5e-5,
+                                   rtol=1e-5)
+        # The buffers hold what a prefill of the same positions stores.
+        cache.flush()
+        want = model.make_cache(8)
+        model.prefill(x, want)
+        for got, ref in zip(cache.buffers, want.buffers):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=5e-5, rtol=1e-5)
+
+
 def test_stepping_from_position_zero_and_chunked_prefill_agree(backbone):
     model, cfg = backbone
     x = inputs(cfg, 70, seed=2)

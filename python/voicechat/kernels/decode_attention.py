@@ -16,7 +16,11 @@ and two products (no copy of the buffers).
 
 `decode_attention_qkv` is the TTS step's form: q and the new key / value come from the stacked
 q/k/v projection, normed and rotated as `qkv_heads` does, in the same launch on a CUDA GPU (one
-launch a layer fewer); it also returns that key and value for the cache.
+launch a layer fewer); it also returns that key and value for the cache, or on CUDA writes them
+into the cache's buffers itself (`write_cache`).
+
+On CUDA beyond 1024 slots the first launch takes 256 slots a block (one pass of its warps) and a
+second one merges them.
 """
 
 from __future__ import annotations
@@ -60,16 +64,29 @@ def decode_attention(q, k, v, offset, scale: float, mask=None, new=None):
     return ext.decode_attention(q, k, v, offset, scale, k_new=k_new, v_new=v_new, slot=slot)
 
 
+def qkv_kernel_takes(qkv, k, v) -> bool:
+    """Whether `decode_attention_qkv` runs our kernel for these arrays (and so can write the cache in
+    place): a CUDA GPU, no `VOICECHAT_REFERENCE`, one position, float32 buffers."""
+    return (not use_reference() and on_cuda_gpu() and qkv.ndim == 3 and qkv.shape[1] == 1
+            and k.dtype == mx.float32 and v.dtype == mx.float32)
+
+
 def decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps: float, k, v, offset, scale: float, slot, heads: int,
-                         mask=None):
+                         mask=None, write_cache: bool = False):
     """`qkv [B, 1, (heads + 2 HK) * D]` -> `(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D])`:
     `qkv_heads` at position `offset`, then the attention over the buffers `k, v [B, HK, CAP, D]`
     with the new key and value read in `slot`. One CUDA launch (two beyond 1024 slots); elsewhere
-    those two functions."""
-    kernel_takes = qkv.ndim == 3 and qkv.shape[1] == 1 and k.dtype == mx.float32 and v.dtype == mx.float32
-    if use_reference() or not on_cuda_gpu() or not kernel_takes:
+    those two functions.
+
+    `write_cache` (only where `qkv_kernel_takes`; refused elsewhere): the launch also stores the new
+    key and value in `slot` of `k` and `v` themselves, in place. They must be views of the cache's
+    own buffers, and no later reader may want the slot's old contents (see csrc/decode_attention.cpp)."""
+    if not qkv_kernel_takes(qkv, k, v):
+        if write_cache:
+            raise ValueError("decode_attention_qkv: write_cache needs the CUDA kernel (see qkv_kernel_takes)")
         q, k_new, v_new = qkv_heads(qkv, q_scale, k_scale, inv_freq, offset, heads, k.shape[1], eps)
         return decode_attention(q, k, v, offset, scale, mask, new=(k_new, v_new, slot)), k_new, v_new
     offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     slot = slot if isinstance(slot, mx.array) else mx.array(slot, mx.int32)
-    return tuple(ext.decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps, k, v, offset, scale, slot, heads))
+    return tuple(ext.decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps, k, v, offset, scale, slot, heads,
+                                          write_cache=write_cache))

@@ -37,6 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..config import TTSConfig
+from ..kernels._native import use_reference
 from ..kernels.decode_attention import decode_attention, decode_attention_qkv
 from ..kernels.gemv import on_cuda_gpu, stack_linears
 from ..kernels.qkv_heads import qkv_heads, rope_inv_freq
@@ -72,6 +73,10 @@ class Attention(nn.Module):
     def unstack(self) -> None:
         self._qkv = None
 
+    def fuses_step(self) -> bool:
+        """Whether a step's head norms and RoPE run inside the attention launch (CUDA, stacked q/k/v)."""
+        return self._qkv is not None and on_cuda_gpu() and self.q_norm.eps == self.k_norm.eps
+
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
         """q, k, v as [B, heads, T, head_dim] (float32), RoPE at positions offset.. ."""
         if self._qkv is not None:
@@ -104,18 +109,23 @@ class Attention(nn.Module):
         there). Our kernel on CUDA, composed MLX ops elsewhere (`kernels.decode_attention`)."""
         return self.o_proj(decode_attention(q, k, v, offset, self.scale, mask, new=new))
 
-    def attend_step_from(self, z, qkv, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array, slot: mx.array):
+    def attend_step_from(self, z, qkv, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array, slot: mx.array,
+                         write_cache: bool = False):
         """One step from the layer's normed input `z`, or from its stacked q/k/v projection `qkv`
         already made: `(o_proj(attention), new key, new value)`, the new key and value seen in
-        `slot` of the buffers k, v. On a CUDA GPU with the stacked projection, the head norms and
-        RoPE run inside the attention launch (`decode_attention_qkv`): one launch a layer fewer."""
+        `slot` of the buffers k, v. On a CUDA GPU with the stacked projection (`fuses_step`), the
+        head norms and RoPE run inside the attention launch (`decode_attention_qkv`): one launch a
+        layer fewer; `write_cache` (only then) has that launch store the new key and value in the
+        buffers too."""
         if qkv is None and self._qkv is not None:
             qkv = self._qkv(z)
-        if qkv is not None and on_cuda_gpu() and self.q_norm.eps == self.k_norm.eps:
+        if qkv is not None and self.fuses_step():
             out, k_new, v_new = decode_attention_qkv(qkv, self.q_norm.scale, self.k_norm.scale, self._inv_freq,
                                                      self.q_norm.eps, k, v, offset, self.scale, slot, self.n_heads,
-                                                     mask)
+                                                     mask, write_cache=write_cache)
             return self.o_proj(out), k_new, v_new
+        if write_cache:
+            raise ValueError("write_cache needs the fused CUDA step (Attention.fuses_step)")
         q, k_new, v_new = self.project(z, offset) if qkv is None else self.heads(qkv, offset)
         return self.attend_step(q, k, v, offset, mask, (k_new, v_new, slot)), k_new, v_new
 
@@ -180,11 +190,10 @@ class BackboneCache:
     `buffers[g] [2 * layers of g, B * kv_heads, capacity, head_dim]` (layer j's keys at 2j, its
     values at 2j + 1); and the next position.
 
-    A single-token step leaves its new keys `pending` (stacked per window, with their slots): the
-    next step writes them first, before any of its launches reads the buffers. Written at the end
-    of their own step instead, after that step's attention had read the buffers, the update could
-    never reuse the buffer in place on CUDA (MLX keeps a launch's inputs until it completes) and
-    copied it whole every step. `flush()` writes them for any other reader."""
+    On CUDA a single-token step's attention launches write its new keys into the buffers in place
+    (`Backbone.writes_cache_in_place`). Elsewhere the step leaves them `pending` (stacked per
+    window, with their slots): the next step writes them first, before any of its launches reads
+    the buffers, and `flush()` writes them for any other reader."""
 
     windows: list[int | None]
     kv_heads: int
@@ -301,6 +310,14 @@ class Backbone(nn.Module):
         h, out = layer.after_attention(h, attn_out, self.norm_after(i), next_qkv)
         return (h, None, out) if next_qkv is not None else (h, out, None)
 
+    def writes_cache_in_place(self) -> bool:
+        """Whether a step's attention launches store every layer's new key and value in the cache's
+        buffers themselves (CUDA, our kernels): then no update op touches the buffers. An update
+        cannot be done in place on CUDA while launches that read the buffer are in flight (MLX keeps
+        their inputs until they complete), which a pipelined loop always has when the device runs
+        behind: it copied all of the K/V every step (~0.8 GB at 120 s)."""
+        return not use_reference() and all(layer.self_attn.fuses_step() for layer in self.layers)
+
     def make_cache(self, chunk: int = DEFAULT_CHUNK) -> BackboneCache:
         attn = self.layers[0].self_attn
         return BackboneCache(self.windows, attn.n_kv_heads, attn.head_dim, chunk)
@@ -354,8 +371,10 @@ class Backbone(nn.Module):
         The previous step's pending keys are written first. Each layer then attends over its
         buffer with the new position's slot holding its new key (the attention takes that key
         beside the buffer); the new keys and values of a window's layers are stacked into this
-        step's pending write. The buffers must already have room
-        (`BackboneCache.reserve(offset + 1)`)."""
+        step's pending write, or, where `writes_cache_in_place`, the attention launches have
+        stored them already (pending' is None and the buffers are the same arrays). The buffers
+        must already have room (`BackboneCache.reserve(offset + 1)`)."""
+        in_place = self.writes_cache_in_place()
         if pending is not None:
             buffers = write_stacks(buffers, *pending)
         groups, place = window_groups(self.windows)
@@ -371,9 +390,12 @@ class Backbone(nn.Module):
             if capacity not in masks:
                 masks[capacity] = mx.arange(capacity) <= offset
             old_k, old_v = layer_kv(buffers[g], j, attn.n_kv_heads)
-            out, k, v = attn.attend_step_from(z, qkv, old_k, old_v, offset, masks[capacity], slots[g])
+            out, k, v = attn.attend_step_from(z, qkv, old_k, old_v, offset, masks[capacity], slots[g],
+                                              write_cache=in_place)
             h, z, qkv = self._next(layer, i, h, out)
             new_kv[g].append((k, v))
+        if in_place:
+            return z, buffers, None
         return z, buffers, ([stacked_kv(kv) for kv in new_kv], slots)
 
     def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:

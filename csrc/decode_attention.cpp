@@ -367,10 +367,12 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 // MLX sees no write. That is what lets a decode step keep its cache without an update op: MLX-CUDA
 // keeps every launch's inputs until it completes, so an update of a buffer that launches still in
 // flight read is never done in place but copies the whole buffer (~0.8 GB a step at 120 s). Safe
-// because (a) no block of the launch reads the slot from memory (it reads the new key from shared
-// memory), (b) every earlier reader of the slot is an ancestor of this launch in the graph (the
-// previous steps' attention feeds this step's input), and (c) k and v are row-contiguous views of
-// the cache's buffers (MLX would otherwise hand the kernel a copy; the GPU tests would see it).
+// when (a) no block of the launch reads the slot from memory (it reads the new key from shared
+// memory), (b) the caller orders every earlier reader and writer of the buffers before this launch
+// (the TTS cache makes a step's buffers depend on the previous step's launches: mx.depends; the
+// graph alone does not when a step's input is not made from the last step's output), and (c) k
+// and v are row-contiguous views of the cache's buffers (MLX would otherwise hand the kernel a
+// copy; the GPU tests would see it).
 std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
     const mx::array& qkv, const mx::array& q_scale, const mx::array& k_scale, const mx::array& inv_freq, float eps,
     const mx::array& k, const mx::array& v, const mx::array& offset, float scale, const mx::array& slot, int heads,

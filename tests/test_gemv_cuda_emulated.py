@@ -408,7 +408,8 @@ ATTN_QKV_CONFIGS = {"attn_qkv_tts": (2, 4, 4, 1300, 72, mx.float32, False),
                     "attn_qkv_single": (2, 4, 4, 300, 72, mx.float32, False),
                     "attn_qkv_write": (2, 4, 4, 300, 72, mx.float32, True),
                     "attn_qkv_write_chunks": (2, 4, 2, 1300, 72, mx.float32, True),
-                    "attn_qkv_gqa_bf16": (1, 4, 2, 1500, 40, mx.bfloat16, False)}
+                    "attn_qkv_gqa_bf16": (1, 4, 2, 1500, 40, mx.bfloat16, False),
+                    "attn_qkv_tiny": (2, 4, 4, 32, 24, mx.float32, True)}
 
 
 def attention_qkv_case(b, h, hk, cap, d, dtype, write):

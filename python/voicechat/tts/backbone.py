@@ -190,10 +190,12 @@ class BackboneCache:
     `buffers[g] [2 * layers of g, B * kv_heads, capacity, head_dim]` (layer j's keys at 2j, its
     values at 2j + 1); and the next position.
 
-    On CUDA a single-token step's attention launches write its new keys into the buffers in place
-    (`Backbone.writes_cache_in_place`). Elsewhere the step leaves them `pending` (stacked per
-    window, with their slots): the next step writes them first, before any of its launches reads
-    the buffers, and `flush()` writes them for any other reader."""
+    A single-token step leaves `pending` (see `settle`) what the next reader of the buffers must
+    come after. Elsewhere than CUDA these are its new keys (stacked per window, with their slots):
+    the next step writes them first, before any of its launches reads the buffers. On CUDA the
+    step's attention launches have written them in place already (`Backbone.writes_cache_in_place`),
+    and `pending` holds those launches' outputs (with no slots), on which the next reader's buffers
+    are made to depend. `flush()` settles them for any other reader."""
 
     windows: list[int | None]
     kv_heads: int
@@ -201,7 +203,7 @@ class BackboneCache:
     chunk: int = DEFAULT_CHUNK
     buffers: list[mx.array | None] = field(default_factory=list)
     offset: int = 0
-    pending: tuple[list[mx.array], list[mx.array]] | None = None  # (stacked K/V, slot) per window
+    pending: tuple[list[mx.array], list[mx.array]] | None = None  # see `settle`
 
     def __post_init__(self):
         self.groups, self.place = window_groups(self.windows)
@@ -221,9 +223,9 @@ class BackboneCache:
         return layer_kv(self.buffers[g], j, self.kv_heads)
 
     def flush(self) -> None:
-        """Write the last step's pending keys and values into the buffers."""
+        """Settle the last step's pending writes (`settle`)."""
         if self.pending is not None:
-            self.buffers = write_stacks(self.buffers, *self.pending)
+            self.buffers = settle(self.buffers, self.pending)
             self.pending = None
 
     def reserve(self, end: int, batch: int) -> None:
@@ -235,6 +237,8 @@ class BackboneCache:
             have = 0 if buf is None else buf.shape[2]
             if need <= have:
                 continue
+            self.flush()  # the bigger buffer copies the old one: after every write to it
+            buf = self.buffers[g]
             cap = -(-need // self.chunk) * self.chunk
             if window is not None:
                 cap = min(cap, window)
@@ -265,6 +269,19 @@ def stacked_kv(pairs: list[tuple[mx.array, mx.array]]) -> mx.array:
     b, hk, t, d = pairs[0][0].shape
     flat = mx.concatenate([a for pair in pairs for a in pair], axis=0)
     return flat.reshape(2 * len(pairs), b * hk, t, d)
+
+
+def settle(buffers: list[mx.array], pending: tuple[list[mx.array], list[mx.array]]) -> list[mx.array]:
+    """The buffers once a step's `pending` writes are done: `(stacks, slots)` written here, or
+    `(outputs, [])` of launches that wrote in place, which the returned buffers (the same memory)
+    then depend on (`mx.depends`, no launch). Without that edge MLX could run a later step's
+    launches before an earlier one's wherever the later input does not come from the earlier
+    output (teacher-forced steps, one lazy graph): reads before the writes they need, or a write
+    over a slot an earlier step still reads."""
+    stacks, slots = pending
+    if not slots:
+        return mx.depends(buffers, stacks)
+    return write_stacks(buffers, stacks, slots)
 
 
 def write_stacks(buffers: list[mx.array], stacks: list[mx.array], slots: list[mx.array]) -> list[mx.array]:
@@ -368,15 +385,15 @@ class Backbone(nn.Module):
         `offset` (int32 scalar array) with the cache's `buffers` and `pending` writes (see
         `BackboneCache`); returns `(hidden [B, 1, hidden], buffers', pending')`.
 
-        The previous step's pending keys are written first. Each layer then attends over its
-        buffer with the new position's slot holding its new key (the attention takes that key
-        beside the buffer); the new keys and values of a window's layers are stacked into this
-        step's pending write, or, where `writes_cache_in_place`, the attention launches have
-        stored them already (pending' is None and the buffers are the same arrays). The buffers
-        must already have room (`BackboneCache.reserve(offset + 1)`)."""
+        The previous step's pending writes are settled first (`settle`). Each layer then attends
+        over its buffer with the new position's slot holding its new key (the attention takes that
+        key beside the buffer); the new keys and values of a window's layers are stacked into this
+        step's pending write, or, where `writes_cache_in_place`, the attention launches store them
+        and pending' holds those launches' key outputs. The buffers must already have room
+        (`BackboneCache.reserve(offset + 1)`)."""
         in_place = self.writes_cache_in_place()
         if pending is not None:
-            buffers = write_stacks(buffers, *pending)
+            buffers = settle(buffers, pending)
         groups, place = window_groups(self.windows)
         h = x.astype(mx.float32)
         z, qkv = self.layers[0].input_layernorm(h), None
@@ -395,7 +412,7 @@ class Backbone(nn.Module):
             h, z, qkv = self._next(layer, i, h, out)
             new_kv[g].append((k, v))
         if in_place:
-            return z, buffers, None
+            return z, buffers, ([k for kv in new_kv for k, _ in kv], [])
         return z, buffers, ([stacked_kv(kv) for kv in new_kv], slots)
 
     def step(self, x: mx.array, cache: BackboneCache, step_fn=None) -> mx.array:

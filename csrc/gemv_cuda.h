@@ -592,20 +592,25 @@ constexpr const char* kMmaHeader = R"(
 #define VC_MMA_HEADER
 namespace vc_mma {
 
+// Bits 0-3 and 16-19 of w (two nibbles) as a bfloat16 pair of exact integers (low half: bits 0-3):
+// each under the exponent of 128 (0x4300 | n = 128 + n, one LOP3), then one packed FMA removes the 128.
+// The word is reinterpreted as the pair, not split into halves and rebuilt (that cost 8 conversions
+// and 6 moves a tile in the PTX).
+__device__ __forceinline__ unsigned int exact_pair(unsigned int w) {
+  const unsigned int v = (w & 0x000F000Fu) | 0x43004300u;
+  const unsigned int one = 0x3F803F80u, minus128 = 0xC300C300u;  // bfloat16 pairs (1, 1) and (-128, -128)
+  const __nv_bfloat162 h = __hfma2(*reinterpret_cast<const __nv_bfloat162*>(&v),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&one),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&minus128));
+  return *reinterpret_cast<const unsigned int*>(&h);
+}
+
 // The two nibbles of byte t of w (low nibble first: MLX's packing) as a bfloat16 pair of exact
 // integers (low half: the low nibble). `w4` = w >> 4 (shared by a word's four bytes): byte t of w
-// into byte 0 and byte t of w4 into byte 2 (its low nibble: w's high one), each nibble under the
-// exponent of 128 (0x4300 | n = 128 + n), then one packed FMA that removes the 128: exact.
+// into byte 0 and byte t of w4 into byte 2 (its low nibble: w's high one), then exact_pair.
 // `selector` = t | t << 4 | (t + 4) << 8 | (t + 4) << 12.
 __device__ __forceinline__ unsigned int int4_pair(unsigned int w, unsigned int w4, unsigned int selector) {
-  const unsigned int v = (__byte_perm(w, w4, selector) & 0x000F000Fu) | 0x43004300u;
-  const __nv_bfloat162 h = __hfma2(
-      __halves2bfloat162(__ushort_as_bfloat16(static_cast<unsigned short>(v & 0xFFFFu)),
-                         __ushort_as_bfloat16(static_cast<unsigned short>(v >> 16))),
-      __halves2bfloat162(__float2bfloat16(1.0f), __float2bfloat16(1.0f)),
-      __halves2bfloat162(__float2bfloat16(-128.0f), __float2bfloat16(-128.0f)));
-  return static_cast<unsigned int>(__bfloat16_as_ushort(h.x)) |
-         (static_cast<unsigned int>(__bfloat16_as_ushort(h.y)) << 16);
+  return exact_pair(__byte_perm(w, w4, selector));
 }
 
 #ifndef VC_EMU_MMA
@@ -692,6 +697,89 @@ constexpr const char* kQmvMmaSource = R"(
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) v += part[w][r][n];
     if (row0 + r < N) vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, n, row0 + r, N);
+  }
+)";
+
+// ---------------------------------------------------------------- tensor cores on repacked weights
+//
+// A second experiment, from Nsight Compute's view of the CUDA-core kernel (issue-bound: 72% of issue
+// slots busy at 38% of DRAM bandwidth; ~3 instructions a weight): bfloat16 x, and the 4-bit
+// weights repacked once (kernels.gemv.pack_q4_for_mma) so that a lane's A fragments for the four
+// m16n8k16 tiles of a 64-wide group are one 16-byte load, a warp's 512 contiguous bytes: word j of
+// lane (g, t) holds tile j's pairs a_i (i = 2 * half + h: rows g + 8h, columns 2t + 8 half and
+// + 1) with the low column's nibble at bits 4i and the high one's at 16 + 4i, so that a pair is a
+// shift, a LOP3 and a packed FMA (exact_pair). bfloat16 x pairs are the B fragments as they lie
+// in memory. ~1.7 instructions a weight.
+//
+// out[n, row] = x[n, :] . dequant(w)[row, :], M <= 2 input rows, N a multiple of 16, K of 64.
+// Block: one 16-row tile; its WARPS warps take the groups in turn (split K) and add up through
+// shared memory; the block first sums x per group (the bias term) into shared memory.
+// Inputs: x [M, K] bfloat16, packed (pack_q4_for_mma of the [N, K / 8] uint32 weight), scales,
+// biases [N, K / 64]. Template args: K, N, M, WARPS, TS, TO.
+constexpr const char* kQmvPackedSource = R"(
+  constexpr int GROUPS = K / 64;
+  static_assert(K % 64 == 0 && N % 16 == 0 && M >= 1 && M <= 2, "4-bit, group 64, whole 16-row tiles, 1 or 2 rows");
+  __shared__ float xsum[M][GROUPS];
+  __shared__ float part[WARPS][16][2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x;
+  for (int i = threadIdx.x; i < M * GROUPS; i += 32 * WARPS) {
+    const __nv_bfloat16* xr = x + static_cast<size_t>(i / GROUPS) * K + (i % GROUPS) * 64;
+    float sum = 0.0f;
+    for (int j = 0; j < 64; ++j) sum += static_cast<float>(xr[j]);
+    xsum[i / GROUPS][i % GROUPS] = sum;
+  }
+  __syncthreads();
+  const uint4* wp = reinterpret_cast<const uint4*>(packed) + static_cast<size_t>(tile) * GROUPS * 32 + lane;
+  const unsigned int* xw = reinterpret_cast<const unsigned int*>(x);  // bfloat16 pairs
+  const int ra = tile * 16 + g, rb = ra + 8;
+  float total[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [row g, row g + 8][input row]; lanes t == 0
+  uint4 next{};
+  if (warp < GROUPS) next = __ldcs(wp + static_cast<size_t>(warp) * 32);
+  for (int grp = warp; grp < GROUPS; grp += WARPS) {
+    const uint4 cur = next;  // the next group's load in flight during this group's math
+    if (grp + WARPS < GROUPS) next = __ldcs(wp + static_cast<size_t>(grp + WARPS) * 32);
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const unsigned int w = vc_gemv::word(cur, j);
+      const unsigned int a[4] = {vc_mma::exact_pair(w), vc_mma::exact_pair(w >> 4), vc_mma::exact_pair(w >> 8),
+                                 vc_mma::exact_pair(w >> 12)};
+      unsigned int b[2] = {0u, 0u};
+      if (g < M) {
+        const size_t at = (static_cast<size_t>(g) * K + grp * 64 + j * 16 + 2 * t) / 2;
+        b[0] = xw[at];
+        b[1] = xw[at + 4];
+      }
+      vc_mma::mma_bf16(c, a, b);
+    }
+    if (t == 0) {
+      const float sa = static_cast<float>(scales[static_cast<size_t>(ra) * GROUPS + grp]);
+      const float ba = static_cast<float>(biases[static_cast<size_t>(ra) * GROUPS + grp]);
+      const float sb = static_cast<float>(scales[static_cast<size_t>(rb) * GROUPS + grp]);
+      const float bb = static_cast<float>(biases[static_cast<size_t>(rb) * GROUPS + grp]);
+#pragma unroll
+      for (int n = 0; n < M; ++n) {
+        total[0][n] += fmaf(sa, c[n], ba * xsum[n][grp]);
+        total[1][n] += fmaf(sb, c[2 + n], bb * xsum[n][grp]);
+      }
+    }
+  }
+  if (t == 0) {
+#pragma unroll
+    for (int n = 0; n < M; ++n) {
+      part[warp][g][n] = total[0][n];
+      part[warp][g + 8][n] = total[1][n];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 16 * M) {
+    const int r = threadIdx.x / M, n = threadIdx.x % M;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += part[w][r][n];
+    out[static_cast<size_t>(n) * N + tile * 16 + r] = static_cast<TO>(v);
   }
 )";
 

@@ -21,6 +21,7 @@ from voicechat.kernels.gemv import (
     dense_matvec,
     dense_matvec_reference,
     on_cuda_gpu,
+    pack_q4_for_mma,
     quantized_matvec,
     gelu_gate,
     linear,
@@ -181,6 +182,46 @@ def test_tensor_core_experiment_rejects_what_it_does_not_take():
         ext.quantized_matvec_planes(planes[:2], xsum, w, s, b)
     with pytest.raises(ValueError, match="multiple of 64"):
         ext.split_x(_x((1, 96), mx.float32))
+
+
+def _unpack_q4_for_mma(packed: np.ndarray) -> np.ndarray:
+    """pack_q4_for_mma undone in NumPy, from its documented layout: word j of lane (g, t) in tile /
+    group (tile, group) holds row 16 tile + 8h + g, column 64 group + 16j + 8 half + 2t + e at bit
+    16e + 4(2 half + h)."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    words = packed.reshape(n // 16, k // 64, 8, 4, 4)  # tile, group, g, t, j
+    q = np.zeros((n, k), np.uint32)
+    for half in range(2):
+        for h in range(2):
+            for e in range(2):
+                nib = (words >> (16 * e + 4 * (2 * half + h))) & 0xF  # [tile, group, g, t, j]
+                rows = 16 * np.arange(n // 16)[:, None, None, None, None] + 8 * h + np.arange(8)[None, None, :, None, None]
+                cols = (64 * np.arange(k // 64)[None, :, None, None, None] + 16 * np.arange(4)[None, None, None, None, :]
+                        + 8 * half + 2 * np.arange(4)[None, None, None, :, None] + e)
+                q[rows, cols] = nib
+    return (q.reshape(n, k // 8, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 640), (32, 4480)])
+def test_pack_q4_for_mma_keeps_every_nibble(n, k):
+    w = mx.array(np.random.default_rng(n + k).integers(0, 2**32, (n, k // 8), dtype=np.uint32))
+    packed = pack_q4_for_mma(w)
+    assert packed.shape == w.shape and packed.dtype == mx.uint32
+    np.testing.assert_array_equal(_unpack_q4_for_mma(np.array(packed)), np.array(w))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_q4_for_mma(w[:8])
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("n,k", LLM_FULL + [(48, 640)])
+def test_repacked_tensor_core_experiment_equals_mlx(n, k, rows):
+    """ext.quantized_matvec_packed (emulated in test_gemv_cuda_emulated.py) at every LLM shape: bfloat16
+    x against MLX's product with the weight as MLX packs it."""
+    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
+    x = _x((rows, k), mx.bfloat16, seed=rows)
+    got = ext.quantized_matvec_packed(x, pack_q4_for_mma(w), s, b)
+    assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
 
 
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])

@@ -91,6 +91,23 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
 
 # --------------------------------------------------------------------------- dense
 
+def pack_q4_for_mma(w: mx.array) -> mx.array:
+    """MLX's 4-bit packing `[N, K / 8]` uint32 (N a multiple of 16, K of 64) in the order of the
+    repacked tensor-core experiment (`ext.quantized_matvec_packed`; not used by the model): for each
+    16-row tile and 64-wide group, lane (g, t)'s four words, word j holding tile j's A fragment pairs
+    a_i (i = 2 * half + h: row 8h + g, columns 8 half + 2t and + 1) with the first column's nibble at
+    bits 4i and the second's at 16 + 4i. Same size."""
+    n, k = w.shape[0], w.shape[1] * 8
+    if w.dtype != mx.uint32 or n % 16 or k % 64:
+        raise ValueError("pack_q4_for_mma: w must be uint32 [N, K / 8] with N a multiple of 16 and K of 64")
+    q = (w[..., None] >> (4 * mx.arange(8, dtype=mx.uint32))) & 0xF  # [N, K / 8, 8]: nibble k = 8 word + i
+    # rows as (tile, h, g), columns as (group, j, half, t, e): row = 16 tile + 8h + g, k = 64 group + 16j + 8 half + 2t + e
+    q = q.reshape(n // 16, 2, 8, k // 64, 4, 2, 4, 2).transpose(0, 3, 2, 6, 4, 5, 1, 7)  # tile, group, g, t, j, half, h, e
+    half, h, e = (mx.arange(2, dtype=mx.uint32).reshape(shape) for shape in ((2, 1, 1), (1, 2, 1), (1, 1, 2)))
+    shifts = 16 * e + 4 * (2 * half + h)
+    return (q << shifts).sum(axis=(-3, -2, -1)).astype(mx.uint32).reshape(n, k // 8)  # disjoint bits: sum = or
+
+
 def gelu_gate(x: mx.array) -> mx.array:
     """`gelu_approx(x[..., :K]) * x[..., K:]` of a `[..., 2K]` gate / up output."""
     gate, up = mx.split(x, 2, axis=-1)

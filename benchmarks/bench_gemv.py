@@ -14,8 +14,8 @@ Cases, each ours vs MLX's op, float32 and bfloat16 activations:
 - floor:  every Nemotron-H projection (one distinct weight each) + both heads, one row: the LLM
           step's matmul floor.
 q4 and floor also time "mma", the tensor-core experiment (`ext.quantized_matvec_planes` on x
-split once beforehand: the kernel alone), and on CUDA with bfloat16 x "packed", the repacked
-tensor-core experiment (`ext.quantized_matvec_packed` on weights packed once by `pack_q4_for_mma`).
+split once beforehand: the kernel alone), and on CUDA "packed", the repacked tensor-core
+experiment (`ext.quantized_matvec_packed` on weights packed once by `pack_q4_for_mma`).
 Each timed round evaluates many calls (mx.eval, time.perf_counter, after warm-up); weights are
 cycled over copies totalling >= 256 MB so that a call reads them from memory, not from the
 H200's 50 MB L2. GB/s counts the packed weights, scales and biases once per call. On a CPU the
@@ -202,8 +202,8 @@ def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0, warps=-1, copies
 
 
 def packed_applies(n: int, x_dtype) -> bool:
-    """The repacked tensor-core experiment: CUDA, bfloat16 x, whole 16-row tiles."""
-    return on_cuda_gpu() and x_dtype == mx.bfloat16 and n % 16 == 0
+    """The repacked tensor-core experiment: CUDA, whole 16-row tiles."""
+    return on_cuda_gpu() and n % 16 == 0
 
 
 def dense_runs(n, k, x_dtype, rows=2, rows_per_block=0, threads=0, warps=-1, copies=None):
@@ -397,7 +397,7 @@ def _bench(benchmark, run, calls, bytes_per_call, **info):
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=_shape_ids(Q4_SHAPES))
 def test_q4_matvec(benchmark, n, k, x, impl):
     if impl == "packed" and not packed_applies(n, DTYPES[x]):
-        pytest.skip("the repacked experiment: CUDA, bfloat16 x, N a multiple of 16")
+        pytest.skip("the repacked experiment: CUDA, N a multiple of 16")
     calls, runs = q4_runs(n, k, DTYPES[x])
     _bench(benchmark, runs[impl], calls, q4_bytes(n, k), shape=[n, k], x=x, impl=impl)
     del runs
@@ -429,7 +429,7 @@ def test_two_head_argmax(benchmark, x, impl):
 def test_llm_matmul_floor(benchmark, x, impl):
     count, total, runs = floor_runs(SIZE, DTYPES[x])
     if impl not in runs:
-        pytest.skip("the repacked experiment: CUDA, bfloat16 x, N a multiple of 16")
+        pytest.skip("the repacked experiment: CUDA, N a multiple of 16")
     _bench(benchmark, runs[impl], 1, total, matrices=count, x=x, impl=impl)
     del runs
     release()

@@ -197,16 +197,17 @@ CudaInstance qmv_mma_instance(const char* ts, const char* to, int k, int n, int 
        TemplateArg{"TO", type_arg(to)}}};
 }
 
-// The repacked tensor-core experiment (kQmvPackedSource): inputs x (bf16), packed, scales, biases.
-CudaInstance qmv_packed_instance(const char* ts, const char* to, int k, int n, int m) {
-  return CudaInstance{{"__nv_bfloat16", "uint32_t", ts, ts},
+// The repacked tensor-core experiment (kQmvPackedSource): inputs x, packed, scales, biases.
+CudaInstance qmv_packed_instance(const char* tx, const char* ts, const char* to, int k, int n, int m) {
+  return CudaInstance{{tx, "uint32_t", ts, ts},
                       {to},
                       {TemplateArg{"K", int_arg(k)}, TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)},
-                       TemplateArg{"WARPS", int_arg(kPackedWarps)}, TemplateArg{"TS", type_arg(ts)},
-                       TemplateArg{"TO", type_arg(to)}}};
+                       TemplateArg{"WARPS", int_arg(kPackedWarps)}, TemplateArg{"TX", type_arg(tx)},
+                       TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TO", type_arg(to)}}};
 }
 
 const CudaSource& qmv_packed_source() {
+  const char* f = "float";
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_qmv_packed",
@@ -215,11 +216,12 @@ const CudaSource& qmv_packed_source() {
       gemv_cuda::kQmvPackedSource,
       std::string(gemv_cuda::kHeader) + gemv_cuda::kMmaHeader,
       {
-          qmv_packed_instance(bf, bf, 4480, 22656, 1),   // mamba in_proj
-          qmv_packed_instance(bf, bf, 10240, 4480, 1),   // mamba out_proj
-          qmv_packed_instance(bf, bf, 15680, 4480, 2),   // mlp down_proj, two rows
-          qmv_packed_instance(bf, bf, 4480, 131072, 1),  // a head
-          qmv_packed_instance("float", "float", 128, 32, 2),
+          qmv_packed_instance(f, bf, f, 4480, 22656, 1),   // mamba in_proj (the model's float32 x)
+          qmv_packed_instance(f, bf, f, 10240, 4480, 1),   // mamba out_proj
+          qmv_packed_instance(f, bf, f, 15680, 4480, 2),   // mlp down_proj, two rows
+          qmv_packed_instance(f, bf, f, 4480, 131072, 1),  // a head
+          qmv_packed_instance(bf, bf, bf, 4480, 22656, 1),
+          qmv_packed_instance(bf, f, f, 128, 32, 2),
       },
   });
   return src;
@@ -540,26 +542,26 @@ mx::array quantized_matvec_planes(const mx::array& planes, const mx::array& xsum
   return qmv_mma(planes, xsum, w, scales, biases, bias, epi, m, n, k, out_dtype, s);
 }
 
-// The repacked tensor-core experiment: x [..., K] bfloat16 (1 or 2 rows) times the 4-bit group-64
-// weight in pack_q4_for_mma's order ([N, K / 8] uint32, N a multiple of 16): [M, N]. CUDA only
-// (elsewhere: mx.quantized_matmul on the weight before packing).
+// The repacked tensor-core experiment: x [..., K] bfloat16 or float32 (1 or 2 rows) times the 4-bit
+// group-64 weight in pack_q4_for_mma's order ([N, K / 8] uint32, N a multiple of 16): [M, N]. CUDA
+// only (elsewhere: mx.quantized_matmul on the weight before packing).
 mx::array quantized_matvec_packed(const mx::array& x, const mx::array& packed, const mx::array& scales,
                                   const mx::array& biases, mx::StreamOrDevice s_) {
   const auto [n, k] = check_quantized(x, packed, scales, biases, 64, 4);
   const int m = x.ndim() == 1 ? 1 : static_cast<int>(x.size() / k);
-  if (x.dtype() != mx::bfloat16 || m > 2 || n % 16 != 0 || k % 64 != 0) {
+  if ((x.dtype() != mx::bfloat16 && x.dtype() != mx::float32) || m > 2 || n % 16 != 0 || k % 64 != 0) {
     throw std::invalid_argument(
-        "quantized_matvec_packed: x must be bfloat16 with 1 or 2 rows, N a multiple of 16 and K of 64");
+        "quantized_matvec_packed: x must be bfloat16 or float32 with 1 or 2 rows, N a multiple of 16 and K of 64");
   }
   auto s = mx::to_stream(s_);
   if (!(gpu_stream(s) && cuda_build() && float_dtype(scales.dtype()) && biases.dtype() == scales.dtype())) {
     throw std::invalid_argument(
         "quantized_matvec_packed runs on a CUDA stream; elsewhere use mx.quantized_matmul on the unpacked weight");
   }
-  const auto out_dtype = mx::promote_types(mx::bfloat16, scales.dtype());
+  const auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
   return kernel(qmv_packed_source())({x, packed, scales, biases}, {{m, n}}, {out_dtype},
                                      {(n / 16) * 32 * kPackedWarps, 1, 1}, {32 * kPackedWarps, 1, 1},
-                                     {{"K", k}, {"N", n}, {"M", m}, {"WARPS", kPackedWarps},
+                                     {{"K", k}, {"N", n}, {"M", m}, {"WARPS", kPackedWarps}, {"TX", x.dtype()},
                                       {"TS", scales.dtype()}, {"TO", out_dtype}},
                                      std::nullopt, false, s)[0];
 }
@@ -828,7 +830,7 @@ void bind(py::module_& m) {
         "[M, N].");
   m.def("quantized_matvec_packed", &quantized_matvec_packed, py::arg("x"), py::arg("packed"), py::arg("scales"),
         py::arg("biases"), py::arg("stream") = py::none(),
-        "The repacked tensor-core experiment: bfloat16 x (1-2 rows) @ dequantize(w).T for a 4-bit group-64 "
+        "The repacked tensor-core experiment: bfloat16 or float32 x (1-2 rows) @ dequantize(w).T for a 4-bit group-64 "
         "weight given in voicechat.kernels.gemv.pack_q4_for_mma's order: [M, N]. CUDA streams only.");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,

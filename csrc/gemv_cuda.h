@@ -703,67 +703,93 @@ constexpr const char* kQmvMmaSource = R"(
 // ---------------------------------------------------------------- tensor cores on repacked weights
 //
 // A second experiment, from Nsight Compute's view of the CUDA-core kernel (issue-bound: 72% of issue
-// slots busy at 38% of DRAM bandwidth; ~3 instructions a weight): bfloat16 x, and the 4-bit
-// weights repacked once (kernels.gemv.pack_q4_for_mma) so that a lane's A fragments for the four
-// m16n8k16 tiles of a 64-wide group are one 16-byte load, a warp's 512 contiguous bytes: word j of
-// lane (g, t) holds tile j's pairs a_i (i = 2 * half + h: rows g + 8h, columns 2t + 8 half and
-// + 1) with the low column's nibble at bits 4i and the high one's at 16 + 4i, so that a pair is a
-// shift, a LOP3 and a packed FMA (exact_pair). bfloat16 x pairs are the B fragments as they lie
-// in memory. ~1.7 instructions a weight.
+// slots busy at 38% of DRAM bandwidth; ~3 instructions a weight): the 4-bit weights repacked once
+// (kernels.gemv.pack_q4_for_mma) so that a lane's A fragments for the four m16n8k16 tiles of a
+// 64-wide group are one 16-byte load, a warp's 512 contiguous bytes: word j of lane (g, t) holds
+// tile j's pairs a_i (i = 2 * half + h: rows g + 8h, columns 2t + 8 half and + 1) with the low
+// column's nibble at bits 4i and the high one's at 16 + 4i, so that a pair is a shift, a LOP3 and
+// a packed FMA (exact_pair). x goes in as B columns: bfloat16 x as it is, float32 x as its three
+// bfloat16 planes (hi, mid, lo: x = hi + mid + lo exactly), column n * P + p for input row n and
+// plane p, so one HMMA a tile either way.
 //
 // out[n, row] = x[n, :] . dequant(w)[row, :], M <= 2 input rows, N a multiple of 16, K of 64.
-// Block: one 16-row tile; its WARPS warps take the groups in turn (split K) and add up through
-// shared memory; the block first sums x per group (the bias term) into shared memory.
-// Inputs: x [M, K] bfloat16, packed (pack_q4_for_mma of the [N, K / 8] uint32 weight), scales,
-// biases [N, K / 64]. Template args: K, N, M, WARPS, TS, TO.
+// Block: one 16-row tile; its WARPS warps take the groups in turn (split K), a round of WARPS
+// groups at a time: the block first writes the round's x columns (planes) to shared memory, then
+// each warp multiplies its group; the warps add up through shared memory at the end. The block sums
+// x per group first (the bias term).
+// Inputs: x [M, K] (TX: bfloat16 or float), packed (pack_q4_for_mma of the [N, K / 8] uint32
+// weight), scales, biases [N, K / 64]. Template args: K, N, M, WARPS, TX, TS, TO.
 constexpr const char* kQmvPackedSource = R"(
   constexpr int GROUPS = K / 64;
+  constexpr int P = sizeof(TX) == 4 ? 3 : 1;  // bfloat16 planes of an x value
+  constexpr int COLS = P * M;                 // B columns in use (of 8)
+  constexpr int ROUNDS = (GROUPS + WARPS - 1) / WARPS;
   static_assert(K % 64 == 0 && N % 16 == 0 && M >= 1 && M <= 2, "4-bit, group 64, whole 16-row tiles, 1 or 2 rows");
   __shared__ float xsum[M][GROUPS];
+  __shared__ __align__(16) unsigned short cols[WARPS][COLS][64];  // the round's x columns, bfloat16 bits
   __shared__ float part[WARPS][16][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x;
   for (int i = threadIdx.x; i < M * GROUPS; i += 32 * WARPS) {
-    const __nv_bfloat16* xr = x + static_cast<size_t>(i / GROUPS) * K + (i % GROUPS) * 64;
+    const TX* xr = x + static_cast<size_t>(i / GROUPS) * K + (i % GROUPS) * 64;
     float sum = 0.0f;
     for (int j = 0; j < 64; ++j) sum += static_cast<float>(xr[j]);
     xsum[i / GROUPS][i % GROUPS] = sum;
   }
-  __syncthreads();
   const uint4* wp = reinterpret_cast<const uint4*>(packed) + static_cast<size_t>(tile) * GROUPS * 32 + lane;
-  const unsigned int* xw = reinterpret_cast<const unsigned int*>(x);  // bfloat16 pairs
   const int ra = tile * 16 + g, rb = ra + 8;
   float total[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [row g, row g + 8][input row]; lanes t == 0
   uint4 next{};
   if (warp < GROUPS) next = __ldcs(wp + static_cast<size_t>(warp) * 32);
-  for (int grp = warp; grp < GROUPS; grp += WARPS) {
+  for (int round = 0; round < ROUNDS; ++round) {
+    __syncthreads();  // the last round's columns are read (and, the first time, xsum written)
+    for (int i = threadIdx.x; i < WARPS * M * 64; i += 32 * WARPS) {
+      const int w = i / (M * 64), n = (i / 64) % M, kk = i % 64, grp = round * WARPS + w;
+      if (grp < GROUPS) {
+        const float v = static_cast<float>(x[static_cast<size_t>(n) * K + grp * 64 + kk]);
+        const __nv_bfloat16 hi = __float2bfloat16(v);
+        cols[w][n * P][kk] = __bfloat16_as_ushort(hi);
+        if constexpr (P == 3) {
+          const float rest = v - __bfloat162float(hi);
+          const __nv_bfloat16 mid = __float2bfloat16(rest);
+          cols[w][n * P + 1][kk] = __bfloat16_as_ushort(mid);
+          cols[w][n * P + 2][kk] = __bfloat16_as_ushort(__float2bfloat16(rest - __bfloat162float(mid)));
+        }
+      }
+    }
+    __syncthreads();
+    const int grp = round * WARPS + warp;
+    if (grp >= GROUPS) continue;
     const uint4 cur = next;  // the next group's load in flight during this group's math
     if (grp + WARPS < GROUPS) next = __ldcs(wp + static_cast<size_t>(grp + WARPS) * 32);
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const unsigned int* xc = reinterpret_cast<const unsigned int*>(cols[warp][g < COLS ? g : 0]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const unsigned int w = vc_gemv::word(cur, j);
       const unsigned int a[4] = {vc_mma::exact_pair(w), vc_mma::exact_pair(w >> 4), vc_mma::exact_pair(w >> 8),
                                  vc_mma::exact_pair(w >> 12)};
-      unsigned int b[2] = {0u, 0u};
-      if (g < M) {
-        const size_t at = (static_cast<size_t>(g) * K + grp * 64 + j * 16 + 2 * t) / 2;
-        b[0] = xw[at];
-        b[1] = xw[at + 4];
-      }
+      const unsigned int b[2] = {g < COLS ? xc[j * 8 + t] : 0u, g < COLS ? xc[j * 8 + t + 4] : 0u};
       vc_mma::mma_bf16(c, a, b);
     }
-    if (t == 0) {
-      const float sa = static_cast<float>(scales[static_cast<size_t>(ra) * GROUPS + grp]);
-      const float ba = static_cast<float>(biases[static_cast<size_t>(ra) * GROUPS + grp]);
-      const float sb = static_cast<float>(scales[static_cast<size_t>(rb) * GROUPS + grp]);
-      const float bb = static_cast<float>(biases[static_cast<size_t>(rb) * GROUPS + grp]);
+    // Column 2t + e of this lane's rows belongs to input row (2t + e) / P: each input row's sum over
+    // its planes, gathered over the quad (lanes t = 0..3 of row g).
+    const float sa = static_cast<float>(scales[static_cast<size_t>(ra) * GROUPS + grp]);
+    const float ba = static_cast<float>(biases[static_cast<size_t>(ra) * GROUPS + grp]);
+    const float sb = static_cast<float>(scales[static_cast<size_t>(rb) * GROUPS + grp]);
+    const float bb = static_cast<float>(biases[static_cast<size_t>(rb) * GROUPS + grp]);
 #pragma unroll
-      for (int n = 0; n < M; ++n) {
-        total[0][n] += fmaf(sa, c[n], ba * xsum[n][grp]);
-        total[1][n] += fmaf(sb, c[2 + n], bb * xsum[n][grp]);
-      }
+    for (int n = 0; n < M; ++n) {
+      const bool e0 = (2 * t) / P == n && 2 * t < COLS, e1 = (2 * t + 1) / P == n && 2 * t + 1 < COLS;
+      float va = (e0 ? c[0] : 0.0f) + (e1 ? c[1] : 0.0f);
+      float vb = (e0 ? c[2] : 0.0f) + (e1 ? c[3] : 0.0f);
+      va += __shfl_xor_sync(0xffffffffu, va, 1);
+      vb += __shfl_xor_sync(0xffffffffu, vb, 1);
+      va += __shfl_xor_sync(0xffffffffu, va, 2);
+      vb += __shfl_xor_sync(0xffffffffu, vb, 2);
+      total[0][n] += fmaf(sa, va, ba * xsum[n][grp]);
+      total[1][n] += fmaf(sb, vb, bb * xsum[n][grp]);
     }
   }
   if (t == 0) {

@@ -213,13 +213,14 @@ def test_pack_q4_for_mma_keeps_every_nibble(n, k):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("n,k", LLM_FULL + [(48, 640)])
-def test_repacked_tensor_core_experiment_equals_mlx(n, k, rows):
-    """ext.quantized_matvec_packed (emulated in test_gemv_cuda_emulated.py) at every LLM shape: bfloat16
-    x against MLX's product with the weight as MLX packs it."""
+def test_repacked_tensor_core_experiment_equals_mlx(n, k, rows, dtype):
+    """ext.quantized_matvec_packed (emulated in test_gemv_cuda_emulated.py) at every LLM shape, float32
+    and bfloat16 x, against MLX's product with the weight as MLX packs it."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
-    x = _x((rows, k), mx.bfloat16, seed=rows)
+    x = _x((rows, k), dtype, seed=rows)
     got = ext.quantized_matvec_packed(x, pack_q4_for_mma(w), s, b)
     assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
 

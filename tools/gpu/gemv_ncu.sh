@@ -24,8 +24,7 @@ for n, k in ((22656, 4480), (4480, 10240), (4480, 15680)):
         for _ in range(2):
             mx.eval(quantized_matvec(x, w, s, b))
             mx.eval(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4))
-            if dtype == mx.bfloat16:  # the repacked tensor-core experiment
-                mx.eval(ext.quantized_matvec_packed(x, packed, s, b))
+            mx.eval(ext.quantized_matvec_packed(x, packed, s, b))  # the repacked tensor-core experiment
 PY
 timeout -s INT "${NCU_LIMIT:-240}" "$NCU" --target-processes all -k "regex:qmv|affine_qmv|gemv|packed" --launch-skip 0 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

@@ -89,6 +89,7 @@ inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short v) {
   return h;
 }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+inline float __bfloat162float(__nv_bfloat16 h) { return static_cast<float>(h); }
 inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 a, __nv_bfloat16 b) { return {a, b}; }
 // Per half: the float fma rounded to bfloat16 (the hardware rounds the exact result once; the same
 // wherever the float fma is exact, as for the small integers the kernels form).

@@ -197,13 +197,23 @@ CudaInstance qmv_mma_instance(const char* ts, const char* to, int k, int n, int 
        TemplateArg{"TO", type_arg(to)}}};
 }
 
-// The repacked tensor-core experiment (kQmvPackedSource): inputs x, packed, scales, biases.
-CudaInstance qmv_packed_instance(const char* tx, const char* ts, const char* to, int k, int n, int m) {
-  return CudaInstance{{tx, "uint32_t", ts, ts},
+// Row tiles a block of the repacked experiment takes: 2 (sharing the staged x) where N allows.
+int packed_tiles(int n) { return n % 32 == 0 ? 2 : 1; }
+
+// The repacked tensor-core experiment (kQmvPackedSource): inputs x, packed, scales, biases, bias,
+// residual (tb: the bias' type or nullptr; epi as qmv_instance's).
+CudaInstance qmv_packed_instance(const char* tx, const char* ts, const char* to, int k, int n, int m,
+                                 const char* tb = nullptr, int epi = 0) {
+  const char* bias_type = tb ? tb : ts;
+  const char* residual_type = epi == 1 ? to : ts;
+  return CudaInstance{{tx, "uint32_t", ts, ts, bias_type, residual_type},
                       {to},
                       {TemplateArg{"K", int_arg(k)}, TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)},
-                       TemplateArg{"WARPS", int_arg(kPackedWarps)}, TemplateArg{"TX", type_arg(tx)},
-                       TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TO", type_arg(to)}}};
+                       TemplateArg{"WARPS", int_arg(kPackedWarps)}, TemplateArg{"TILES", int_arg(packed_tiles(n))},
+                       TemplateArg{"EPI", int_arg(epi)}, TemplateArg{"HAS_BIAS", tb ? "bool:true" : "bool:false"},
+                       TemplateArg{"TX", type_arg(tx)}, TemplateArg{"TS", type_arg(ts)},
+                       TemplateArg{"TB", type_arg(bias_type)}, TemplateArg{"TR", type_arg(residual_type)},
+                       TemplateArg{"TO", type_arg(to)}}};
 }
 
 const CudaSource& qmv_packed_source() {
@@ -211,17 +221,18 @@ const CudaSource& qmv_packed_source() {
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_qmv_packed",
-      {"x", "packed", "scales", "biases"},
+      {"x", "packed", "scales", "biases", "bias", "residual"},
       {"out"},
       gemv_cuda::kQmvPackedSource,
       std::string(gemv_cuda::kHeader) + gemv_cuda::kMmaHeader,
       {
-          qmv_packed_instance(f, bf, f, 4480, 22656, 1),   // mamba in_proj (the model's float32 x)
-          qmv_packed_instance(f, bf, f, 10240, 4480, 1),   // mamba out_proj
-          qmv_packed_instance(f, bf, f, 15680, 4480, 2),   // mlp down_proj, two rows
-          qmv_packed_instance(f, bf, f, 4480, 131072, 1),  // a head
+          qmv_packed_instance(f, bf, f, 4480, 22656, 1),            // mamba in_proj (the model's float32 x)
+          qmv_packed_instance(f, bf, f, 10240, 4480, 1, nullptr, 1),  // mamba out_proj (+ residual)
+          qmv_packed_instance(f, bf, f, 4480, 15680, 1, nullptr, 2),  // mlp up_proj (squared ReLU)
+          qmv_packed_instance(f, bf, f, 15680, 4480, 2),            // mlp down_proj, two rows
+          qmv_packed_instance(f, bf, f, 4480, 131072, 1),           // a head
           qmv_packed_instance(bf, bf, bf, 4480, 22656, 1),
-          qmv_packed_instance(bf, f, f, 128, 32, 2),
+          qmv_packed_instance(bf, f, f, 128, 48, 2, f, 2),          // one tile a block, bias
       },
   });
   return src;
@@ -546,24 +557,35 @@ mx::array quantized_matvec_planes(const mx::array& planes, const mx::array& xsum
 // group-64 weight in pack_q4_for_mma's order ([N, K / 8] uint32, N a multiple of 16): [M, N]. CUDA
 // only (elsewhere: mx.quantized_matmul on the weight before packing).
 mx::array quantized_matvec_packed(const mx::array& x, const mx::array& packed, const mx::array& scales,
-                                  const mx::array& biases, mx::StreamOrDevice s_) {
+                                  const mx::array& biases, const std::optional<mx::array>& bias,
+                                  const std::optional<mx::array>& residual, const std::string& activation,
+                                  mx::StreamOrDevice s_) {
   const auto [n, k] = check_quantized(x, packed, scales, biases, 64, 4);
   const int m = x.ndim() == 1 ? 1 : static_cast<int>(x.size() / k);
   if ((x.dtype() != mx::bfloat16 && x.dtype() != mx::float32) || m > 2 || n % 16 != 0 || k % 64 != 0) {
     throw std::invalid_argument(
         "quantized_matvec_packed: x must be bfloat16 or float32 with 1 or 2 rows, N a multiple of 16 and K of 64");
   }
+  if (bias && (bias->ndim() != 1 || bias->shape(0) != n)) {
+    throw std::invalid_argument("quantized_matvec_packed: bias must be [N]");
+  }
+  const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec_packed");
   auto s = mx::to_stream(s_);
-  if (!(gpu_stream(s) && cuda_build() && float_dtype(scales.dtype()) && biases.dtype() == scales.dtype())) {
+  if (!(gpu_stream(s) && cuda_build() && float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
+        kernel_takes(epi, m, n))) {
     throw std::invalid_argument(
         "quantized_matvec_packed runs on a CUDA stream; elsewhere use mx.quantized_matmul on the unpacked weight");
   }
-  const auto out_dtype = mx::promote_types(x.dtype(), scales.dtype());
-  return kernel(qmv_packed_source())({x, packed, scales, biases}, {{m, n}}, {out_dtype},
-                                     {(n / 16) * 32 * kPackedWarps, 1, 1}, {32 * kPackedWarps, 1, 1},
-                                     {{"K", k}, {"N", n}, {"M", m}, {"WARPS", kPackedWarps}, {"TX", x.dtype()},
-                                      {"TS", scales.dtype()}, {"TO", out_dtype}},
-                                     std::nullopt, false, s)[0];
+  const auto out_dtype = output_dtype(x.dtype(), scales.dtype(), bias, epi);
+  const int tiles = packed_tiles(n);
+  return kernel(qmv_packed_source())(
+      {x, packed, scales, biases, bias ? *bias : scales, epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : scales},
+      {{m, n}}, {out_dtype}, {(n / (16 * tiles)) * 32 * kPackedWarps, 1, 1}, {32 * kPackedWarps, 1, 1},
+      {{"K", k}, {"N", n}, {"M", m}, {"WARPS", kPackedWarps}, {"TILES", tiles}, {"EPI", epi.kind()},
+       {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TS", scales.dtype()},
+       {"TB", bias ? bias->dtype() : scales.dtype()}, {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()},
+       {"TO", out_dtype}},
+      std::nullopt, false, s)[0];
 }
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
@@ -829,9 +851,11 @@ void bind(py::module_& m) {
         "quantized_matvec(mma=True) on x already split (split_x): the tensor-core kernel alone, 4-bit group 64; "
         "[M, N].");
   m.def("quantized_matvec_packed", &quantized_matvec_packed, py::arg("x"), py::arg("packed"), py::arg("scales"),
-        py::arg("biases"), py::arg("stream") = py::none(),
-        "The repacked tensor-core experiment: bfloat16 or float32 x (1-2 rows) @ dequantize(w).T for a 4-bit group-64 "
-        "weight given in voicechat.kernels.gemv.pack_q4_for_mma's order: [M, N]. CUDA streams only.");
+        py::arg("biases"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
+        py::arg("activation") = "", py::arg("stream") = py::none(),
+        "The repacked tensor-core experiment: bfloat16 or float32 x (1-2 rows) @ dequantize(w).T (+ bias), then "
+        "relu(.)^2 (activation='relu_squared') or + residual, for a 4-bit group-64 weight given in "
+        "voicechat.kernels.gemv.pack_q4_for_mma's order: [M, N]. CUDA streams only.");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",

@@ -712,36 +712,41 @@ constexpr const char* kQmvMmaSource = R"(
 // bfloat16 planes (hi, mid, lo: x = hi + mid + lo exactly), column n * P + p for input row n and
 // plane p, so one HMMA a tile either way.
 //
-// out[n, row] = x[n, :] . dequant(w)[row, :], M <= 2 input rows, N a multiple of 16, K of 64.
-// Block: one 16-row tile; its WARPS warps take the groups in turn (split K), a round of WARPS
-// groups at a time: the block first writes the round's x columns (planes) to shared memory, then
-// each warp multiplies its group; the warps add up through shared memory at the end. The block sums
-// x per group first (the bias term).
+// out[n, row] = x[n, :] . dequant(w)[row, :] (+ the epilogue: vc_gemv::finish), M <= 2 input rows,
+// N a multiple of 16 * TILES, K of 64. Block: TILES 16-row tiles (they share the staged x); its WARPS
+// warps take the groups in turn (split K), a round of WARPS groups at a time: the block first writes
+// the round's x columns (planes) to shared memory, then each warp multiplies its group for every
+// tile; the warps add up through shared memory at the end. The block sums x per group first (the
+// bias term).
 // Inputs: x [M, K] (TX: bfloat16 or float), packed (pack_q4_for_mma of the [N, K / 8] uint32
-// weight), scales, biases [N, K / 64]. Template args: K, N, M, WARPS, TX, TS, TO.
+// weight), scales, biases [N, K / 64], bias, residual. Template args: K, N, M, WARPS, TILES, EPI,
+// HAS_BIAS, TX, TS, TB, TR, TO.
 constexpr const char* kQmvPackedSource = R"(
   constexpr int GROUPS = K / 64;
   constexpr int P = sizeof(TX) == 4 ? 3 : 1;  // bfloat16 planes of an x value
   constexpr int COLS = P * M;                 // B columns in use (of 8)
   constexpr int ROUNDS = (GROUPS + WARPS - 1) / WARPS;
-  static_assert(K % 64 == 0 && N % 16 == 0 && M >= 1 && M <= 2, "4-bit, group 64, whole 16-row tiles, 1 or 2 rows");
+  static_assert(K % 64 == 0 && N % (16 * TILES) == 0 && M >= 1 && M <= 2,
+                "4-bit, group 64, whole blocks of 16-row tiles, 1 or 2 rows");
   __shared__ float xsum[M][GROUPS];
   __shared__ __align__(16) unsigned short cols[WARPS][COLS][64];  // the round's x columns, bfloat16 bits
-  __shared__ float part[WARPS][16][2];
+  __shared__ float part[WARPS][16 * TILES][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x;
+  const int tile0 = blockIdx.x * TILES;
   for (int i = threadIdx.x; i < M * GROUPS; i += 32 * WARPS) {
     const TX* xr = x + static_cast<size_t>(i / GROUPS) * K + (i % GROUPS) * 64;
     float sum = 0.0f;
     for (int j = 0; j < 64; ++j) sum += static_cast<float>(xr[j]);
     xsum[i / GROUPS][i % GROUPS] = sum;
   }
-  const uint4* wp = reinterpret_cast<const uint4*>(packed) + static_cast<size_t>(tile) * GROUPS * 32 + lane;
-  const int ra = tile * 16 + g, rb = ra + 8;
-  float total[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [row g, row g + 8][input row]; lanes t == 0
-  uint4 next{};
-  if (warp < GROUPS) next = __ldcs(wp + static_cast<size_t>(warp) * 32);
+  const uint4* wp = reinterpret_cast<const uint4*>(packed) + static_cast<size_t>(tile0) * GROUPS * 32 + lane;
+  float total[TILES][2][2] = {};  // [tile][row g, row g + 8][input row]
+  uint4 next[TILES] = {};
+  if (warp < GROUPS) {
+#pragma unroll
+    for (int u = 0; u < TILES; ++u) next[u] = __ldcs(wp + (static_cast<size_t>(u) * GROUPS + warp) * 32);
+  }
   for (int round = 0; round < ROUNDS; ++round) {
     __syncthreads();  // the last round's columns are read (and, the first time, xsum written)
     for (int i = threadIdx.x; i < WARPS * M * 64; i += 32 * WARPS) {
@@ -761,51 +766,65 @@ constexpr const char* kQmvPackedSource = R"(
     __syncthreads();
     const int grp = round * WARPS + warp;
     if (grp >= GROUPS) continue;
-    const uint4 cur = next;  // the next group's load in flight during this group's math
-    if (grp + WARPS < GROUPS) next = __ldcs(wp + static_cast<size_t>(grp + WARPS) * 32);
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 cur[TILES];
+#pragma unroll
+    for (int u = 0; u < TILES; ++u) {  // the next round's loads in flight during this round's math
+      cur[u] = next[u];
+      if (grp + WARPS < GROUPS) next[u] = __ldcs(wp + (static_cast<size_t>(u) * GROUPS + grp + WARPS) * 32);
+    }
+    float c[TILES][4] = {};
     const unsigned int* xc = reinterpret_cast<const unsigned int*>(cols[warp][g < COLS ? g : 0]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const unsigned int w = vc_gemv::word(cur, j);
-      const unsigned int a[4] = {vc_mma::exact_pair(w), vc_mma::exact_pair(w >> 4), vc_mma::exact_pair(w >> 8),
-                                 vc_mma::exact_pair(w >> 12)};
       const unsigned int b[2] = {g < COLS ? xc[j * 8 + t] : 0u, g < COLS ? xc[j * 8 + t + 4] : 0u};
-      vc_mma::mma_bf16(c, a, b);
+#pragma unroll
+      for (int u = 0; u < TILES; ++u) {
+        const unsigned int w = vc_gemv::word(cur[u], j);
+        const unsigned int a[4] = {vc_mma::exact_pair(w), vc_mma::exact_pair(w >> 4), vc_mma::exact_pair(w >> 8),
+                                   vc_mma::exact_pair(w >> 12)};
+        vc_mma::mma_bf16(c[u], a, b);
+      }
     }
     // Column 2t + e of this lane's rows belongs to input row (2t + e) / P: each input row's sum over
     // its planes, gathered over the quad (lanes t = 0..3 of row g).
-    const float sa = static_cast<float>(scales[static_cast<size_t>(ra) * GROUPS + grp]);
-    const float ba = static_cast<float>(biases[static_cast<size_t>(ra) * GROUPS + grp]);
-    const float sb = static_cast<float>(scales[static_cast<size_t>(rb) * GROUPS + grp]);
-    const float bb = static_cast<float>(biases[static_cast<size_t>(rb) * GROUPS + grp]);
 #pragma unroll
-    for (int n = 0; n < M; ++n) {
-      const bool e0 = (2 * t) / P == n && 2 * t < COLS, e1 = (2 * t + 1) / P == n && 2 * t + 1 < COLS;
-      float va = (e0 ? c[0] : 0.0f) + (e1 ? c[1] : 0.0f);
-      float vb = (e0 ? c[2] : 0.0f) + (e1 ? c[3] : 0.0f);
-      va += __shfl_xor_sync(0xffffffffu, va, 1);
-      vb += __shfl_xor_sync(0xffffffffu, vb, 1);
-      va += __shfl_xor_sync(0xffffffffu, va, 2);
-      vb += __shfl_xor_sync(0xffffffffu, vb, 2);
-      total[0][n] += fmaf(sa, va, ba * xsum[n][grp]);
-      total[1][n] += fmaf(sb, vb, bb * xsum[n][grp]);
+    for (int u = 0; u < TILES; ++u) {
+      const size_t ra = static_cast<size_t>(tile0 + u) * 16 + g, rb = ra + 8;
+      const float sa = static_cast<float>(scales[ra * GROUPS + grp]);
+      const float ba = static_cast<float>(biases[ra * GROUPS + grp]);
+      const float sb = static_cast<float>(scales[rb * GROUPS + grp]);
+      const float bb = static_cast<float>(biases[rb * GROUPS + grp]);
+#pragma unroll
+      for (int n = 0; n < M; ++n) {
+        const bool e0 = (2 * t) / P == n && 2 * t < COLS, e1 = (2 * t + 1) / P == n && 2 * t + 1 < COLS;
+        float va = (e0 ? c[u][0] : 0.0f) + (e1 ? c[u][1] : 0.0f);
+        float vb = (e0 ? c[u][2] : 0.0f) + (e1 ? c[u][3] : 0.0f);
+        va += __shfl_xor_sync(0xffffffffu, va, 1);
+        vb += __shfl_xor_sync(0xffffffffu, vb, 1);
+        va += __shfl_xor_sync(0xffffffffu, va, 2);
+        vb += __shfl_xor_sync(0xffffffffu, vb, 2);
+        total[u][0][n] += fmaf(sa, va, ba * xsum[n][grp]);
+        total[u][1][n] += fmaf(sb, vb, bb * xsum[n][grp]);
+      }
     }
   }
   if (t == 0) {
 #pragma unroll
-    for (int n = 0; n < M; ++n) {
-      part[warp][g][n] = total[0][n];
-      part[warp][g + 8][n] = total[1][n];
+    for (int u = 0; u < TILES; ++u) {
+#pragma unroll
+      for (int n = 0; n < M; ++n) {
+        part[warp][16 * u + g][n] = total[u][0][n];
+        part[warp][16 * u + g + 8][n] = total[u][1][n];
+      }
     }
   }
   __syncthreads();
-  if (threadIdx.x < 16 * M) {
+  if (threadIdx.x < 16 * TILES * M) {
     const int r = threadIdx.x / M, n = threadIdx.x % M;
     float v = 0.0f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) v += part[w][r][n];
-    out[static_cast<size_t>(n) * N + tile * 16 + r] = static_cast<TO>(v);
+    vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, n, tile0 * 16 + r, N);
   }
 )";
 

@@ -221,8 +221,13 @@ def test_repacked_tensor_core_experiment_equals_mlx(n, k, rows, dtype):
     and bfloat16 x, against MLX's product with the weight as MLX packs it."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
-    got = ext.quantized_matvec_packed(x, pack_q4_for_mma(w), s, b)
-    assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
+    packed = pack_q4_for_mma(w)
+    assert_close(ext.quantized_matvec_packed(x, packed, s, b), reference(quantized_matvec_reference, x, w, s, b))
+    bias, residual = _x((n,), mx.float32, seed=3), _x((rows, n), mx.float32, seed=4)
+    assert_close(ext.quantized_matvec_packed(x, packed, s, b, bias=bias, residual=residual),
+                 reference(quantized_matvec_reference, x, w, s, b, bias=bias, residual=residual))
+    assert_close(ext.quantized_matvec_packed(x, packed, s, b, activation="relu_squared"),
+                 reference(quantized_matvec_reference, x, w, s, b, squared_relu=True))
 
 
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])

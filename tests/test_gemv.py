@@ -21,7 +21,9 @@ from voicechat.kernels.gemv import (
     dense_matvec,
     dense_matvec_reference,
     on_cuda_gpu,
+    pack_for_mma,
     pack_q4_for_mma,
+    unpack_q4_for_mma,
     quantized_matvec,
     gelu_gate,
     linear,
@@ -208,8 +210,32 @@ def test_pack_q4_for_mma_keeps_every_nibble(n, k):
     packed = pack_q4_for_mma(w)
     assert packed.shape == w.shape and packed.dtype == mx.uint32
     np.testing.assert_array_equal(_unpack_q4_for_mma(np.array(packed)), np.array(w))
+    np.testing.assert_array_equal(np.array(unpack_q4_for_mma(packed)), np.array(w))
     with pytest.raises(ValueError, match="multiple of 16"):
         pack_q4_for_mma(w[:8])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_layer_packed_for_mma_keeps_its_outputs(rows):
+    """GemvQuantizedLinear.pack_for_mma: the weight in the experiment's order (same size), the
+    outputs (with bias and each epilogue) as before: the kernel on CUDA for 1-2 rows, elsewhere
+    MLX's product on the weight unpacked. Layers that cannot take it are left alone."""
+    layer = use_gemv(nn.QuantizedLinear(128, 48, bias=True, group_size=64, bits=4))
+    layer.bias = _x((48,), mx.float32, seed=2)
+    x, residual = _x((rows, 128), mx.float32, seed=rows), _x((rows, 48), mx.float32, seed=9)
+    want = [layer(x), layer(x, residual=residual), layer(x, squared_relu=True)]
+    mx.eval(want)
+    weight = layer.weight
+    assert layer.pack_for_mma() and layer.packed_for_mma and layer.weight.shape == weight.shape
+    assert not np.array_equal(np.array(layer.weight), np.array(weight))
+    got = [layer(x), layer(x, residual=residual), layer(x, squared_relu=True)]
+    for g, w in zip(got, want):
+        assert_close(g, w)
+    eight_bits = use_gemv(nn.QuantizedLinear(128, 48, group_size=64, bits=8))
+    assert not eight_bits.pack_for_mma() and not eight_bits.packed_for_mma
+    block = _Block()
+    use_gemv(block)
+    assert pack_for_mma(block) == 1 and block.proj.packed_for_mma  # its one 4-bit layer
 
 
 @needs_cuda

@@ -24,6 +24,8 @@ which are also the `_reference` twins.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
@@ -108,6 +110,17 @@ def pack_q4_for_mma(w: mx.array) -> mx.array:
     return (q << shifts).sum(axis=(-3, -2, -1)).astype(mx.uint32).reshape(n, k // 8)  # disjoint bits: sum = or
 
 
+def unpack_q4_for_mma(packed: mx.array) -> mx.array:
+    """`pack_q4_for_mma` undone: MLX's 4-bit packing `[N, K / 8]` uint32 again (exact)."""
+    n, k = packed.shape[0], packed.shape[1] * 8
+    half, h, e = (mx.arange(2, dtype=mx.uint32).reshape(shape) for shape in ((2, 1, 1), (1, 2, 1), (1, 1, 2)))
+    shifts = 16 * e + 4 * (2 * half + h)
+    words = packed.reshape(n // 16, k // 64, 8, 4, 4)  # tile, group, g, t, j
+    q = (words[..., None, None, None] >> shifts) & 0xF  # tile, group, g, t, j, half, h, e
+    q = q.transpose(0, 6, 2, 1, 4, 5, 3, 7).reshape(n, k // 8, 8)  # tile, h, g, group, j, half, t, e
+    return (q << (4 * mx.arange(8, dtype=mx.uint32))).sum(axis=-1).astype(mx.uint32)
+
+
 def gelu_gate(x: mx.array) -> mx.array:
     """`gelu_approx(x[..., :K]) * x[..., K:]` of a `[..., 2K]` gate / up output."""
     gate, up = mx.split(x, 2, axis=-1)
@@ -184,14 +197,40 @@ def _same_arrays(cls, layer: nn.Module):
 
 
 class GemvQuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` that runs `quantized_matvec` for 1-2 rows on a CUDA GPU."""
+    """`nn.QuantizedLinear` that runs `quantized_matvec` for 1-2 rows on a CUDA GPU.
+
+    `pack_for_mma()` (the repacked tensor-core experiment, opt-in: `VOICECHAT_PACKED_GEMV=1`) keeps
+    the weight in `pack_q4_for_mma`'s order instead: 1-2 rows then run `ext.quantized_matvec_packed`
+    on a CUDA GPU, anything else MLX's product on the weight unpacked again."""
+
+    packed_for_mma = False
 
     @classmethod
     def from_quantized_linear(cls, layer: nn.QuantizedLinear) -> "GemvQuantizedLinear":
         return _same_arrays(cls, layer)
 
+    def can_pack_for_mma(self) -> bool:
+        n, k = self["weight"].shape[0], self["weight"].shape[1] * 32 // self.bits
+        return self.mode == "affine" and self.bits == 4 and self.group_size == 64 and n % 16 == 0 and k % 64 == 0
+
+    def pack_for_mma(self) -> bool:
+        """Repack the weight (same size) if this layer takes it; whether it did."""
+        if self.packed_for_mma or not self.can_pack_for_mma():
+            return self.packed_for_mma
+        self["weight"] = pack_q4_for_mma(self["weight"])
+        self.packed_for_mma = True
+        return True
+
     def __call__(self, x, *, residual=None, squared_relu: bool = False):
         """`layer(x)`, then `relu(.)^2` or `+ residual`: one launch on the kernel path."""
+        if self.packed_for_mma:
+            w, s, b = self["weight"], self["scales"], self["biases"]
+            if gemv_applies(x):
+                out = ext.quantized_matvec_packed(x, w, s, b, bias=self.get("bias"), residual=residual,
+                                                  activation=_activation(squared_relu))
+                return out.reshape(*x.shape[:-1], w.shape[0])
+            y = mx.quantized_matmul(x, unpack_q4_for_mma(w), s, b, transpose=True, group_size=64, bits=4)
+            return _epilogue(y + self["bias"] if "bias" in self else y, residual, squared_relu)
         if self.mode == "affine" and gemv_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
                                     bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
@@ -264,6 +303,20 @@ def _swap(layer):
     if type(layer) is nn.Linear:
         return GemvLinear.from_linear(layer)
     return layer
+
+
+def packed_gemv_requested() -> bool:
+    """`VOICECHAT_PACKED_GEMV=1`: the LLM's 4-bit projections take the repacked tensor-core experiment."""
+    return os.environ.get("VOICECHAT_PACKED_GEMV", "0") == "1"
+
+
+def pack_for_mma(module: nn.Module) -> int:
+    """Repack every `GemvQuantizedLinear` below `module` that takes it, stacked ones (`_qkv`, not in
+    the key tree) included (`GemvQuantizedLinear.pack_for_mma`); how many were."""
+    layers = [m for _, m in module.named_modules()]
+    layers += [m._qkv for m in layers if getattr(m, "_qkv", None) is not None]
+    return sum(layer.pack_for_mma() for layer in {id(m): m for m in layers}.values()
+               if isinstance(layer, GemvQuantizedLinear))
 
 
 def use_gemv(module: nn.Module) -> nn.Module:

@@ -178,6 +178,16 @@ def test_a_53213_sample_wav_gives_43_frames(perception, tmp_path):
     assert lengths.tolist() == [43] and lengths.dtype == mx.int32
 
 
+def test_stepwise_encoder_equals_the_one_graph_encoder(perception):
+    """`stepwise` (the session's way past 30 s: a wait after the subsampling and each layer) is
+    only a schedule: the same encoded frames and projection."""
+    mel = mx.random.normal((1, 700, perception.config.encoder.feat_in), key=mx.random.key(8))
+    whole = perception(mel)
+    stepwise = perception(mel, stepwise=True)
+    for a, b in zip(whole, stepwise):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
 def test_lengths_follow_the_given_mel_lengths(perception):
     _, lengths, _ = perception(mx.zeros((1, 128, 128)), mx.array([100]))
     assert lengths.tolist() == [subsampled_length(100)] == [14]

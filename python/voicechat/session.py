@@ -33,6 +33,9 @@ from .stt.rnnt import greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
+# Past 30 s of audio the encoder runs a layer at a time (ConformerEncoder's `stepwise`): what a GPU
+# holds in flight for the whole encoder grows with the input.
+STEPWISE_MEL_FRAMES = 3000
 
 
 class InputError(ValueError):
@@ -178,8 +181,10 @@ class VoiceChat:
 
         perception = self.stt.perception
         mel = perception.log_mel(mx.array(wave))
-        audio_embeds, lengths, encoded = perception(mel)
+        stepwise = mel.shape[1] > STEPWISE_MEL_FRAMES
+        audio_embeds, lengths, encoded = perception(mel, stepwise=stepwise)
         mx.eval(audio_embeds, encoded)
+        perception_syncs = 2 + len(perception.encoder.layers) if stepwise else 1
         frames = int(lengths[0].item()) if lengths is not None else audio_embeds.shape[1]
         audio_embeds, encoded = audio_embeds[:, :frames], encoded[:, :frames]
         # The transcript depends on nothing after the encoder: its sequential loop runs on a CPU
@@ -227,7 +232,7 @@ class VoiceChat:
             timings=timings,
             frames=frames,
             prompt_frames=prompt_frames,
-            host_syncs=syncs + 4,  # + perception, warmup, codec and transcript: one wait each
+            host_syncs=syncs + perception_syncs + 3,  # + warmup, codec and transcript: one wait each
             peak_memory_gb=peaks,
         )
 

@@ -187,14 +187,23 @@ class ConformerEncoder(nn.Module):
         self.pre_encode = CausalSubsampling(cfg)
         self.layers = [ConformerBlock(cfg) for _ in range(cfg.n_layers)]
 
-    def __call__(self, mel: mx.array) -> mx.array:
-        """`[B, T, feat]` -> `[B, T', d_model]` (xscaling off: the input is not scaled)."""
+    def __call__(self, mel: mx.array, stepwise: bool = False) -> mx.array:
+        """`[B, T, feat]` -> `[B, T', d_model]` (xscaling off: the input is not scaled).
+
+        `stepwise`: evaluate after the subsampling and after each layer. Queued as one graph, a
+        long input's every intermediate stays alive on CUDA until its launch completes (MLX keeps
+        a launch's inputs until then), and the host queues the whole encoder long before the GPU
+        has run it; one layer at a time bounds that at the cost of a wait per layer."""
         x = self.pre_encode(mel)
         # Only the table rows the attention context reads (71 for [70, 0]), whatever the length.
         first, count = position_window(x.shape[1], *self.context)
         pos_emb = relative_positions(x.shape[1], self.d_model, first, count)
+        if stepwise:
+            mx.eval(x, pos_emb)
         for layer in self.layers:
             x = layer(x, pos_emb, first)
+            if stepwise:
+                mx.eval(x)
         return x
 
 
@@ -213,16 +222,17 @@ class Perception(nn.Module):
         f = self.preprocessor.featurizer
         return log_mel(audio_16k, self.config.preprocessor, f.fb, f.window)
 
-    def __call__(self, mel: mx.array, lengths: mx.array | None = None):
+    def __call__(self, mel: mx.array, lengths: mx.array | None = None, stepwise: bool = False):
         """`mel [1, T, features]` -> `(projected [1, F, output_dim], lengths [1] int32, encoded [1, F, d_model])`.
 
         `lengths` (mel frames per batch row, default T) only sets the returned lengths: the encoder
-        is causal, so frames past a row's length never change the frames before it.
+        is causal, so frames past a row's length never change the frames before it. `stepwise`: see
+        `ConformerEncoder`.
         """
         if mel.ndim != 3 or mel.shape[-1] != self.config.encoder.feat_in:
             raise ValueError(f"mel must be [B, T, {self.config.encoder.feat_in}], got {tuple(mel.shape)}")
         if lengths is None:
             lengths = mx.full((mel.shape[0],), mel.shape[1], dtype=mx.int32)
-        encoded = self.encoder(mel.astype(mx.float32)).astype(mx.float32)
+        encoded = self.encoder(mel.astype(mx.float32), stepwise).astype(mx.float32)
         projected = self.proj(encoded).astype(mx.float32)
         return projected, subsampled_length(lengths.astype(mx.int32)), encoded

@@ -729,7 +729,9 @@ constexpr const char* kQmvPackedSource = R"(
   static_assert(K % 64 == 0 && N % (16 * TILES) == 0 && M >= 1 && M <= 2,
                 "4-bit, group 64, whole blocks of 16-row tiles, 1 or 2 rows");
   __shared__ float xsum[M][GROUPS];
-  __shared__ __align__(16) unsigned short cols[WARPS][COLS][64];  // the round's x columns, bfloat16 bits
+  // The round's x columns, bfloat16 bits; 72 a column, not 64, so that the lanes of one t reading
+  // different columns hit different banks.
+  __shared__ __align__(16) unsigned short cols[WARPS][COLS][72];
   __shared__ float part[WARPS][16 * TILES][2];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;

@@ -202,9 +202,11 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
         return [decode_attention(q, k, v, offset, layer.self_attn.scale, m, new=new)
                 for layer, (q, _, _), (k, v), m, new in zip(layers, heads, buffers, masks, news)]
 
+    in_place = backbone.writes_cache_in_place()
+
     def attention_from_qkv():  # what the step runs on CUDA: the head preparation inside the attention
         return [decode_attention_qkv(q, a.q_norm.scale, a.k_norm.scale, a._inv_freq, a.q_norm.eps, k, v, offset,
-                                     a.scale, slot, a.n_heads, m)[0]
+                                     a.scale, slot, a.n_heads, m, write_cache=in_place)[0]
                 for a, q, (k, v), m, (_, _, slot) in zip((layer.self_attn for layer in layers), qkv, buffers,
                                                          masks, news)]
 
@@ -221,7 +223,8 @@ def backbone_parts(tts: EarTTS, cache, rounds: int) -> dict:
     parts = {
         "qkv_gemv": lambda: [layer.self_attn._qkv(z) for layer in layers],
         "qkv_heads": lambda: [layer.self_attn.heads(q, offset) for layer, q in zip(layers, qkv)],
-        "cache_writes": cache_writes,
+        # where the attention launches write the keys in place, the step has no separate writes
+        **({} if in_place else {"cache_writes": cache_writes}),
         "attention": attention,
         "attention_from_qkv": attention_from_qkv,
         "o_proj": lambda: [layer.self_attn.o_proj(c) for layer, c in zip(layers, core)],

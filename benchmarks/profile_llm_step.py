@@ -23,11 +23,11 @@ PAD = 12
 
 def _lm(size: str):
     """The LLM as `voicechat.load` prepares it (VOICECHAT_PACKED_GEMV=1: the repacked GEMV experiment)."""
-    from voicechat.kernels.gemv import on_cuda_gpu, pack_for_mma, packed_gemv_requested
+    from voicechat.kernels.gemv import pack_for_mma_if_requested
 
     lm = _prepared_lm(size)
-    if packed_gemv_requested() and on_cuda_gpu():
-        print(f"VOICECHAT_PACKED_GEMV: {pack_for_mma(lm.llm)} projections repacked", flush=True)
+    if packed := pack_for_mma_if_requested(lm.llm):
+        print(f"VOICECHAT_PACKED_GEMV: {packed} projections repacked", flush=True)
     return lm
 
 

@@ -45,8 +45,9 @@ constexpr int kChunk = 1024;
 constexpr int kSplitChunk = 256;
 
 // Template args: D, H, HK, CH (kChunk when SINGLE, else kSplitChunk), THREADS, SINGLE; dims = [CAP]
-// (the buffers' slots: an input, so that a growing cache does not compile a kernel per size). part: [B * H * NC, D + 2] = (max, sum,
-// values); SINGLE (CAP <= CH, one chunk): the result itself, [B * H, D], and no second launch.
+// (the buffers' slots: an input, so that a growing cache does not compile a kernel per size).
+// part: [B * H * NC, D + 2] = (max, sum, values); SINGLE (CAP <= CH, one chunk): the result itself,
+// [B * H, D], and no second launch.
 constexpr const char* kPartHead = R"(
   const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   const int CAP = dims[0];

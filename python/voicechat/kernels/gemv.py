@@ -91,35 +91,38 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
                                 norm_eps=float(norm_eps), mma=mma, stream=stream)
 
 
-# --------------------------------------------------------------------------- dense
+def _mma_nibble_shifts() -> mx.array:
+    """`[half, h, e]` -> the bit of pack_q4_for_mma's word holding that nibble: 16e + 4(2 half + h)."""
+    half, h, e = (mx.arange(2, dtype=mx.uint32).reshape(shape) for shape in ((2, 1, 1), (1, 2, 1), (1, 1, 2)))
+    return 16 * e + 4 * (2 * half + h)
+
 
 def pack_q4_for_mma(w: mx.array) -> mx.array:
     """MLX's 4-bit packing `[N, K / 8]` uint32 (N a multiple of 16, K of 64) in the order of the
-    repacked tensor-core experiment (`ext.quantized_matvec_packed`; not used by the model): for each
-    16-row tile and 64-wide group, lane (g, t)'s four words, word j holding tile j's A fragment pairs
-    a_i (i = 2 * half + h: row 8h + g, columns 8 half + 2t and + 1) with the first column's nibble at
-    bits 4i and the second's at 16 + 4i. Same size."""
+    repacked tensor-core GEMV (`ext.quantized_matvec_packed`; the model uses it only under
+    `VOICECHAT_PACKED_GEMV=1`): for each 16-row tile and 64-wide group, lane (g, t)'s four words,
+    word j holding tile j's A fragment pairs a_i (i = 2 * half + h: row 8h + g, columns 8 half + 2t
+    and + 1) with the first column's nibble at bits 4i and the second's at 16 + 4i. Same size."""
     n, k = w.shape[0], w.shape[1] * 8
     if w.dtype != mx.uint32 or n % 16 or k % 64:
         raise ValueError("pack_q4_for_mma: w must be uint32 [N, K / 8] with N a multiple of 16 and K of 64")
     q = (w[..., None] >> (4 * mx.arange(8, dtype=mx.uint32))) & 0xF  # [N, K / 8, 8]: nibble k = 8 word + i
     # rows as (tile, h, g), columns as (group, j, half, t, e): row = 16 tile + 8h + g, k = 64 group + 16j + 8 half + 2t + e
     q = q.reshape(n // 16, 2, 8, k // 64, 4, 2, 4, 2).transpose(0, 3, 2, 6, 4, 5, 1, 7)  # tile, group, g, t, j, half, h, e
-    half, h, e = (mx.arange(2, dtype=mx.uint32).reshape(shape) for shape in ((2, 1, 1), (1, 2, 1), (1, 1, 2)))
-    shifts = 16 * e + 4 * (2 * half + h)
-    return (q << shifts).sum(axis=(-3, -2, -1)).astype(mx.uint32).reshape(n, k // 8)  # disjoint bits: sum = or
+    words = (q << _mma_nibble_shifts()).sum(axis=(-3, -2, -1))  # disjoint bits: the sum is the or
+    return words.astype(mx.uint32).reshape(n, k // 8)
 
 
 def unpack_q4_for_mma(packed: mx.array) -> mx.array:
     """`pack_q4_for_mma` undone: MLX's 4-bit packing `[N, K / 8]` uint32 again (exact)."""
     n, k = packed.shape[0], packed.shape[1] * 8
-    half, h, e = (mx.arange(2, dtype=mx.uint32).reshape(shape) for shape in ((2, 1, 1), (1, 2, 1), (1, 1, 2)))
-    shifts = 16 * e + 4 * (2 * half + h)
     words = packed.reshape(n // 16, k // 64, 8, 4, 4)  # tile, group, g, t, j
-    q = (words[..., None, None, None] >> shifts) & 0xF  # tile, group, g, t, j, half, h, e
+    q = (words[..., None, None, None] >> _mma_nibble_shifts()) & 0xF  # tile, group, g, t, j, half, h, e
     q = q.transpose(0, 6, 2, 1, 4, 5, 3, 7).reshape(n, k // 8, 8)  # tile, h, g, group, j, half, t, e
     return (q << (4 * mx.arange(8, dtype=mx.uint32))).sum(axis=-1).astype(mx.uint32)
 
+
+# --------------------------------------------------------------------------- dense
 
 def gelu_gate(x: mx.array) -> mx.array:
     """`gelu_approx(x[..., :K]) * x[..., K:]` of a `[..., 2K]` gate / up output."""
@@ -229,8 +232,8 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
                 out = ext.quantized_matvec_packed(x, w, s, b, bias=self.get("bias"), residual=residual,
                                                   activation=_activation(squared_relu))
                 return out.reshape(*x.shape[:-1], w.shape[0])
-            y = mx.quantized_matmul(x, unpack_q4_for_mma(w), s, b, transpose=True, group_size=64, bits=4)
-            return _epilogue(y + self["bias"] if "bias" in self else y, residual, squared_relu)
+            return quantized_matvec_reference(x, unpack_q4_for_mma(w), s, b, bias=self.get("bias"),
+                                              residual=residual, squared_relu=squared_relu)
         if self.mode == "affine" and gemv_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
                                     bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
@@ -305,9 +308,12 @@ def _swap(layer):
     return layer
 
 
-def packed_gemv_requested() -> bool:
-    """`VOICECHAT_PACKED_GEMV=1`: the LLM's 4-bit projections take the repacked tensor-core experiment."""
-    return os.environ.get("VOICECHAT_PACKED_GEMV", "0") == "1"
+def pack_for_mma_if_requested(module: nn.Module) -> int:
+    """`pack_for_mma(module)` where `VOICECHAT_PACKED_GEMV=1` asks for the repacked tensor-core
+    experiment and a CUDA GPU runs it; how many layers were repacked (0 otherwise)."""
+    if os.environ.get("VOICECHAT_PACKED_GEMV", "0") != "1" or not on_cuda_gpu():
+        return 0
+    return pack_for_mma(module)
 
 
 def pack_for_mma(module: nn.Module) -> int:

@@ -50,18 +50,20 @@ class GatedFusion(nn.Module):
         self.final_norm = OffsetRMSNorm(hidden, eps)
 
     def __call__(self, audio: mx.array, text: mx.array) -> mx.array:
-        a = self.audio_proj(audio.astype(mx.float32) / self.num_quantizers)
-        t = self.text_proj(text.astype(mx.float32))
-        gate = mx.sigmoid(self.gate.astype(mx.float32))
-        scale = mx.sigmoid(self.residual_scale.astype(mx.float32))
-        return self.final_norm(scale * (gate * a + (1.0 - gate) * t))
+        return self._mix(self._audio(audio), self.text_proj(text.astype(mx.float32)))
 
     def cfg_pair(self, audio: mx.array, text: mx.array, null_text: mx.array) -> mx.array:
         """This fusion over the CFG batch [(audio, text), (audio, null)] -> [2, T, hidden], the audio
         projected once and the null row's text projection given (`null_text`, made once): the
         same rows as `__call__` on the concatenated batch, in two launches fewer."""
-        a = self.audio_proj(audio.astype(mx.float32) / self.num_quantizers)
         t = mx.where(_CONDITIONED_ROW, self.text_proj(text.astype(mx.float32)), null_text)
+        return self._mix(self._audio(audio), t)
+
+    def _audio(self, audio: mx.array) -> mx.array:
+        return self.audio_proj(audio.astype(mx.float32) / self.num_quantizers)
+
+    def _mix(self, a: mx.array, t: mx.array) -> mx.array:
+        """The gated sum of the projected audio `a` and text `t`, scaled and normed."""
         gate = mx.sigmoid(self.gate.astype(mx.float32))
         scale = mx.sigmoid(self.residual_scale.astype(mx.float32))
         return self.final_norm(scale * (gate * a + (1.0 - gate) * t))

@@ -13,9 +13,6 @@ Cases, each ours vs MLX's op, float32 and bfloat16 activations:
 - argmax: both heads' argmax in one pass vs two `mx.quantized_matmul` + `mx.argmax`;
 - floor:  every Nemotron-H projection (one distinct weight each) + both heads, one row: the LLM
           step's matmul floor.
-q4 and floor also time "mma", the tensor-core experiment (`ext.quantized_matvec_planes` on x
-split once beforehand: the kernel alone), and on CUDA "packed", the repacked tensor-core
-experiment (`ext.quantized_matvec_packed` on weights packed once by `pack_q4_for_mma`).
 Each timed round evaluates many calls (mx.eval, time.perf_counter, after warm-up); weights are
 cycled over copies totalling >= 256 MB so that a call reads them from memory, not from the
 H200's 50 MB L2. GB/s counts the packed weights, scales and biases once per call. On a CPU the
@@ -47,8 +44,6 @@ except ImportError:
 from voicechat.kernels import build_info, ext  # noqa: E402
 from voicechat.kernels.gemv import (  # noqa: E402
     dense_matvec,
-    on_cuda_gpu,
-    pack_q4_for_mma,
     quantized_matvec,
     two_head_argmax,
     two_head_argmax_reference,
@@ -184,26 +179,10 @@ def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0, warps=-1, copies
                     for w, s, b in order]
         return [quantized_matvec(x, w, s, b) for w, s, b in order]
 
-    planes, xsum = ext.split_x(x)  # split once: the kernel alone, as producers writing split x would run it
-
-    def mma():
-        return [ext.quantized_matvec_planes(planes, xsum, w, s, b) for w, s, b in order]
-
     def mlx():
         return [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4) for w, s, b in order]
 
-    runs = {"ours": ours, "mma": mma, "mlx": mlx}
-    if packed_applies(n, x_dtype):
-        packed = [(pack_q4_for_mma(w), s, b) for w, s, b in copies]  # packed once, as a load would
-        mx.eval(packed)
-        packed_order = [packed[i % len(packed)] for i in range(calls)]
-        runs["packed"] = lambda: [ext.quantized_matvec_packed(x, w, s, b) for w, s, b in packed_order]
-    return calls, runs
-
-
-def packed_applies(n: int, x_dtype) -> bool:
-    """The repacked tensor-core experiment: CUDA, whole 16-row tiles."""
-    return on_cuda_gpu() and n % 16 == 0
+    return calls, {"ours": ours, "mlx": mlx}
 
 
 def dense_runs(n, k, x_dtype, rows=2, rows_per_block=0, threads=0, warps=-1, copies=None):
@@ -238,18 +217,10 @@ def floor_runs(size, x_dtype):
     mx.eval(list(xs.values()))
     pairs = [(xs[k], w) for (_, _, k), w in zip(projections, weights)]
     total = sum(q4_bytes(n, k) for _, n, k in projections)
-    split = {k: ext.split_x(x) for k, x in xs.items()}
-    mx.eval(list(split.values()))
-    runs = {
+    return len(projections), total, {
         "ours": lambda: [quantized_matvec(x, w, s, b) for x, (w, s, b) in pairs],
-        "mma": lambda: [ext.quantized_matvec_planes(*split[x.shape[-1]], w, s, b) for x, (w, s, b) in pairs],
         "mlx": lambda: [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4) for x, (w, s, b) in pairs],
     }
-    if all(packed_applies(n, x_dtype) for _, n, _ in projections):
-        packed = [(x, (pack_q4_for_mma(w), s, b)) for x, (w, s, b) in pairs]
-        mx.eval([p for _, p in packed])
-        runs["packed"] = lambda: [ext.quantized_matvec_packed(x, w, s, b) for x, (w, s, b) in packed]
-    return len(projections), total, runs
 
 
 def release():
@@ -392,12 +363,10 @@ def _bench(benchmark, run, calls, bytes_per_call, **info):
     return out
 
 
-@pytest.mark.parametrize("impl", ["ours", "mma", "packed", "mlx"])
+@pytest.mark.parametrize("impl", ["ours", "mlx"])
 @pytest.mark.parametrize("x", list(DTYPES))
 @pytest.mark.parametrize("n,k", Q4_SHAPES, ids=_shape_ids(Q4_SHAPES))
 def test_q4_matvec(benchmark, n, k, x, impl):
-    if impl == "packed" and not packed_applies(n, DTYPES[x]):
-        pytest.skip("the repacked experiment: CUDA, N a multiple of 16")
     calls, runs = q4_runs(n, k, DTYPES[x])
     _bench(benchmark, runs[impl], calls, q4_bytes(n, k), shape=[n, k], x=x, impl=impl)
     del runs
@@ -424,12 +393,10 @@ def test_two_head_argmax(benchmark, x, impl):
     release()
 
 
-@pytest.mark.parametrize("impl", ["ours", "mma", "packed", "mlx"])
+@pytest.mark.parametrize("impl", ["ours", "mlx"])
 @pytest.mark.parametrize("x", list(DTYPES))
 def test_llm_matmul_floor(benchmark, x, impl):
     count, total, runs = floor_runs(SIZE, DTYPES[x])
-    if impl not in runs:
-        pytest.skip("the repacked experiment: CUDA, N a multiple of 16")
     _bench(benchmark, runs[impl], 1, total, matrices=count, x=x, impl=impl)
     del runs
     release()

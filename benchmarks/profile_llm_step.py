@@ -22,16 +22,6 @@ PAD = 12
 
 
 def _lm(size: str):
-    """The LLM as `voicechat.load` prepares it (VOICECHAT_PACKED_GEMV=1: the repacked GEMV experiment)."""
-    from voicechat.kernels.gemv import pack_for_mma_if_requested
-
-    lm = _prepared_lm(size)
-    if packed := pack_for_mma_if_requested(lm.llm):
-        print(f"VOICECHAT_PACKED_GEMV: {packed} projections repacked", flush=True)
-    return lm
-
-
-def _prepared_lm(size: str):
     if size == "full":
         from bench_llm import _full_size_lm
 

@@ -48,11 +48,6 @@ struct Launch {
 // LLM shape by more than the run-to-run noise (~10%), and lost most.
 constexpr int kWarpLayoutWarps = 0;
 
-// The tensor-core experiment: warps per 16-row block, each taking every WARPS-th 64-wide group.
-constexpr int kMmaWarps = 4;
-// The repacked one: the same split, 8 warps (its registers allow 8 blocks an SM).
-constexpr int kPackedWarps = 8;
-
 // Block layout. Threads: enough to cover a row's 16-byte chunks in ceil(chunks / 256) steps, in
 // whole warps (K = 4480 at 4 bits: 140 chunks -> 160 threads, one step). Rows per block: 8 (each
 // chunk of x loaded serves 8 weight rows: fewer instructions per weight byte), fewer when that
@@ -176,84 +171,6 @@ const CudaSource& qmv_source() {
           inst("__half", "__half", "__half", 4, 32, 4480, 1000, 1, 2, 64),
           inst(bf, f, f, 8, 128, 1152, 1, 2, 1, 96),
           inst(f, bf, f, 4, 64, 4480, 5120, 2, 4, 160, f),
-      },
-  });
-  return src;
-}
-
-// The tensor-core experiment (kQmvMmaSource): inputs xp (bf16 planes), xsum, weight, scales,
-// biases, bias, residual.
-CudaInstance qmv_mma_instance(const char* ts, const char* to, int k, int n, int m, int warps, const char* tb = nullptr,
-                              int epi = 0) {
-  const char* bias_type = tb ? tb : ts;
-  const char* residual_type = epi == 1 ? to : ts;
-  return CudaInstance{
-      {"__nv_bfloat16", "float", "uint32_t", ts, ts, bias_type, residual_type},
-      {to},
-      {TemplateArg{"K", int_arg(k)}, TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)},
-       TemplateArg{"WARPS", int_arg(warps)}, TemplateArg{"EPI", int_arg(epi)},
-       TemplateArg{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, TemplateArg{"TS", type_arg(ts)},
-       TemplateArg{"TB", type_arg(bias_type)}, TemplateArg{"TR", type_arg(residual_type)},
-       TemplateArg{"TO", type_arg(to)}}};
-}
-
-// Row tiles a block of the repacked experiment takes: 2 (sharing the staged x) where N allows.
-int packed_tiles(int n) { return n % 32 == 0 ? 2 : 1; }
-
-// The repacked tensor-core experiment (kQmvPackedSource): inputs x, packed, scales, biases, bias,
-// residual (tb: the bias' type or nullptr; epi as qmv_instance's).
-CudaInstance qmv_packed_instance(const char* tx, const char* ts, const char* to, int k, int n, int m,
-                                 const char* tb = nullptr, int epi = 0) {
-  const char* bias_type = tb ? tb : ts;
-  const char* residual_type = epi == 1 ? to : ts;
-  return CudaInstance{{tx, "uint32_t", ts, ts, bias_type, residual_type},
-                      {to},
-                      {TemplateArg{"K", int_arg(k)}, TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)},
-                       TemplateArg{"WARPS", int_arg(kPackedWarps)}, TemplateArg{"TILES", int_arg(packed_tiles(n))},
-                       TemplateArg{"EPI", int_arg(epi)}, TemplateArg{"HAS_BIAS", tb ? "bool:true" : "bool:false"},
-                       TemplateArg{"TX", type_arg(tx)}, TemplateArg{"TS", type_arg(ts)},
-                       TemplateArg{"TB", type_arg(bias_type)}, TemplateArg{"TR", type_arg(residual_type)},
-                       TemplateArg{"TO", type_arg(to)}}};
-}
-
-const CudaSource& qmv_packed_source() {
-  const char* f = "float";
-  const char* bf = "__nv_bfloat16";
-  static const CudaSource& src = register_cuda_source({
-      "vc_qmv_packed",
-      {"x", "packed", "scales", "biases", "bias", "residual"},
-      {"out"},
-      gemv_cuda::kQmvPackedSource,
-      std::string(gemv_cuda::kHeader) + gemv_cuda::kMmaHeader,
-      {
-          qmv_packed_instance(f, bf, f, 4480, 22656, 1),            // mamba in_proj (the model's float32 x)
-          qmv_packed_instance(f, bf, f, 10240, 4480, 1, nullptr, 1),  // mamba out_proj (+ residual)
-          qmv_packed_instance(f, bf, f, 4480, 15680, 1, nullptr, 2),  // mlp up_proj (squared ReLU)
-          qmv_packed_instance(f, bf, f, 15680, 4480, 2),            // mlp down_proj, two rows
-          qmv_packed_instance(f, bf, f, 4480, 131072, 1),           // a head
-          qmv_packed_instance(bf, bf, bf, 4480, 22656, 1),
-          qmv_packed_instance(bf, f, f, 128, 48, 2, f, 2),          // one tile a block, bias
-      },
-  });
-  return src;
-}
-
-const CudaSource& qmv_mma_source() {
-  const char* f = "float";
-  const char* bf = "__nv_bfloat16";
-  static const CudaSource& src = register_cuda_source({
-      "vc_qmv_mma",
-      {"xp", "xsum", "weight", "scales", "biases", "bias", "residual"},
-      {"out"},
-      gemv_cuda::kQmvMmaSource,
-      std::string(gemv_cuda::kHeader) + gemv_cuda::kMmaHeader,
-      {
-          qmv_mma_instance(bf, f, 4480, 22656, 1, kMmaWarps),           // mamba in_proj
-          qmv_mma_instance(bf, f, 10240, 4480, 1, kMmaWarps, nullptr, 1),  // mamba out_proj (+ residual)
-          qmv_mma_instance(bf, f, 4480, 15680, 1, kMmaWarps, nullptr, 2),  // mlp up_proj (squared ReLU)
-          qmv_mma_instance(bf, bf, 15680, 4480, 2, kMmaWarps),
-          qmv_mma_instance(bf, f, 4480, 131072, 1, kMmaWarps),          // a head
-          qmv_mma_instance(f, f, 640, 40, 2, 2, f),
       },
   });
   return src;
@@ -483,8 +400,8 @@ mx::array compose_epilogue(mx::array y, const Epilogue& e, mx::Stream s) {
   return e.residual ? mx::add(y, *e.residual, s) : y;
 }
 
-// The matvec's output dtype: what MLX's ops give x (or its float32 planes) times the weight's
-// scales (or the weight), plus the bias and the residual.
+// The matvec's output dtype: what MLX's ops give x times the weight's scales (or the weight), plus
+// the bias and the residual.
 mx::Dtype output_dtype(mx::Dtype x, mx::Dtype weight, const std::optional<mx::array>& bias, const Epilogue& epi) {
   auto out = mx::promote_types(x, weight);
   if (bias) {
@@ -500,103 +417,12 @@ bool kernel_takes(const Epilogue& e, int m, int n) {
 
 // ---------------------------------------------------------------- quantized matvec
 
-// The tensor-core experiment's input: x [M, K] as three bfloat16 planes [3 M, K] (hi, mid, lo;
-// plane p, row n at p * M + n; hi + mid + lo == x exactly: each step keeps 8 more significand
-// bits) and its per-64 sums [M, K / 64] (float32). MLX ops: one fused kernel in a compiled graph.
-std::pair<mx::array, mx::array> split_x(const mx::array& x, int m, int k, mx::Stream s) {
-  auto xf = mx::astype(mx::reshape(x, {m, k}, s), mx::float32, s);
-  auto hi = mx::astype(xf, mx::bfloat16, s);
-  auto rest = mx::subtract(xf, mx::astype(hi, mx::float32, s), s);
-  auto mid = mx::astype(rest, mx::bfloat16, s);
-  auto lo = mx::astype(mx::subtract(rest, mx::astype(mid, mx::float32, s), s), mx::bfloat16, s);
-  return {mx::concatenate({hi, mid, lo}, 0, s), mx::sum(mx::reshape(xf, {m, k / 64, 64}, s), -1, false, s)};
-}
-
-// kQmvMmaSource's launch over split x; the output [M, N].
-mx::array qmv_mma(const mx::array& planes, const mx::array& xsum, const mx::array& w, const mx::array& scales,
-                  const mx::array& biases, const std::optional<mx::array>& bias, const Epilogue& epi, int m, int n,
-                  int k, mx::Dtype out_dtype, mx::Stream s) {
-  std::vector<mx::array> inputs = {planes, xsum, w, scales, biases, bias ? *bias : scales,
-                                   epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : scales};
-  std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
-      {"K", k}, {"N", n}, {"M", m}, {"WARPS", kMmaWarps}, {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()},
-      {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
-      {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TO", out_dtype}};
-  return kernel(qmv_mma_source())(inputs, {{m, n}}, {out_dtype}, {((n + 15) / 16) * 32 * kMmaWarps, 1, 1},
-                                  {32 * kMmaWarps, 1, 1}, args, std::nullopt, false, s)[0];
-}
-
-// The tensor-core experiment on x already split (split_x's planes and sums): the kernel alone,
-// as producers that write split x would run it. MLX ops off CUDA (the planes summed back).
-mx::array quantized_matvec_planes(const mx::array& planes, const mx::array& xsum, const mx::array& w,
-                                  const mx::array& scales, const mx::array& biases,
-                                  const std::optional<mx::array>& bias, const std::optional<mx::array>& residual,
-                                  const std::string& activation, mx::StreamOrDevice s_) {
-  const auto [n, k] = check_quantized(planes, w, scales, biases, 64, 4);
-  if (planes.ndim() != 2 || planes.dtype() != mx::bfloat16 || planes.shape(0) % 3 != 0 || planes.shape(0) > 6 ||
-      k % 64 != 0) {
-    throw std::invalid_argument("quantized_matvec_planes: planes must be bfloat16 [3 M, K], M of 1 or 2, K a multiple of 64");
-  }
-  const int m = planes.shape(0) / 3;
-  if (xsum.shape() != mx::Shape{m, k / 64} || xsum.dtype() != mx::float32) {
-    throw std::invalid_argument("quantized_matvec_planes: xsum must be float32 [M, K / 64]");
-  }
-  const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec_planes");
-  auto s = mx::to_stream(s_);
-  const auto out_dtype = output_dtype(mx::float32, scales.dtype(), bias, epi);
-  if (!(gpu_stream(s) && cuda_build() && float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
-        kernel_takes(epi, m, n))) {
-    auto x = mx::sum(mx::reshape(mx::astype(planes, mx::float32, s), {3, m, k}, s), 0, false, s);
-    auto y = mx::quantized_matmul(x, w, scales, biases, true, 64, 4, "affine", s);
-    return mx::astype(compose_epilogue(bias ? mx::add(y, *bias, s) : y, epi, s), out_dtype, s);
-  }
-  return qmv_mma(planes, xsum, w, scales, biases, bias, epi, m, n, k, out_dtype, s);
-}
-
-// The repacked tensor-core experiment: x [..., K] bfloat16 or float32 (1 or 2 rows) times the 4-bit
-// group-64 weight in pack_q4_for_mma's order ([N, K / 8] uint32, N a multiple of 16): [M, N]. CUDA
-// only (elsewhere: mx.quantized_matmul on the weight before packing).
-mx::array quantized_matvec_packed(const mx::array& x, const mx::array& packed, const mx::array& scales,
-                                  const mx::array& biases, const std::optional<mx::array>& bias,
-                                  const std::optional<mx::array>& residual, const std::string& activation,
-                                  mx::StreamOrDevice s_) {
-  const auto [n, k] = check_quantized(x, packed, scales, biases, 64, 4);
-  const int m = x.ndim() == 1 ? 1 : static_cast<int>(x.size() / k);
-  if ((x.dtype() != mx::bfloat16 && x.dtype() != mx::float32) || m > 2 || n % 16 != 0 || k % 64 != 0) {
-    throw std::invalid_argument(
-        "quantized_matvec_packed: x must be bfloat16 or float32 with 1 or 2 rows, N a multiple of 16 and K of 64");
-  }
-  if (bias && (bias->ndim() != 1 || bias->shape(0) != n)) {
-    throw std::invalid_argument("quantized_matvec_packed: bias must be [N]");
-  }
-  const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec_packed");
-  auto s = mx::to_stream(s_);
-  if (!(gpu_stream(s) && cuda_build() && float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
-        kernel_takes(epi, m, n))) {
-    throw std::invalid_argument(
-        "quantized_matvec_packed runs on a CUDA stream; elsewhere use mx.quantized_matmul on the unpacked weight");
-  }
-  const auto out_dtype = output_dtype(x.dtype(), scales.dtype(), bias, epi);
-  const int tiles = packed_tiles(n);
-  return kernel(qmv_packed_source())(
-      {x, packed, scales, biases, bias ? *bias : scales, epi.residual ? mx::reshape(*epi.residual, {m, n}, s) : scales},
-      {{m, n}}, {out_dtype}, {(n / (16 * tiles)) * 32 * kPackedWarps, 1, 1}, {32 * kPackedWarps, 1, 1},
-      {{"K", k}, {"N", n}, {"M", m}, {"WARPS", kPackedWarps}, {"TILES", tiles}, {"EPI", epi.kind()},
-       {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TS", scales.dtype()},
-       {"TB", bias ? bias->dtype() : scales.dtype()}, {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()},
-       {"TO", out_dtype}},
-      std::nullopt, false, s)[0];
-}
-
 mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                            const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
                            int threads, int warps, const std::optional<mx::array>& residual,
                            const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
-                           bool mma, mx::StreamOrDevice s_) {
+                           mx::StreamOrDevice s_) {
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
-  if (mma && (bits != 4 || group_size != 64 || k % 64 != 0 || norm_weight)) {
-    throw std::invalid_argument("quantized_matvec: mma takes 4-bit, group-64 weights (K a multiple of 64), no norm_weight");
-  }
   const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec");
   if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != k || !float_dtype(norm_weight->dtype()))) {
     throw std::invalid_argument("quantized_matvec: norm_weight must be a float array [K] with K = " + std::to_string(k));
@@ -614,10 +440,6 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
     return compose_epilogue(bias ? mx::add(y, *bias, s) : y, epi, s);
   }
   const auto out_dtype = output_dtype(x.dtype(), scales.dtype(), bias, epi);
-  if (mma) {
-    const auto [planes, xsum] = split_x(x, m, k, s);
-    return mx::reshape(qmv_mma(planes, xsum, w, scales, biases, bias, epi, m, n, k, out_dtype, s), out_shape(x, n), s);
-  }
   // The RMSNorm prologue is the block layout's: a norm takes it whatever the default.
   const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, norm_weight ? 0 : warps);
   const bool warp = l.warps > 0;
@@ -818,8 +640,6 @@ py::tuple launch_config(const std::string& kind, int k, int n, int bits, int ite
 void bind(py::module_& m) {
   qmv_source();  // registered at import, so the compile check sees them
   qmv_warp_source();
-  qmv_mma_source();
-  qmv_packed_source();
   dense_source();
   dense_add_norm_source();
   dense_warp_source();
@@ -829,33 +649,12 @@ void bind(py::module_& m) {
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
         py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
-        py::arg("mma") = false, py::arg("stream") = py::none(),
+        py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
         "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block). norm_weight: "
-        "an RMSNorm of x first (rms_norm(x, norm_weight, norm_eps)), formed in the same launch. mma: the "
-        "tensor-core experiment (4-bit, group 64; x split into three bfloat16 planes first).");
-  m.def("split_x", [](const mx::array& x, mx::StreamOrDevice s) {
-          const int k = x.shape(-1);
-          if (k % 64 != 0 || leading_rows(x) < 1 || leading_rows(x) > 2) {
-            throw std::invalid_argument("split_x: x must be [..., K] with 1 or 2 rows and K a multiple of 64");
-          }
-          return split_x(x, leading_rows(x), k, mx::to_stream(s));
-        }, py::arg("x"), py::arg("stream") = py::none(),
-        "(planes [3 M, K] bfloat16 with hi + mid + lo == x, sums [M, K / 64] float32): x as "
-        "quantized_matvec_planes takes it.");
-  m.def("quantized_matvec_planes", &quantized_matvec_planes, py::arg("planes"), py::arg("xsum"), py::arg("w"),
-        py::arg("scales"), py::arg("biases"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
-        py::arg("activation") = "", py::arg("stream") = py::none(),
-        "quantized_matvec(mma=True) on x already split (split_x): the tensor-core kernel alone, 4-bit group 64; "
-        "[M, N].");
-  m.def("quantized_matvec_packed", &quantized_matvec_packed, py::arg("x"), py::arg("packed"), py::arg("scales"),
-        py::arg("biases"), py::arg("bias") = py::none(), py::arg("residual") = py::none(),
-        py::arg("activation") = "", py::arg("stream") = py::none(),
-        "The repacked tensor-core experiment: bfloat16 or float32 x (1-2 rows) @ dequantize(w).T (+ bias), then "
-        "relu(.)^2 (activation='relu_squared') or + residual, for a 4-bit group-64 weight given in "
-        "voicechat.kernels.gemv.pack_q4_for_mma's order: [M, N]. CUDA streams only.");
+        "an RMSNorm of x first (rms_norm(x, norm_weight, norm_eps)), formed in the same launch.");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",

@@ -21,9 +21,6 @@ from voicechat.kernels.gemv import (
     dense_matvec,
     dense_matvec_reference,
     on_cuda_gpu,
-    pack_for_mma,
-    pack_q4_for_mma,
-    unpack_q4_for_mma,
     quantized_matvec,
     gelu_gate,
     linear,
@@ -135,125 +132,6 @@ def test_quantized_other_packings_equal_mlx(n, k, bits, group, scale_dtype, dtyp
 @pytest.mark.parametrize("n,k", LLM_FULL)
 def test_quantized_full_size_equals_mlx(n, k, dtype, rows):
     _check_quantized(n, k, dtype, rows)
-
-
-@needs_cuda
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("n,k", LLM_FULL + [(37, 640)])
-def test_tensor_core_experiment_equals_mlx(n, k, rows):
-    """quantized_matvec(mma=True) (the tensor-core kernel; emulated on the CPU in
-    test_gemv_cuda_emulated.py) at every LLM shape, float32 x, bias and both epilogues."""
-    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
-    x = _x((rows, k), mx.float32, seed=rows)
-    assert_close(quantized_matvec(x, w, s, b, mma=True), reference(quantized_matvec_reference, x, w, s, b))
-    bias, residual = _x((n,), mx.float32, seed=3), _x((rows, n), mx.float32, seed=4)
-    assert_close(quantized_matvec(x, w, s, b, bias=bias, residual=residual, mma=True),
-                 reference(quantized_matvec_reference, x, w, s, b, bias=bias, residual=residual))
-    assert_close(quantized_matvec(x, w, s, b, squared_relu=True, mma=True),
-                 reference(quantized_matvec_reference, x, w, s, b, squared_relu=True))
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-def test_split_x_is_exact_and_the_planes_product_equals_mlx(rows):
-    """split_x's three bfloat16 planes add up to x bit for bit (magnitudes 1e-30..1e30, mixed signs);
-    the planes' product (the tensor-core kernel on CUDA, MLX's op on the sum elsewhere) equals MLX's."""
-    rng = np.random.default_rng(rows)
-    x_np = (rng.standard_normal((rows, 640)) * 10.0 ** rng.integers(-30, 30, (rows, 640))).astype(np.float32)
-    planes, xsum = ext.split_x(mx.array(x_np))
-    assert planes.shape == (3 * rows, 640) and planes.dtype == mx.bfloat16 and xsum.shape == (rows, 10)
-    parts = np.array(planes.astype(mx.float32)).reshape(3, rows, 640)
-    np.testing.assert_array_equal((parts[0] + parts[1]) + parts[2], x_np)
-    assert np.count_nonzero(parts[2]) > 0  # the third plane carries bits
-    x = _x((rows, 640), mx.float32, seed=rows)
-    w, s, b = _quantized(37, 640, seed=rows)
-    planes, xsum = ext.split_x(x)
-    bias = _x((37,), mx.float32, seed=3)
-    assert_close(ext.quantized_matvec_planes(planes, xsum, w, s, b, bias=bias, activation="relu_squared"),
-                 reference(quantized_matvec_reference, x, w, s, b, bias=bias, squared_relu=True))
-
-
-def test_tensor_core_experiment_rejects_what_it_does_not_take():
-    w, s, b = _quantized(40, 640, bits=8, group=64)
-    with pytest.raises(ValueError, match="mma takes 4-bit"):
-        quantized_matvec(_x((1, 640), mx.float32), w, s, b, 64, 8, mma=True)
-    w, s, b = _quantized(40, 640)
-    planes, xsum = ext.split_x(_x((1, 640), mx.float32))
-    with pytest.raises(ValueError, match="xsum"):
-        ext.quantized_matvec_planes(planes, xsum[:, :5], w, s, b)
-    with pytest.raises(ValueError, match="planes"):
-        ext.quantized_matvec_planes(planes[:2], xsum, w, s, b)
-    with pytest.raises(ValueError, match="multiple of 64"):
-        ext.split_x(_x((1, 96), mx.float32))
-
-
-def _unpack_q4_for_mma(packed: np.ndarray) -> np.ndarray:
-    """pack_q4_for_mma undone in NumPy, from its documented layout: word j of lane (g, t) in tile /
-    group (tile, group) holds row 16 tile + 8h + g, column 64 group + 16j + 8 half + 2t + e at bit
-    16e + 4(2 half + h)."""
-    n, k = packed.shape[0], packed.shape[1] * 8
-    words = packed.reshape(n // 16, k // 64, 8, 4, 4)  # tile, group, g, t, j
-    q = np.zeros((n, k), np.uint32)
-    for half in range(2):
-        for h in range(2):
-            for e in range(2):
-                nib = (words >> (16 * e + 4 * (2 * half + h))) & 0xF  # [tile, group, g, t, j]
-                rows = 16 * np.arange(n // 16)[:, None, None, None, None] + 8 * h + np.arange(8)[None, None, :, None, None]
-                cols = (64 * np.arange(k // 64)[None, :, None, None, None] + 16 * np.arange(4)[None, None, None, None, :]
-                        + 8 * half + 2 * np.arange(4)[None, None, None, :, None] + e)
-                q[rows, cols] = nib
-    return (q.reshape(n, k // 8, 8) << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
-
-
-@pytest.mark.parametrize("n,k", [(16, 64), (48, 640), (32, 4480)])
-def test_pack_q4_for_mma_keeps_every_nibble(n, k):
-    w = mx.array(np.random.default_rng(n + k).integers(0, 2**32, (n, k // 8), dtype=np.uint32))
-    packed = pack_q4_for_mma(w)
-    assert packed.shape == w.shape and packed.dtype == mx.uint32
-    np.testing.assert_array_equal(_unpack_q4_for_mma(np.array(packed)), np.array(w))
-    np.testing.assert_array_equal(np.array(unpack_q4_for_mma(packed)), np.array(w))
-    with pytest.raises(ValueError, match="multiple of 16"):
-        pack_q4_for_mma(w[:8])
-
-
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_a_layer_packed_for_mma_keeps_its_outputs(rows):
-    """GemvQuantizedLinear.pack_for_mma: the weight in the experiment's order (same size), the
-    outputs (with bias and each epilogue) as before: the kernel on CUDA for 1-2 rows, elsewhere
-    MLX's product on the weight unpacked. Layers that cannot take it are left alone."""
-    layer = use_gemv(nn.QuantizedLinear(128, 48, bias=True, group_size=64, bits=4))
-    layer.bias = _x((48,), mx.float32, seed=2)
-    x, residual = _x((rows, 128), mx.float32, seed=rows), _x((rows, 48), mx.float32, seed=9)
-    want = [layer(x), layer(x, residual=residual), layer(x, squared_relu=True)]
-    mx.eval(want)
-    weight = layer.weight
-    assert layer.pack_for_mma() and layer.packed_for_mma and layer.weight.shape == weight.shape
-    assert not np.array_equal(np.array(layer.weight), np.array(weight))
-    got = [layer(x), layer(x, residual=residual), layer(x, squared_relu=True)]
-    for g, w in zip(got, want):
-        assert_close(g, w)
-    eight_bits = use_gemv(nn.QuantizedLinear(128, 48, group_size=64, bits=8))
-    assert not eight_bits.pack_for_mma() and not eight_bits.packed_for_mma
-    block = _Block()
-    use_gemv(block)
-    assert pack_for_mma(block) == 1 and block.proj.packed_for_mma  # its one 4-bit layer
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("n,k", LLM_FULL + [(48, 640)])
-def test_repacked_tensor_core_experiment_equals_mlx(n, k, rows, dtype):
-    """ext.quantized_matvec_packed (emulated in test_gemv_cuda_emulated.py) at every LLM shape, float32
-    and bfloat16 x, against MLX's product with the weight as MLX packs it."""
-    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
-    x = _x((rows, k), dtype, seed=rows)
-    packed = pack_q4_for_mma(w)
-    assert_close(ext.quantized_matvec_packed(x, packed, s, b), reference(quantized_matvec_reference, x, w, s, b))
-    bias, residual = _x((n,), mx.float32, seed=3), _x((rows, n), mx.float32, seed=4)
-    assert_close(ext.quantized_matvec_packed(x, packed, s, b, bias=bias, residual=residual),
-                 reference(quantized_matvec_reference, x, w, s, b, bias=bias, residual=residual))
-    assert_close(ext.quantized_matvec_packed(x, packed, s, b, activation="relu_squared"),
-                 reference(quantized_matvec_reference, x, w, s, b, squared_relu=True))
 
 
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])

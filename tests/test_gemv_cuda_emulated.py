@@ -21,7 +21,7 @@ import pytest
 from voicechat.kernels import ext
 from voicechat.kernels.add_rms_norm import add_rms_norm_reference
 from voicechat.kernels.decode_attention import decode_attention_reference
-from voicechat.kernels.gemv import gelu_gate, pack_q4_for_mma
+from voicechat.kernels.gemv import gelu_gate
 from voicechat.kernels.mog_sample import mog_sample_reference
 from voicechat.kernels.rvq import codebook_norms, rvq_search_reference
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
@@ -205,53 +205,6 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
         xf = mx.fast.rms_norm(xf, norm_w.astype(mx.float32), 1e-5) if norm_dtype else xf
         ref = mx.quantized_matmul(xf, w, s, b, transpose=True, group_size=group, bits=bits)
         ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
-    return case, ref
-
-
-def mma_case(n, k, m, s_dtype, warps, bias_dtype=None, epi=0):
-    """The tensor-core experiment (vc_qmv_mma): x as the host splits it (three bfloat16 planes that
-    sum to x exactly, and per-group sums), 4-bit group-64 weights."""
-    w, s, b = _q(n, k, 4, 64, s_dtype, seed=n + k)
-    x = _x((m, k), mx.float32)
-    with mx.stream(mx.cpu):
-        hi = x.astype(mx.bfloat16)
-        rest = x - hi.astype(mx.float32)
-        mid = rest.astype(mx.bfloat16)
-        lo = (rest - mid.astype(mx.float32)).astype(mx.bfloat16)
-        assert np.array_equal(np.array(hi.astype(mx.float32) + mid.astype(mx.float32) + lo.astype(mx.float32)),
-                              np.array(x))  # the split is exact
-        planes = mx.concatenate([hi, mid, lo])
-        xsum = x.reshape(m, k // 64, 64).sum(-1)
-    bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
-    out = _promote(mx.float32, s_dtype, bias_dtype or s_dtype)
-    residual = _x((m, n), out, seed=5) if epi == 1 else s
-    args = dict(K=k, N=n, M=m, WARPS=warps, EPI=epi, HAS_BIAS=bias is not None, TS=s_dtype,
-                TB=bias_dtype or s_dtype, TR=residual.dtype, TO=out)
-    case = Case("vc_qmv_mma", args, [planes, xsum, w, s, b, bias if bias is not None else s, residual],
-                [(CUDA_TYPE[out], (m, n))], -(-n // 16), 32 * warps)
-    with mx.stream(mx.cpu):
-        ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4)
-        ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
-    return case, ref
-
-
-def packed_case(n, k, m, x_dtype, s_dtype, warps=8, tiles=1, bias_dtype=None, epi=0):
-    """The repacked tensor-core experiment (vc_qmv_packed): bfloat16 or float32 x (three bfloat16
-    planes as B columns), the 4-bit group-64 weight in pack_q4_for_mma's order, `tiles` 16-row
-    tiles a block; the reference multiplies the weight as MLX packs it."""
-    w, s, b = _q(n, k, 4, 64, s_dtype, seed=n + k + 1)
-    x = _x((m, k), x_dtype)
-    bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
-    out = _promote(x_dtype, s_dtype, bias_dtype or s_dtype)
-    residual = _x((m, n), out, seed=5) if epi == 1 else s
-    with mx.stream(mx.cpu):
-        packed = pack_q4_for_mma(w)
-        ref = mx.quantized_matmul(x.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
-        ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
-    args = dict(K=k, N=n, M=m, WARPS=warps, TILES=tiles, EPI=epi, HAS_BIAS=bias is not None, TX=x_dtype,
-                TS=s_dtype, TB=bias_dtype or s_dtype, TR=residual.dtype, TO=out)
-    case = Case("vc_qmv_packed", args, [x, packed, s, b, bias if bias is not None else s, residual],
-                [(CUDA_TYPE[out], (m, n))], n // (16 * tiles), 32 * warps)
     return case, ref
 
 
@@ -513,20 +466,6 @@ def emulated(tmp_path_factory):
     cases, refs = {}, {}
     for name, (case, ref) in {
         "q4_f32_m2_tail": qmv_case(37, 640, 2, 4, 64, mx.float32, mx.bfloat16, 4, 32),
-        "mma_m1_tail": mma_case(37, 640, 1, mx.bfloat16, 4),
-        "mma_m2_residual": mma_case(21, 4480, 2, mx.bfloat16, 4, epi=1),
-        "mma_relu2_bias_f32_scales": mma_case(16, 1024, 1, mx.float32, 3, bias_dtype=mx.float32, epi=2),
-        # the repacked experiment: more warps than groups, several groups a warp (rounds), two rows,
-        # float32 x (three planes a row) with bfloat16 and float32 scales
-        "packed_m1": packed_case(32, 128, 1, mx.bfloat16, mx.bfloat16),
-        "packed_m1_groups": packed_case(48, 1280, 1, mx.bfloat16, mx.bfloat16, warps=4),
-        "packed_m2_f32_scales": packed_case(16, 640, 2, mx.bfloat16, mx.float32, warps=3),
-        "packed_f32x_m1": packed_case(32, 1280, 1, mx.float32, mx.bfloat16, warps=4),
-        "packed_f32x_m2_f32_scales": packed_case(48, 640, 2, mx.float32, mx.float32, warps=3),
-        # two tiles a block, with each epilogue
-        "packed_tiles2_residual": packed_case(64, 640, 2, mx.float32, mx.bfloat16, warps=4, tiles=2, epi=1),
-        "packed_tiles2_relu2_bias": packed_case(32, 1280, 1, mx.bfloat16, mx.float32, warps=3, tiles=2,
-                                                bias_dtype=mx.float32, epi=2),
         "q4_bf16_4480": qmv_case(10, 4480, 1, 4, 64, mx.bfloat16, mx.bfloat16, 4, 160),
         "q4_two_steps": qmv_case(9, 4480, 2, 4, 64, mx.float32, mx.bfloat16, 2, 64),
         "q8_g32_f16_bias": qmv_case(9, 384, 2, 8, 32, mx.float16, mx.float16, 8, 32, bias_dtype=mx.float32),
@@ -614,10 +553,7 @@ def emulated(tmp_path_factory):
 
 
 
-@pytest.mark.parametrize("name", ["q4_f32_m2_tail", "mma_m1_tail", "mma_m2_residual", "mma_relu2_bias_f32_scales",
-                                  "packed_m1", "packed_m1_groups", "packed_m2_f32_scales", "packed_f32x_m1",
-                                  "packed_f32x_m2_f32_scales", "packed_tiles2_residual", "packed_tiles2_relu2_bias",
-                                  "q4_bf16_4480", "q4_two_steps", "q8_g32_f16_bias",
+@pytest.mark.parametrize("name", ["q4_f32_m2_tail", "q4_bf16_4480", "q4_two_steps", "q8_g32_f16_bias",
                                   "q4_g128_unaligned", "q8_bf16_unaligned", "dense_bf16w_bias", "dense_f32w_unaligned",
                                   "dense_f16_rows8", "dense_two_steps", "warp_q4_f32_m2_tail", "warp_q4_bf16_4480",
                                   "warp_q8_g32_f16_bias", "warp_q4_g128_unaligned", "warp_dense_bf16w_bias",

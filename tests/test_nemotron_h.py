@@ -386,33 +386,6 @@ def test_decode_kernel_path_gives_the_same_ids(tiny_checkpoint_q4):
         prev = [outs[0].text_ids[None].astype(mx.int32), outs[0].function_ids[None].astype(mx.int32)]
 
 
-def test_projections_packed_for_mma_give_the_same_ids(tiny_checkpoint_q4):
-    """VOICECHAT_PACKED_GEMV's conversion (kernels.gemv.pack_for_mma) over the decode kernels' LLM:
-    every 4-bit projection, the stacked q/k/v included, repacked (the heads not: the two-head argmax
-    reads MLX's packing); a prefix and steps give the same ids and hidden states (the experiment's
-    kernel on CUDA, MLX's product on the weights unpacked elsewhere)."""
-    from voicechat.kernels.gemv import pack_for_mma
-
-    ckpt = open_checkpoint(tiny_checkpoint_q4)
-    lms = []
-    for packed in (False, True):
-        lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
-        ckpt.load_into(lm, "stt_model.", ignore=OTHERS)
-        lm.prepare(decode_kernels=True)
-        if packed:
-            assert pack_for_mma(lm.llm) > 0
-        lms.append(lm)
-    attention = next(layer.mixer for layer in lms[1].llm.layers if layer.kind == "attention")
-    assert attention._qkv.packed_for_mma and not getattr(lms[1].lm_head, "packed_for_mma", False)
-    fused = timeline(lms[0], 7, seed=3)
-    caches = [lm.make_cache() for lm in lms]
-    for t0, t1 in ((0, 4), (4, 5), (5, 6), (6, 7)):  # a prefix, then steps
-        outs = [lm.step(fused[:, t0:t1], c) for lm, c in zip(lms, caches)]
-        assert outs[0].text_ids.tolist() == outs[1].text_ids.tolist()
-        assert outs[0].function_ids.tolist() == outs[1].function_ids.tolist()
-        np.testing.assert_allclose(np.array(outs[0].hidden), np.array(outs[1].hidden), rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("prefix", [0, 3])
 @pytest.mark.parametrize("which", ["f32", "q4-kernels"])
 def test_compiled_decode_equals_the_eager_step(lm, tiny_checkpoint_q4, prefix, which):

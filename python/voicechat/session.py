@@ -25,7 +25,7 @@ import numpy as np
 from .audio import AudioError, load_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import VoiceChatConfig
-from .kernels.gemv import on_cuda_gpu, pack_for_mma_if_requested, use_gemv
+from .kernels.gemv import on_cuda_gpu, use_gemv
 from .model import VoiceChatModel
 from .stt.conformer import subsampled_length
 from .kernels.rnnt_greedy import emitted_tokens
@@ -358,7 +358,6 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
                          f"{config.text_config.vocab_size}")
     pieces = load_rnnt_pieces(checkpoint.path, config.rnnt_vocabulary, config.audio_config.decoder.vocab_size)
     model.stt_model.prepare()
-    pack_for_mma_if_requested(model.stt_model.llm)  # the repacked tensor-core GEMV experiment (opt-in)
     tts = model.tts_model.tts_model
     if on_cuda_gpu():  # our batch-2 GEMVs read the bf16 weights as stored (no per-call float32 copy)
         use_gemv(tts)  # (the char encoder's many-row calls keep MLX's matmul)

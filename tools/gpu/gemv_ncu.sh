@@ -13,20 +13,17 @@ import sys
 import mlx.core as mx
 sys.path.insert(0, "benchmarks")
 from bench_gemv import random_q4
-from voicechat.kernels import ext
-from voicechat.kernels.gemv import pack_q4_for_mma, quantized_matvec
+from voicechat.kernels.gemv import quantized_matvec
 
 for n, k in ((22656, 4480), (4480, 10240), (4480, 15680)):
     w, s, b = random_q4(n, k, 0)
-    packed = pack_q4_for_mma(w)
     for dtype in (mx.bfloat16, mx.float32):
         x = mx.random.normal((1, k)).astype(dtype)
         for _ in range(2):
             mx.eval(quantized_matvec(x, w, s, b))
             mx.eval(mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=4))
-            mx.eval(ext.quantized_matvec_packed(x, packed, s, b))  # the repacked tensor-core experiment
 PY
-timeout -s INT "${NCU_LIMIT:-240}" "$NCU" --target-processes all -k "regex:qmv|affine_qmv|gemv|packed" --launch-skip 0 \
+timeout -s INT "${NCU_LIMIT:-240}" "$NCU" --target-processes all -k "regex:qmv|affine_qmv|gemv" --launch-skip 0 \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
   --section SchedulerStats --section MemoryWorkloadAnalysis -f -o "$OUT/gemv" python3 /tmp/gemv_probe.py \
   > "$OUT/ncu.log" 2>&1

@@ -24,8 +24,6 @@ which are also the `_reference` twins.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map_with_path
@@ -73,53 +71,20 @@ def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits:
 
 
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
-                     squared_relu: bool = False, norm=None, mma: bool = False, stream=None):
+                     squared_relu: bool = False, norm=None, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
     `x` [..., K], w packed uint32 [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input
     is `rms_norm(x, weight, eps)`. The kernel does the norm and the epilogue in the same launch. (The
     model does not use `norm`: at the LLM's shapes on the H200 it cost more than the separate norm's
     launch saved, 8.0 against 5.5 ms of GPU time a step, as every row block re-reads x and the weight.)
-    `mma`: the tensor-core experiment (4-bit, group 64, no `norm`; not used by the model: on the H200
-    it was slower than the default kernel at every LLM shape, 634 against 975 GB/s at the largest);
-    off CUDA it changes nothing."""
+    A tensor-core variant was tried and lost on the H200; see docs/developing.md."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)
     norm_weight, norm_eps = norm if norm is not None else (None, 1e-5)
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
                                 activation=_activation(squared_relu), norm_weight=norm_weight,
-                                norm_eps=float(norm_eps), mma=mma, stream=stream)
-
-
-def _mma_nibble_shifts() -> mx.array:
-    """`[half, h, e]` -> the bit of pack_q4_for_mma's word holding that nibble: 16e + 4(2 half + h)."""
-    half, h, e = (mx.arange(2, dtype=mx.uint32).reshape(shape) for shape in ((2, 1, 1), (1, 2, 1), (1, 1, 2)))
-    return 16 * e + 4 * (2 * half + h)
-
-
-def pack_q4_for_mma(w: mx.array) -> mx.array:
-    """MLX's 4-bit packing `[N, K / 8]` uint32 (N a multiple of 16, K of 64) in the order of the
-    repacked tensor-core GEMV (`ext.quantized_matvec_packed`; the model uses it only under
-    `VOICECHAT_PACKED_GEMV=1`): for each 16-row tile and 64-wide group, lane (g, t)'s four words,
-    word j holding tile j's A fragment pairs a_i (i = 2 * half + h: row 8h + g, columns 8 half + 2t
-    and + 1) with the first column's nibble at bits 4i and the second's at 16 + 4i. Same size."""
-    n, k = w.shape[0], w.shape[1] * 8
-    if w.dtype != mx.uint32 or n % 16 or k % 64:
-        raise ValueError("pack_q4_for_mma: w must be uint32 [N, K / 8] with N a multiple of 16 and K of 64")
-    q = (w[..., None] >> (4 * mx.arange(8, dtype=mx.uint32))) & 0xF  # [N, K / 8, 8]: nibble k = 8 word + i
-    # rows as (tile, h, g), columns as (group, j, half, t, e): row = 16 tile + 8h + g, k = 64 group + 16j + 8 half + 2t + e
-    q = q.reshape(n // 16, 2, 8, k // 64, 4, 2, 4, 2).transpose(0, 3, 2, 6, 4, 5, 1, 7)  # tile, group, g, t, j, half, h, e
-    words = (q << _mma_nibble_shifts()).sum(axis=(-3, -2, -1))  # disjoint bits: the sum is the or
-    return words.astype(mx.uint32).reshape(n, k // 8)
-
-
-def unpack_q4_for_mma(packed: mx.array) -> mx.array:
-    """`pack_q4_for_mma` undone: MLX's 4-bit packing `[N, K / 8]` uint32 again (exact)."""
-    n, k = packed.shape[0], packed.shape[1] * 8
-    words = packed.reshape(n // 16, k // 64, 8, 4, 4)  # tile, group, g, t, j
-    q = (words[..., None, None, None] >> _mma_nibble_shifts()) & 0xF  # tile, group, g, t, j, half, h, e
-    q = q.transpose(0, 6, 2, 1, 4, 5, 3, 7).reshape(n, k // 8, 8)  # tile, h, g, group, j, half, t, e
-    return (q << (4 * mx.arange(8, dtype=mx.uint32))).sum(axis=-1).astype(mx.uint32)
+                                norm_eps=float(norm_eps), stream=stream)
 
 
 # --------------------------------------------------------------------------- dense
@@ -200,40 +165,14 @@ def _same_arrays(cls, layer: nn.Module):
 
 
 class GemvQuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` that runs `quantized_matvec` for 1-2 rows on a CUDA GPU.
-
-    `pack_for_mma()` (the repacked tensor-core experiment, opt-in: `VOICECHAT_PACKED_GEMV=1`) keeps
-    the weight in `pack_q4_for_mma`'s order instead: 1-2 rows then run `ext.quantized_matvec_packed`
-    on a CUDA GPU, anything else MLX's product on the weight unpacked again."""
-
-    packed_for_mma = False
+    """`nn.QuantizedLinear` that runs `quantized_matvec` for 1-2 rows on a CUDA GPU."""
 
     @classmethod
     def from_quantized_linear(cls, layer: nn.QuantizedLinear) -> "GemvQuantizedLinear":
         return _same_arrays(cls, layer)
 
-    def can_pack_for_mma(self) -> bool:
-        n, k = self["weight"].shape[0], self["weight"].shape[1] * 32 // self.bits
-        return self.mode == "affine" and self.bits == 4 and self.group_size == 64 and n % 16 == 0 and k % 64 == 0
-
-    def pack_for_mma(self) -> bool:
-        """Repack the weight (same size) if this layer takes it; whether it did."""
-        if self.packed_for_mma or not self.can_pack_for_mma():
-            return self.packed_for_mma
-        self["weight"] = pack_q4_for_mma(self["weight"])
-        self.packed_for_mma = True
-        return True
-
     def __call__(self, x, *, residual=None, squared_relu: bool = False):
         """`layer(x)`, then `relu(.)^2` or `+ residual`: one launch on the kernel path."""
-        if self.packed_for_mma:
-            w, s, b = self["weight"], self["scales"], self["biases"]
-            if gemv_applies(x):
-                out = ext.quantized_matvec_packed(x, w, s, b, bias=self.get("bias"), residual=residual,
-                                                  activation=_activation(squared_relu))
-                return out.reshape(*x.shape[:-1], w.shape[0])
-            return quantized_matvec_reference(x, unpack_q4_for_mma(w), s, b, bias=self.get("bias"),
-                                              residual=residual, squared_relu=squared_relu)
         if self.mode == "affine" and gemv_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
                                     bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
@@ -306,23 +245,6 @@ def _swap(layer):
     if type(layer) is nn.Linear:
         return GemvLinear.from_linear(layer)
     return layer
-
-
-def pack_for_mma_if_requested(module: nn.Module) -> int:
-    """`pack_for_mma(module)` where `VOICECHAT_PACKED_GEMV=1` asks for the repacked tensor-core
-    experiment and a CUDA GPU runs it; how many layers were repacked (0 otherwise)."""
-    if os.environ.get("VOICECHAT_PACKED_GEMV", "0") != "1" or not on_cuda_gpu():
-        return 0
-    return pack_for_mma(module)
-
-
-def pack_for_mma(module: nn.Module) -> int:
-    """Repack every `GemvQuantizedLinear` below `module` that takes it, stacked ones (`_qkv`, not in
-    the key tree) included (`GemvQuantizedLinear.pack_for_mma`); how many were."""
-    layers = [m for _, m in module.named_modules()]
-    layers += [m._qkv for m in layers if getattr(m, "_qkv", None) is not None]
-    return sum(layer.pack_for_mma() for layer in {id(m): m for m in layers}.values()
-               if isinstance(layer, GemvQuantizedLinear))
 
 
 def use_gemv(module: nn.Module) -> nn.Module:

@@ -79,32 +79,6 @@ struct __nv_bfloat16 {
   operator float() const { return __uint_as_float(static_cast<unsigned int>(bits) << 16); }
 };
 
-struct __nv_bfloat162 {
-  __nv_bfloat16 x, y;
-};
-inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
-inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short v) {
-  __nv_bfloat16 h;
-  h.bits = v;
-  return h;
-}
-inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
-inline float __bfloat162float(__nv_bfloat16 h) { return static_cast<float>(h); }
-inline __nv_bfloat162 __halves2bfloat162(__nv_bfloat16 a, __nv_bfloat16 b) { return {a, b}; }
-// Per half: the float fma rounded to bfloat16 (the hardware rounds the exact result once; the same
-// wherever the float fma is exact, as for the small integers the kernels form).
-inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
-  return {__nv_bfloat16(std::fma(float(a.x), float(b.x), float(c.x))),
-          __nv_bfloat16(std::fma(float(a.y), float(b.y), float(c.y)))};
-}
-// Result byte i: byte (s >> 4i) & 7 of the eight bytes of (x, y), x's first.
-inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
-  const unsigned long long both = (static_cast<unsigned long long>(y) << 32) | x;
-  unsigned int r = 0;
-  for (int i = 0; i < 4; ++i) r |= static_cast<unsigned int>((both >> (8 * ((s >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
-  return r;
-}
-
 struct __half {
   _Float16 v;
   __half() = default;
@@ -125,7 +99,6 @@ struct Block {
   struct Warp {
     std::barrier<> bar{32};
     unsigned long long slot[32];
-    unsigned int mma_a[32][4], mma_b[32][2];
   };
   std::barrier<> bar;
   std::vector<std::unique_ptr<Warp>> warps;
@@ -179,32 +152,3 @@ template <typename T>
 inline T __shfl_sync(unsigned int, T v, int src) {
   return cuda_emu::warp_exchange(v, src);
 }
-
-// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for one warp, from the PTX ISA's fragment
-// layout (g = lane / 4, t = lane % 4): a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1],
-// a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9]; b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g];
-// c[0..1] = C[g][2t, 2t+1], c[2..3] = C[g+8][2t, 2t+1]; the lower half of a pair is the first element.
-// Every lane deposits its fragments, then computes its own four results (float sums in k order).
-#define VC_EMU_MMA 1
-namespace vc_mma {
-inline void mma_bf16(float* c, const unsigned int* a, const unsigned int* b) {
-  auto& w = *cuda_emu::block->warps[threadIdx.x / 32];
-  const int lane = threadIdx.x % 32;
-  for (int i = 0; i < 4; ++i) w.mma_a[lane][i] = a[i];
-  for (int i = 0; i < 2; ++i) w.mma_b[lane][i] = b[i];
-  w.bar.arrive_and_wait();
-  auto half = [](unsigned int pair, int k) { return float(__ushort_as_bfloat16(static_cast<unsigned short>((pair >> (16 * (k & 1))) & 0xFFFFu))); };
-  auto A = [&](int row, int k) { return half(w.mma_a[(row % 8) * 4 + (k % 8) / 2][(row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k); };
-  auto B = [&](int k, int col) { return half(w.mma_b[col * 4 + (k % 8) / 2][k >= 8 ? 1 : 0], k); };
-  const int g = lane / 4, t = lane % 4;
-  float d[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
-    float sum = c[i];
-    for (int k = 0; k < 16; ++k) sum = std::fma(A(row, k), B(k, col), sum);
-    d[i] = sum;
-  }
-  w.bar.arrive_and_wait();
-  for (int i = 0; i < 4; ++i) c[i] = d[i];
-}
-}  // namespace vc_mma

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# On the lent H200, after test.sh's build: every kernel of one compiled Nemotron-H decode step (full
+# size, 4-bit, both heads) under Nsight Compute at the GPU's own clocks, summed by kernel. Against
+# the step's device time (profile_llm_step: ~4 ms pipelined) the sum says how much is kernels and
+# how much the gaps between them, and which kernels own the rest. Only the step is profiled: the
+# probe brackets it with cuProfilerStart / cuProfilerStop (ncu --profile-from-start off).
+#   export OUT; bash tools/gpu/llm_step_ncu.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+cat > /tmp/llm_step_probe.py <<'PY'
+import ctypes
+import os
+import sys
+
+import mlx.core as mx
+
+sys.path.insert(0, "benchmarks")
+from profile_llm_step import _lm
+
+# LLM_PROBE_SIZE=tiny: a check of the probe itself (on a CPU too, where nothing is profiled)
+lm = _lm(os.environ.get("LLM_PROBE_SIZE", "full"))
+driver = ctypes.CDLL("libcuda.so.1") if mx.default_device() == mx.gpu else None
+h = lm.llm.config.hidden_size
+cache = lm.make_cache()
+pad = mx.full((1, 64), 12, dtype=mx.int32)
+first = lm.step(lm.fused_input(pad, mx.random.normal((1, 64, h)), pad), cache)
+text, function = first.text_ids[:, None].astype(mx.int32), first.function_ids[:, None].astype(mx.int32)
+for i in range(4):  # compiled and warm; the last one is profiled
+    frame = mx.random.normal((1, 1, h), key=mx.random.key(i))
+    mx.eval(frame, text, function, cache.state)
+    mx.synchronize()
+    if i == 3 and driver:
+        driver.cuProfilerStart()
+    text, function = lm.decode(text, frame, function, cache)
+    text, function = text[:, None], function[:, None]
+    mx.eval(text, function, cache.state)
+    mx.synchronize()
+if driver:
+    driver.cuProfilerStop()
+print("profiled one decode step:", text.item(), function.item(), flush=True)
+PY
+timeout -s INT "${NCU_LIMIT:-240}" "$NCU" --profile-from-start off --clock-control none --cache-control none \
+  --metrics gpu__time_duration.sum -f -o "$OUT/llm_step" python3 /tmp/llm_step_probe.py > "$OUT/llm_step_ncu.log" 2>&1
+tail -3 "$OUT/llm_step_ncu.log"
+"$NCU" --import "$OUT/llm_step.ncu-rep" --page raw --csv --print-units base > "$OUT/llm_step.csv" 2>&1
+python3 - "$OUT/llm_step.csv" <<'PY'
+import collections
+import csv
+import sys
+
+def ns(row):  # the duration in ns, None on the units row
+    try:
+        return float(row.get("gpu__time_duration.sum", "").replace(",", ""))
+    except ValueError:
+        return None
+
+
+rows = [r for r in csv.DictReader(open(sys.argv[1])) if ns(r) is not None]
+by_kernel = collections.defaultdict(lambda: [0, 0.0])
+for r in rows:
+    name = r["Kernel Name"].split("(")[0].split("<")[0]
+    by_kernel[name][0] += 1
+    by_kernel[name][1] += ns(r) / 1e3
+total = sum(us for _, us in by_kernel.values())
+print(f"{len(rows)} kernels, {total:.0f} us of kernel time in the step")
+for name, (n, us) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1]):
+    print(f"{us:8.0f} us {100 * us / total:5.1f}% {n:4d}x  {name[:90]}")
+PY

@@ -37,14 +37,17 @@ constexpr const char* kSource = R"(
   const TY* yr = y + static_cast<size_t>(row) * C + g * CG;
   const TG* gr = gate_src + static_cast<size_t>(row) * W + GATE_OFFSET + g * CG;
   float h[PER];
+  float w[PER];  // loaded with y and the gate, not after the sum: one trip to memory, not two
   float ss = 0.0f;
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int c = static_cast<int>(threadIdx.x) + i * THREADS;
     float v = 0.0f;
+    w[i] = 0.0f;
     if (c < CG) {
       const float gv = static_cast<float>(gr[c]);
       v = static_cast<float>(yr[c]) * (gv / (1.0f + expf(-gv)));
+      w[i] = static_cast<float>(weight[g * CG + c]);
     }
     h[i] = v;
     ss += v * v;
@@ -55,7 +58,7 @@ constexpr const char* kSource = R"(
   for (int i = 0; i < PER; ++i) {
     const int c = static_cast<int>(threadIdx.x) + i * THREADS;
     if (c < CG) {
-      o[c] = static_cast<TO>(h[i] * r * static_cast<float>(weight[g * CG + c]));
+      o[c] = static_cast<TO>(h[i] * r * w[i]);
     }
   }
 )";

@@ -285,9 +285,10 @@ const CudaSource& cuda_source() {
 // The decode step's causal conv + SiLU and scan in one launch (vc_mamba_conv_scan_step), for one
 // position read from the in_proj output `projected` [b, 1, W] (x | B | C at columns X_OFF..,
 // dt at DT_OFF): causal_conv_silu's and the scan's formulas, operation for operation. A block
-// holds RB rows (warps) of one (batch, head); it first convolves its group's B and C into shared
-// memory (each block of a group recomputes them: 2N channels of K taps, against one launch), then
-// each warp convolves its x channel and scans its row as mamba_scan does. The next conv state is
+// holds RB rows (warps) of one (batch, head); each warp loads its row's state and convolves its x
+// channel while the block convolves its group's B and C into shared memory (each block of a group
+// recomputes them: 2N channels of K taps, against one launch), then scans its row as mamba_scan
+// does. The next conv state is
 // the last K - 1 inputs: x channels written by their row's lane 0, B and C by the first block of
 // each group. Template args: H, P, G, N, K, W, X_OFF, DT_OFF, RB, HAS_BIAS, HAS_STATE, TS
 // (projected's type), LO_BITS, HI_BITS. dims = [batch].
@@ -325,18 +326,18 @@ constexpr const char* kConvScanSource = R"(
           j + 1 < K - 1 ? cs[static_cast<size_t>(j + 1) * CONV + c] : static_cast<float>(src[X_OFF + c]);
     }
   };
-  const bool group_first = h % (H / G) == 0 && chunk == 0;
-  for (int i = threadIdx.x; i < 2 * N; i += RB * 32) {
-    const int c = H * P + (i < N ? g * N + i : G * N + g * N + (i - N));
-    bc[i] = conv(c);
-    if (group_first) shift(c);
+  // What does not depend on the group's B / C comes first: the row's state, its x channel and its
+  // step. Their loads are then in flight together with the B / C convolution's, instead of each
+  // waiting for the last (three dependent trips to memory a block, at ~24 us a launch on the H200).
+  const int row = (bi * H + h) * P + p;
+  float s0[PER_LANE];
+#pragma unroll
+  for (int j = 0; j < PER_LANE; ++j) {
+    const int n = lane + 32 * j;
+    s0[j] = (HAS_STATE && n < N) ? static_cast<float>(state[static_cast<size_t>(row) * N + n]) : 0.0f;
   }
-  __syncthreads();
   const int cx = h * P + p;
   const float xv = conv(cx);
-  if (lane == 0) shift(cx);
-
-  const int row = (bi * H + h) * P + p;
   const float lo = __int_as_float(LO_BITS);
   const float hi = __int_as_float(HI_BITS);
   const float A = -expf(static_cast<float>(A_log[h]));
@@ -346,12 +347,22 @@ constexpr const char* kConvScanSource = R"(
   const float step = fminf(fmaxf(v > 20.0f ? v : log1pf(expf(v)), lo), hi);
   const float decay = expf(step * A);
   const float dx = step * xv;
+
+  const bool group_first = h % (H / G) == 0 && chunk == 0;
+  for (int i = threadIdx.x; i < 2 * N; i += RB * 32) {
+    const int c = H * P + (i < N ? g * N + i : G * N + g * N + (i - N));
+    bc[i] = conv(c);
+    if (group_first) shift(c);
+  }
+  if (lane == 0) shift(cx);
+  __syncthreads();
+
   float acc = 0.0f;
+#pragma unroll
   for (int j = 0; j < PER_LANE; ++j) {
     const int n = lane + 32 * j;
     if (n < N) {
-      const float s0 = HAS_STATE ? static_cast<float>(state[static_cast<size_t>(row) * N + n]) : 0.0f;
-      const float s1 = decay * s0 + dx * bc[n];
+      const float s1 = decay * s0[j] + dx * bc[n];
       acc += s1 * bc[N + n];
       state_out[static_cast<size_t>(row) * N + n] = s1;
     }
@@ -383,7 +394,7 @@ const CudaSource& conv_scan_source() {
       kConvScanSource,
       "",
       // the published mixer (float32 activations, bf16 D / dt_bias); bfloat16 activations, no state
-      {inst(128, 80, 8, 128, 22656, 10240, 22528, 8, "float", "__nv_bfloat16", true),
+      {inst(128, 80, 8, 128, 22656, 10240, 22528, 16, "float", "__nv_bfloat16", true),
        inst(8, 16, 2, 24, 500, 128, 300, 8, "__nv_bfloat16", "float", false)},
   });
   return src;
@@ -578,7 +589,7 @@ std::vector<mx::array> mamba_conv_scan_step(const mx::array& projected, const mx
          "mamba_scan_packed (voicechat.kernels.mamba_scan.mamba_conv_scan_step does)");
   }
   if (state) state = as_dtype(*state, mx::float32, s);
-  int rb = 8;
+  int rb = 16;  // rows (warps) a block: each block convolves its group's B and C once for all of them
   while (P % rb != 0) rb /= 2;
   static auto kernel = make_cuda_kernel(conv_scan_source());
   const auto& st = state ? *state : dt_bias;  // not read without a state

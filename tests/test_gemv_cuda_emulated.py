@@ -443,7 +443,7 @@ def conv_scan_case(b, h, p, g, n, extra, src_dtype=mx.float32, with_state=True):
     D = mx.random.normal((h,), key=keys[5]).astype(mx.bfloat16)
     dt_bias = (mx.random.normal((h,), key=keys[6]) - 1.0).astype(mx.bfloat16)
     state = mx.random.normal((b, h, p, n), key=keys[7])
-    rb = 8 if p % 8 == 0 else 4 if p % 4 == 0 else 2 if p % 2 == 0 else 1
+    rb = next(r for r in (16, 8, 4, 2, 1) if p % r == 0)  # as mamba_conv_scan_step picks it
     args = dict(H=h, P=p, G=g, N=n, K=k, W=width, X_OFF=h * p, DT_OFF=h * p + conv, RB=rb, HAS_BIAS=True,
                 HAS_STATE=with_state, TS=src_dtype, LO_BITS=0, HI_BITS=2139095040)
     case = Case("vc_mamba_conv_scan_step", args,

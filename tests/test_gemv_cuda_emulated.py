@@ -525,6 +525,7 @@ def emulated(tmp_path_factory):
         # batch rows; bfloat16 activations without a state and 4-row blocks
         "conv_scan_b2": conv_scan_case(2, 8, 16, 2, 40, 5),
         "conv_scan_bf16_no_state": conv_scan_case(1, 4, 12, 2, 24, 0, mx.bfloat16, with_state=False),
+        "conv_scan_two_blocks_a_head": conv_scan_case(1, 4, 32, 2, 40, 3),  # 16 rows a block
     }.items():
         cases[name], refs[name] = case, ref
     for tag, config in ATTN_CONFIGS.items():
@@ -582,7 +583,7 @@ def test_causal_conv_kernel_emulated(emulated, name):
     np.testing.assert_array_equal(state, np.array(state_ref))
 
 
-@pytest.mark.parametrize("name", ["conv_scan_b2", "conv_scan_bf16_no_state"])
+@pytest.mark.parametrize("name", ["conv_scan_b2", "conv_scan_bf16_no_state", "conv_scan_two_blocks_a_head"])
 def test_conv_scan_step_kernel_emulated(emulated, name):
     """One launch equals causal_conv_silu then the scan: y, the ssm state and the conv state."""
     exe, cases, refs, _, tmp = emulated

@@ -288,10 +288,9 @@ const CudaSource& cuda_source() {
 // holds RB rows (warps) of one (batch, head); each warp loads its row's state and convolves its x
 // channel while the block convolves its group's B and C into shared memory (each block of a group
 // recomputes them: 2N channels of K taps, against one launch), then scans its row as mamba_scan
-// does. The next conv state is
-// the last K - 1 inputs: x channels written by their row's lane 0, B and C by the first block of
-// each group. Template args: H, P, G, N, K, W, X_OFF, DT_OFF, RB, HAS_BIAS, HAS_STATE, TS
-// (projected's type), LO_BITS, HI_BITS. dims = [batch].
+// does. The next conv state is the last K - 1 inputs: x channels written by their row's lane 0, B
+// and C by the first block of each group. Template args: H, P, G, N, K, W, X_OFF, DT_OFF, RB,
+// HAS_BIAS, HAS_STATE, TS (projected's type), LO_BITS, HI_BITS. dims = [batch].
 constexpr const char* kConvScanSource = R"(
   constexpr int PER_LANE = (N + 31) / 32;
   constexpr int CONV = H * P + 2 * G * N;

@@ -1,5 +1,5 @@
 """On the lent H200: why bench_gemv's per-call time (one eval of many calls) is ~2x Nsight Compute's
-duration of the same 4-bit GEMV. Times one shape's call alone (an eval and a sync each), back to
+duration of the same 4-bit GEMV. Times one shape's call alone (an eval, which waits, each), back to
 back on one weight, back to back cycling weights past the L2, and a plain reduction over the
 same bytes as the bandwidth MLX reaches with a simple kernel. Prints one line per case.
 
@@ -8,32 +8,22 @@ same bytes as the bandwidth MLX reaches with a simple kernel. Prints one line pe
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import mlx.core as mx
 
 sys.path.insert(0, "benchmarks")
-from bench_gemv import copies_for, q4_bytes, random_q4  # noqa: E402
+from bench_gemv import copies_for, q4_bytes, random_q4, seconds_per_round  # noqa: E402
 
 from voicechat.kernels.gemv import quantized_matvec  # noqa: E402
 
 CALLS = 32
-SHAPES = ((22656, 4480), (4480, 15680), (131072, 4480)) if len(sys.argv) < 2 else ((256, 512),)  # any argument: tiny (a CPU check)
+# any argument: one tiny shape instead (a check of the script on a CPU)
+SHAPES = ((22656, 4480), (4480, 15680), (131072, 4480)) if len(sys.argv) < 2 else ((256, 512),)
 
 
-def per_call_us(run, calls: int, repeats: int = 9) -> float:
-    for _ in range(3):
-        mx.eval(run())
-    samples = []
-    for _ in range(repeats):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval(run())
-        mx.synchronize()
-        samples.append((time.perf_counter() - t0) / calls)
-    return 1e6 * statistics.median(samples)
+def per_call_us(run, calls: int) -> float:
+    return 1e6 * seconds_per_round(run) / calls
 
 
 def main() -> None:

@@ -17,23 +17,19 @@ import sys
 import mlx.core as mx
 
 sys.path.insert(0, "benchmarks")
+from bench_llm import CONTEXT, _audio, _primed
 from profile_llm_step import _lm
 
 # LLM_PROBE_SIZE=tiny: a check of the probe itself (on a CPU too, where nothing is profiled)
 lm = _lm(os.environ.get("LLM_PROBE_SIZE", "full"))
 driver = ctypes.CDLL("libcuda.so.1") if mx.default_device() == mx.gpu else None
-h = lm.llm.config.hidden_size
-cache = lm.make_cache()
-pad = mx.full((1, 64), 12, dtype=mx.int32)
-first = lm.step(lm.fused_input(pad, mx.random.normal((1, 64, h)), pad), cache)
-text, function = first.text_ids[:, None].astype(mx.int32), first.function_ids[:, None].astype(mx.int32)
+cache, text, function, _ = _primed(lm)
+frames = _audio(lm, CONTEXT + 4)[:, CONTEXT:]
 for i in range(4):  # compiled and warm; the last one is profiled
-    frame = mx.random.normal((1, 1, h), key=mx.random.key(i))
-    mx.eval(frame, text, function, cache.state)
     mx.synchronize()
     if i == 3 and driver:
         driver.cuProfilerStart()
-    text, function = lm.decode(text, frame, function, cache)
+    text, function = lm.decode(text, frames[:, i : i + 1], function, cache)
     text, function = text[:, None], function[:, None]
     mx.eval(text, function, cache.state)
     mx.synchronize()

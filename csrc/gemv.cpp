@@ -103,10 +103,11 @@ using TemplateArg = std::pair<std::string, std::string>;
 // warps per block). tb: the Linear bias' type, or nullptr for none (the kernel then gets `scales`
 // in its place); epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU
 // (vc_gemv::finish); tn (block layout only): the RMSNorm prologue's weight type, or nullptr for
-// none (the kernel then gets `scales` for the weight and the eps).
+// none (the kernel then gets `scales` for the weight and the eps); np > 0 (with tn "float"): an
+// input normalized by its producer, np partial sums in ng groups (NORM 2, vc_gemv::qmv_block).
 CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, const char* to, int bits, int group, int k,
                           int n, int m, int rows, int split_count, const char* tb = nullptr, int epi = 0,
-                          const char* tn = nullptr) {
+                          const char* tn = nullptr, int np = 0, int ng = 1) {
   const char* bias_type = tb ? tb : ts;
   const char* residual_type = epi == 1 ? to : ts;
   CudaInstance inst{
@@ -122,10 +123,29 @@ CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, con
     const char* norm_type = tn ? tn : ts;
     inst.input_types.push_back(norm_type);
     inst.input_types.push_back(tn ? "float" : ts);
-    inst.template_args.push_back(TemplateArg{"NORM", tn ? "bool:true" : "bool:false"});
+    inst.template_args.push_back(TemplateArg{"NORM", int_arg(tn ? (np > 0 ? 2 : 1) : 0)});
+    inst.template_args.push_back(TemplateArg{"NP", int_arg(np)});
+    inst.template_args.push_back(TemplateArg{"NG", int_arg(ng)});
     inst.template_args.push_back(TemplateArg{"TN", type_arg(norm_type)});
   }
   return inst;
+}
+
+// One instance of vc_qmv_emit: a + residual matvec (of the output's type) that also writes the next
+// norm's input with weight type te; its own input plain (np = 0) or normalized by its producer.
+CudaInstance qmv_emit_instance(const char* tx, const char* ts, const char* to, int k, int n, int m, int rows,
+                               int threads, const char* te, int np = 0, int ng = 1) {
+  const char* tn = np > 0 ? "float" : ts;
+  return CudaInstance{
+      {tx, "uint32_t", ts, ts, ts, to, tn, np > 0 ? "float" : ts, te},
+      {to, "float", "float"},
+      {TemplateArg{"BITS", "int:4"}, TemplateArg{"GROUP", "int:64"}, TemplateArg{"K", int_arg(k)},
+       TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)}, TemplateArg{"ROWS", int_arg(rows)},
+       TemplateArg{"THREADS", int_arg(threads)}, TemplateArg{"HAS_BIAS", "bool:false"},
+       TemplateArg{"NORM", int_arg(np > 0 ? 2 : 0)}, TemplateArg{"NP", int_arg(np)}, TemplateArg{"NG", int_arg(ng)},
+       TemplateArg{"TX", type_arg(tx)}, TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TB", type_arg(ts)},
+       TemplateArg{"TR", type_arg(to)}, TemplateArg{"TN", type_arg(tn)}, TemplateArg{"TE", type_arg(te)},
+       TemplateArg{"TO", type_arg(to)}}};
 }
 
 // One instance of vc_dense_mv / vc_dense_mv_warp (split as qmv_instance's).
@@ -166,11 +186,38 @@ const CudaSource& qmv_source() {
           inst(f, bf, f, 4, 64, 4480, 1024, 1, 1, 160),     // attention k_proj / v_proj
           inst(f, bf, f, 4, 64, 5120, 4480, 1, 4, 160),     // attention o_proj
           inst(f, bf, f, 4, 64, 4480, 131072, 1, 4, 160),   // lm_head / function_head
+          inst(f, bf, f, 4, 64, 10240, 4480, 1, 8, 160, nullptr, 1),  // mamba out_proj as launched (8 rows)
+          // Inputs normalized by their producer (vc_qmv_emit): in_proj and up_proj after a mamba out_proj
+          // (560 blocks), q/k/v after an MLP down_proj (two rows).
+          inst(f, bf, f, 4, 64, 4480, 22656, 1, 8, 160, nullptr, 0, f, 560),
+          inst(f, bf, f, 4, 64, 4480, 15680, 1, 8, 160, nullptr, 2, f, 560),
+          inst(f, bf, f, 4, 64, 4480, 7168, 2, 8, 160, nullptr, 0, f, 560),
           // The other packings, dtypes and a Linear bias.
           inst(f, bf, f, 8, 64, 4480, 5120, 2, 8, 160),
           inst("__half", "__half", "__half", 4, 32, 4480, 1000, 1, 2, 64),
           inst(bf, f, f, 8, 128, 1152, 1, 2, 1, 96),
           inst(f, bf, f, 4, 64, 4480, 5120, 2, 4, 160, f),
+      },
+  });
+  return src;
+}
+
+const CudaSource& qmv_emit_source() {
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_emit",
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "norm_eps", "next_w"},
+      {"out", "normed", "partials"},
+      gemv_cuda::kQmvEmitSource,
+      gemv_cuda::kHeader,
+      {
+          // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj,
+          // attention o_proj (two rows); a bfloat16 x and norm weight
+          qmv_emit_instance(f, bf, f, 10240, 4480, 1, 8, 160, f, 640, 8),
+          qmv_emit_instance(f, bf, f, 15680, 4480, 1, 8, 256, f),
+          qmv_emit_instance(f, bf, f, 5120, 4480, 2, 8, 160, f),
+          qmv_emit_instance(bf, bf, f, 4480, 1000, 1, 4, 160, bf),
       },
   });
   return src;
@@ -417,49 +464,140 @@ bool kernel_takes(const Epilogue& e, int m, int n) {
 
 // ---------------------------------------------------------------- quantized matvec
 
-mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
-                           int threads, int warps, const std::optional<mx::array>& residual,
-                           const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
-                           mx::StreamOrDevice s_) {
+// An input normalized by its producer (NORM 2 of vc_gemv::qmv_block): x is a norm's input times its
+// weight, `partials` [..., P] float32 partial sums of its squares per row, `groups` equal channel
+// groups each summed over P / groups consecutive partials (1: an RMSNorm over all K channels).
+struct Prenorm {
+  mx::array partials;
+  int groups;
+};
+
+// x scaled by each group's rsqrt(mean square + eps), in MLX ops (the fallback and the reference).
+mx::array apply_prenorm(const mx::array& x, const Prenorm& p, float eps, mx::Stream s) {
+  const int k = x.shape(-1), rows = leading_rows(x), g = p.groups;
+  auto sums = mx::sum(mx::reshape(mx::astype(p.partials, mx::float32, s), {rows, g, -1}, s), -1, true, s);
+  auto r = mx::rsqrt(mx::add(mx::divide(sums, mx::array(static_cast<float>(k / g)), s), mx::array(eps), s), s);
+  auto scaled = mx::multiply(mx::reshape(mx::astype(x, mx::float32, s), {rows, g, k / g}, s), r, s);
+  return mx::astype(mx::reshape(scaled, x.shape(), s), x.dtype(), s);
+}
+
+// What quantized_matvec and quantized_matvec_emit_norm share: [out] or, with next_norm, [out,
+// normed, partials] (normed = out * next_norm, partials [..., P] whose sum is each row's sum of out^2).
+std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                             const mx::array& biases, const std::optional<mx::array>& bias,
+                                             int group_size, int bits, int rows_per_block, int threads, int warps,
+                                             const std::optional<mx::array>& residual, const std::string& activation,
+                                             const std::optional<mx::array>& norm_weight, float norm_eps,
+                                             const std::optional<Prenorm>& prenorm,
+                                             const std::optional<mx::array>& next_norm, mx::Stream s) {
+  const char* who = next_norm ? "quantized_matvec_emit_norm" : "quantized_matvec";
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
-  const Epilogue epi = make_epilogue(residual, activation, n, "quantized_matvec");
+  const Epilogue epi = make_epilogue(residual, activation, n, who);
+  auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
   if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != k || !float_dtype(norm_weight->dtype()))) {
-    throw std::invalid_argument("quantized_matvec: norm_weight must be a float array [K] with K = " + std::to_string(k));
+    fail("norm_weight must be a float array [K] with K = " + std::to_string(k));
   }
-  auto s = mx::to_stream(s_);
   const int m = leading_rows(x);
+  if (prenorm) {
+    const auto& p = prenorm->partials;
+    if (norm_weight) fail("norm_weight and prenormed partials cannot be combined");
+    if (prenorm->groups < 1 || k % prenorm->groups != 0) fail("prenorm groups must divide K = " + std::to_string(k));
+    if (!float_dtype(p.dtype()) || p.ndim() != x.ndim() || m == 0 ||
+        static_cast<int>(p.size()) % m != 0 || p.shape(-1) % prenorm->groups != 0 ||
+        static_cast<int>(p.size()) != m * p.shape(-1)) {
+      fail("partials must be a float array [..., P] with x's leading shape and P a multiple of the groups");
+    }
+  }
+  if (next_norm) {
+    if (!epi.residual) fail("the next norm's input is emitted after a residual: pass residual");
+    if (next_norm->ndim() != 1 || next_norm->shape(0) != n || !float_dtype(next_norm->dtype())) {
+      fail("next_norm must be a float array [N] with N = " + std::to_string(n));
+    }
+  }
+  const int chunk = 128 / bits;  // values per 16-byte chunk: a group's scale must cover whole chunks
+  const bool prenorm_fits = !prenorm || ((k / prenorm->groups) % chunk == 0 && prenorm->partials.dtype() == mx::float32);
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && float_dtype(x.dtype()) &&
                            float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
                            (!bias || (bias->ndim() == 1 && bias->shape(0) == n && float_dtype(bias->dtype()))) &&
-                           kernel_takes(epi, m, n);
+                           kernel_takes(epi, m, n) && prenorm_fits;
   if (!kernel_path) {
-    // The RMSNorm prologue composed: MLX's rms_norm, then the product (what the model ran before).
-    auto in = norm_weight ? mx::fast::rms_norm(x, *norm_weight, norm_eps, s) : x;
+    // The prologues composed: MLX's rms_norm or the producer's scales, then the product.
+    auto in = norm_weight ? mx::fast::rms_norm(x, *norm_weight, norm_eps, s)
+              : prenorm   ? apply_prenorm(x, *prenorm, norm_eps, s)
+                          : x;
     auto y = mx::quantized_matmul(in, w, scales, biases, true, group_size, bits, "affine", s);
-    return compose_epilogue(bias ? mx::add(y, *bias, s) : y, epi, s);
+    auto out = compose_epilogue(bias ? mx::add(y, *bias, s) : y, epi, s);
+    if (!next_norm) {
+      return {out};
+    }
+    auto out32 = mx::astype(out, mx::float32, s);
+    auto normed = mx::multiply(out32, mx::astype(*next_norm, mx::float32, s), s);
+    return {out, normed, mx::sum(mx::square(out32, s), -1, true, s)};
   }
   const auto out_dtype = output_dtype(x.dtype(), scales.dtype(), bias, epi);
-  // The RMSNorm prologue is the block layout's: a norm takes it whatever the default.
-  const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, norm_weight ? 0 : warps);
+  // The norm prologues and the emitted norm input are the block layout's: they take it whatever the default.
+  const bool block_only = norm_weight || prenorm || next_norm;
+  const Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, block_only ? 0 : warps);
   const bool warp = l.warps > 0;
   // x and the residual go in with their own shapes (the kernel reads them flat, row-contiguous as
   // MLX makes every kernel input) and the output comes out shaped: no reshape nodes in the graph.
   std::vector<mx::array> inputs = {x, w, scales, biases, bias ? *bias : scales, epi.residual ? *epi.residual : scales};
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
       {"BITS", bits}, {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
-      {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"EPI", epi.kind()}, {"HAS_BIAS", bias.has_value()},
+      {warp ? "WARPS" : "THREADS", warp ? l.warps : l.threads}, {"HAS_BIAS", bias.has_value()},
       {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
       {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TO", out_dtype}};
-  if (!warp) {
-    inputs.push_back(norm_weight ? *norm_weight : scales);
-    inputs.push_back(norm_weight ? mx::array({norm_eps}) : scales);
-    args.emplace_back("NORM", norm_weight.has_value());
-    args.emplace_back("TN", norm_weight ? norm_weight->dtype() : scales.dtype());
+  if (!next_norm) {
+    args.emplace_back("EPI", epi.kind());
   }
-  return kernel(warp ? qmv_warp_source() : qmv_source())(inputs, {out_shape(x, n)}, {out_dtype},
-                                                         {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1}, args,
-                                                         std::nullopt, false, s)[0];
+  if (!warp) {
+    const int np = prenorm ? prenorm->partials.shape(-1) : 0;
+    inputs.push_back(norm_weight ? *norm_weight : prenorm ? prenorm->partials : scales);
+    inputs.push_back(norm_weight || prenorm ? mx::array({norm_eps}) : scales);
+    args.emplace_back("NORM", norm_weight ? 1 : prenorm ? 2 : 0);
+    args.emplace_back("NP", np);
+    args.emplace_back("NG", prenorm ? prenorm->groups : 1);
+    args.emplace_back("TN", inputs[6].dtype());
+  }
+  const int blocks = blocks_for(l, n);
+  if (!next_norm) {
+    return kernel(warp ? qmv_warp_source() : qmv_source())(inputs, {out_shape(x, n)}, {out_dtype},
+                                                           {blocks * l.threads, 1, 1}, {l.threads, 1, 1}, args,
+                                                           std::nullopt, false, s);
+  }
+  inputs.push_back(*next_norm);
+  args.emplace_back("TE", next_norm->dtype());
+  return kernel(qmv_emit_source())(inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, blocks)},
+                                   {out_dtype, mx::float32, mx::float32}, {blocks * l.threads, 1, 1},
+                                   {l.threads, 1, 1}, args, std::nullopt, false, s);
+}
+
+std::optional<Prenorm> make_prenorm(const std::optional<mx::array>& partials, int groups) {
+  if (!partials) {
+    return std::nullopt;
+  }
+  return Prenorm{*partials, groups};
+}
+
+mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
+                           int threads, int warps, const std::optional<mx::array>& residual,
+                           const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
+                           const std::optional<mx::array>& prenormed, int prenorm_groups, mx::StreamOrDevice s) {
+  return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, warps, residual,
+                               activation, norm_weight, norm_eps, make_prenorm(prenormed, prenorm_groups),
+                               std::nullopt, mx::to_stream(s))[0];
+}
+
+std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                                  const mx::array& biases, const mx::array& residual,
+                                                  const mx::array& next_norm, const std::optional<mx::array>& bias,
+                                                  int group_size, int bits, const std::optional<mx::array>& prenormed,
+                                                  int prenorm_groups, float norm_eps, int rows_per_block, int threads,
+                                                  mx::StreamOrDevice s) {
+  return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, 0, residual, "",
+                               std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm,
+                               mx::to_stream(s));
 }
 
 // ---------------------------------------------------------------- dense matvec
@@ -639,6 +777,7 @@ py::tuple launch_config(const std::string& kind, int k, int n, int bits, int ite
 
 void bind(py::module_& m) {
   qmv_source();  // registered at import, so the compile check sees them
+  qmv_emit_source();
   qmv_warp_source();
   dense_source();
   dense_add_norm_source();
@@ -649,12 +788,24 @@ void bind(py::module_& m) {
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
         py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
-        py::arg("stream") = py::none(),
+        py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
         "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block). norm_weight: "
-        "an RMSNorm of x first (rms_norm(x, norm_weight, norm_eps)), formed in the same launch.");
+        "an RMSNorm of x first (rms_norm(x, norm_weight, norm_eps)), formed in the same launch. prenormed: "
+        "x is a norm's input already times its weight and prenormed [..., P] float32 partial sums of its "
+        "squares (prenorm_groups equal channel groups, each over P / groups consecutive partials); each "
+        "group is scaled by rsqrt(sum / group width + norm_eps) in the same launch.");
+  m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
+        py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
+        py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),
+        py::arg("prenorm_groups") = 1, py::arg("norm_eps") = 1e-5f, py::arg("rows_per_block") = 0,
+        py::arg("threads") = 0, py::arg("stream") = py::none(),
+        "[out, normed, partials]: out = x @ dequantize(w).T (+ bias) + residual, and the next RMSNorm's input "
+        "left for its matvec: normed = out * next_norm (float32) and partials [..., P] (float32) whose sum "
+        "is each row's sum of out^2 (pass both as that matvec's x and prenormed). One CUDA launch; MLX ops "
+        "elsewhere (P = 1 there).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",

@@ -166,17 +166,22 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
 // NORM (an RMSNorm prologue): the product's input is x * norm_w (elementwise) and ss[m] gathers
 // this thread's sum of x[m, k]^2, so that the caller can scale the sums by rsqrt(mean(x^2) + eps)
 // once the block has them: rms_norm(x) * w . q = rsqrt(...) * ((x * w) . q).
-template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool NORM = false, typename TX, typename TS,
-          typename TN = float>
+// GS > 0 (a group norm's scales): K is GS equal channel groups and a chunk's sums are scaled by its
+// group's gscale[g * M + m] before they are added: (x * r_g * w) . q = sum_g r_g ((x * w)_g . q_g).
+template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool NORM = false, int GS = 0, typename TX,
+          typename TS, typename TN = float>
 __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
                                                const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M],
-                                               int lane, const TN* norm_w = nullptr, float* ss = nullptr) {
+                                               int lane, const TN* norm_w = nullptr, float* ss = nullptr,
+                                               const float* gscale = nullptr) {
   constexpr int VPW = 32 / BITS;      // values per word
   constexpr int CHUNK = 4 * VPW;      // values per 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;   // chunks per row
   constexpr int GROUPS = K / GROUP;   // scales per row
   constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
   static_assert(K % GROUP == 0 && GROUP % CHUNK == 0, "a chunk lies inside one group");
+  constexpr int NORM_GROUP = K / (GS > 0 ? GS : 1);
+  static_assert(GS == 0 || (NORM_GROUP * GS == K && NORM_GROUP % CHUNK == 0), "a chunk lies inside one norm group");
   const bool vec = aligned16(x);
   const uint4* w4 = reinterpret_cast<const uint4*>(weight);
   int rows[ROWS];
@@ -233,10 +238,19 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
           }
         }
       }
+      if constexpr (GS > 0) {
+        const float* g = gscale + ((c * CHUNK) / NORM_GROUP) * M;
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] += fmaf(cur.scale[r], dot[r][m], cur.bias[r] * xsum[m]);
+          for (int m = 0; m < M; ++m) acc[r][m] += g[m] * fmaf(cur.scale[r], dot[r][m], cur.bias[r] * xsum[m]);
+        }
+      } else {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) acc[r][m] += fmaf(cur.scale[r], dot[r][m], cur.bias[r] * xsum[m]);
+        }
       }
     }
     cur = next;
@@ -336,9 +350,10 @@ __device__ __forceinline__ void block_sum(const float* vals, float* part, float*
 
 // The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
 // sum v. EPI 0: v (+ bias); 1: that + residual[m, row] (a residual stream added in the same pass);
-// 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once.
+// 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once. Returns the value
+// stored (as float).
 template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
-__device__ __forceinline__ void finish(float v, const TB* bias, const TR* residual, TO* out, int m, int row, int n) {
+__device__ __forceinline__ float finish(float v, const TB* bias, const TR* residual, TO* out, int m, int row, int n) {
   if constexpr (HAS_BIAS) {
     v += static_cast<float>(bias[row]);
   }
@@ -348,7 +363,9 @@ __device__ __forceinline__ void finish(float v, const TB* bias, const TR* residu
     v = fmaxf(v, 0.0f);
     v = v * v;
   }
-  out[static_cast<size_t>(m) * n + row] = static_cast<TO>(v);
+  const TO stored = static_cast<TO>(v);
+  out[static_cast<size_t>(m) * n + row] = stored;
+  return static_cast<float>(stored);
 }
 
 // out[m, row0 + r] = finish(total[r * M + m] (* row_scale[m])) for the block's rows inside [0, n):
@@ -402,35 +419,136 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
   return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned long long>(~static_cast<unsigned int>(index));
 }
 
-}  // namespace vc_gemv
+// Start fetching the line at p into the L2 (no register waits for it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #endif
-)";
+}
 
-// y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM: x is
-// rms_norm(x) * norm_w first (eps = norm_eps[0]), formed on the fly (see qmv_accumulate).
-// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, and the dtypes TX, TS,
-// TB, TR, TN, TO (the kernel name is made of the template args only, so every dtype must be one of them).
-constexpr const char* kQmvSource = R"(
-  constexpr int SUMS = ROWS * M + (NORM ? M : 0);  // the row sums, then (NORM) each x row's sum of squares
+// The block-layout quantized matvec, whole: block b computes rows [b * ROWS, b * ROWS + ROWS).
+//
+// NORM 0: x is the product's input. NORM 1: rms_norm(x) * norm_w is (see qmv_accumulate; eps).
+// NORM 2 (an input normalized by its producer): x is a norm's input already times the norm weight,
+// and norm_w holds NP partial sums of its squares per input row ([M, NP] float), NG groups of
+// NP / NG consecutive ones per row: group g of the K channels (K / NG wide) is scaled by
+// rsqrt(its partials' sum / (K / NG) + eps). NG = 1 (an RMSNorm) scales the row's sums at the end;
+// NG > 1 (a group norm) scales each chunk's sums as they are added (the scales are formed first, in
+// shared memory, while the block's first weight lines are fetched).
+//
+// EMIT (the next block's norm input, for EPI 1): besides out = product + residual, normed[m, row] =
+// out[m, row] * next_w[row] and partials[m, b] = the sum of out[m, row]^2 over the block's rows,
+// so that the next matvec can take them with NORM 2 (NP = the blocks of this launch).
+template <int BITS, int GROUP, int K, int N, int M, int ROWS, int THREADS, int EPI, bool HAS_BIAS, int NORM, int NP,
+          int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
+          typename TE>
+__device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weight, const TS* scales,
+                                          const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
+                                          float eps, TO* out, const TE* next_w, float* normed, float* partials) {
+  constexpr bool ROW_NORM = NORM == 1 || (NORM == 2 && NG == 1);  // one scale a row, at the end
+  constexpr int GS = NORM == 2 && NG > 1 ? NG : 0;
+  constexpr int SUMS = ROWS * M + (ROW_NORM ? M : 0);  // the row sums, then each x row's sum of squares
+  static_assert(NORM != 2 || (NG >= 1 && NP % (NG > 0 ? NG : 1) == 0), "NP partials in NG equal groups");
+  static_assert(!EMIT || (EPI == 1 && ROWS * M <= 32), "EMIT follows a residual, its rows in one warp");
   __shared__ float part[SUMS * THREADS];
   __shared__ float total[SUMS];
+  __shared__ float gscale[GS > 0 ? GS * M : 1];
+  __shared__ float inv_rms[M];
   const int row0 = blockIdx.x * ROWS;
   float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
-  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM>(
-      x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS]);
-  vc_gemv::block_sum<SUMS, THREADS>(&acc[0][0], part, total);
-  if constexpr (NORM) {
-    __shared__ float inv_rms[M];
-    if (threadIdx.x < M) {
-      inv_rms[threadIdx.x] = rsqrtf(total[ROWS * M + threadIdx.x] / static_cast<float>(K) + static_cast<float>(norm_eps[0]));
+  if constexpr (NORM == 2 && NG == 1) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      for (int i = threadIdx.x; i < NP; i += THREADS) acc[ROWS][m] += static_cast<float>(norm_w[m * NP + i]);
+    }
+  }
+  if constexpr (GS > 0) {
+    constexpr int NPG = NP / GS;
+    constexpr int WARPS = THREADS / 32;
+    constexpr int CHUNKS = K * BITS / 128;
+    const int lane = threadIdx.x & 31;
+    if (threadIdx.x < CHUNKS) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        prefetch_l2(weight + (static_cast<size_t>(min(row0 + r, N - 1)) * CHUNKS + threadIdx.x) * 4);
+      }
+    }
+    for (int j = threadIdx.x >> 5; j < GS * M; j += WARPS) {
+      const int g = j / M, m = j % M;
+      float s = 0.0f;
+      for (int i = lane; i < NPG; i += 32) s += static_cast<float>(norm_w[m * NP + g * NPG + i]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (lane == 0) gscale[j] = rsqrtf(s / static_cast<float>(K / GS) + eps);
     }
     __syncthreads();
-    vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N, inv_rms);
-  } else {
-    vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
   }
+  qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GS>(
+      x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
+      gscale);
+  block_sum<SUMS, THREADS>(&acc[0][0], part, total);
+  const float* row_scale = nullptr;
+  if constexpr (ROW_NORM) {
+    if (threadIdx.x < M) {
+      inv_rms[threadIdx.x] = rsqrtf(total[ROWS * M + threadIdx.x] / static_cast<float>(K) + eps);
+    }
+    __syncthreads();
+    row_scale = inv_rms;
+  }
+  if constexpr (EMIT) {
+    if (threadIdx.x < 32) {
+      float sq = 0.0f;
+      const int row = row0 + static_cast<int>(threadIdx.x) / M;
+      const int m = static_cast<int>(threadIdx.x) % M;
+      if (threadIdx.x < ROWS * M && row < N) {
+        const float v = row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
+        const float stored = finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, N);
+        normed[static_cast<size_t>(m) * N + row] = stored * static_cast<float>(next_w[row]);
+        sq = stored * stored;
+      }
+#pragma unroll
+      for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+      if (threadIdx.x < M) {
+        partials[static_cast<size_t>(threadIdx.x) * ((N + ROWS - 1) / ROWS) + blockIdx.x] = sq;
+      }
+    }
+  } else {
+    store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N, row_scale);
+  }
+}
+
+}  // namespace vc_gemv
+#endif
+)";
+
+// y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM 1: x is
+// rms_norm(x) * norm_w first (eps = norm_eps[0]), formed on the fly (see qmv_accumulate); NORM 2: x
+// was normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).
+// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, and the dtypes
+// TX, TS, TB, TR, TN, TO (the kernel name is made of the template args only, so every dtype must be
+// one of them).
+constexpr const char* kQmvSource = R"(
+  float eps = 0.0f;
+  if constexpr (NORM != 0) {
+    eps = static_cast<float>(norm_eps[0]);
+  }
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, false>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
+      static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+)";
+
+// kQmvSource with EMIT (see vc_gemv::qmv_block): out = product + residual, and the next norm's input
+// normed = out * next_w with the block's partial sums of out^2. Template args: BITS, GROUP, K, N,
+// M, ROWS, THREADS, HAS_BIAS, NORM, NP, NG, and the dtypes TX, TS, TB, TR, TN, TE, TO.
+constexpr const char* kQmvEmitSource = R"(
+  float eps = 0.0f;
+  if constexpr (NORM != 0) {
+    eps = static_cast<float>(norm_eps[0]);
+  }
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, 1, HAS_BIAS, NORM, NP, NG, true>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials);
 )";
 
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights (PRO 1:

@@ -289,8 +289,11 @@ const CudaSource& cuda_source() {
 // channel while the block convolves its group's B and C into shared memory (each block of a group
 // recomputes them: 2N channels of K taps, against one launch), then scans its row as mamba_scan
 // does. The next conv state is the last K - 1 inputs: x channels written by their row's lane 0, B
-// and C by the first block of each group. Template args: H, P, G, N, K, W, X_OFF, DT_OFF, RB,
-// HAS_BIAS, HAS_STATE, TS (projected's type), LO_BITS, HI_BITS. dims = [batch].
+// and C by the first block of each group. GATED: y is the gated group norm's input times its
+// weight, y * silu(gate) * gate_w (gate at columns GATE_OFF..), and partials [b, H * P / RB] the
+// blocks' sums of (y * silu(gate))^2, a group's blocks consecutive. Template args: H, P, G, N, K, W,
+// X_OFF, DT_OFF, RB, HAS_BIAS, HAS_STATE, GATED, GATE_OFF, TS (projected's type), LO_BITS,
+// HI_BITS. dims = [batch].
 constexpr const char* kConvScanSource = R"(
   constexpr int PER_LANE = (N + 31) / 32;
   constexpr int CONV = H * P + 2 * G * N;
@@ -369,7 +372,23 @@ constexpr const char* kConvScanSource = R"(
   for (int off = 16; off > 0; off >>= 1) {
     acc += __shfl_xor_sync(0xffffffff, acc, off);
   }
-  if (lane == 0) {
+  if constexpr (GATED) {
+    // The gated norm's input, times its weight, and the block's share of its group's sum of squares
+    // (the rows of one head: one group); the out_proj matvec applies the group scales.
+    __shared__ float row_sq[RB];
+    if (lane == 0) {
+      const float gv = static_cast<float>(src[GATE_OFF + cx]);
+      const float hv = (acc + Dh * xv) * (gv / (1.0f + expf(-gv)));
+      y[static_cast<size_t>(bi) * H * P + h * P + p] = hv * static_cast<float>(gate_w[cx]);
+      row_sq[threadIdx.x >> 5] = hv * hv;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sq = 0.0f;
+      for (int r = 0; r < RB; ++r) sq += row_sq[r];
+      partials[(static_cast<size_t>(bi) * H + h) * CHUNKS + chunk] = sq;
+    }
+  } else if (lane == 0) {
     y[static_cast<size_t>(bi) * H * P + h * P + p] = acc + Dh * xv;
   }
 )";
@@ -377,24 +396,27 @@ constexpr const char* kConvScanSource = R"(
 const CudaSource& conv_scan_source() {
   using Arg = std::pair<std::string, std::string>;
   auto inst = [](int h, int p, int g, int n, int w, int x_off, int dt_off, int rb, const std::string& ts,
-                 const std::string& dparams, bool has_state) {
-    return CudaInstance{{ts, "float", "float", "float", "float", dparams, dparams, "float", "int32_t"},
-                        {"float", "float", "float"},
+                 const std::string& dparams, bool has_state, bool gated) {
+    return CudaInstance{{ts, "float", "float", "float", "float", dparams, dparams, "float", "int32_t", "float"},
+                        {"float", "float", "float", "float"},
                         {Arg{"H", int_arg(h)}, Arg{"P", int_arg(p)}, Arg{"G", int_arg(g)}, Arg{"N", int_arg(n)},
                          Arg{"K", "int:4"}, Arg{"W", int_arg(w)}, Arg{"X_OFF", int_arg(x_off)},
                          Arg{"DT_OFF", int_arg(dt_off)}, Arg{"RB", int_arg(rb)}, Arg{"HAS_BIAS", "bool:true"},
-                         Arg{"HAS_STATE", has_state ? "bool:true" : "bool:false"}, Arg{"TS", type_arg(ts)},
-                         Arg{"LO_BITS", "int:0"}, Arg{"HI_BITS", "int:2139095040"}}};
+                         Arg{"HAS_STATE", has_state ? "bool:true" : "bool:false"},
+                         Arg{"GATED", gated ? "bool:true" : "bool:false"}, Arg{"GATE_OFF", "int:0"},
+                         Arg{"TS", type_arg(ts)}, Arg{"LO_BITS", "int:0"}, Arg{"HI_BITS", "int:2139095040"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_mamba_conv_scan_step",
-      {"projected", "conv_state", "conv_weight", "conv_bias", "A_log", "D", "dt_bias", "state", "dims"},
-      {"y", "state_out", "new_state"},
+      {"projected", "conv_state", "conv_weight", "conv_bias", "A_log", "D", "dt_bias", "state", "dims", "gate_w"},
+      {"y", "state_out", "new_state", "partials"},
       kConvScanSource,
       "",
-      // the published mixer (float32 activations, bf16 D / dt_bias); bfloat16 activations, no state
-      {inst(128, 80, 8, 128, 22656, 10240, 22528, 16, "float", "__nv_bfloat16", true),
-       inst(8, 16, 2, 24, 500, 128, 300, 8, "__nv_bfloat16", "float", false)},
+      // the published mixer (float32 activations, bf16 D / dt_bias), gated as the model runs it and
+      // plain; bfloat16 activations, no state
+      {inst(128, 80, 8, 128, 22656, 10240, 22528, 16, "float", "__nv_bfloat16", true, true),
+       inst(128, 80, 8, 128, 22656, 10240, 22528, 16, "float", "__nv_bfloat16", true, false),
+       inst(8, 16, 2, 24, 500, 128, 300, 8, "__nv_bfloat16", "float", false, false)},
   });
   return src;
 }
@@ -556,12 +578,16 @@ std::vector<mx::array> mamba_scan_packed(const mx::array& xbc, const mx::array& 
 // The decode step's conv and scan in one launch (CUDA streams only): projected [b, 1, W] (in_proj's
 // output: x | B | C at columns x_offset.., dt at dt_offset), conv_state [b, K-1, H*P + 2*G*N] and
 // the float32 conv weight [C, K(, 1)] / bias [C]. Returns (y [b, 1, H*P] float32, the new ssm
-// state [b, H, P, N] float32, the new conv state).
+// state [b, H, P, N] float32, the new conv state). With gate_weight [H*P] (the gated group norm's):
+// y * silu(gate) * gate_weight instead of y (gate at columns [gate_offset, gate_offset + H*P)), and
+// a fourth output, partials [b, 1, P'] float32: G consecutive runs of P' / G whose sums are each
+// group's sum of (y * silu(gate))^2.
 std::vector<mx::array> mamba_conv_scan_step(const mx::array& projected, const mx::array& conv_state, int x_offset,
                                             const mx::array& conv_weight, const std::optional<mx::array>& conv_bias,
                                             int dt_offset, const mx::array& A_log, const mx::array& D,
                                             const mx::array& dt_bias, std::optional<mx::array> state, int heads,
                                             int head_dim, int groups, int state_size, float lo, float hi,
+                                            const std::optional<mx::array>& gate_weight, int gate_offset,
                                             mx::StreamOrDevice s_) {
   const int H = heads, P = head_dim, G = groups, N = state_size, conv = H * P + 2 * G * N;
   auto fail = [](const std::string& what) { throw std::invalid_argument("mamba_conv_scan_step: " + what); };
@@ -587,20 +613,32 @@ std::vector<mx::array> mamba_conv_scan_step(const mx::array& projected, const mx
     fail("runs on a CUDA stream (float32 conv state and weights); elsewhere use causal_conv_silu then "
          "mamba_scan_packed (voicechat.kernels.mamba_scan.mamba_conv_scan_step does)");
   }
+  if (gate_weight && (gate_weight->shape() != mx::Shape{H * P} || !float_dtype(gate_weight->dtype()))) {
+    fail("gate_weight must be a float array [heads * head_dim]");
+  }
+  if (gate_weight && (gate_offset < 0 || gate_offset + H * P > width)) {
+    fail("the gate columns [gate_offset, gate_offset + heads * head_dim) lie outside projected");
+  }
   if (state) state = as_dtype(*state, mx::float32, s);
   int rb = 16;  // rows (warps) a block: each block convolves its group's B and C once for all of them
   while (P % rb != 0) rb /= 2;
   static auto kernel = make_cuda_kernel(conv_scan_source());
   const auto& st = state ? *state : dt_bias;  // not read without a state
-  return kernel({projected, conv_state, conv_weight, conv_bias ? *conv_bias : conv_weight, A_log, D, dt_bias, st,
-                 mx::array({b}, mx::int32)},
-                {{b, 1, H * P}, {b, H, P, N}, {b, k_size - 1, conv}}, {mx::float32, mx::float32, mx::float32},
-                {b * H * (P / rb) * rb * 32, 1, 1}, {rb * 32, 1, 1},
-                {{"H", H}, {"P", P}, {"G", G}, {"N", N}, {"K", k_size}, {"W", width}, {"X_OFF", x_offset},
-                 {"DT_OFF", dt_offset}, {"RB", rb}, {"HAS_BIAS", conv_bias.has_value()},
-                 {"HAS_STATE", state.has_value()}, {"TS", projected.dtype()}, {"LO_BITS", float_bits(lo)},
-                 {"HI_BITS", float_bits(hi)}},
-                std::nullopt, false, s);
+  const int blocks = b * H * (P / rb);
+  auto outs = kernel(
+      {projected, conv_state, conv_weight, conv_bias ? *conv_bias : conv_weight, A_log, D, dt_bias, st,
+       mx::array({b}, mx::int32), gate_weight ? as_dtype(*gate_weight, mx::float32, s) : A_log},
+      {{b, 1, H * P}, {b, H, P, N}, {b, k_size - 1, conv}, {b, 1, gate_weight ? H * (P / rb) : 1}},
+      {mx::float32, mx::float32, mx::float32, mx::float32}, {blocks * rb * 32, 1, 1}, {rb * 32, 1, 1},
+      {{"H", H}, {"P", P}, {"G", G}, {"N", N}, {"K", k_size}, {"W", width}, {"X_OFF", x_offset},
+       {"DT_OFF", dt_offset}, {"RB", rb}, {"HAS_BIAS", conv_bias.has_value()}, {"HAS_STATE", state.has_value()},
+       {"GATED", gate_weight.has_value()}, {"GATE_OFF", gate_weight ? gate_offset : 0}, {"TS", projected.dtype()},
+       {"LO_BITS", float_bits(lo)}, {"HI_BITS", float_bits(hi)}},
+      std::nullopt, false, s);
+  if (!gate_weight) {
+    outs.pop_back();
+  }
+  return outs;
 }
 
 void bind(py::module_& m) {
@@ -621,9 +659,12 @@ void bind(py::module_& m) {
         py::arg("x_offset"), py::arg("conv_weight"), py::arg("conv_bias"), py::arg("dt_offset"), py::arg("A_log"),
         py::arg("D"), py::arg("dt_bias"), py::arg("state"), py::arg("heads"), py::arg("head_dim"), py::arg("groups"),
         py::arg("state_size"), py::arg("lo") = 0.0f, py::arg("hi") = std::numeric_limits<float>::infinity(),
-        py::arg("stream") = py::none(),
+        py::arg("gate_weight") = py::none(), py::arg("gate_offset") = 0, py::arg("stream") = py::none(),
         "causal_conv_silu then mamba_scan_packed for one decode position, in one CUDA launch: (y [b, 1, H*P], "
-        "ssm state [b, H, P, N], conv state [b, K-1, C]), all float32. CUDA streams only.");
+        "ssm state [b, H, P, N], conv state [b, K-1, C]), all float32. With gate_weight [H*P]: the gated group "
+        "norm's input y * silu(gate) * gate_weight instead of y (gate at columns gate_offset..), and a fourth "
+        "output, partials [b, 1, P'] whose G consecutive runs sum to each group's sum of (y * silu(gate))^2 "
+        "(a quantized_matvec's prenormed input). CUDA streams only.");
 }
 
 }  // namespace

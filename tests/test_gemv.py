@@ -18,10 +18,12 @@ from voicechat.kernels import ext
 from voicechat.kernels.gemv import (
     GemvLinear,
     GemvQuantizedLinear,
+    Prenormed,
     dense_matvec,
     dense_matvec_reference,
     on_cuda_gpu,
     quantized_matvec,
+    quantized_matvec_emit_norm,
     gelu_gate,
     linear,
     stack_linears,
@@ -566,3 +568,103 @@ def test_norm_prologue_rejects_bad_weights():
     x = mx.random.normal((1, 128), key=mx.random.key(3))
     with pytest.raises(ValueError, match="norm_weight"):
         ext.quantized_matvec(x, layer.weight, layer.scales, layer.biases, norm_weight=mx.ones((64,)))
+
+
+# --------------------------------------------------------------------------- norms carried between launches
+
+
+def _q4(n, k, seed):
+    dense = mx.random.normal((n, k), key=mx.random.key(seed)) * k**-0.5
+    w, s, b = mx.quantize(dense, group_size=64, bits=4)
+    return w, s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+
+
+@pytest.mark.parametrize("n,k,n2,rows", [(4480, 10240, 22656, 1), (192, 320, 256, 2), (128, 192, 40, 1)])
+def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, n2, rows):
+    """A + residual matvec leaving the next RMSNorm half done, finished by the next matvec (the LLM
+    block seam, shapes of the mamba out_proj into in_proj among them): the same as the plain matvec,
+    MLX's rms_norm, then the next matvec (squared ReLU on it, as the MLP's up_proj)."""
+    w1, s1, b1 = _q4(n, k, seed=n)
+    w2, s2, b2 = _q4(n2, n, seed=n2)
+    x = mx.random.normal((rows, k), key=mx.random.key(1))
+    residual = 3.0 * mx.random.normal((rows, n), key=mx.random.key(2))
+    norm = nn.RMSNorm(n, eps=1e-5)
+    norm.weight = 1.0 + 0.2 * mx.random.normal((n,), key=mx.random.key(3))
+    out, pre = quantized_matvec_emit_norm(x, w1, s1, b1, residual, norm.weight, eps=norm.eps)
+    got = quantized_matvec(pre, w2, s2, b2, squared_relu=True)
+    with mx.stream(mx.cpu):
+        want_out = quantized_matvec_reference(x, w1, s1, b1, residual=residual)
+        want = quantized_matvec_reference(norm(want_out), w2, s2, b2, squared_relu=True)
+        want_normed = np.array(norm(want_out))
+    assert isinstance(pre, Prenormed) and pre.groups == 1 and pre.partials.shape[:-1] == (rows,)
+    np.testing.assert_allclose(np.array(out), np.array(want_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(pre.resolve()), want_normed, rtol=1e-5, atol=1e-5)
+    want = np.array(want)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("k,groups,per_group,rows", [(10240, 8, 80, 1), (256, 4, 3, 2), (192, 4, 1, 1)])
+def test_group_prenormed_input_equals_group_norm_then_matvec(k, groups, per_group, rows):
+    """An input its producer normalized by groups (the gated norm the conv + scan kernel leaves for
+    the mamba out_proj; 192 / 4 = 48 channels a group is not whole 16-byte chunks: the composed
+    path), into a plain and an emitting matvec."""
+    n = 4480 if k == 10240 else 72
+    w, s, b = _q4(n, k, seed=k)
+    raw = 2.0 * mx.random.normal((rows, k), key=mx.random.key(4))
+    weight = 1.0 + 0.2 * mx.random.normal((k,), key=mx.random.key(5))
+    # each group's sum of squares split unevenly over its partials
+    sq = mx.square(raw).reshape(rows, groups, k // groups).sum(-1, keepdims=True)
+    split = mx.softmax(mx.random.normal((rows, groups, per_group), key=mx.random.key(6)), axis=-1)
+    pre = Prenormed(raw * weight, (sq * split).reshape(rows, groups * per_group), groups, 1e-5)
+    residual = mx.random.normal((rows, n), key=mx.random.key(7))
+    next_norm = 1.0 + 0.1 * mx.random.normal((n,), key=mx.random.key(8))
+    got = quantized_matvec(pre, w, s, b)
+    out, nxt = quantized_matvec_emit_norm(pre, w, s, b, residual, next_norm)
+    with mx.stream(mx.cpu):
+        normed = mx.fast.rms_norm(raw.reshape(rows, groups, -1), None, 1e-5).reshape(rows, k) * weight
+        np.testing.assert_allclose(np.array(pre.resolve()), np.array(normed), rtol=1e-5, atol=1e-5)
+        want = quantized_matvec_reference(normed, w, s, b)
+        want_out = want + residual
+        want_next = np.array(mx.fast.rms_norm(want_out, next_norm, 1e-5))
+    want = np.array(want)
+    np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(np.array(out), np.array(want_out), rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(np.array(nxt.resolve()), want_next, rtol=1e-4, atol=1e-4)
+
+
+def test_linear_emits_the_next_norm_only_from_our_quantized_layer():
+    """`linear(..., emit_norm=...)`: `(out, Prenormed)` where our kernel can leave the norm half done,
+    `(out, None)` elsewhere; a Prenormed input works with any layer."""
+    base = nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=4)
+    ours = GemvQuantizedLinear.from_quantized_linear(base)
+    dense = nn.Linear(128, 64, bias=False)
+    norm = nn.RMSNorm(64)
+    x = mx.random.normal((1, 128), key=mx.random.key(9))
+    residual = mx.random.normal((1, 64), key=mx.random.key(10))
+    out, pre = linear(ours, x, residual=residual, emit_norm=norm)
+    assert (pre is not None) == on_cuda_gpu()
+    plain, none = linear(base, x, residual=residual, emit_norm=norm)
+    assert none is None
+    np.testing.assert_allclose(np.array(out), np.array(plain), rtol=1e-4, atol=1e-4)
+    prenormed = Prenormed(x * 2.0, mx.sum(mx.square(x), -1, keepdims=True), 1, 1e-5)
+    for layer in (base, ours, dense):
+        want = layer(mx.fast.rms_norm(x, mx.full((128,), 2.0), 1e-5))
+        np.testing.assert_allclose(np.array(linear(layer, prenormed)), np.array(want), rtol=1e-4, atol=1e-4)
+
+
+def test_prenormed_and_emit_reject_bad_inputs():
+    w, s, b = _q4(64, 128, seed=1)
+    x = mx.random.normal((1, 128), key=mx.random.key(2))
+    residual = mx.zeros((1, 64))
+    with pytest.raises(ValueError, match="partials"):
+        ext.quantized_matvec(x, w, s, b, prenormed=mx.ones((1, 3)), prenorm_groups=2)
+    with pytest.raises(ValueError, match="groups must divide"):
+        ext.quantized_matvec(x, w, s, b, prenormed=mx.ones((1, 3)), prenorm_groups=3)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        ext.quantized_matvec(x, w, s, b, prenormed=mx.ones((1, 2)), norm_weight=mx.ones((128,)))
+    with pytest.raises(ValueError, match="next_norm"):
+        ext.quantized_matvec_emit_norm(x, w, s, b, residual, mx.ones((63,)))
+    with pytest.raises(ValueError, match="residual"):
+        ext.quantized_matvec_emit_norm(x, w, s, b, mx.zeros((1, 7)), mx.ones((64,)))
+    with pytest.raises(ValueError, match="no norm"):
+        quantized_matvec(Prenormed(x, mx.ones((1, 1)), 1, 1e-5), w, s, b, norm=(mx.ones((128,)), 1e-5))

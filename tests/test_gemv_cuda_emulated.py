@@ -196,7 +196,7 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
     norm_w = (1.0 + 0.2 * _x((k,), mx.float32, seed=9)).astype(norm_dtype) if norm_dtype else None
     if not warps:
         inputs += [norm_w, mx.array([1e-5])] if norm_dtype else [s, s]
-        args.update(NORM=norm_dtype is not None, TN=norm_dtype or s_dtype)
+        args.update(NORM=1 if norm_dtype else 0, NP=0, NG=1, TN=norm_dtype or s_dtype)
     case = Case("vc_qmv_warp" if warps else "vc_qmv", args, inputs,
                 [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
                 [offset] + [0] * (len(inputs) - 1))
@@ -205,6 +205,62 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
         xf = mx.fast.rms_norm(xf, norm_w.astype(mx.float32), 1e-5) if norm_dtype else xf
         ref = mx.quantized_matmul(xf, w, s, b, transpose=True, group_size=group, bits=bits)
         ref = _epilogue_ref(ref if bias is None else ref + bias, epi, residual).astype(out)
+    return case, ref
+
+
+def _prenormed_inputs(k, m, np_, ng, x_dtype, seed):
+    """A norm's input times its weight and partial sums of its squares (np_ a row, ng groups), and
+    the normalized input they stand for: each group scaled by rsqrt(its sum / (k / ng) + eps)."""
+    rng = np.random.default_rng(seed)
+    raw = rng.standard_normal((m, k)).astype(np.float32) * 3.0
+    weight = (1.0 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    sq = (raw.reshape(m, ng, k // ng) ** 2).sum(-1)  # [m, ng]
+    split = rng.dirichlet(np.ones(np_ // ng), size=(m, ng)).astype(np.float32)  # uneven shares of each group's sum
+    partials = (sq[..., None] * split).reshape(m, np_)
+    scale = 1.0 / np.sqrt(partials.reshape(m, ng, -1).sum(-1) / (k // ng) + 1e-5)
+    normed = (raw.reshape(m, ng, -1) * scale[..., None]).reshape(m, k) * weight
+    return mx.array(raw * weight).astype(x_dtype), mx.array(partials), mx.array(normed)
+
+
+def prenormed_case(n, k, m, np_, ng, rows, threads, epi=0):
+    """vc_qmv on an input its producer normalized (NORM 2): NG = 1 an RMSNorm, > 1 a group norm."""
+    w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
+    x, partials, normed = _prenormed_inputs(k, m, np_, ng, mx.float32, seed=k)
+    residual = _x((m, n), mx.float32, seed=5) if epi == 1 else s
+    args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, EPI=epi, HAS_BIAS=False,
+                TX=mx.float32, TS=mx.bfloat16, TB=mx.bfloat16, TR=residual.dtype, TO=mx.float32, NORM=2, NP=np_,
+                NG=ng, TN=mx.float32)
+    case = Case("vc_qmv", args, [x, w, s, b, s, residual, partials, mx.array([1e-5])], [("float", (m, n))],
+                -(-n // rows), threads)
+    with mx.stream(mx.cpu):
+        ref = mx.quantized_matmul(normed, w, s, b, transpose=True, group_size=64, bits=4)
+        ref = _epilogue_ref(ref, epi, residual)
+    return case, ref
+
+
+def emit_case(n, k, m, rows, threads, x_dtype=mx.float32, np_=0, ng=1, next_dtype=mx.float32):
+    """vc_qmv_emit: + residual, and the next norm's input (out * next_w, partial sums of out^2 a
+    block); its own input plain, or normalized by its producer (np_ partials in ng groups)."""
+    w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
+    if np_:
+        x, partials, normed = _prenormed_inputs(k, m, np_, ng, x_dtype, seed=k)
+        norm_in = [partials, mx.array([1e-5])]
+    else:
+        x = normed = _x((m, k), x_dtype)
+        norm_in = [s, s]
+    residual = _x((m, n), mx.float32, seed=5)
+    next_w = (1.0 + 0.2 * _x((n,), mx.float32, seed=11)).astype(next_dtype)
+    blocks = -(-n // rows)
+    args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=False, NORM=2 if np_ else 0,
+                NP=np_, NG=ng, TX=x_dtype, TS=mx.bfloat16, TB=mx.bfloat16, TR=mx.float32,
+                TN=mx.float32 if np_ else mx.bfloat16, TE=next_dtype, TO=mx.float32)
+    case = Case("vc_qmv_emit", args, [x, w, s, b, s, residual, *norm_in, next_w],
+                [("float", (m, n)), ("float", (m, n)), ("float", (m, blocks))], blocks, threads)
+    with mx.stream(mx.cpu):
+        out = mx.quantized_matmul(normed.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
+        out = out + residual
+        ref = (out, out * next_w.astype(mx.float32), mx.square(out).reshape(m, blocks, -1).sum(-1) if n % rows == 0
+               else mx.sum(mx.square(out), -1, keepdims=True))
     return case, ref
 
 
@@ -430,8 +486,9 @@ def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
     return case, ref
 
 
-def conv_scan_case(b, h, p, g, n, extra, src_dtype=mx.float32, with_state=True):
-    """The decode step's conv + scan: projected = [gate (h*p) | x B C | dt (h) | `extra` columns]."""
+def conv_scan_case(b, h, p, g, n, extra, src_dtype=mx.float32, with_state=True, gated=False):
+    """The decode step's conv + scan: projected = [gate (h*p) | x B C | dt (h) | `extra` columns].
+    `gated`: the gated group norm's input times its weight, and the blocks' partial sums of squares."""
     keys = mx.random.split(mx.random.key(h + p + n), 9)
     conv, k = h * p + 2 * g * n, 4
     width = h * p + conv + h + extra
@@ -444,18 +501,25 @@ def conv_scan_case(b, h, p, g, n, extra, src_dtype=mx.float32, with_state=True):
     dt_bias = (mx.random.normal((h,), key=keys[6]) - 1.0).astype(mx.bfloat16)
     state = mx.random.normal((b, h, p, n), key=keys[7])
     rb = next(r for r in (16, 8, 4, 2, 1) if p % r == 0)  # as mamba_conv_scan_step picks it
+    gate_w = 1.0 + 0.2 * mx.random.normal((h * p,), key=keys[8])
+    blocks = h * (p // rb)
     args = dict(H=h, P=p, G=g, N=n, K=k, W=width, X_OFF=h * p, DT_OFF=h * p + conv, RB=rb, HAS_BIAS=True,
-                HAS_STATE=with_state, TS=src_dtype, LO_BITS=0, HI_BITS=2139095040)
+                HAS_STATE=with_state, GATED=gated, GATE_OFF=0, TS=src_dtype, LO_BITS=0, HI_BITS=2139095040)
     case = Case("vc_mamba_conv_scan_step", args,
                 [projected, conv_state, weight, bias, A_log, D, dt_bias, state if with_state else dt_bias,
-                 mx.array([b], mx.int32)],
-                [("float", (b, 1, h * p)), ("float", (b, h, p, n)), ("float", (b, k - 1, conv))],
-                b * h * (p // rb), rb * 32)
+                 mx.array([b], mx.int32), gate_w],
+                [("float", (b, 1, h * p)), ("float", (b, h, p, n)), ("float", (b, k - 1, conv)),
+                 ("float", (b, 1, blocks if gated else 1))],
+                b * blocks, rb * 32)
     with mx.stream(mx.cpu):
         xbc, new_conv = causal_conv_silu_reference(conv_state, projected, h * p, weight, bias)
         y, new_state = mamba_scan_packed_reference(xbc, projected, h * p + conv, A_log, D, dt_bias,
                                                    state if with_state else None, h, p, g, n)
-    return case, (y.reshape(b, 1, h * p), new_state, new_conv)
+        y = y.reshape(b, 1, h * p)
+        if gated:
+            hv = y * nn.silu(projected[..., : h * p].astype(mx.float32))
+            return case, (hv * gate_w, new_state, new_conv, mx.square(hv).reshape(b, 1, blocks, rb).sum(-1))
+    return case, (y, new_state, new_conv)
 
 
 @pytest.fixture(scope="module")
@@ -496,7 +560,12 @@ def emulated(tmp_path_factory):
         "q4_norm_relu2": qmv_case(21, 640, 1, 4, 64, mx.float32, mx.bfloat16, 8, 32, epi=2, norm_dtype=mx.float32),
         "q8_norm_bias_residual": qmv_case(9, 384, 2, 8, 32, mx.float32, mx.float32, 4, 32, mx.float32, offset=1,
                                           epi=1, norm_dtype=mx.bfloat16),
-        # the gated-GELU input (the TTS MLP's down_proj on gate / up): several steps, both layouts
+        # inputs normalized by their producer: an RMSNorm (in_proj's K, two rows, a block's worth of
+        # partials and more), a group norm (chunks of 4 groups, two steps a row), squared ReLU / residual
+        "q4_prenormed_rms_m2": prenormed_case(19, 4480, 2, 300, 1, 8, 160),
+        "q4_prenormed_rms_relu2": prenormed_case(21, 640, 1, 7, 1, 4, 32, epi=2),
+        "q4_prenormed_groups": prenormed_case(13, 1280, 2, 12, 4, 4, 32, epi=1),
+        # gated-GELU input (the TTS MLP's down_proj on gate / up): several steps, both layouts
         "dense_gelu_gate": dense_case(9, 4608, 2, mx.float32, mx.bfloat16, 4, 192, pro=1),
         "dense_gelu_gate_bf16x_bias": dense_case(5, 200, 1, mx.bfloat16, mx.bfloat16, 2, 32, mx.float32, pro=1),
         "warp_dense_gelu_gate": dense_case(7, 1152, 2, mx.float32, mx.bfloat16, 2, 0, warps=2, pro=1),
@@ -526,6 +595,15 @@ def emulated(tmp_path_factory):
         "conv_scan_b2": conv_scan_case(2, 8, 16, 2, 40, 5),
         "conv_scan_bf16_no_state": conv_scan_case(1, 4, 12, 2, 24, 0, mx.bfloat16, with_state=False),
         "conv_scan_two_blocks_a_head": conv_scan_case(1, 4, 32, 2, 40, 3),  # 16 rows a block
+        # gated: the norm's input and its partial sums (two rows, two 16-row blocks a head; bfloat16)
+        "conv_scan_gated_b2": conv_scan_case(2, 4, 32, 2, 40, 3, gated=True),
+        "conv_scan_gated_bf16": conv_scan_case(1, 8, 16, 2, 24, 0, mx.bfloat16, gated=True),
+        # the matvec that emits the next norm's input: two rows, a tail block past N; a group-norm
+        # input (the mamba out_proj's), bfloat16 x and next-norm weight
+        "emit_m2": emit_case(37, 640, 2, 4, 32),
+        "emit_tail": emit_case(10, 4480, 1, 8, 160),
+        "emit_prenormed_groups": emit_case(16, 1280, 1, 8, 32, np_=20, ng=4),
+        "emit_bf16": emit_case(12, 256, 2, 4, 32, mx.bfloat16, next_dtype=mx.bfloat16),
     }.items():
         cases[name], refs[name] = case, ref
     for tag, config in ATTN_CONFIGS.items():
@@ -561,6 +639,7 @@ def emulated(tmp_path_factory):
                                   "warp_dense_f32w_unaligned", "warp_dense_two_steps", "q4_residual_m2",
                                   "q4_relu2_bias", "warp_q4_residual", "warp_q8_relu2", "dense_residual_bias",
                                   "warp_dense_relu2", "q4_norm_m2", "q4_norm_relu2", "q8_norm_bias_residual",
+                                  "q4_prenormed_rms_m2", "q4_prenormed_rms_relu2", "q4_prenormed_groups",
                                   "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
                                   "warp_dense_gelu_gate", "gated_norm_mixer", "gated_norm_small",
                                   "gated_norm_bf16"])
@@ -583,15 +662,33 @@ def test_causal_conv_kernel_emulated(emulated, name):
     np.testing.assert_array_equal(state, np.array(state_ref))
 
 
-@pytest.mark.parametrize("name", ["conv_scan_b2", "conv_scan_bf16_no_state", "conv_scan_two_blocks_a_head"])
+@pytest.mark.parametrize("name", ["conv_scan_b2", "conv_scan_bf16_no_state", "conv_scan_two_blocks_a_head",
+                                  "conv_scan_gated_b2", "conv_scan_gated_bf16"])
 def test_conv_scan_step_kernel_emulated(emulated, name):
-    """One launch equals causal_conv_silu then the scan: y, the ssm state and the conv state."""
+    """One launch equals causal_conv_silu then the scan: y, the ssm state and the conv state; gated,
+    y * silu(gate) * weight and each block's sum of (y * silu(gate))^2."""
     exe, cases, refs, _, tmp = emulated
-    y, state, conv_state = run(exe, name, cases[name], tmp)
-    y_ref, state_ref, conv_ref = refs[name]
+    y, state, conv_state, partials = run(exe, name, cases[name], tmp)
+    y_ref, state_ref, conv_ref, *partials_ref = refs[name]
+    if partials_ref:
+        np.testing.assert_allclose(partials, np.array(partials_ref[0]), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(y, np.array(y_ref), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(state, np.array(state_ref), rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(conv_state, np.array(conv_ref))
+
+
+@pytest.mark.parametrize("name", ["emit_m2", "emit_tail", "emit_prenormed_groups", "emit_bf16"])
+def test_emit_norm_kernel_emulated(emulated, name):
+    """out = product + residual, normed = out * next_w, and the block partials sum to sum(out^2)."""
+    exe, cases, refs, _, tmp = emulated
+    out, normed, partials = run(exe, name, cases[name], tmp)
+    out_ref, normed_ref, partials_ref = (np.array(r) for r in refs[name])
+    np.testing.assert_allclose(out, out_ref, rtol=2e-5, atol=2e-5 * np.abs(out_ref).max())
+    np.testing.assert_allclose(normed, normed_ref, rtol=2e-5, atol=2e-5 * np.abs(normed_ref).max())
+    # each block's partial: its own rows when N divides evenly, else compare the row totals
+    if partials_ref.shape == partials.shape:
+        np.testing.assert_allclose(partials, partials_ref, rtol=2e-5)
+    np.testing.assert_allclose(partials.sum(-1), partials_ref.sum(-1), rtol=2e-5)
 
 
 @pytest.mark.parametrize("name", ["dense_add_norm_tts", "dense_add_norm_bias"])

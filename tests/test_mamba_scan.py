@@ -8,6 +8,7 @@ import pytest
 
 from voicechat.kernels import ext
 from voicechat.kernels.causal_conv import causal_conv_silu_reference
+from voicechat.kernels.gated_rms_norm import gated_rms_norm_reference
 from voicechat.kernels.gemv import on_cuda_gpu
 from voicechat.kernels.mamba_scan import (mamba_conv_scan_step, mamba_scan, mamba_scan_packed,
                                          mamba_scan_packed_reference, mamba_scan_reference)
@@ -183,6 +184,30 @@ def test_conv_scan_step_equals_conv_then_scan(b, H, P, G, N, dtype):
     np.testing.assert_allclose(np.array(y), np.array(want_y.astype(mx.float32)), rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(np.array(s), np.array(want_s), rtol=2e-5, atol=2e-5)
     np.testing.assert_array_equal(np.array(conv_next), np.array(want_conv))
+
+
+@pytest.mark.parametrize("b,H,P,G,N,dtype", [(1, 128, 80, 8, 128, mx.float32), (2, 8, 12, 2, 40, mx.bfloat16)])
+def test_conv_scan_step_leaves_the_gated_norm_for_out_proj(b, H, P, G, N, dtype):
+    """With `gated_norm`, the step returns the mixer's gated group RMSNorm of y half done
+    (Prenormed: y * silu(gate) * weight and partial sums of squares per group), which resolves to
+    gated_rms_norm of the plain step's y."""
+    case = _step_case(b, H, P, G, N, dtype, seed=H + N + 1)
+    projected, conv_state, weight, bias, A_log, D, dt_bias, state = case
+    conv = H * P + 2 * G * N
+    norm_w = 1.0 + 0.2 * mx.random.normal((H * P,), key=mx.random.key(3))
+    args = (projected, conv_state, H * P, weight, bias, H * P + conv, A_log, D, dt_bias, state, H, P, G, N)
+    pre, s, conv_next = mamba_conv_scan_step(*args, gated_norm=(0, norm_w, 1e-5))
+    want_y, want_s, want_conv = _conv_then_scan(*case, H, P, G, N)
+    assert pre.groups == G and pre.weighted.shape == (b, 1, H * P) and pre.partials.shape[:-1] == (b, 1)
+    assert pre.partials.shape[-1] % G == 0
+    with mx.stream(mx.cpu):
+        want = gated_rms_norm_reference(want_y, projected.astype(mx.float32), 0, norm_w, G, 1e-5)
+        np.testing.assert_allclose(np.array(pre.resolve()), np.array(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(s), np.array(want_s), rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(np.array(conv_next), np.array(want_conv))
+    if on_cuda_gpu():  # bad gate arguments reach the kernel's checks
+        with pytest.raises(ValueError, match="gate_weight"):
+            ext.mamba_conv_scan_step(*args, gate_weight=norm_w[1:])
 
 
 def test_conv_scan_step_refuses_bad_arguments():

@@ -16,13 +16,21 @@ which are also the `_reference` twins.
   `mx.argmax` does; the logits are compared as stored (rounded to the output dtype).
 - Both take an epilogue done in the same launch: `squared_relu=True` (`relu(y)^2`) or
   `residual=r` (`y + r`, a residual stream of the output's shape).
+- Norms carried between launches (`Prenormed`): a norm's output left as its input times its
+  weight plus partial sums of the input's squares, so that the matvec reading it applies the scale
+  (`quantized_matvec(..., prenormed=...)`) and no launch of its own forms it.
+  `quantized_matvec_emit_norm` is the `+ residual` matvec that leaves the next RMSNorm so; the
+  Mamba conv + scan kernel leaves its gated group norm so.
 - `GemvQuantizedLinear` / `GemvLinear`: drop-in layers using the kernels for <= 2 rows on a CUDA
   GPU; `use_gemv(model)` swaps them in for every `nn.QuantizedLinear` / `nn.Linear`;
-  `linear(layer, x, residual=..., squared_relu=...)` applies any layer with an epilogue;
-  `stack_linears(layers)` makes one layer of several over the same input (one launch).
+  `linear(layer, x, residual=..., squared_relu=..., emit_norm=...)` applies any layer with an
+  epilogue (`x` may be `Prenormed`); `stack_linears(layers)` makes one layer of several over the
+  same input (one launch).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,30 +69,89 @@ def _activation(squared_relu: bool) -> str:
     return "relu_squared" if squared_relu else ""
 
 
+# --------------------------------------------------------------------------- norms carried between launches
+
+class Prenormed(NamedTuple):
+    """A (group) RMSNorm's output, not yet formed: `weighted` [..., K] is the norm's input times its
+    weight, `partials` [..., P] float32 partial sums of the input's squares, `groups` equal channel
+    groups each summed over P / groups consecutive partials (1: one RMSNorm over all K). The norm's
+    output is `weighted * rsqrt(sum / (K / groups) + eps)` per group (`resolve()`); a quantized
+    matvec applies that scale in its own launch."""
+
+    weighted: mx.array
+    partials: mx.array
+    groups: int
+    eps: float
+
+    @property
+    def shape(self):
+        return self.weighted.shape
+
+    def resolve(self) -> mx.array:
+        """The normalized array, in MLX ops (float32)."""
+        x, k = self.weighted.astype(mx.float32), self.weighted.shape[-1]
+        lead, g = x.shape[:-1], self.groups
+        sums = self.partials.astype(mx.float32).reshape(*lead, g, -1).sum(-1, keepdims=True)
+        scaled = x.reshape(*lead, g, k // g) * mx.rsqrt(sums / (k // g) + self.eps)
+        return scaled.reshape(x.shape)
+
+
 # --------------------------------------------------------------------------- quantized
 
 def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None,
                                residual=None, squared_relu: bool = False, norm=None):
+    x = x.resolve() if isinstance(x, Prenormed) else x
     x = x if norm is None else mx.fast.rms_norm(x, norm[0], norm[1])
     y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return _epilogue(y if bias is None else y + bias, residual, squared_relu)
 
 
+def _prenorm_args(x) -> tuple[mx.array, dict]:
+    if isinstance(x, Prenormed):
+        return x.weighted, dict(prenormed=x.partials, prenorm_groups=x.groups, norm_eps=float(x.eps))
+    return x, {}
+
+
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
                      squared_relu: bool = False, norm=None, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
-    `x` [..., K], w packed uint32 [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input
-    is `rms_norm(x, weight, eps)`. The kernel does the norm and the epilogue in the same launch. (The
-    model does not use `norm`: at the LLM's shapes on the H200 it cost more than the separate norm's
-    launch saved, 8.0 against 5.5 ms of GPU time a step, as every row block re-reads x and the weight.)
-    A tensor-core variant was tried and lost on the H200; see docs/developing.md."""
+    `x` [..., K] or `Prenormed` (its scales applied in the same launch), w packed uint32
+    [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input is `rms_norm(x, weight, eps)`,
+    formed in the same launch. (The model does not use `norm`: at the LLM's shapes on the H200 it
+    cost more than the separate norm's launch saved, 8.0 against 5.5 ms of GPU time a step, as every
+    row block re-reads x and the weight; it takes `Prenormed` inputs instead.) A tensor-core variant
+    was tried and lost on the H200; see docs/developing.md."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)
-    norm_weight, norm_eps = norm if norm is not None else (None, 1e-5)
+    if norm is not None and isinstance(x, Prenormed):
+        raise ValueError("quantized_matvec: a Prenormed x takes no norm")
+    x, pre = _prenorm_args(x)
+    norm_weight, norm_eps = norm if norm is not None else (None, pre.pop("norm_eps", 1e-5))
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
                                 activation=_activation(squared_relu), norm_weight=norm_weight,
-                                norm_eps=float(norm_eps), stream=stream)
+                                norm_eps=float(norm_eps), stream=stream, **pre)
+
+
+def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size: int = 64,
+                                         bits: int = 4, *, bias=None, eps: float = 1e-5):
+    out = quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual)
+    out32 = out.astype(mx.float32)
+    return out, Prenormed(out32 * next_norm.astype(mx.float32), mx.sum(mx.square(out32), -1, keepdims=True), 1, eps)
+
+
+def quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, group_size: int = 64, bits: int = 4, *,
+                               bias=None, eps: float = 1e-5, stream=None):
+    """`(out, Prenormed)`: `out = x @ dequantize(w).T (+ bias) + residual` as `quantized_matvec`'s, and
+    `rms_norm(out, next_norm, eps)` left for the next quantized matvec to apply (the next block's
+    input norm, formed by no launch of its own). One launch on a CUDA GPU."""
+    if use_reference():
+        return quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size, bits,
+                                                    bias=bias, eps=eps)
+    x, pre = _prenorm_args(x)
+    out, weighted, partials = ext.quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, bias,
+                                                             group_size, bits, stream=stream, **pre)
+    return out, Prenormed(weighted, partials, 1, eps)
 
 
 # --------------------------------------------------------------------------- dense
@@ -150,8 +217,10 @@ def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, stream=No
 
 # --------------------------------------------------------------------------- layers
 
-def gemv_applies(x: mx.array) -> bool:
-    """Whether our GEMV layers run their kernels for `x` (1-2 rows on a CUDA GPU)."""
+def gemv_applies(x) -> bool:
+    """Whether our GEMV layers run their kernels for `x` (1-2 rows on a CUDA GPU; an array or
+    `Prenormed`)."""
+    x = x.weighted if isinstance(x, Prenormed) else x
     return 1 <= rows_of(x) <= MAX_ROWS and on_cuda_gpu() and not use_reference()
 
 
@@ -172,11 +241,22 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
         return _same_arrays(cls, layer)
 
     def __call__(self, x, *, residual=None, squared_relu: bool = False):
-        """`layer(x)`, then `relu(.)^2` or `+ residual`: one launch on the kernel path."""
+        """`layer(x)`, then `relu(.)^2` or `+ residual`: one launch on the kernel path. `x` may be
+        `Prenormed` (applied in the same launch there)."""
         if self.mode == "affine" and gemv_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
                                     bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
+        x = x.resolve() if isinstance(x, Prenormed) else x
         return _epilogue(super().__call__(x), residual, squared_relu)
+
+    def emit_norm(self, x, residual, norm: nn.RMSNorm):
+        """`(layer(x) + residual, Prenormed norm of that)` on the kernel path (one launch), else
+        `(layer(x) + residual, None)`."""
+        if self.mode == "affine" and gemv_applies(x):
+            return quantized_matvec_emit_norm(x, self["weight"], self["scales"], self["biases"], residual,
+                                              norm.weight, self.group_size, self.bits, bias=self.get("bias"),
+                                              eps=norm.eps)
+        return self(x, residual=residual), None
 
 
 class GemvLinear(nn.Linear):
@@ -188,17 +268,27 @@ class GemvLinear(nn.Linear):
 
     def __call__(self, x, *, residual=None, squared_relu: bool = False, gated_input: bool = False):
         """`layer(x)` with the epilogue; `gated_input`: `layer(gelu_gate(x))` (one launch on the kernel path)."""
+        x = x.resolve() if isinstance(x, Prenormed) else x
         if gemv_applies(x):
             return dense_matvec(x, self["weight"], bias=self.get("bias"), residual=residual,
                                 squared_relu=squared_relu, gated_input=gated_input)
         return _epilogue(super().__call__(gelu_gate(x) if gated_input else x), residual, squared_relu)
 
 
-def linear(layer: nn.Module, x: mx.array, *, residual=None, squared_relu: bool = False) -> mx.array:
+def linear(layer: nn.Module, x, *, residual=None, squared_relu: bool = False, emit_norm: nn.RMSNorm | None = None):
     """`layer(x)` then `relu(.)^2` or `+ residual`, fused into the GEMV when `layer` is one of ours
-    (composed otherwise: the same ops the kernel path is held to)."""
+    (composed otherwise: the same ops the kernel path is held to). `x` may be `Prenormed`.
+
+    `emit_norm` (with `residual`): returns `(out, Prenormed or None)`, the second `emit_norm(out)`
+    left for the next quantized matvec when the kernel formed it (`GemvQuantizedLinear.emit_norm`),
+    None when the caller has to apply the norm itself."""
+    if emit_norm is not None:
+        if isinstance(layer, GemvQuantizedLinear):
+            return layer.emit_norm(x, residual, emit_norm)
+        return linear(layer, x, residual=residual), None
     if isinstance(layer, (GemvQuantizedLinear, GemvLinear)):
         return layer(x, residual=residual, squared_relu=squared_relu)
+    x = x.resolve() if isinstance(x, Prenormed) else x
     return _epilogue(layer(x), residual, squared_relu)
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ._native import ext, use_reference
 from .causal_conv import causal_conv_silu
-from .gemv import on_cuda_gpu
+from .gemv import Prenormed, on_cuda_gpu
 
 __all__ = ["mamba_scan", "mamba_scan_reference", "mamba_scan_packed", "mamba_scan_packed_reference",
            "mamba_conv_scan_step"]
@@ -154,12 +155,18 @@ def mamba_scan_packed(
 def mamba_conv_scan_step(
     projected: mx.array, conv_state: mx.array, x_offset: int, conv_weight: mx.array, conv_bias: mx.array | None,
     dt_offset: int, A_log: mx.array, D: mx.array, dt_bias: mx.array, state: mx.array | None, heads: int,
-    head_dim: int, groups: int, state_size: int, time_step_limit: tuple[float, float] = _NO_LIMIT,
-) -> tuple[mx.array, mx.array, mx.array]:
+    head_dim: int, groups: int, state_size: int, time_step_limit: tuple[float, float] = _NO_LIMIT, *,
+    gated_norm: tuple[int, mx.array, float] | None = None,
+) -> tuple:
     """The decode step's `causal_conv_silu` then `mamba_scan_packed` on in_proj's output
     `projected [b, 1, W]` (x | B | C at columns x_offset.., dt at dt_offset): `(y [b, 1, H*P],
     ssm state [b, H, P, N], conv state [b, K-1, C])`. One launch on a CUDA GPU (the conv of the
-    group's B and C is redone by each block there), those two calls elsewhere."""
+    group's B and C is redone by each block there), those two calls elsewhere.
+
+    `gated_norm = (gate_offset, weight [H*P], eps)`: the mixer's gated group RMSNorm of y (gate at
+    columns [gate_offset, gate_offset + H*P) of `projected`, `groups` groups) is returned in y's
+    place as `Prenormed` (see `voicechat.kernels.gemv`): the out_proj matvec applies its scales, so
+    the norm costs no launch of its own."""
     b = projected.shape[0]
     kernel_takes = (projected.shape[1] == 1 and conv_state.dtype == mx.float32 and conv_weight.dtype == mx.float32
                     and (conv_bias is None or conv_bias.dtype == mx.float32))
@@ -167,7 +174,18 @@ def mamba_conv_scan_step(
         xbc, new_conv = causal_conv_silu(conv_state, projected, x_offset, conv_weight, conv_bias)
         y, ssm = mamba_scan_packed(xbc, projected, dt_offset, A_log, D, dt_bias, state, heads, head_dim, groups,
                                    state_size, time_step_limit)
-        return y.reshape(b, projected.shape[1], heads * head_dim), ssm, new_conv
-    return tuple(ext.mamba_conv_scan_step(projected, conv_state, x_offset, conv_weight, conv_bias, dt_offset, A_log,
-                                          D, dt_bias, state, heads, head_dim, groups, state_size,
-                                          time_step_limit[0], time_step_limit[1]))
+        y = y.reshape(b, projected.shape[1], heads * head_dim)
+        if gated_norm is None:
+            return y, ssm, new_conv
+        offset, weight, eps = gated_norm
+        h = y * nn.silu(projected[..., offset : offset + heads * head_dim].astype(mx.float32))
+        partials = mx.square(h).reshape(*h.shape[:-1], groups, -1).sum(-1)
+        return Prenormed(h * weight, partials, groups, eps), ssm, new_conv
+    gate = dict(gate_weight=gated_norm[1], gate_offset=gated_norm[0]) if gated_norm is not None else {}
+    out = ext.mamba_conv_scan_step(projected, conv_state, x_offset, conv_weight, conv_bias, dt_offset, A_log, D,
+                                   dt_bias, state, heads, head_dim, groups, state_size, time_step_limit[0],
+                                   time_step_limit[1], **gate)
+    if gated_norm is None:
+        return tuple(out)
+    y, ssm, new_conv, partials = out
+    return Prenormed(y, partials, groups, gated_norm[2]), ssm, new_conv

@@ -9,7 +9,11 @@ Key tree below `stt_model.`:
     lm_head, function_head           Linear(H, vocab, bias=False)
 
 Every block is `x + mixer(RMSNorm(x))` (on the GEMV path the add rides in the mixer's last
-projection, and the MLP's squared ReLU in its up projection). The LLM never looks up token ids:
+projection, and the MLP's squared ReLU in its up projection). On the decode kernels' path no norm
+is a launch of its own: a mixer's last projection also leaves the next block's RMSNorm half done
+(its input times the weight, and partial sums of squares) for that block's first projection to
+finish, and the Mamba conv + scan kernel does the same with the mixer's gated group norm for
+out_proj (`voicechat.kernels.gemv.Prenormed`). The LLM never looks up token ids:
 it runs on embeddings (`DuplexLM.fused_input` builds them). Activations are float32 whatever the
 weight dtype.
 
@@ -33,7 +37,7 @@ from ..config import TextConfig
 from ..kernels.causal_conv import causal_conv_silu
 from ..kernels.decode_attention import decode_attention
 from ..kernels.gated_rms_norm import gated_rms_norm
-from ..kernels.gemv import linear, stack_linears
+from ..kernels.gemv import GemvQuantizedLinear, Prenormed, gemv_applies, linear, stack_linears
 from ..kernels.mamba_scan import mamba_conv_scan_step, mamba_scan_packed
 
 # --------------------------------------------------------------------------- caches
@@ -178,6 +182,14 @@ def _fuse(text: mx.array, audio: mx.array, function: mx.array, weight: float) ->
 # --------------------------------------------------------------------------- mixers
 
 
+def _last_projection(layer: nn.Module, x, residual: mx.array | None, emit_norm: nn.RMSNorm | None):
+    """`(layer(x) + residual, the next block's norm left half done or None)`: the mixers' end."""
+    if emit_norm is None or residual is None:
+        return linear(layer, x, residual=residual), None
+    return linear(layer, x, residual=residual, emit_norm=emit_norm)
+
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: TextConfig):
         super().__init__()
@@ -202,7 +214,9 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.RMSNorm(self.inner, eps=self.eps)  # holds the gated norm's weight (gated_rms_norm)
         self.out_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mamba_proj_bias)
 
-    def __call__(self, x: mx.array, cache: MambaCache | None, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x, cache: MambaCache | None, residual: mx.array | None = None,
+                 emit_norm: nn.RMSNorm | None = None):
+        """x [b, L, H] (or `Prenormed`) -> (mixer output (+ residual), `emit_norm` of it left half done or None)."""
         b, L, _ = x.shape
         projected = linear(self.in_proj, x)  # gate | x B C | dt
 
@@ -211,10 +225,12 @@ class Mamba2Mixer(nn.Module):
         conv_bias = self.conv1d.bias if self._conv_has_bias else None
         ssm = cache.ssm if cache is not None else None
         if L == 1:  # the decode step: conv and scan in one launch on CUDA
+            # With our out_proj kernel, the gated norm rides along (out_proj applies its scales).
+            carry = isinstance(self.out_proj, GemvQuantizedLinear) and gemv_applies(projected)
             y, ssm, conv_state = mamba_conv_scan_step(
                 projected, conv_state, self.inner, self.conv1d.weight, conv_bias, self._dt_offset, self.A_log,
                 self.D, self.dt_bias, ssm, self.num_heads, self.head_dim, self.n_groups, self.state_size,
-                self._time_step_limit)
+                self._time_step_limit, gated_norm=(0, self.norm.weight, self.eps) if carry else None)
         else:
             xbc, conv_state = causal_conv_silu(conv_state, projected, self.inner, self.conv1d.weight, conv_bias)
             # The scan reads x, B, C from the conv output and dt from the projection in place.
@@ -225,9 +241,10 @@ class Mamba2Mixer(nn.Module):
         if cache is not None:
             cache.conv, cache.ssm = conv_state, ssm
 
-        # RMSNorm over groups of y * silu(gate), the gate read in place from the projection.
-        y = gated_rms_norm(y, projected, 0, self.norm.weight, self.n_groups, self.eps)
-        return linear(self.out_proj, y, residual=residual)
+        if not isinstance(y, Prenormed):
+            # RMSNorm over groups of y * silu(gate), the gate read in place from the projection.
+            y = gated_rms_norm(y, projected, 0, self.norm.weight, self.n_groups, self.eps)
+        return _last_projection(self.out_proj, y, residual, emit_norm)
 
 
 class Attention(nn.Module):
@@ -251,13 +268,15 @@ class Attention(nn.Module):
         ones); the same values."""
         self._qkv = stack_linears([self.q_proj, self.k_proj, self.v_proj])
 
-    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def project(self, x) -> tuple[mx.array, mx.array, mx.array]:
         if self._qkv is None:
             return linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x)
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return tuple(mx.split(linear(self._qkv, x), [q_width, q_width + kv_width], axis=-1))
 
-    def __call__(self, x: mx.array, cache: KVCache | None, residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x, cache: KVCache | None, residual: mx.array | None = None,
+                 emit_norm: nn.RMSNorm | None = None):
+        """As `Mamba2Mixer.__call__`."""
         b, L, _ = x.shape
         q, k, v = self.project(x)
         q = q.reshape(b, L, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -273,7 +292,7 @@ class Attention(nn.Module):
         else:
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             o = o.transpose(0, 2, 1, 3).reshape(b, L, -1)
-        return linear(self.o_proj, o, residual=residual)
+        return _last_projection(self.o_proj, o, residual, emit_norm)
 
 
 class MLP(nn.Module):
@@ -282,8 +301,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def __call__(self, x: mx.array, cache: None = None, residual: mx.array | None = None) -> mx.array:
-        return linear(self.down_proj, linear(self.up_proj, x, squared_relu=True), residual=residual)
+    def __call__(self, x, cache: None = None, residual: mx.array | None = None,
+                 emit_norm: nn.RMSNorm | None = None):
+        """As `Mamba2Mixer.__call__`."""
+        return _last_projection(self.down_proj, linear(self.up_proj, x, squared_relu=True), residual, emit_norm)
 
 
 _MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "mlp": MLP}
@@ -296,12 +317,15 @@ class Block(nn.Module):
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
         self.mixer = _MIXERS[kind](cfg)
 
-    def __call__(self, x: mx.array, cache) -> mx.array:
-        # x + mixer(norm(x)): the residual add rides in the mixer's last projection (one launch on
-        # the GEMV path; elsewhere `mixer(...) + x`, bit-identical to `x + mixer(...)`). The norm is
-        # MLX's own launch: formed inside the first projection's GEMV instead it made the H200 step
-        # 2.5 ms slower (every row block re-reads x and the norm weight).
-        return self.mixer(self.norm(x), cache, residual=x)
+    def __call__(self, x: mx.array, cache, normed: Prenormed | None = None, next_norm: nn.RMSNorm | None = None):
+        """`(x + mixer(norm(x)), next_norm of that left half done or None)`.
+
+        The residual add rides in the mixer's last projection (one launch on the GEMV path;
+        elsewhere `mixer(...) + x`, bit-identical to `x + mixer(...)`). `normed`: this block's norm
+        as the previous block left it (its first projection finishes it), else MLX's rms_norm. (Formed
+        whole inside the first projection's GEMV instead, the norm made the H200 step 2.5 ms slower:
+        every row block re-read x and the norm weight.)"""
+        return self.mixer(normed if normed is not None else self.norm(x), cache, residual=x, emit_norm=next_norm)
 
 
 # --------------------------------------------------------------------------- the stack
@@ -326,8 +350,10 @@ class NemotronH(nn.Module):
         x = embeds.astype(mx.float32)
         if cache is None:
             cache = [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            x = layer(x, c)
+        normed = None  # the block's norm as the block before left it (decode kernels only)
+        nexts = [layer.norm for layer in self.layers[1:]] + [None]
+        for layer, c, next_norm in zip(self.layers, cache, nexts):
+            x, normed = layer(x, c, normed, next_norm)
         return self.norm_f(x)
 
 

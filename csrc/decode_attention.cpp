@@ -63,11 +63,23 @@ constexpr const char* kPartHead = R"(
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 )";
 
-// The plain kernel: q [B, H, 1, D] and the new key / value (k_new, v_new, slot) as inputs.
+// The plain kernel: q [B, H, 1, D] and the new key / value (k_new, v_new, slot) as inputs; with
+// WRITE the first chunk of the first query head of each K/V head also stores them in the buffers'
+// slot itself (in place, as the qkv kernel's WRITE: no block reads the slot from the buffers).
+// Template arg WRITE.
 constexpr const char* kPlainPrologue = R"(  for (int d = threadIdx.x; d < D; d += THREADS) qs[d] = q[static_cast<size_t>(bh) * D + d];
   __syncthreads();
   const float* kn = k_new + (static_cast<size_t>(b) * HK + hk) * D;
   const float* vn = v_new + (static_cast<size_t>(b) * HK + hk) * D;
+  if constexpr (WRITE) {
+    if (chunk == 0 && h % (H / HK) == 0 && slot[0] >= 0) {
+      const size_t at = ((static_cast<size_t>(b) * HK + hk) * CAP + slot[0]) * D;
+      for (int d = threadIdx.x; d < D; d += THREADS) {
+        const_cast<float*>(k)[at + d] = kn[d];
+        const_cast<float*>(v)[at + d] = vn[d];
+      }
+    }
+  }
 )";
 
 // From the stacked projection instead (vc_decode_attn_qkv_part): warp 0 makes this head's q, warp 1
@@ -227,13 +239,14 @@ constexpr const char* kCombineSource = R"(
 
 const CudaSource& part_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int h, int hk, bool single) {
+  auto inst = [](int d, int h, int hk, bool single, bool write = false) {
     return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t", "float", "float", "int32_t"},
                         {"float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)},
                          P{"HK", int_arg(hk)}, P{"CH", int_arg(single ? kChunk : kSplitChunk)},
                          P{"THREADS", int_arg(kThreads)},
-                         P{"SINGLE", single ? "bool:true" : "bool:false"}}};
+                         P{"SINGLE", single ? "bool:true" : "bool:false"},
+                         P{"WRITE", write ? "bool:true" : "bool:false"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_part",
@@ -241,8 +254,8 @@ const CudaSource& part_source() {
       {"part"},
       std::string(kPartHead) + kPlainPrologue + kPartBody,
       "",
-      // the TTS backbone, the LLM's grouped heads
-      {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false)},
+      // the TTS backbone, the LLM's grouped heads (its decode step writing the cache in place)
+      {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false), inst(128, 40, 8, true, true)},
   });
   return src;
 }
@@ -319,11 +332,12 @@ mx::array combine_chunks(const mx::array& parts, const mx::array& dims, int b, i
 }
 
 // q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid);
-// k_new, v_new [B, HK, 1, D] and slot: read in that slot instead of the buffers (all three or none).
-// Returns [B, 1, H * D] float32.
+// k_new, v_new [B, HK, 1, D] and slot: read in that slot instead of the buffers (all three or none);
+// write_cache (with them): also stored there in place, as decode_attention_qkv's write_cache (same
+// conditions). Returns [B, 1, H * D] float32.
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& offset,
                            float scale, const std::optional<mx::array>& k_new, const std::optional<mx::array>& v_new,
-                           const std::optional<mx::array>& slot, mx::StreamOrDevice s_) {
+                           const std::optional<mx::array>& slot, bool write_cache, mx::StreamOrDevice s_) {
   expect(q.ndim() == 4 && q.shape(2) == 1, "q must be [B, H, 1, D]");
   expect(k.ndim() == 4 && v.shape() == k.shape(), "k and v must be [B, HK, CAP, D] alike");
   const int b = q.shape(0), h = q.shape(1), d = q.shape(3), hk = k.shape(1), cap = k.shape(2);
@@ -338,6 +352,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
     expect(k_new->dtype() == mx::float32 && v_new->dtype() == mx::float32, "k_new and v_new must be float32");
     expect(slot->size() == 1, "slot must hold one slot");
   }
+  expect(!write_cache || with_new, "write_cache needs k_new, v_new and slot");
   auto s = mx::to_stream(s_);
   expect(gpu_stream(s) && cuda_build() && q.dtype() == mx::float32 && k.dtype() == mx::float32 &&
              v.dtype() == mx::float32,
@@ -353,7 +368,8 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
                      with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : mx::array({-1}, mx::int32)},
                     {single ? result : mx::Shape{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
                     {kThreads, 1, 1},
-                    {{"D", d}, {"H", h}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single}},
+                    {{"D", d}, {"H", h}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},
+                     {"WRITE", write_cache}},
                     std::nullopt, false, s)[0];
   return single ? parts : combine_chunks(parts, dims, b, h, d, s);
 }
@@ -412,10 +428,11 @@ void bind(py::module_& m) {
   combine_source();
   m.def("decode_attention", &decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"),
         py::arg("scale"), py::kw_only(), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
-        py::arg("slot") = py::none(), py::arg("stream") = py::none(),
+        py::arg("slot") = py::none(), py::arg("write_cache") = false, py::arg("stream") = py::none(),
         "Attention of one query q [B, H, 1, D] over the slots <= offset of K/V buffers [B, HK, CAP, D] "
         "(grouped heads), slot `slot` read from k_new / v_new [B, HK, 1, D] when given: [B, 1, H * D] "
-        "float32, in one CUDA launch while CAP <= 1024, two beyond; CUDA streams only.");
+        "float32, in one CUDA launch while CAP <= 1024, two beyond; CUDA streams only. write_cache=True also "
+        "stores k_new / v_new in `slot` of k and v in place (as decode_attention_qkv's write_cache).");
   m.def("decode_attention_qkv", &decode_attention_qkv, py::arg("qkv"), py::arg("q_scale"), py::arg("k_scale"),
         py::arg("inv_freq"), py::arg("eps"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
         py::arg("slot"), py::arg("heads"), py::kw_only(), py::arg("write_cache") = false,

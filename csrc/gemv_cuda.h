@@ -166,22 +166,21 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
 // NORM (an RMSNorm prologue): the product's input is x * norm_w (elementwise) and ss[m] gathers
 // this thread's sum of x[m, k]^2, so that the caller can scale the sums by rsqrt(mean(x^2) + eps)
 // once the block has them: rms_norm(x) * w . q = rsqrt(...) * ((x * w) . q).
-// GS > 0 (a group norm's scales): K is GS equal channel groups and a chunk's sums are scaled by its
-// group's gscale[g * M + m] before they are added: (x * r_g * w) . q = sum_g r_g ((x * w)_g . q_g).
-template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool NORM = false, int GS = 0, typename TX,
-          typename TS, typename TN = float>
+// SPLIT (a group norm's scales still to come): step it's sums go to split[it] instead of acc, so
+// that the caller can scale each by its chunk's group before adding them up (a step's chunk lies in
+// one group: (x * r_g * w) . q = sum_g r_g ((x * w)_g . q_g)).
+template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool NORM = false, bool SPLIT = false,
+          typename TX, typename TS, typename TN = float>
 __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
                                                const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M],
                                                int lane, const TN* norm_w = nullptr, float* ss = nullptr,
-                                               const float* gscale = nullptr) {
+                                               float (*split)[ROWS][M] = nullptr) {
   constexpr int VPW = 32 / BITS;      // values per word
   constexpr int CHUNK = 4 * VPW;      // values per 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;   // chunks per row
   constexpr int GROUPS = K / GROUP;   // scales per row
   constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
   static_assert(K % GROUP == 0 && GROUP % CHUNK == 0, "a chunk lies inside one group");
-  constexpr int NORM_GROUP = K / (GS > 0 ? GS : 1);
-  static_assert(GS == 0 || (NORM_GROUP * GS == K && NORM_GROUP % CHUNK == 0), "a chunk lies inside one norm group");
   const bool vec = aligned16(x);
   const uint4* w4 = reinterpret_cast<const uint4*>(weight);
   int rows[ROWS];
@@ -238,12 +237,11 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
           }
         }
       }
-      if constexpr (GS > 0) {
-        const float* g = gscale + ((c * CHUNK) / NORM_GROUP) * M;
+      if constexpr (SPLIT) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-          for (int m = 0; m < M; ++m) acc[r][m] += g[m] * fmaf(cur.scale[r], dot[r][m], cur.bias[r] * xsum[m]);
+          for (int m = 0; m < M; ++m) split[it][r][m] = fmaf(cur.scale[r], dot[r][m], cur.bias[r] * xsum[m]);
         }
       } else {
 #pragma unroll
@@ -419,22 +417,16 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
   return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned long long>(~static_cast<unsigned int>(index));
 }
 
-// Start fetching the line at p into the L2 (no register waits for it).
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#ifdef __CUDA_ARCH__
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
 // The block-layout quantized matvec, whole: block b computes rows [b * ROWS, b * ROWS + ROWS).
 //
 // NORM 0: x is the product's input. NORM 1: rms_norm(x) * norm_w is (see qmv_accumulate; eps).
 // NORM 2 (an input normalized by its producer): x is a norm's input already times the norm weight,
 // and norm_w holds NP partial sums of its squares per input row ([M, NP] float), NG groups of
 // NP / NG consecutive ones per row: group g of the K channels (K / NG wide) is scaled by
-// rsqrt(its partials' sum / (K / NG) + eps). NG = 1 (an RMSNorm) scales the row's sums at the end;
-// NG > 1 (a group norm) scales each chunk's sums as they are added (the scales are formed first, in
-// shared memory, while the block's first weight lines are fetched).
+// rsqrt(its partials' sum / (K / NG) + eps). The partials are loaded with the first weight lines
+// and used after the product, so they add no trip to memory: NG = 1 (an RMSNorm) scales the row's
+// sums at the end; NG > 1 (a group norm) keeps each step's sums apart (one group a step) until a
+// block sum of the partials gives the groups' scales.
 //
 // EMIT (the next block's norm input, for EPI 1): besides out = product + residual, normed[m, row] =
 // out[m, row] * next_w[row] and partials[m, b] = the sum of out[m, row]^2 over the block's rows,
@@ -446,48 +438,84 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
                                           const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                           float eps, TO* out, const TE* next_w, float* normed, float* partials) {
   constexpr bool ROW_NORM = NORM == 1 || (NORM == 2 && NG == 1);  // one scale a row, at the end
-  constexpr int GS = NORM == 2 && NG > 1 ? NG : 0;
+  constexpr bool GROUPS = NORM == 2 && NG > 1;
   constexpr int SUMS = ROWS * M + (ROW_NORM ? M : 0);  // the row sums, then each x row's sum of squares
+  constexpr int CHUNK = 128 / BITS;                    // values per 16-byte chunk
+  constexpr int ITERS = (K / CHUNK + THREADS - 1) / THREADS;
+  constexpr int PER = NORM == 2 ? (NP + THREADS - 1) / THREADS : 1;  // partials a thread loads per row
+  constexpr int GW = K / (NG > 0 ? NG : 1);                          // a norm group's channels
   static_assert(NORM != 2 || (NG >= 1 && NP % (NG > 0 ? NG : 1) == 0), "NP partials in NG equal groups");
+  static_assert(!GROUPS || (GW * NG == K && GW % CHUNK == 0), "a chunk lies inside one norm group");
   static_assert(!EMIT || (EPI == 1 && ROWS * M <= 32), "EMIT follows a residual, its rows in one warp");
-  __shared__ float part[SUMS * THREADS];
+  __shared__ float part[(SUMS > NG * M ? SUMS : NG * M) * THREADS];
   __shared__ float total[SUMS];
-  __shared__ float gscale[GS > 0 ? GS * M : 1];
+  __shared__ float group_total[GROUPS ? NG * M : 1];
   __shared__ float inv_rms[M];
   const int row0 = blockIdx.x * ROWS;
+  float pv[M][PER];  // this thread's partials (NORM 2), loaded now, read after the product
+  if constexpr (NORM == 2) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = static_cast<int>(threadIdx.x) + j * THREADS;
+        pv[m][j] = i < NP ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
+      }
+    }
+  }
   float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
+  float split[GROUPS ? ITERS : 1][ROWS][M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
+  if constexpr (GROUPS) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) split[it][r][m] = 0.0f;
+      }
+    }
+  }
+  qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(
+      x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
+      split);
   if constexpr (NORM == 2 && NG == 1) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      for (int i = threadIdx.x; i < NP; i += THREADS) acc[ROWS][m] += static_cast<float>(norm_w[m * NP + i]);
+#pragma unroll
+      for (int j = 0; j < PER; ++j) acc[ROWS][m] += pv[m][j];
     }
   }
-  if constexpr (GS > 0) {
-    constexpr int NPG = NP / GS;
-    constexpr int WARPS = THREADS / 32;
-    constexpr int CHUNKS = K * BITS / 128;
-    const int lane = threadIdx.x & 31;
-    if (threadIdx.x < CHUNKS) {
+  if constexpr (GROUPS) {
+    // The groups' sums of squares (each thread adds its partials to their groups'), then each step's
+    // sums scaled by its chunk's group.
+    float gs[NG * M];
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        prefetch_l2(weight + (static_cast<size_t>(min(row0 + r, N - 1)) * CHUNKS + threadIdx.x) * 4);
+    for (int o = 0; o < NG * M; ++o) gs[o] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = static_cast<int>(threadIdx.x) + j * THREADS;
+      const int g = min(i, NP - 1) / (NP / NG);
+#pragma unroll
+      for (int o = 0; o < NG; ++o) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? pv[m][j] : 0.0f;
       }
     }
-    for (int j = threadIdx.x >> 5; j < GS * M; j += WARPS) {
-      const int g = j / M, m = j % M;
-      float s = 0.0f;
-      for (int i = lane; i < NPG; i += 32) s += static_cast<float>(norm_w[m * NP + g * NPG + i]);
+    block_sum<NG * M, THREADS>(gs, part, group_total);
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (lane == 0) gscale[j] = rsqrtf(s / static_cast<float>(K / GS) + eps);
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * THREADS + static_cast<int>(threadIdx.x);
+      const int g = min(c * CHUNK, K - 1) / GW;
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float r_g = rsqrtf(group_total[g * M + m] / static_cast<float>(GW) + eps);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r][m] = fmaf(r_g, split[it][r][m], acc[r][m]);
+      }
     }
-    __syncthreads();
   }
-  qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GS>(
-      x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
-      gscale);
   block_sum<SUMS, THREADS>(&acc[0][0], part, total);
   const float* row_scale = nullptr;
   if constexpr (ROW_NORM) {

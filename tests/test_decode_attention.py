@@ -143,11 +143,40 @@ def test_attention_from_the_projection_writes_the_cache_in_place(cap, offset):
     np.testing.assert_array_equal(np.array(got), np.array(plain[0]))
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
+@pytest.mark.parametrize("cap,offset", [(256, 64), (1300, 1100)])
+def test_plain_attention_writes_the_cache_in_place(cap, offset):
+    """The LLM's decode step: `decode_attention(new=..., write_cache=True)` stores the new key and
+    value in their slot of the buffers (the LLM's grouped heads; one chunk and several), every other
+    slot unchanged, the output as without the write."""
+    b, h, hk, d = 1, 40, 8, 128
+    keys = iter(mx.random.split(mx.random.key(cap + offset), 5))
+    q = mx.random.normal((b, h, 1, d), key=next(keys))
+    k, v = (mx.random.normal((b, hk, cap, d), key=next(keys)) for _ in range(2))
+    k_new, v_new = (mx.random.normal((b, hk, 1, d), key=next(keys)) for _ in range(2))
+    mx.eval(q, k, v, k_new, v_new)
+    before = [np.array(k), np.array(v)]
+    slot = mx.array([offset], mx.int32)
+    plain = decode_attention(q, k, v, slot, d**-0.5, new=(k_new, v_new, slot))
+    mx.eval(plain)
+    got = decode_attention(q, k, v, slot, d**-0.5, new=(k_new, v_new, slot), write_cache=True)
+    mx.eval(got)
+    for buf, old, new in zip((k, v), before, (k_new, v_new)):
+        want = old.copy()
+        want[:, :, offset] = np.array(new)[:, :, 0]
+        np.testing.assert_array_equal(np.array(buf), want)
+    np.testing.assert_array_equal(np.array(got), np.array(plain))
+
+
 def test_write_cache_is_refused_off_the_kernel_path():
     qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(1, 4, 2, 20, 8, mx.float32, seed=3)
     with mx.stream(mx.cpu), pytest.raises(ValueError, match="write_cache"):
         decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, 1e-6, k, v, mx.array(3, mx.int32), 0.5,
                              mx.array(3, mx.int32), 4, write_cache=True)
+    q = mx.zeros((1, 4, 1, 8))
+    with mx.stream(mx.cpu), pytest.raises(ValueError, match="write_cache"):
+        decode_attention(q, k, v, mx.array(3, mx.int32), 0.5, new=(k[:, :, :1], v[:, :, :1], mx.array(3, mx.int32)),
+                         write_cache=True)
 
 
 def test_attention_from_the_projection_refuses_bad_arguments():

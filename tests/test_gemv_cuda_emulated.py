@@ -414,17 +414,20 @@ def attn_chunking(cap):
 # one chunk, a head dim that is no multiple of 4 (the scalar key loads)
 ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 1300, 72), "attn_gqa": (1, 4, 2, 1500, 40), "attn_single": (2, 4, 4, 300, 72),
                 "attn_odd_dim": (1, 2, 1, 1100, 42)}
+# the plain kernel writing the new key and value in place: the LLM's grouped heads in one chunk, and
+# over several chunks
+ATTN_WRITE_CONFIGS = {"attn_write_llm": (1, 8, 2, 300, 64), "attn_write_chunks": (2, 4, 2, 1300, 40)}
 
 
-def attention_cases(tag, b, h, hk, cap, d):
+def attention_cases(tag, b, h, hk, cap, d, write=False):
     ch, nc = attn_chunking(cap)
     q, kv = mx.zeros((b, h, 1, d)), mx.zeros((b, hk, cap, d))
     dims = mx.array([cap], mx.int32)
     single = nc == 1  # one chunk: the part kernel writes the result
     new = mx.zeros((b, hk, 1, d))
-    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single),
+    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, WRITE=write),
                 [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), dims, new, new, mx.zeros((1,), mx.int32)],
-                [("float", (b * h * nc, d if single else d + 2))], b * h * nc, 256)
+                [("float", (b * h * nc, d if single else d + 2))], b * h * nc, 256, written=(1, 2) if write else ())
     combine = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_SPLIT_CHUNK, THREADS=128),
                    [mx.zeros((b * h * nc, d + 2)), dims], [("float", (b * h, d))], b * h, 128)
     return {f"{tag}_part": part, f"{tag}_combine": combine}
@@ -609,6 +612,9 @@ def emulated(tmp_path_factory):
     for tag, config in ATTN_CONFIGS.items():
         for name, case in attention_cases(tag, *config).items():
             cases[name], refs[name] = case, None
+    for tag, config in ATTN_WRITE_CONFIGS.items():
+        for name, case in attention_cases(tag, *config, write=True).items():
+            cases[name], refs[name] = case, None
     for tag, config in ATTN_QKV_CONFIGS.items():
         cases[tag], refs[tag] = attention_qkv_case(*config), None
         b, h, hk, cap, d = config[:5]
@@ -765,6 +771,36 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
         new = (k_new, v_new, mx.array(slot, mx.int32)) if with_new else None
         want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale, new=new)
     np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tag", list(ATTN_WRITE_CONFIGS))
+@pytest.mark.parametrize("offset", [0, 37, 299])
+def test_decode_attention_writes_the_new_key_in_place_emulated(emulated, tag, offset):
+    """WRITE: the same attention as reading the new key and value in their slot, and the buffers
+    hold them there afterwards, every other slot untouched."""
+    exe, cases, _, _, tmp = emulated
+    b, h, hk, cap, d = ATTN_WRITE_CONFIGS[tag]
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(offset + d + 1), 5)
+    q = mx.random.normal((b, h, 1, d), key=k1)
+    k = mx.random.normal((b, hk, cap, d), key=k2)
+    v = mx.random.normal((b, hk, cap, d), key=k3)
+    k_new, v_new = mx.random.normal((b, hk, 1, d), key=k4), mx.random.normal((b, hk, 1, d), key=k5)
+    scale = d**-0.5
+    part = cases[f"{tag}_part"]
+    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale]), mx.array([cap], mx.int32),
+                   k_new, v_new, mx.array([offset], mx.int32)]
+    name = f"{tag}_{offset}_write"
+    (tmp / name).mkdir()
+    out, k_after, v_after = run(exe, f"{tag}_part", part, tmp / name)
+    out = _merged(exe, cases, tag, out, cap, tmp / f"{name}_c")
+    with mx.stream(mx.cpu):
+        want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale,
+                                          new=(k_new, v_new, mx.array(offset, mx.int32)))
+    np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
+    for after, before, new in ((k_after, k, k_new), (v_after, v, v_new)):
+        want_buf = np.array(before).copy()
+        want_buf[:, :, offset] = np.array(new)[:, :, 0]
+        np.testing.assert_array_equal(after, want_buf)
 
 
 @pytest.mark.parametrize("tag", list(ATTN_QKV_CONFIGS))

@@ -30,10 +30,12 @@ def report(source: dict, index: int, instance: dict, nvcc: str) -> str:
         return f"{source['name']} {index}: does not compile"
     regs = re.search(r"Used (\d+) registers", proc.stderr)
     spill = re.search(r"(\d+) bytes spill stores", proc.stderr)
+    stack = re.search(r"(\d+) bytes stack frame", proc.stderr)
     smem = re.search(r"(\d+) bytes smem", proc.stderr)
     args = {name: value.split(":", 1)[1] for name, value in instance["template_args"] if name in SHOWN}
     return (f"{source['name']} {index} {args}: {regs.group(1) if regs else '?'} registers, "
-            f"{spill.group(1) if spill else 0} bytes spilled, {smem.group(1) if smem else 0} bytes smem")
+            f"{spill.group(1) if spill else 0} bytes spilled, {stack.group(1) if stack else 0} bytes stack, "
+            f"{smem.group(1) if smem else 0} bytes smem")
 
 
 def main() -> None:

@@ -52,16 +52,29 @@ def decode_attention_reference(q, k, v, offset, scale: float, mask=None, new=Non
     return out.reshape(b, 1, h * d)
 
 
-def decode_attention(q, k, v, offset, scale: float, mask=None, new=None):
-    kernel_takes = all(a.dtype == mx.float32 for a in (q, k, v)) and q.shape[2] == 1
+def plain_kernel_takes(q, k, v, new=None) -> bool:
+    """Whether `decode_attention` runs our kernel for these arrays (and so can write the cache in
+    place): a CUDA GPU, no `VOICECHAT_REFERENCE`, one float32 query position and buffers."""
+    takes = all(a.dtype == mx.float32 for a in (q, k, v)) and q.shape[2] == 1
     if new is not None:
-        kernel_takes = kernel_takes and all(a.dtype == mx.float32 for a in new[:2])
-    if use_reference() or not on_cuda_gpu() or not kernel_takes:
+        takes = takes and all(a.dtype == mx.float32 for a in new[:2])
+    return takes and not use_reference() and on_cuda_gpu()
+
+
+def decode_attention(q, k, v, offset, scale: float, mask=None, new=None, write_cache: bool = False):
+    """See the module docstring. `write_cache` (with `new`, only where `plain_kernel_takes`): the
+    launch also stores the new key and value in their slot of `k` and `v`, in place, on the terms
+    of `decode_attention_qkv`'s."""
+    if not plain_kernel_takes(q, k, v, new):
+        if write_cache:
+            raise ValueError("decode_attention: write_cache needs the CUDA kernel (see plain_kernel_takes)")
         return decode_attention_reference(q, k, v, offset, scale, mask, new)
     if new is None:
+        if write_cache:
+            raise ValueError("decode_attention: write_cache needs new=(k_new, v_new, slot)")
         return ext.decode_attention(q, k, v, offset, scale)
     k_new, v_new, slot = new
-    return ext.decode_attention(q, k, v, offset, scale, k_new=k_new, v_new=v_new, slot=slot)
+    return ext.decode_attention(q, k, v, offset, scale, k_new=k_new, v_new=v_new, slot=slot, write_cache=write_cache)
 
 
 def qkv_kernel_takes(qkv, k, v) -> bool:

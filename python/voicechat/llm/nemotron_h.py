@@ -22,8 +22,8 @@ float32 once, so that no step casts weights again (see its docstring).
 
 Decoding state lives in a `NemotronHCache` (`NemotronH.make_cache()`): one entry per layer, a
 `MambaCache` (conv window + SSM state), a `KVCache` or None (MLP). A session owns it; `copy()`
-snapshots it (cheap: arrays are immutable and shared until either side steps) and `reset()`
-empties it. The same call handles a many-position prefix and a one-position step.
+snapshots it (the Mamba states are shared, as no step writes them in place; the K/V buffers are
+copied) and `reset()` empties it. The same call handles a many-position prefix and a one-position step.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import mlx.nn as nn
 
 from ..config import TextConfig
 from ..kernels.causal_conv import causal_conv_silu
-from ..kernels.decode_attention import decode_attention
+from ..kernels.decode_attention import decode_attention, plain_kernel_takes
 from ..kernels.gated_rms_norm import gated_rms_norm
 from ..kernels.gemv import GemvQuantizedLinear, Prenormed, gemv_applies, linear, stack_linears
 from ..kernels.mamba_scan import mamba_conv_scan_step, mamba_scan_packed
@@ -65,8 +65,9 @@ class MambaCache:
 class KVCache:
     """Keys and values [b, kv_heads, capacity, head_dim], grown `step` positions at a time.
 
-    Updates rebind the attributes (functional `slice_update`), never write into an array another
-    copy might hold.
+    Eager updates rebind the attributes (functional `slice_update`). The compiled decode step on
+    CUDA writes the new position's slot in place instead; `copy()` therefore copies the buffers, so
+    that two copies stepping on never write into each other's slots.
     """
 
     step = 256
@@ -107,7 +108,7 @@ class KVCache:
         return "causal" if length > 1 else None
 
     def copy(self) -> "KVCache":
-        return KVCache(self.keys, self.values, self.offset)
+        return KVCache(_own_buffer(self.keys), _own_buffer(self.values), self.offset)
 
     def reset(self) -> None:
         self.keys = self.values = None
@@ -118,9 +119,17 @@ class KVCache:
         return [a for a in (self.keys, self.values) if a is not None]
 
 
+def _own_buffer(a: mx.array | None) -> mx.array | None:
+    """The same values in a buffer of their own (mx.array(a) would share a's): a select of a with
+    itself, bit for bit."""
+    return None if a is None else mx.where(mx.array(True), a, a)
+
+
 class BufferKV:
     """A `KVCache`'s whole buffers inside the compiled decode step: the position is an array, so
-    the step's shapes stay fixed while the cache fills (keys past the position are masked out)."""
+    the step's shapes stay fixed while the cache fills (keys past the position are masked out).
+    On CUDA the attention launch writes the new position into the buffers in place
+    (`Attention.__call__`); elsewhere `update` does."""
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, masks: dict | None = None):
         self.keys, self.values, self.offset = keys, values, offset
@@ -284,6 +293,14 @@ class Attention(nn.Module):
         v = v.reshape(b, L, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
         # "causal" aligns the last query with the last key, so it also covers a prefix after a cache.
         mask = "causal" if L > 1 else None
+        if isinstance(cache, BufferKV) and L == 1 and plain_kernel_takes(q, cache.keys, cache.values, (k, v)):
+            # The compiled decode step on CUDA: the attention launch stores the new key and value in
+            # the buffers itself (an update op would copy each whole buffer, still held by the launches
+            # of the step before); what reads the buffers next waits for that launch (mx.depends).
+            o = decode_attention(q, cache.keys, cache.values, cache.offset, self.scale, new=(k, v, cache.offset),
+                                 write_cache=True)
+            cache.keys, cache.values = mx.depends([cache.keys, cache.values], [o])
+            return _last_projection(self.o_proj, o, residual, emit_norm)
         if cache is not None:
             k, v = cache.update(k, v)
             mask = cache.attention_mask(L)

@@ -4,7 +4,7 @@
 # the step's device time (profile_llm_step: ~4 ms pipelined) the sum says how much is kernels and
 # how much the gaps between them, and which kernels own the rest. Only the step is profiled: the
 # probe brackets it with cuProfilerStart / cuProfilerStop (ncu --profile-from-start off).
-#   export OUT; bash tools/gpu/llm_step_ncu.sh
+#   export OUT; [NCU_DETAIL=regex] bash tools/gpu/llm_step_ncu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1
@@ -64,3 +64,14 @@ print(f"{len(rows)} kernels, {total:.0f} us of kernel time in the step")
 for name, (n, us) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1]):
     print(f"{us:8.0f} us {100 * us / total:5.1f}% {n:4d}x  {name[:90]}")
 PY
+# NCU_DETAIL=regex: the first NCU_DETAIL_COUNT (default 6) launches of the step whose kernel names
+# match it, again under Nsight Compute's full set (throughput, occupancy, warp stall reasons), as
+# text in $OUT/llm_detail.txt.
+if [ -n "${NCU_DETAIL:-}" ]; then
+  timeout -s INT "${NCU_DETAIL_LIMIT:-150}" "$NCU" --profile-from-start off --clock-control none --set full \
+    -k "regex:${NCU_DETAIL}" -c "${NCU_DETAIL_COUNT:-6}" -f -o "$OUT/llm_detail" python3 /tmp/llm_step_probe.py \
+    > "$OUT/llm_detail.log" 2>&1
+  "$NCU" --import "$OUT/llm_detail.ncu-rep" --page details > "$OUT/llm_detail.txt" 2>&1
+  grep -E "^  [a-z_]|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per" \
+    "$OUT/llm_detail.txt" | head -60
+fi

@@ -6,7 +6,11 @@
 # limit so that a slow one cannot starve the rest (~9 minutes in all, inside one call's 10);
 # every log lands in $OUT.
 #   export OUT; TESTS="tests/test_mamba_scan.py" bash tools/gpu/session.sh
+# PARTS (default "ncu tests isolation step ref e2e") picks the parts; NCU_DETAIL passes through to
+# llm_step_ncu.sh.
 set -uo pipefail
+PARTS=" ${PARTS:-ncu tests isolation step ref e2e} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 OUT=${OUT:-/tmp/out}
 bash .gw2/install.sh >/dev/null 2>&1
 PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site2 . \
@@ -15,20 +19,17 @@ PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --
   >/dev/null 2>&1
 export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav MLX_PTX_CACHE_DIR=/tmp/ptx-ab \
   PYTHONUNBUFFERED=1
-echo "== llm step under ncu"
-NCU_LIMIT=${NCU_LIMIT:-120} bash tools/gpu/llm_step_ncu.sh 2>&1 | tail -14
-if [ -n "${TESTS:-}" ]; then
+part ncu && echo "== llm step under ncu" && NCU_LIMIT=${NCU_LIMIT:-120} bash tools/gpu/llm_step_ncu.sh 2>&1 | tail -14
+if [ -n "${TESTS:-}" ] && part tests; then
   echo "== tests: $TESTS"
   timeout -s INT -k 10 "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -rfE --timeout=140 $TESTS \
     -k "not other_formats_and_stereo and not stereo_other_rate" 2>&1 | tee "$OUT/tests.log" | tail -8
 fi
-echo "== gemv back to back"
-timeout 60 python3 tools/gpu/gemv_isolation.py 2>&1 | tee "$OUT/isolation.log"
-echo "== llm step, ours and mlx-lm's"
-(cd benchmarks && timeout 60 python3 profile_llm_step.py --size full --compiled-only --json "$OUT/llm.json" 2>&1 \
+part isolation && echo "== gemv back to back" &&
+  timeout 60 python3 tools/gpu/gemv_isolation.py 2>&1 | tee "$OUT/isolation.log"
+part step && echo "== llm step, ours" && (cd benchmarks && timeout 60 python3 profile_llm_step.py --size full --compiled-only --json "$OUT/llm.json" 2>&1 \
   | grep -E "sync_step|pipelined")
-(cd benchmarks && VOICECHAT_BENCH_SIZE=full timeout 90 python3 -m pytest -q -p no:cacheprovider \
+part ref && echo "== llm step, mlx-lm's" && (cd benchmarks && VOICECHAT_BENCH_SIZE=full timeout 90 python3 -m pytest -q -p no:cacheprovider \
   bench_reference_mlx_lm.py --benchmark-enable --benchmark-json="$OUT/ref.json" --benchmark-columns=min,median 2>&1 \
   | grep -E "test_mlx|passed|failed")
-echo "== end to end, ${VOICECHAT_BENCH_SECONDS:=5} s"
-AB_LIMIT=${AB_LIMIT:-170} VOICECHAT_BENCH_SECONDS=$VOICECHAT_BENCH_SECONDS bash tools/gpu/ab.sh default 2>&1 | tail -2
+part e2e && echo "== end to end, ${VOICECHAT_BENCH_SECONDS:=5} s" && AB_LIMIT=${AB_LIMIT:-170} VOICECHAT_BENCH_SECONDS=$VOICECHAT_BENCH_SECONDS bash tools/gpu/ab.sh default 2>&1 | tail -2

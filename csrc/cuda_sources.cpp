@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string_view>
 
 #include "mlx/mlx.h"
@@ -60,6 +61,12 @@ bool float_dtype(mlx::core::Dtype t) {
 }
 
 std::string int_arg(int v) { return "int:" + std::to_string(v); }
+
+int float_bits(float f) {
+  int i;
+  std::memcpy(&i, &f, sizeof(i));
+  return i;
+}
 
 std::string type_arg(const std::string& cuda_type) { return "type:" + cuda_type; }
 

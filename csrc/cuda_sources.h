@@ -52,6 +52,11 @@ bool float_dtype(mlx::core::Dtype t);  // float32, bfloat16 or float16: what the
 // Template args of a CudaInstance, as MLX writes them: int_arg(4) = "int:4", type_arg("float") =
 // "type:float".
 std::string int_arg(int v);
+
+// A float as the int template argument that carries it into a kernel (read there with
+// __int_as_float): scalars such as eps go in this way, not as one-element arrays made on the host
+// for each call, which every launch then read from memory the CPU wrote.
+int float_bits(float f);
 std::string type_arg(const std::string& cuda_type);
 
 // Device helpers for kernel headers: vc_block_sum / vc_block_max<THREADS>(v, scratch), the sum /

@@ -27,7 +27,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Template args: C, G, W (gate_src row width), GATE_OFFSET, THREADS, TY, TG, TW, TO.
+// Template args: C, G, W (gate_src row width), GATE_OFFSET, THREADS, EPS_BITS (eps as float bits),
+// TY, TG, TW, TO.
 constexpr const char* kSource = R"(
   constexpr int CG = C / G;
   constexpr int PER = (CG + THREADS - 1) / THREADS;
@@ -52,7 +53,7 @@ constexpr const char* kSource = R"(
     h[i] = v;
     ss += v * v;
   }
-  const float r = rsqrtf(vc_block_sum<THREADS>(ss, warp_sums) / static_cast<float>(CG) + eps[0]);
+  const float r = rsqrtf(vc_block_sum<THREADS>(ss, warp_sums) / static_cast<float>(CG) + __int_as_float(EPS_BITS));
   TO* o = out + static_cast<size_t>(row) * C + g * CG;
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
@@ -66,16 +67,17 @@ constexpr const char* kSource = R"(
 const CudaSource& source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int c, int g, int w, int offset, const std::string& t = "float") {
-    return CudaInstance{{t, t, t, "float"},
+    return CudaInstance{{t, t, t},
                         {t},
                         {P{"C", int_arg(c)}, P{"G", int_arg(g)},
                          P{"W", int_arg(w)}, P{"GATE_OFFSET", int_arg(offset)},
-                         P{"THREADS", int_arg(kThreads)}, P{"TY", type_arg(t)}, P{"TG", type_arg(t)},
+                         P{"THREADS", int_arg(kThreads)}, P{"EPS_BITS", int_arg(float_bits(1e-5f))},
+                         P{"TY", type_arg(t)}, P{"TG", type_arg(t)},
                          P{"TW", type_arg(t)}, P{"TO", type_arg(t)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_gated_rms_norm",
-      {"y", "gate_src", "weight", "eps"},
+      {"y", "gate_src", "weight"},
       {"out"},
       kSource,
       block_reduce_header(),
@@ -129,9 +131,10 @@ mx::array gated_rms_norm(const mx::array& y, const mx::array& gate_src, int gate
   // The composed ops' result type; the kernel computes in float32 throughout and rounds once.
   const auto out_dtype = mx::promote_types(mx::promote_types(y.dtype(), gate_src.dtype()), weight.dtype());
   // Inputs and output keep the caller's shapes (read and written flat): no reshape nodes.
-  auto outs = kernel({y, gate_src, weight, mx::array(eps, mx::float32)},
+  auto outs = kernel({y, gate_src, weight},
                      {y.shape()}, {out_dtype}, {rows * groups * kThreads, 1, 1}, {kThreads, 1, 1},
                      {{"C", c}, {"G", groups}, {"W", width}, {"GATE_OFFSET", gate_offset}, {"THREADS", kThreads},
+                      {"EPS_BITS", float_bits(eps)},
                       {"TY", y.dtype()}, {"TG", gate_src.dtype()}, {"TW", weight.dtype()}, {"TO", out_dtype}},
                      std::nullopt, false, s);
   return outs[0];

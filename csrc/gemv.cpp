@@ -126,8 +126,8 @@ CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, con
   if (std::string(split) == "THREADS") {  // the block layout's RMSNorm prologue
     const char* norm_type = tn ? tn : ts;
     inst.input_types.push_back(norm_type);
-    inst.input_types.push_back(tn ? "float" : ts);
     inst.template_args.push_back(TemplateArg{"NORM", int_arg(tn ? (np > 0 ? 2 : 1) : 0)});
+    inst.template_args.push_back(TemplateArg{"EPS_BITS", int_arg(float_bits(1e-5f))});
     inst.template_args.push_back(TemplateArg{"NP", int_arg(np)});
     inst.template_args.push_back(TemplateArg{"NG", int_arg(ng)});
     inst.template_args.push_back(TemplateArg{"TN", type_arg(norm_type)});
@@ -141,12 +141,13 @@ CudaInstance qmv_emit_instance(const char* tx, const char* ts, const char* to, i
                                int threads, const char* te, int np = 0, int ng = 1) {
   const char* tn = np > 0 ? "float" : ts;
   return CudaInstance{
-      {tx, "uint32_t", ts, ts, ts, to, tn, np > 0 ? "float" : ts, te},
+      {tx, "uint32_t", ts, ts, ts, to, tn, te},
       {to, "float", "float"},
       {TemplateArg{"BITS", "int:4"}, TemplateArg{"GROUP", "int:64"}, TemplateArg{"K", int_arg(k)},
        TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)}, TemplateArg{"ROWS", int_arg(rows)},
        TemplateArg{"THREADS", int_arg(threads)}, TemplateArg{"HAS_BIAS", "bool:false"},
        TemplateArg{"NORM", int_arg(np > 0 ? 2 : 0)}, TemplateArg{"NP", int_arg(np)}, TemplateArg{"NG", int_arg(ng)},
+       TemplateArg{"EPS_BITS", int_arg(float_bits(1e-5f))},
        TemplateArg{"TX", type_arg(tx)}, TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TB", type_arg(ts)},
        TemplateArg{"TR", type_arg(to)}, TemplateArg{"TN", type_arg(tn)}, TemplateArg{"TE", type_arg(te)},
        TemplateArg{"TO", type_arg(to)}}};
@@ -172,7 +173,7 @@ const CudaSource& qmv_source() {
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_qmv",
-      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "norm_eps"},
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w"},
       {"out"},
       gemv_cuda::kQmvSource,
       gemv_cuda::kHeader,
@@ -211,7 +212,7 @@ const CudaSource& qmv_emit_source() {
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_qmv_emit",
-      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "norm_eps", "next_w"},
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "next_w"},
       {"out", "normed", "partials"},
       gemv_cuda::kQmvEmitSource,
       gemv_cuda::kHeader,
@@ -557,8 +558,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   if (!warp) {
     const int np = prenorm ? prenorm->partials.shape(-1) : 0;
     inputs.push_back(norm_weight ? *norm_weight : prenorm ? prenorm->partials : scales);
-    inputs.push_back(norm_weight || prenorm ? mx::array({norm_eps}) : scales);
     args.emplace_back("NORM", norm_weight ? 1 : prenorm ? 2 : 0);
+    args.emplace_back("EPS_BITS", norm_weight || prenorm ? float_bits(norm_eps) : 0);
     args.emplace_back("NP", np);
     args.emplace_back("NG", prenorm ? prenorm->groups : 1);
     args.emplace_back("TN", inputs[6].dtype());

@@ -552,16 +552,13 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
 )";
 
 // y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM 1: x is
-// rms_norm(x) * norm_w first (eps = norm_eps[0]), formed on the fly (see qmv_accumulate); NORM 2: x
+// rms_norm(x) * norm_w first (eps from EPS_BITS), formed on the fly (see qmv_accumulate); NORM 2: x
 // was normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).
-// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, and the dtypes
-// TX, TS, TB, TR, TN, TO (the kernel name is made of the template args only, so every dtype must be
-// one of them).
+// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS (the
+// norm's eps as float bits), and the dtypes TX, TS, TB, TR, TN, TO (the kernel name is made of the
+// template args only, so every dtype must be one of them).
 constexpr const char* kQmvSource = R"(
-  float eps = 0.0f;
-  if constexpr (NORM != 0) {
-    eps = static_cast<float>(norm_eps[0]);
-  }
+  const float eps = __int_as_float(EPS_BITS);
   vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr));
@@ -569,12 +566,9 @@ constexpr const char* kQmvSource = R"(
 
 // kQmvSource with EMIT (see vc_gemv::qmv_block): out = product + residual, and the next norm's input
 // normed = out * next_w with the block's partial sums of out^2. Template args: BITS, GROUP, K, N,
-// M, ROWS, THREADS, HAS_BIAS, NORM, NP, NG, and the dtypes TX, TS, TB, TR, TN, TE, TO.
+// M, ROWS, THREADS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvEmitSource = R"(
-  float eps = 0.0f;
-  if constexpr (NORM != 0) {
-    eps = static_cast<float>(norm_eps[0]);
-  }
+  const float eps = __int_as_float(EPS_BITS);
   vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials);
 )";

@@ -250,12 +250,6 @@ constexpr const char* kCudaSource = R"(
 
 constexpr int kCudaThreads = 128;  // 4 rows per block
 
-int float_bits(float f) {
-  int i;
-  std::memcpy(&i, &f, sizeof(i));
-  return i;
-}
-
 const CudaSource& cuda_source() {
   static const CudaSource& src = register_cuda_source({
       "mamba_scan",
@@ -293,13 +287,13 @@ const CudaSource& cuda_source() {
 // weight, y * silu(gate) * gate_w (gate at columns GATE_OFF..), and partials [b, H * P / RB] the
 // blocks' sums of (y * silu(gate))^2, a group's blocks consecutive. Template args: H, P, G, N, K, W,
 // X_OFF, DT_OFF, RB, HAS_BIAS, HAS_STATE, GATED, GATE_OFF, TS (projected's type), LO_BITS,
-// HI_BITS. dims = [batch].
+// HI_BITS, BATCH.
 constexpr const char* kConvScanSource = R"(
   constexpr int PER_LANE = (N + 31) / 32;
   constexpr int CONV = H * P + 2 * G * N;
   constexpr int CHUNKS = P / RB;
   __shared__ float bc[2 * N];
-  const int batch = dims[0];
+  constexpr int batch = BATCH;
   const int bi = blockIdx.x / (H * CHUNKS);
   const int h = (blockIdx.x / CHUNKS) % H;
   const int chunk = blockIdx.x % CHUNKS;
@@ -397,18 +391,19 @@ const CudaSource& conv_scan_source() {
   using Arg = std::pair<std::string, std::string>;
   auto inst = [](int h, int p, int g, int n, int w, int x_off, int dt_off, int rb, const std::string& ts,
                  const std::string& dparams, bool has_state, bool gated) {
-    return CudaInstance{{ts, "float", "float", "float", "float", dparams, dparams, "float", "int32_t", "float"},
+    return CudaInstance{{ts, "float", "float", "float", "float", dparams, dparams, "float", "float"},
                         {"float", "float", "float", "float"},
                         {Arg{"H", int_arg(h)}, Arg{"P", int_arg(p)}, Arg{"G", int_arg(g)}, Arg{"N", int_arg(n)},
                          Arg{"K", "int:4"}, Arg{"W", int_arg(w)}, Arg{"X_OFF", int_arg(x_off)},
                          Arg{"DT_OFF", int_arg(dt_off)}, Arg{"RB", int_arg(rb)}, Arg{"HAS_BIAS", "bool:true"},
                          Arg{"HAS_STATE", has_state ? "bool:true" : "bool:false"},
                          Arg{"GATED", gated ? "bool:true" : "bool:false"}, Arg{"GATE_OFF", "int:0"},
-                         Arg{"TS", type_arg(ts)}, Arg{"LO_BITS", "int:0"}, Arg{"HI_BITS", "int:2139095040"}}};
+                         Arg{"TS", type_arg(ts)}, Arg{"LO_BITS", "int:0"}, Arg{"HI_BITS", "int:2139095040"},
+                         Arg{"BATCH", "int:1"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_mamba_conv_scan_step",
-      {"projected", "conv_state", "conv_weight", "conv_bias", "A_log", "D", "dt_bias", "state", "dims", "gate_w"},
+      {"projected", "conv_state", "conv_weight", "conv_bias", "A_log", "D", "dt_bias", "state", "gate_w"},
       {"y", "state_out", "new_state", "partials"},
       kConvScanSource,
       "",
@@ -627,13 +622,13 @@ std::vector<mx::array> mamba_conv_scan_step(const mx::array& projected, const mx
   const int blocks = b * H * (P / rb);
   auto outs = kernel(
       {projected, conv_state, conv_weight, conv_bias ? *conv_bias : conv_weight, A_log, D, dt_bias, st,
-       mx::array({b}, mx::int32), gate_weight ? as_dtype(*gate_weight, mx::float32, s) : A_log},
+       gate_weight ? as_dtype(*gate_weight, mx::float32, s) : A_log},
       {{b, 1, H * P}, {b, H, P, N}, {b, k_size - 1, conv}, {b, 1, gate_weight ? H * (P / rb) : 1}},
       {mx::float32, mx::float32, mx::float32, mx::float32}, {blocks * rb * 32, 1, 1}, {rb * 32, 1, 1},
       {{"H", H}, {"P", P}, {"G", G}, {"N", N}, {"K", k_size}, {"W", width}, {"X_OFF", x_offset},
        {"DT_OFF", dt_offset}, {"RB", rb}, {"HAS_BIAS", conv_bias.has_value()}, {"HAS_STATE", state.has_value()},
        {"GATED", gate_weight.has_value()}, {"GATE_OFF", gate_weight ? gate_offset : 0}, {"TS", projected.dtype()},
-       {"LO_BITS", float_bits(lo)}, {"HI_BITS", float_bits(hi)}},
+       {"LO_BITS", float_bits(lo)}, {"HI_BITS", float_bits(hi)}, {"BATCH", b}},
       std::nullopt, false, s);
   if (!gate_weight) {
     outs.pop_back();

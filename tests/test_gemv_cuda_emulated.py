@@ -171,6 +171,9 @@ def _x(shape, dtype, seed=7):
     return mx.array(np.random.default_rng(seed).standard_normal(shape, np.float32)).astype(dtype)
 
 
+EPS_BITS = int(np.float32(1e-5).view(np.int32))  # the norms' eps as the kernels take it
+
+
 def _epilogue_ref(ref, epi, residual):
     if epi == 1:
         return ref + residual.astype(mx.float32)
@@ -195,8 +198,8 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
     inputs = [x, w, s, b, bias if bias is not None else s, residual]
     norm_w = (1.0 + 0.2 * _x((k,), mx.float32, seed=9)).astype(norm_dtype) if norm_dtype else None
     if not warps:
-        inputs += [norm_w, mx.array([1e-5])] if norm_dtype else [s, s]
-        args.update(NORM=1 if norm_dtype else 0, NP=0, NG=1, TN=norm_dtype or s_dtype)
+        inputs += [norm_w if norm_dtype else s]
+        args.update(NORM=1 if norm_dtype else 0, NP=0, NG=1, EPS_BITS=EPS_BITS, TN=norm_dtype or s_dtype)
     case = Case("vc_qmv_warp" if warps else "vc_qmv", args, inputs,
                 [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
                 [offset] + [0] * (len(inputs) - 1))
@@ -229,8 +232,8 @@ def prenormed_case(n, k, m, np_, ng, rows, threads, epi=0):
     residual = _x((m, n), mx.float32, seed=5) if epi == 1 else s
     args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, EPI=epi, HAS_BIAS=False,
                 TX=mx.float32, TS=mx.bfloat16, TB=mx.bfloat16, TR=residual.dtype, TO=mx.float32, NORM=2, NP=np_,
-                NG=ng, TN=mx.float32)
-    case = Case("vc_qmv", args, [x, w, s, b, s, residual, partials, mx.array([1e-5])], [("float", (m, n))],
+                NG=ng, EPS_BITS=EPS_BITS, TN=mx.float32)
+    case = Case("vc_qmv", args, [x, w, s, b, s, residual, partials], [("float", (m, n))],
                 -(-n // rows), threads)
     with mx.stream(mx.cpu):
         ref = mx.quantized_matmul(normed, w, s, b, transpose=True, group_size=64, bits=4)
@@ -244,15 +247,15 @@ def emit_case(n, k, m, rows, threads, x_dtype=mx.float32, np_=0, ng=1, next_dtyp
     w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
     if np_:
         x, partials, normed = _prenormed_inputs(k, m, np_, ng, x_dtype, seed=k)
-        norm_in = [partials, mx.array([1e-5])]
+        norm_in = [partials]
     else:
         x = normed = _x((m, k), x_dtype)
-        norm_in = [s, s]
+        norm_in = [s]
     residual = _x((m, n), mx.float32, seed=5)
     next_w = (1.0 + 0.2 * _x((n,), mx.float32, seed=11)).astype(next_dtype)
     blocks = -(-n // rows)
     args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=False, NORM=2 if np_ else 0,
-                NP=np_, NG=ng, TX=x_dtype, TS=mx.bfloat16, TB=mx.bfloat16, TR=mx.float32,
+                NP=np_, NG=ng, EPS_BITS=EPS_BITS, TX=x_dtype, TS=mx.bfloat16, TB=mx.bfloat16, TR=mx.float32,
                 TN=mx.float32 if np_ else mx.bfloat16, TE=next_dtype, TO=mx.float32)
     case = Case("vc_qmv_emit", args, [x, w, s, b, s, residual, *norm_in, next_w],
                 [("float", (m, n)), ("float", (m, n)), ("float", (m, blocks))], blocks, threads)
@@ -324,9 +327,9 @@ def gated_norm_case(rows, c, groups, width, offset, dtype=mx.float32):
     y = mx.random.normal((rows, c), key=k1).astype(dtype)
     gate_src = (2.0 * mx.random.normal((rows, width), key=k2)).astype(dtype)
     weight = (1.0 + 0.1 * mx.random.normal((c,), key=k3)).astype(dtype)
-    eps = mx.array([1e-5], mx.float32)
-    args = dict(C=c, G=groups, W=width, GATE_OFFSET=offset, THREADS=256, TY=dtype, TG=dtype, TW=dtype, TO=dtype)
-    case = Case("vc_gated_rms_norm", args, [y, gate_src, weight, eps], [(CUDA_TYPE[dtype], (rows, c))],
+    args = dict(C=c, G=groups, W=width, GATE_OFFSET=offset, THREADS=256, EPS_BITS=EPS_BITS, TY=dtype, TG=dtype,
+                TW=dtype, TO=dtype)
+    case = Case("vc_gated_rms_norm", args, [y, gate_src, weight], [(CUDA_TYPE[dtype], (rows, c))],
                 rows * groups, 256)
     with mx.stream(mx.cpu):  # float32 math from the same inputs, rounded once, as the kernel does
         f32 = [a.astype(mx.float32) for a in (y, gate_src, weight)]
@@ -507,10 +510,9 @@ def conv_scan_case(b, h, p, g, n, extra, src_dtype=mx.float32, with_state=True, 
     gate_w = 1.0 + 0.2 * mx.random.normal((h * p,), key=keys[8])
     blocks = h * (p // rb)
     args = dict(H=h, P=p, G=g, N=n, K=k, W=width, X_OFF=h * p, DT_OFF=h * p + conv, RB=rb, HAS_BIAS=True,
-                HAS_STATE=with_state, GATED=gated, GATE_OFF=0, TS=src_dtype, LO_BITS=0, HI_BITS=2139095040)
+                HAS_STATE=with_state, GATED=gated, GATE_OFF=0, TS=src_dtype, LO_BITS=0, HI_BITS=2139095040, BATCH=b)
     case = Case("vc_mamba_conv_scan_step", args,
-                [projected, conv_state, weight, bias, A_log, D, dt_bias, state if with_state else dt_bias,
-                 mx.array([b], mx.int32), gate_w],
+                [projected, conv_state, weight, bias, A_log, D, dt_bias, state if with_state else dt_bias, gate_w],
                 [("float", (b, 1, h * p)), ("float", (b, h, p, n)), ("float", (b, k - 1, conv)),
                  ("float", (b, 1, blocks if gated else 1))],
                 b * blocks, rb * 32)

@@ -66,8 +66,10 @@ class KVCache:
     """Keys and values [b, kv_heads, capacity, head_dim], grown `step` positions at a time.
 
     Eager updates rebind the attributes (functional `slice_update`). The compiled decode step on
-    CUDA writes the new position's slot in place instead; `copy()` therefore copies the buffers, so
-    that two copies stepping on never write into each other's slots.
+    CUDA writes the new position's slot in place instead, which MLX does not see: `pending` is then
+    that step's attention output, which every later reader of the buffers must wait for (the next
+    compiled step makes its buffers depend on it; `settle()` does so for any other reader).
+    `copy()` copies the buffers, so that two copies stepping on never write into each other's slots.
     """
 
     step = 256
@@ -76,9 +78,18 @@ class KVCache:
         self.keys = keys
         self.values = values
         self.offset = offset
+        self.pending: mx.array | None = None
+
+    def settle(self) -> None:
+        """Make the buffers depend on the last in-place write (`pending`), for readers outside the
+        compiled step (no launch)."""
+        if self.pending is not None and self.keys is not None:
+            self.keys, self.values = mx.depends([self.keys, self.values], [self.pending])
+        self.pending = None
 
     def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         """Append k, v [b, kv_heads, L, head_dim]; return every cached position."""
+        self.settle()
         start, length = self.offset, k.shape[2]
         end = start + length
         self.reserve(end, k.shape[0], k.shape[1], k.shape[3], k.dtype)
@@ -92,6 +103,7 @@ class KVCache:
         """Make room for positions `< end` (capacity grows `step` slots at a time)."""
         if self.keys is not None and end <= self.keys.shape[2]:
             return
+        self.settle()
         capacity = -(-end // self.step) * self.step
         self.keys = self._grown(self.keys, (batch, heads, capacity, dim), dtype)
         self.values = self._grown(self.values, (batch, heads, capacity, dim), dtype)
@@ -108,14 +120,16 @@ class KVCache:
         return "causal" if length > 1 else None
 
     def copy(self) -> "KVCache":
+        self.settle()
         return KVCache(_own_buffer(self.keys), _own_buffer(self.values), self.offset)
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self.pending = None
         self.offset = 0
 
     @property
     def state(self) -> list[mx.array]:
+        """The buffers (a pending write is evaluated with the step's ids, which depend on it)."""
         return [a for a in (self.keys, self.values) if a is not None]
 
 
@@ -131,8 +145,13 @@ class BufferKV:
     On CUDA the attention launch writes the new position into the buffers in place
     (`Attention.__call__`); elsewhere `update` does."""
 
-    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, masks: dict | None = None):
+    def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, masks: dict | None = None,
+                 pending: mx.array | None = None):
+        # The buffers wait for the previous step's in-place write (see KVCache).
+        if pending is not None:
+            keys, values = mx.depends([keys, values], [pending])
         self.keys, self.values, self.offset = keys, values, offset
+        self.written: mx.array | None = None  # this step's attention output, when it wrote the buffers
         # Shared by the step's attention layers: buffers of one capacity need one mask a step.
         self._masks = {} if masks is None else masks
 
@@ -299,7 +318,7 @@ class Attention(nn.Module):
             # of the step before); what reads the buffers next waits for that launch (mx.depends).
             o = decode_attention(q, cache.keys, cache.values, cache.offset, self.scale, new=(k, v, cache.offset),
                                  write_cache=True)
-            cache.keys, cache.values = mx.depends([cache.keys, cache.values], [o])
+            cache.written = o
             return _last_projection(self.o_proj, o, residual, emit_norm)
         if cache is not None:
             k, v = cache.update(k, v)
@@ -426,7 +445,8 @@ class DuplexLM(nn.Module):
                 state += [c.conv, c.ssm]
             elif layer.kind == "attention":
                 c.reserve(offset + 1, b, cfg.num_key_value_heads, cfg.head_dim)
-                state += [c.keys, c.values]
+                # no write pending: the keys stand in (a dependency on an input changes nothing)
+                state += [c.keys, c.values, c.keys if c.pending is None else c.pending]
         if getattr(self, "_decode_fn", None) is None:
             self._decode_fn = mx.compile(self._decode_graph)
         text, function, *state = self._decode_fn(prev_text_ids, audio, prev_function_ids,
@@ -436,7 +456,7 @@ class DuplexLM(nn.Module):
             if isinstance(c, MambaCache):
                 c.conv, c.ssm = next(arrays), next(arrays)
             elif isinstance(c, KVCache):
-                c.keys, c.values, c.offset = next(arrays), next(arrays), offset + 1
+                c.keys, c.values, c.pending, c.offset = next(arrays), next(arrays), next(arrays), offset + 1
         return text, function
 
     def _decode_graph(self, prev_text_ids, audio, prev_function_ids, offset, state):
@@ -446,12 +466,15 @@ class DuplexLM(nn.Module):
             if layer.kind == "mamba":
                 caches.append(MambaCache(next(arrays), next(arrays)))
             elif layer.kind == "attention":
-                caches.append(BufferKV(next(arrays), next(arrays), offset, masks))
+                caches.append(BufferKV(next(arrays), next(arrays), offset, masks, pending=next(arrays)))
             else:
                 caches.append(None)
         out = self.step(self.fused_input(prev_text_ids, audio, prev_function_ids), caches)
+        # An attention layer hands back its buffers and what the next step must wait for: its
+        # attention output when that wrote the buffers in place, else the keys (nothing to wait for).
         new_state = [a for c in caches if c is not None
-                     for a in ((c.conv, c.ssm) if isinstance(c, MambaCache) else (c.keys, c.values))]
+                     for a in ((c.conv, c.ssm) if isinstance(c, MambaCache) else
+                               (c.keys, c.values, c.keys if c.written is None else c.written))]
         return [out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32), *new_state]
 
     def prepare(self, decode_kernels: bool | None = None) -> "DuplexLM":

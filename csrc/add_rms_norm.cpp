@@ -28,12 +28,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Template args: C (channels), THREADS, TH, TY, TW (post / pre), TO.
+// Template args: C (channels), THREADS, EPS_BITS (eps as float bits), TH, TY, TW (post / pre), TO.
 constexpr const char* kSource = R"(
   constexpr int PER = (C + THREADS - 1) / THREADS;
   __shared__ float scratch[THREADS / 32];
   const size_t base = static_cast<size_t>(blockIdx.x) * C;
-  const float e = eps[0];
+  const float e = __int_as_float(EPS_BITS);
   float v[PER];
   float ss = 0.0f;
 #pragma unroll
@@ -68,14 +68,14 @@ constexpr const char* kSource = R"(
 const CudaSource& source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int c, const std::string& t) {
-    return CudaInstance{{"float", t, "float", "float", "float"},
+    return CudaInstance{{"float", t, "float", "float"},
                         {"float", "float"},
-                        {P{"C", int_arg(c)}, P{"THREADS", int_arg(kThreads)},
+                        {P{"C", int_arg(c)}, P{"THREADS", int_arg(kThreads)}, P{"EPS_BITS", int_arg(float_bits(1e-6f))},
                          P{"TH", "type:float"}, P{"TY", type_arg(t)}, P{"TW", "type:float"}, P{"TO", "type:float"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_add_rms_norm",
-      {"h", "y", "post", "pre", "eps"},
+      {"h", "y", "post", "pre"},
       {"h_out", "z_out"},
       kSource,
       block_reduce_header(),
@@ -105,9 +105,9 @@ std::tuple<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::arra
   static auto kernel = make_cuda_kernel(source());
   // h and y go in and the outputs come out with the caller's shape (read and written flat,
   // row-contiguous as MLX makes every kernel input): no reshape nodes in the graph.
-  auto outs = kernel({h, y, post, pre, mx::array(eps, mx::float32)},
+  auto outs = kernel({h, y, post, pre},
                      {h.shape(), h.shape()}, {mx::float32, mx::float32}, {rows * kThreads, 1, 1}, {kThreads, 1, 1},
-                     {{"C", c}, {"THREADS", kThreads}, {"TH", h.dtype()}, {"TY", y.dtype()}, {"TW", post.dtype()},
+                     {{"C", c}, {"THREADS", kThreads}, {"EPS_BITS", float_bits(eps)}, {"TH", h.dtype()}, {"TY", y.dtype()}, {"TW", post.dtype()},
                       {"TO", mx::float32}},
                      std::nullopt, false, s);
   return {outs[0], outs[1]};

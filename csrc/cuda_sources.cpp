@@ -1,3 +1,5 @@
+#include <unordered_map>
+#include <mutex>
 #include "cuda_sources.h"
 
 #include <pybind11/pybind11.h>
@@ -66,6 +68,19 @@ int float_bits(float f) {
   int i;
   std::memcpy(&i, &f, sizeof(i));
   return i;
+}
+
+const mlx::core::array& kept_int(int v) {
+  static std::mutex lock;
+  static auto* kept = new std::unordered_map<int, mlx::core::array>();  // never freed: outlives the runtime
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = kept->find(v);
+  if (it == kept->end()) {
+    mlx::core::array a({v}, mlx::core::int32);
+    mlx::core::eval(a);
+    it = kept->emplace(v, a).first;
+  }
+  return it->second;
 }
 
 std::string type_arg(const std::string& cuda_type) { return "type:" + cuda_type; }

@@ -57,6 +57,11 @@ std::string int_arg(int v);
 // __int_as_float): scalars such as eps go in this way, not as one-element arrays made on the host
 // for each call, which every launch then read from memory the CPU wrote.
 int float_bits(float f);
+
+// A one-element int32 array of v, made and evaluated once per value and kept for the process: for
+// an int a kernel must read from memory (a size, an index), never a fresh host array each call
+// (each launch reading one ran ~10 us longer on the H200).
+const mlx::core::array& kept_int(int v);
 std::string type_arg(const std::string& cuda_type);
 
 // Device helpers for kernel headers: vc_block_sum / vc_block_max<THREADS>(v, scratch), the sum /

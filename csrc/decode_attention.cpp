@@ -20,7 +20,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -44,7 +47,8 @@ constexpr int kThreads = 256;
 constexpr int kChunk = 1024;
 constexpr int kSplitChunk = 256;
 
-// Template args: D, H, HK, CH (kChunk when SINGLE, else kSplitChunk), THREADS, SINGLE; dims = [CAP]
+// Template args: D, H, HK, CH (kChunk when SINGLE, else kSplitChunk), THREADS, SINGLE, SCALE_BITS
+// (the score scale as float bits); dims = [CAP]
 // (the buffers' slots: an input, so that a growing cache does not compile a kernel per size).
 // part: [B * H * NC, D + 2] = (max, sum, values); SINGLE (CAP <= CH, one chunk): the result itself,
 // [B * H, D], and no second launch.
@@ -86,7 +90,7 @@ constexpr const char* kPlainPrologue = R"(  for (int d = threadIdx.x; d < D; d +
 // the new key of its K/V head (vc_head_norm_rope, as qkv_heads does), warp 2 copies the new value; the
 // first chunk of the first query head of each K/V head writes that key and value out for the cache,
 // and with WRITE also into the buffers' slot itself (in place: see decode_attention_qkv).
-// Template args TX: qkv's type; WRITE.
+// Template args TX: qkv's type; WRITE; EPS_BITS (the head norms' eps as float bits).
 constexpr const char* kQkvPrologue = R"(
   __shared__ __align__(16) float kns[D];
   __shared__ __align__(16) float vns[D];
@@ -94,7 +98,8 @@ constexpr const char* kQkvPrologue = R"(
     constexpr int ROW = (H + 2 * HK) * D;
     const TX* row = qkv + static_cast<size_t>(b) * ROW;
     if (warp < 2) {
-      vc_head_norm_rope<D, TX>(row + (warp == 0 ? h : H + hk) * D, warp == 0 ? q_scale : k_scale, inv_freq, eps[0],
+      vc_head_norm_rope<D, TX>(row + (warp == 0 ? h : H + hk) * D, warp == 0 ? q_scale : k_scale, inv_freq,
+                               __int_as_float(EPS_BITS),
                                static_cast<float>(offset[0]), warp == 0 ? qs : kns, lane);
     } else if (warp == 2) {
       const TX* x = row + (H + HK + hk) * D;
@@ -121,7 +126,7 @@ constexpr const char* kQkvPrologue = R"(
 
 // Both prologues leave qs (this head's query) in shared memory and kn / vn (the new key and value,
 // read in slot `slot`; -1: none); the body reads the buffers around them.
-constexpr const char* kPartBody = R"(  const float sc = scale[0];
+constexpr const char* kPartBody = R"(  const float sc = __int_as_float(SCALE_BITS);
   const int cur = slot[0];
   const int last = min(offset[0], CAP - 1);  // the highest valid slot
   const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
@@ -240,17 +245,18 @@ constexpr const char* kCombineSource = R"(
 const CudaSource& part_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int d, int h, int hk, bool single, bool write = false) {
-    return CudaInstance{{"float", "float", "float", "int32_t", "float", "int32_t", "float", "float", "int32_t"},
+    return CudaInstance{{"float", "float", "float", "int32_t", "int32_t", "float", "float", "int32_t"},
                         {"float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)},
                          P{"HK", int_arg(hk)}, P{"CH", int_arg(single ? kChunk : kSplitChunk)},
                          P{"THREADS", int_arg(kThreads)},
                          P{"SINGLE", single ? "bool:true" : "bool:false"},
-                         P{"WRITE", write ? "bool:true" : "bool:false"}}};
+                         P{"WRITE", write ? "bool:true" : "bool:false"},
+                         P{"SCALE_BITS", int_arg(float_bits(1.0f / std::sqrt(static_cast<float>(d))))}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_part",
-      {"q", "k", "v", "offset", "scale", "dims", "k_new", "v_new", "slot"},
+      {"q", "k", "v", "offset", "dims", "k_new", "v_new", "slot"},
       {"part"},
       std::string(kPartHead) + kPlainPrologue + kPartBody,
       "",
@@ -263,17 +269,17 @@ const CudaSource& part_source() {
 const CudaSource& qkv_part_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int d, int h, int hk, bool single, const std::string& tx, bool write) {
-    return CudaInstance{{tx, "float", "float", "float", "float", "float", "float", "int32_t", "float", "int32_t",
-                         "int32_t"},
+    return CudaInstance{{tx, "float", "float", "float", "float", "float", "int32_t", "int32_t", "int32_t"},
                         {"float", "float", "float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"HK", int_arg(hk)},
                          P{"CH", int_arg(single ? kChunk : kSplitChunk)}, P{"THREADS", int_arg(kThreads)},
                          P{"SINGLE", single ? "bool:true" : "bool:false"}, P{"TX", type_arg(tx)},
-                         P{"WRITE", write ? "bool:true" : "bool:false"}}};
+                         P{"WRITE", write ? "bool:true" : "bool:false"},
+                         P{"SCALE_BITS", int_arg(float_bits(0.0625f))}, P{"EPS_BITS", int_arg(float_bits(1e-6f))}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_decode_attn_qkv_part",
-      {"qkv", "q_scale", "k_scale", "inv_freq", "eps", "k", "v", "offset", "scale", "dims", "slot"},
+      {"qkv", "q_scale", "k_scale", "inv_freq", "k", "v", "offset", "dims", "slot"},
       {"part", "k_out", "v_out"},
       std::string(kPartHead) + kQkvPrologue + kPartBody,
       head_norm_rope_header(),
@@ -321,7 +327,7 @@ struct Chunking {
 Chunking chunking(int cap) {
   const int ch = cap <= kChunk ? kChunk : kSplitChunk;
   const int nc = (cap + ch - 1) / ch;
-  return {nc, mx::array({cap}, mx::int32), nc == 1, ch};
+  return {nc, kept_int(cap), nc == 1, ch};
 }
 
 // The second launch: one block per (b, h) merges its chunks' partial softmaxes -> [B, 1, H * D].
@@ -364,12 +370,12 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   // same flat values as [B * H, D]): no reshape nodes in the graph.
   const mx::Shape result{b, 1, h * d};
   // Without a new key: slot -1, and k_new / v_new fill their places unread.
-  auto parts = part({q, k, v, mx::astype(offset, mx::int32, s), mx::array({scale}), dims, with_new ? *k_new : q,
-                     with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : mx::array({-1}, mx::int32)},
+  auto parts = part({q, k, v, mx::astype(offset, mx::int32, s), dims, with_new ? *k_new : q,
+                     with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : kept_int(-1)},
                     {single ? result : mx::Shape{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
                     {kThreads, 1, 1},
                     {{"D", d}, {"H", h}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},
-                     {"WRITE", write_cache}},
+                     {"WRITE", write_cache}, {"SCALE_BITS", float_bits(scale)}},
                     std::nullopt, false, s)[0];
   return single ? parts : combine_chunks(parts, dims, b, h, d, s);
 }
@@ -412,12 +418,13 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
   static auto part = make_cuda_kernel(qkv_part_source());
   const auto [nc, dims, single, ch] = chunking(cap);
   const mx::Shape result{b, 1, heads * d}, one{b, hk, 1, d};
-  auto outs = part({qkv, q_scale, k_scale, inv_freq, mx::array({eps}), k, v, mx::astype(offset, mx::int32, s),
-                    mx::array({scale}), dims, mx::astype(slot, mx::int32, s)},
+  auto outs = part({qkv, q_scale, k_scale, inv_freq, k, v, mx::astype(offset, mx::int32, s), dims,
+                    mx::astype(slot, mx::int32, s)},
                    {single ? result : mx::Shape{b * heads * nc, d + 2}, one, one},
                    {mx::float32, mx::float32, mx::float32}, {b * heads * nc * kThreads, 1, 1}, {kThreads, 1, 1},
                    {{"D", d}, {"H", heads}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},
-                    {"TX", qkv.dtype()}, {"WRITE", write_cache}},
+                    {"TX", qkv.dtype()}, {"WRITE", write_cache}, {"SCALE_BITS", float_bits(scale)},
+                    {"EPS_BITS", float_bits(eps)}},
                    std::nullopt, false, s);
   return {single ? outs[0] : combine_chunks(outs[0], dims, b, heads, d, s), outs[1], outs[2]};
 }

@@ -309,16 +309,17 @@ const CudaSource& dense_source() {
 const CudaSource& dense_add_norm_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int k, int n, int m, int rows, int threads, bool has_bias, const char* tw, const char* tb) {
-    return CudaInstance{{"float", "float", "float", "float", "float", tw, tb},
+    return CudaInstance{{"float", "float", "float", "float", tw, tb},
                         {"float", "float"},
                         {P{"K", int_arg(k)}, P{"N", int_arg(n)}, P{"M", int_arg(m)}, P{"ROWS", int_arg(rows)},
                          P{"THREADS", int_arg(threads)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
+                         P{"EPS_BITS", int_arg(float_bits(1e-6f))},
                          P{"TW", type_arg(tw)}, P{"TB", type_arg(tb)}, P{"TO", "type:float"}}};
   };
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
       "vc_dense_add_norm",
-      {"h", "y", "post", "pre", "eps_arr", "weight", "bias"},
+      {"h", "y", "post", "pre", "weight", "bias"},
       {"out", "h_out"},
       gemv_cuda::kDenseAddNormSource,
       block_reduce_header() + gemv_cuda::kHeader,
@@ -700,10 +701,11 @@ std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const mx::array
   }
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, 0, 0, 0);
   auto outs = kernel(dense_add_norm_source())(
-      {h, y, post, pre, mx::array({eps}), w, bias ? *bias : w},  // flat, as in quantized_matvec
+      {h, y, post, pre, w, bias ? *bias : w},  // flat, as in quantized_matvec
       {out_shape(h, n), h.shape()}, {mx::float32, mx::float32}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads}, {"HAS_BIAS", bias.has_value()},
-       {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()}, {"TO", mx::float32}},
+       {"EPS_BITS", float_bits(eps)}, {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()},
+       {"TO", mx::float32}},
       std::nullopt, false, s);
   return {outs[0], outs[1]};
 }

@@ -590,15 +590,15 @@ constexpr const char* kDenseSource = R"(
 //   h'[m] = h[m] + rms_norm(y[m]) * post,   x[m] = rms_norm(h'[m]) * pre,   out[m, n] = x[m] . w[n] (+ bias)
 // and h' is written too (by block 0): the residual stream the next seam adds to. Every block forms
 // x (M rows of K floats) in shared memory from h and y (K floats each: small beside its weight
-// rows), then runs the block-layout product over it. eps = eps_arr[0].
-// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, TW, TB, TO (h, y, post, pre: float). Its header
+// rows), then runs the block-layout product over it. eps from EPS_BITS (float bits).
+// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, EPS_BITS, TW, TB, TO (h, y, post, pre: float). Its header
 // is block_reduce_header() + kHeader.
 constexpr const char* kDenseAddNormSource = R"(
   __shared__ __align__(16) float xs[M * K];
   __shared__ float red[THREADS / 32];
   __shared__ float part[ROWS * M * THREADS];
   __shared__ float total[ROWS * M];
-  const float eps = eps_arr[0];
+  const float eps = __int_as_float(EPS_BITS);
   for (int m = 0; m < M; ++m) {
     const float* ym = y + static_cast<size_t>(m) * K;
     const float* hm = h + static_cast<size_t>(m) * K;

@@ -68,7 +68,7 @@ __device__ int block_argmax(float v, int i, float* vs, int* is) {
 )";
 
 // Template args: N (components), R (low rank), L (latent), H (hidden), THREADS, TW (weights' type).
-// params: top_p, min_log_std, noise_scale.
+// TOP_P_BITS, MIN_LOG_STD_BITS, NOISE_BITS: top_p, min_log_std and noise_scale as float bits.
 constexpr const char* kSource = R"(
   const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   __shared__ float p[N];
@@ -77,7 +77,7 @@ constexpr const char* kSource = R"(
   __shared__ float scratch[THREADS / 32];
   __shared__ int scratch_i[THREADS / 32];
   const int tid = threadIdx.x;
-  const float top_p = params[0];
+  const float top_p = __int_as_float(TOP_P_BITS);
   // softmax of the logits
   float m = neg_inf;
   for (int i = tid; i < N; i += THREADS) m = fmaxf(m, y[i]);
@@ -126,27 +126,29 @@ constexpr const char* kSource = R"(
   }
   __syncthreads();
   // z = (low_mat[c] @ low) * s + rest + s * noise * noise_scale
-  const float scale = expf(fmaxf(y[N], params[1]));
+  const float scale = expf(fmaxf(y[N], __int_as_float(MIN_LOG_STD_BITS)));
   for (int l = tid; l < L; l += THREADS) {
     const TW* lm = low_mat + (static_cast<size_t>(c) * L + l) * R;
     float mu = 0.0f;
     for (int r = 0; r < R; ++r) mu += static_cast<float>(lm[r]) * low[r];
-    z[l] = (mu * scale + y[N + 1 + l]) + scale * noise[l] * params[2];
+    z[l] = (mu * scale + y[N + 1 + l]) + scale * noise[l] * __int_as_float(NOISE_BITS);
   }
 )";
 
 const CudaSource& source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int n, int r, int l, int h, const std::string& tw) {
-    return CudaInstance{{"float", "float", "float", "float", tw, tw, "float"},
+    return CudaInstance{{"float", "float", "float", "float", tw, tw},
                         {"float", "int32_t"},
                         {P{"N", int_arg(n)}, P{"R", int_arg(r)},
                          P{"L", int_arg(l)}, P{"H", int_arg(h)},
-                         P{"THREADS", int_arg(kThreads)}, P{"TW", type_arg(tw)}}};
+                         P{"THREADS", int_arg(kThreads)}, P{"TW", type_arg(tw)},
+                         P{"TOP_P_BITS", int_arg(float_bits(0.95f))}, P{"MIN_LOG_STD_BITS", int_arg(float_bits(-7.0f))},
+                         P{"NOISE_BITS", int_arg(float_bits(0.001f))}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_mog_sample",
-      {"y", "h", "u", "noise", "mus", "low_mat", "params"},
+      {"y", "h", "u", "noise", "mus", "low_mat"},
       {"z", "component"},
       kSource,
       block_reduce_header() + kHeader,
@@ -180,11 +182,12 @@ std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array&
   expect(kernel_path, "runs on a CUDA stream (float32 y, h, u, noise; N <= 4096); elsewhere use "
                       "voicechat.kernels.mog_sample, which composes MLX ops");
   static auto kernel = make_cuda_kernel(source());
-  auto params = mx::array({top_p, min_log_std, noise_scale});
   // y, h, u and noise are read flat (row-contiguous, as MLX makes every kernel input): no reshapes.
-  auto outs = kernel({y, h, u, noise, mus, low_mat, params}, {{l}, {1}},
+  auto outs = kernel({y, h, u, noise, mus, low_mat}, {{l}, {1}},
                      {mx::float32, mx::int32}, {kThreads, 1, 1}, {kThreads, 1, 1},
-                     {{"N", n}, {"R", r}, {"L", l}, {"H", hidden}, {"THREADS", kThreads}, {"TW", mus.dtype()}},
+                     {{"N", n}, {"R", r}, {"L", l}, {"H", hidden}, {"THREADS", kThreads}, {"TW", mus.dtype()},
+                      {"TOP_P_BITS", float_bits(top_p)}, {"MIN_LOG_STD_BITS", float_bits(min_log_std)},
+                      {"NOISE_BITS", float_bits(noise_scale)}},
                      std::nullopt, false, s);
   return {outs[0], outs[1]};
 }

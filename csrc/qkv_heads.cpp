@@ -72,7 +72,8 @@ namespace {
 
 constexpr int kWarpsPerBlock = 4;
 
-// Template args: B, HQ, HK, D, T (positions per batch row), WARPS (per block), TX (qkv's type).
+// Template args: B, HQ, HK, D, T (positions per batch row), WARPS (per block), TX (qkv's type),
+// EPS_BITS (the head norms' eps as float bits).
 constexpr const char* kSource = R"(
   constexpr int HEADS = HQ + 2 * HK;
   const int lane = threadIdx.x & 31;
@@ -100,22 +101,24 @@ constexpr const char* kSource = R"(
     for (int d = lane; d < D; d += 32) o[d] = static_cast<float>(x[d]);
     return;
   }
-  vc_head_norm_rope<D, TX>(x, head < HQ ? q_scale : k_scale, inv_freq, eps[0], static_cast<float>(offset[0] + t), o,
+  vc_head_norm_rope<D, TX>(x, head < HQ ? q_scale : k_scale, inv_freq, __int_as_float(EPS_BITS),
+                           static_cast<float>(offset[0] + t), o,
                            lane);
 )";
 
 const CudaSource& source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int b, int hq, int hk, int d, int t, const std::string& tx) {
-    return CudaInstance{{tx, "float", "float", "float", "int32_t", "float"},
+    return CudaInstance{{tx, "float", "float", "float", "int32_t"},
                         {"float", "float", "float"},
                         {P{"B", int_arg(b)}, P{"HQ", int_arg(hq)}, P{"HK", int_arg(hk)},
                          P{"D", int_arg(d)}, P{"T", int_arg(t)},
-                         P{"WARPS", int_arg(kWarpsPerBlock)}, P{"TX", type_arg(tx)}}};
+                         P{"WARPS", int_arg(kWarpsPerBlock)}, P{"TX", type_arg(tx)},
+                         P{"EPS_BITS", int_arg(float_bits(1e-6f))}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_qkv_heads",
-      {"qkv", "q_scale", "k_scale", "inv_freq", "offset", "eps"},
+      {"qkv", "q_scale", "k_scale", "inv_freq", "offset"},
       {"q_out", "k_out", "v_out"},
       kSource,
       head_norm_rope_header(),
@@ -156,11 +159,13 @@ std::tuple<mx::array, mx::array, mx::array> qkv_heads(const mx::array& qkv, cons
   const int items = rows * (heads + 2 * kv_heads);
   const int blocks = (items + kWarpsPerBlock - 1) / kWarpsPerBlock;
   // qkv read flat and the offset as its one value, whatever their shapes: no reshape nodes.
-  auto outs = kernel({qkv, q_scale, k_scale, inv_freq, mx::astype(offset, mx::int32, s), mx::array(eps, mx::float32)},
+  auto outs = kernel({qkv, q_scale, k_scale, inv_freq, mx::astype(offset, mx::int32, s)},
                      {{batch, heads, t, d}, {batch, kv_heads, t, d}, {batch, kv_heads, t, d}},
                      {mx::float32, mx::float32, mx::float32}, {blocks * 32 * kWarpsPerBlock, 1, 1},
                      {32 * kWarpsPerBlock, 1, 1},
-                     {{"B", batch}, {"HQ", heads}, {"HK", kv_heads}, {"D", d}, {"T", t}, {"WARPS", kWarpsPerBlock}, {"TX", qkv.dtype()}}, std::nullopt, false, s);
+                     {{"B", batch}, {"HQ", heads}, {"HK", kv_heads}, {"D", d}, {"T", t}, {"WARPS", kWarpsPerBlock}, {"TX", qkv.dtype()},
+                      {"EPS_BITS", float_bits(eps)}},
+                     std::nullopt, false, s);
   return {outs[0], outs[1], outs[2]};
 }
 

@@ -171,7 +171,12 @@ def _x(shape, dtype, seed=7):
     return mx.array(np.random.default_rng(seed).standard_normal(shape, np.float32)).astype(dtype)
 
 
-EPS_BITS = int(np.float32(1e-5).view(np.int32))  # the norms' eps as the kernels take it
+def _float_bits(f: float) -> int:
+    """A float as the int template argument the kernels read it from (csrc float_bits)."""
+    return int(np.float32(f).view(np.int32))
+
+
+EPS_BITS = _float_bits(1e-5)  # the norms' eps as the kernels take it
 
 
 def _epilogue_ref(ref, epi, residual):
@@ -345,9 +350,10 @@ def dense_add_norm_case(n, k, m, w_dtype, rows, threads, bias_dtype=None):
     pre = 1.0 + 0.1 * mx.random.normal((k,), key=k4)
     w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
-    args = dict(K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None, TW=w_dtype,
+    args = dict(K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None, EPS_BITS=_float_bits(1e-6),
+                TW=w_dtype,
                 TB=bias_dtype or w_dtype, TO=mx.float32)
-    case = Case("vc_dense_add_norm", args, [h, y, post, pre, mx.array([1e-6]), w, bias if bias is not None else w],
+    case = Case("vc_dense_add_norm", args, [h, y, post, pre, w, bias if bias is not None else w],
                 [("float", (m, n)), ("float", (m, k))], -(-n // rows), threads)
     with mx.stream(mx.cpu):
         h2, z = add_rms_norm_reference(h, y, post, pre, 1e-6)
@@ -362,8 +368,8 @@ def add_norm_case(rows, c, y_dtype=mx.float32):
     y = (3.0 * mx.random.normal((rows, c), key=k2)).astype(y_dtype)
     post = 1.0 + 0.1 * mx.random.normal((c,), key=k3)
     pre = 1.0 + 0.1 * mx.random.normal((c,), key=k4)
-    args = dict(C=c, THREADS=256, TH=mx.float32, TY=y_dtype, TW=mx.float32, TO=mx.float32)
-    case = Case("vc_add_rms_norm", args, [h, y, post, pre, mx.array([1e-6], mx.float32)],
+    args = dict(C=c, THREADS=256, EPS_BITS=_float_bits(1e-6), TH=mx.float32, TY=y_dtype, TW=mx.float32, TO=mx.float32)
+    case = Case("vc_add_rms_norm", args, [h, y, post, pre],
                 [("float", (rows, c)), ("float", (rows, c))], rows, 256)
     with mx.stream(mx.cpu):
         ref = add_rms_norm_reference(h, y.astype(mx.float32), post, pre, 1e-6)
@@ -376,10 +382,9 @@ def qkv_heads_case(b, t, hq, hk, d, offset, base, dtype=mx.float32):
     q_scale = 1.0 + 0.1 * mx.random.normal((d,), key=k2)
     k_scale = 1.0 + 0.1 * mx.random.normal((d,), key=k3)
     inv_freq = rope_inv_freq(d, base)
-    args = dict(B=b, HQ=hq, HK=hk, D=d, T=t, WARPS=4, TX=dtype)
+    args = dict(B=b, HQ=hq, HK=hk, D=d, T=t, WARPS=4, TX=dtype, EPS_BITS=_float_bits(1e-6))
     items = b * t * (hq + 2 * hk)
-    case = Case("vc_qkv_heads", args, [qkv, q_scale, k_scale, inv_freq, mx.array([offset], mx.int32),
-                                       mx.array([1e-6], mx.float32)],
+    case = Case("vc_qkv_heads", args, [qkv, q_scale, k_scale, inv_freq, mx.array([offset], mx.int32)],
                 [("float", (b, hq, t, d)), ("float", (b, hk, t, d)), ("float", (b, hk, t, d))], -(-items // 4), 128)
     with mx.stream(mx.cpu):
         ref = qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, hq, hk, 1e-6)
@@ -395,9 +400,9 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
     noise = mx.random.normal((latent,), key=k[3])
     mus = (mx.random.normal((n * r, hidden), key=k[4]) * hidden**-0.5).astype(w_dtype)
     low_mat = (mx.random.normal((n, latent, r), key=k[5]) * r**-0.5).astype(w_dtype)
-    params = mx.array([0.95, -4.0, 0.001], mx.float32)
-    args = dict(N=n, R=r, L=latent, H=hidden, THREADS=512, TW=w_dtype)
-    case = Case("vc_mog_sample", args, [y, h, u, noise, mus, low_mat, params],
+    args = dict(N=n, R=r, L=latent, H=hidden, THREADS=512, TW=w_dtype, TOP_P_BITS=_float_bits(0.95),
+                MIN_LOG_STD_BITS=_float_bits(-4.0), NOISE_BITS=_float_bits(0.001))
+    case = Case("vc_mog_sample", args, [y, h, u, noise, mus, low_mat],
                 [("float", (latent,)), ("int32_t", (1,))], 1, 512)
     with mx.stream(mx.cpu):
         ref = mog_sample_reference(y, h, u, noise, mus, low_mat, 0.95, -4.0, 0.001)
@@ -428,8 +433,9 @@ def attention_cases(tag, b, h, hk, cap, d, write=False):
     dims = mx.array([cap], mx.int32)
     single = nc == 1  # one chunk: the part kernel writes the result
     new = mx.zeros((b, hk, 1, d))
-    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, WRITE=write),
-                [q, kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), dims, new, new, mx.zeros((1,), mx.int32)],
+    part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, WRITE=write,
+                                            SCALE_BITS=_float_bits(d**-0.5)),
+                [q, kv, kv, mx.zeros((1,), mx.int32), dims, new, new, mx.zeros((1,), mx.int32)],
                 [("float", (b * h * nc, d if single else d + 2))], b * h * nc, 256, written=(1, 2) if write else ())
     combine = Case("vc_decode_attn_combine", dict(D=d, CH=ATTN_SPLIT_CHUNK, THREADS=128),
                    [mx.zeros((b * h * nc, d + 2)), dims], [("float", (b * h, d))], b * h, 128)
@@ -452,12 +458,12 @@ def attention_qkv_case(b, h, hk, cap, d, dtype, write):
     single = nc == 1
     kv = mx.zeros((b, hk, cap, d))
     inputs = [mx.zeros((b, 1, (h + 2 * hk) * d), dtype), mx.zeros((d,)), mx.zeros((d,)), mx.zeros((d // 2,)),
-              mx.zeros((1,)), kv, kv, mx.zeros((1,), mx.int32), mx.zeros((1,)), mx.array([cap], mx.int32),
-              mx.zeros((1,), mx.int32)]
+              kv, kv, mx.zeros((1,), mx.int32), mx.array([cap], mx.int32), mx.zeros((1,), mx.int32)]
     return Case("vc_decode_attn_qkv_part",
-                dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, TX=dtype, WRITE=write),
+                dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, TX=dtype, WRITE=write,
+                     SCALE_BITS=_float_bits(256**-0.5), EPS_BITS=_float_bits(1e-6)),
                 inputs, [("float", (b * h * nc, d if single else d + 2)), ("float", (b, hk, 1, d)),
-                         ("float", (b, hk, 1, d))], b * h * nc, 256, written=(5, 6) if write else ())
+                         ("float", (b, hk, 1, d))], b * h * nc, 256, written=(4, 5) if write else ())
 
 
 RVQ_CONFIGS = {"rvq_f32": (mx.float32, 40, 52, 4), "rvq_bf16": (mx.bfloat16, 64, 128, 32)}  # T, D, K, NB
@@ -763,7 +769,7 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
     slot = offset % cap if with_new else -1
     scale = d**-0.5
     part = cases[f"{tag}_part"]
-    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale]), mx.array([cap], mx.int32),
+    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([cap], mx.int32),
                    k_new, v_new, mx.array([slot], mx.int32)]
     name = f"{tag}_{offset}_{int(with_new)}"
     (tmp / name).mkdir()
@@ -789,7 +795,7 @@ def test_decode_attention_writes_the_new_key_in_place_emulated(emulated, tag, of
     k_new, v_new = mx.random.normal((b, hk, 1, d), key=k4), mx.random.normal((b, hk, 1, d), key=k5)
     scale = d**-0.5
     part = cases[f"{tag}_part"]
-    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([scale]), mx.array([cap], mx.int32),
+    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([cap], mx.int32),
                    k_new, v_new, mx.array([offset], mx.int32)]
     name = f"{tag}_{offset}_write"
     (tmp / name).mkdir()
@@ -820,8 +826,8 @@ def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
     k, v = mx.random.normal((b, hk, cap, d), key=keys[3]), mx.random.normal((b, hk, cap, d), key=keys[4])
     slot, scale = offset % cap, 256**-0.5
     case = cases[tag]
-    case.inputs = [qkv, q_scale, k_scale, inv_freq, mx.array([1e-6]), k, v, mx.array([offset], mx.int32),
-                   mx.array([scale]), mx.array([cap], mx.int32), mx.array([slot], mx.int32)]
+    case.inputs = [qkv, q_scale, k_scale, inv_freq, k, v, mx.array([offset], mx.int32), mx.array([cap], mx.int32),
+                   mx.array([slot], mx.int32)]
     name = f"{tag}_{offset}"
     (tmp / name).mkdir()
     out, k_new, v_new, *written = run(exe, tag, case, tmp / name)

@@ -133,6 +133,19 @@ class KVCache:
         return [a for a in (self.keys, self.values) if a is not None]
 
 
+_NOTHING_PENDING: list[mx.array] = []
+
+
+def _nothing_pending() -> mx.array:
+    """What a compiled step's buffers wait for when no write is pending: an evaluated array of its
+    own. (Not the buffers themselves: passed twice into mx.compile, one array is one input, and
+    the edge to the real pending write of later steps was lost.)"""
+    if not _NOTHING_PENDING:
+        _NOTHING_PENDING.append(mx.zeros((1,)))
+        mx.eval(_NOTHING_PENDING)
+    return _NOTHING_PENDING[0]
+
+
 def _own_buffer(a: mx.array | None) -> mx.array | None:
     """The same values in a buffer of their own (mx.array(a) would share a's): a select of a with
     itself, bit for bit."""
@@ -150,7 +163,7 @@ class BufferKV:
         # The buffers wait for the previous step's in-place write (see KVCache).
         if pending is not None:
             keys, values = mx.depends([keys, values], [pending])
-        self.keys, self.values, self.offset = keys, values, offset
+        self.keys, self.values, self.offset, self.pending = keys, values, offset, pending
         self.written: mx.array | None = None  # this step's attention output, when it wrote the buffers
         # Shared by the step's attention layers: buffers of one capacity need one mask a step.
         self._masks = {} if masks is None else masks
@@ -170,12 +183,20 @@ class BufferKV:
 
 
 class NemotronHCache(list):
-    """Per-layer caches of one decoding session (None for MLP layers)."""
+    """Per-layer caches of one decoding session (None for MLP layers). `position` is the next
+    position as an int32 device array [1] once a compiled step made it (valid while `position_at`
+    equals `offset`)."""
+
+    position: mx.array | None = None
+    position_at: int = -1
 
     def copy(self) -> "NemotronHCache":
-        return NemotronHCache(c.copy() if c is not None else None for c in self)
+        new = NemotronHCache(c.copy() if c is not None else None for c in self)
+        new.position, new.position_at = self.position, self.position_at
+        return new
 
     def reset(self) -> None:
+        self.position, self.position_at = None, -1
         for c in self:
             if c is not None:
                 c.reset()
@@ -445,12 +466,15 @@ class DuplexLM(nn.Module):
                 state += [c.conv, c.ssm]
             elif layer.kind == "attention":
                 c.reserve(offset + 1, b, cfg.num_key_value_heads, cfg.head_dim)
-                # no write pending: the keys stand in (a dependency on an input changes nothing)
-                state += [c.keys, c.values, c.keys if c.pending is None else c.pending]
+                state += [c.keys, c.values, _nothing_pending() if c.pending is None else c.pending]
         if getattr(self, "_decode_fn", None) is None:
             self._decode_fn = mx.compile(self._decode_graph)
-        text, function, *state = self._decode_fn(prev_text_ids, audio, prev_function_ids,
-                                                 mx.array([offset], mx.int32), state)
+        # The position as the last step computed it on the device: an array made on the host for
+        # each step would be read from host-written memory by every attention launch.
+        position = cache.position if cache.position_at == offset else mx.array([offset], mx.int32)
+        text, function, cache.position, *state = self._decode_fn(prev_text_ids, audio, prev_function_ids,
+                                                                 position, state)
+        cache.position_at = offset + 1
         arrays = iter(state)
         for c in cache:
             if isinstance(c, MambaCache):
@@ -471,11 +495,11 @@ class DuplexLM(nn.Module):
                 caches.append(None)
         out = self.step(self.fused_input(prev_text_ids, audio, prev_function_ids), caches)
         # An attention layer hands back its buffers and what the next step must wait for: its
-        # attention output when that wrote the buffers in place, else the keys (nothing to wait for).
+        # attention output when that wrote the buffers in place, else what this step waited for.
         new_state = [a for c in caches if c is not None
                      for a in ((c.conv, c.ssm) if isinstance(c, MambaCache) else
-                               (c.keys, c.values, c.keys if c.written is None else c.written))]
-        return [out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32), *new_state]
+                               (c.keys, c.values, c.pending if c.written is None else c.written))]
+        return [out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32), offset + 1, *new_state]
 
     def prepare(self, decode_kernels: bool | None = None) -> "DuplexLM":
         """Load-time conversions for decoding; call once after loading weights. Returns self.

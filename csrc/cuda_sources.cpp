@@ -1,3 +1,4 @@
+#include <stdexcept>
 #include <unordered_map>
 #include <mutex>
 #include "cuda_sources.h"
@@ -67,6 +68,9 @@ std::string int_arg(int v) { return "int:" + std::to_string(v); }
 int float_bits(float f) {
   int i;
   std::memcpy(&i, &f, sizeof(i));
+  if (i < 0) {
+    throw std::invalid_argument("float_bits: " + std::to_string(f) + " is negative (pass its magnitude and a sign)");
+  }
   return i;
 }
 

@@ -53,9 +53,11 @@ bool float_dtype(mlx::core::Dtype t);  // float32, bfloat16 or float16: what the
 // "type:float".
 std::string int_arg(int v);
 
-// A float as the int template argument that carries it into a kernel (read there with
+// A float >= 0 as the int template argument that carries it into a kernel (read there with
 // __int_as_float): scalars such as eps go in this way, not as one-element arrays made on the host
-// for each call, which every launch then read from memory the CPU wrote.
+// for each call, which every launch then read from memory the CPU wrote. Negative values are
+// refused: MLX names a kernel after its template args, and a '-' there does not compile (a signed
+// scalar goes in as its magnitude and a bool).
 int float_bits(float f);
 
 // A one-element int32 array of v, made and evaluated once per value and kept for the process: for

@@ -14,6 +14,8 @@
 // component whose mass lies within float rounding of top_p may be decided differently from the
 // sorted scan's. CUDA through fast::cuda_kernel; elsewhere the composed reference.
 #include <pybind11/pybind11.h>
+
+#include <cmath>
 #include <pybind11/stl.h>
 
 #include <stdexcept>
@@ -68,7 +70,8 @@ __device__ int block_argmax(float v, int i, float* vs, int* is) {
 )";
 
 // Template args: N (components), R (low rank), L (latent), H (hidden), THREADS, TW (weights' type).
-// TOP_P_BITS, MIN_LOG_STD_BITS, NOISE_BITS: top_p, min_log_std and noise_scale as float bits.
+// TOP_P_BITS, NOISE_BITS: top_p and noise_scale as float bits; MIN_LOG_STD_BITS / MIN_LOG_STD_NEG:
+// min_log_std's magnitude as float bits and its sign.
 constexpr const char* kSource = R"(
   const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   __shared__ float p[N];
@@ -126,7 +129,8 @@ constexpr const char* kSource = R"(
   }
   __syncthreads();
   // z = (low_mat[c] @ low) * s + rest + s * noise * noise_scale
-  const float scale = expf(fmaxf(y[N], __int_as_float(MIN_LOG_STD_BITS)));
+  const float min_log_std = MIN_LOG_STD_NEG ? -__int_as_float(MIN_LOG_STD_BITS) : __int_as_float(MIN_LOG_STD_BITS);
+  const float scale = expf(fmaxf(y[N], min_log_std));
   for (int l = tid; l < L; l += THREADS) {
     const TW* lm = low_mat + (static_cast<size_t>(c) * L + l) * R;
     float mu = 0.0f;
@@ -143,7 +147,8 @@ const CudaSource& source() {
                         {P{"N", int_arg(n)}, P{"R", int_arg(r)},
                          P{"L", int_arg(l)}, P{"H", int_arg(h)},
                          P{"THREADS", int_arg(kThreads)}, P{"TW", type_arg(tw)},
-                         P{"TOP_P_BITS", int_arg(float_bits(0.95f))}, P{"MIN_LOG_STD_BITS", int_arg(float_bits(-7.0f))},
+                         P{"TOP_P_BITS", int_arg(float_bits(0.95f))}, P{"MIN_LOG_STD_BITS", int_arg(float_bits(7.0f))},
+                         P{"MIN_LOG_STD_NEG", "bool:true"},
                          P{"NOISE_BITS", int_arg(float_bits(0.001f))}}};
   };
   static const CudaSource& src = register_cuda_source({
@@ -186,7 +191,8 @@ std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array&
   auto outs = kernel({y, h, u, noise, mus, low_mat}, {{l}, {1}},
                      {mx::float32, mx::int32}, {kThreads, 1, 1}, {kThreads, 1, 1},
                      {{"N", n}, {"R", r}, {"L", l}, {"H", hidden}, {"THREADS", kThreads}, {"TW", mus.dtype()},
-                      {"TOP_P_BITS", float_bits(top_p)}, {"MIN_LOG_STD_BITS", float_bits(min_log_std)},
+                      {"TOP_P_BITS", float_bits(top_p)}, {"MIN_LOG_STD_BITS", float_bits(std::fabs(min_log_std))},
+                      {"MIN_LOG_STD_NEG", std::signbit(min_log_std)},
                       {"NOISE_BITS", float_bits(noise_scale)}},
                      std::nullopt, false, s);
   return {outs[0], outs[1]};

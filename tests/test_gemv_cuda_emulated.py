@@ -401,7 +401,7 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
     mus = (mx.random.normal((n * r, hidden), key=k[4]) * hidden**-0.5).astype(w_dtype)
     low_mat = (mx.random.normal((n, latent, r), key=k[5]) * r**-0.5).astype(w_dtype)
     args = dict(N=n, R=r, L=latent, H=hidden, THREADS=512, TW=w_dtype, TOP_P_BITS=_float_bits(0.95),
-                MIN_LOG_STD_BITS=_float_bits(-4.0), NOISE_BITS=_float_bits(0.001))
+                MIN_LOG_STD_BITS=_float_bits(4.0), MIN_LOG_STD_NEG=True, NOISE_BITS=_float_bits(0.001))
     case = Case("vc_mog_sample", args, [y, h, u, noise, mus, low_mat],
                 [("float", (latent,)), ("int32_t", (1,))], 1, 512)
     with mx.stream(mx.cpu):

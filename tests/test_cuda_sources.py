@@ -38,6 +38,17 @@ SOURCES = ext.cuda_sources()
 CASES = [(s, i, k) for s in SOURCES for k, i in enumerate(s["instances"])]
 
 
+def test_template_args_make_a_valid_kernel_name():
+    """MLX names a compiled kernel after its template args (a '-' of a negative int there does not
+    compile under NVRTC, which the nvcc check below, with its own names, cannot see): every int
+    argument of every registered instance is >= 0, so floats go in as magnitude bits and a sign."""
+    for src in SOURCES:
+        for inst in src["instances"]:
+            for name, value in inst["template_args"]:
+                if value.startswith("int:"):
+                    assert int(value[4:]) >= 0, f"{src['name']}: template arg {name} = {value} is negative"
+
+
 def test_every_cuda_source_has_an_instance():
     assert SOURCES, "no CUDA kernels registered"
     for src in SOURCES:

@@ -422,6 +422,24 @@ def test_compiled_decode_equals_the_eager_step(lm, tiny_checkpoint_q4, prefix, w
         KVCache.step = old
 
 
+def stepped_and_lazy_decode(lm: DuplexLM, steps: int = 8):
+    """The same teacher-forced compiled decode steps evaluated one at a time and as one lazy graph:
+    (ids stepped, ids lazy, caches' state stepped, lazy). Also run by tools/gpu/lazy_probe.py."""
+    vocab, h = lm.embed_tokens.weight.shape[0], lm.llm.config.hidden_size
+    audio = 4.0 * mx.random.normal((1, steps, h), key=mx.random.key(21))
+    ids = mx.random.randint(0, vocab, (2, steps), key=mx.random.key(22)).astype(mx.int32)
+    stepped, lazy = lm.make_cache(), lm.make_cache()
+    want, got = [], []
+    for i in range(steps):
+        t, f, frame = ids[:1, i : i + 1], ids[1:, i : i + 1], audio[:, i : i + 1]
+        text, function = lm.decode(t, frame, f, stepped)
+        mx.eval(text, function, stepped.state)
+        want.append((text.item(), function.item()))
+        got.append(lm.decode(t, frame, f, lazy))
+    mx.eval(got, lazy.state)
+    return want, [(a.item(), b.item()) for a, b in got], stepped.state, lazy.state
+
+
 def test_compiled_decode_steps_left_lazy_keep_their_order(tiny_checkpoint_q4):
     """Teacher-forced compiled steps built without evaluating and evaluated as one graph give the
     step-by-step ids: on CUDA each attention launch writes its slot of the K/V buffers in place,
@@ -437,18 +455,7 @@ def test_compiled_decode_steps_left_lazy_keep_their_order(tiny_checkpoint_q4):
     lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
     ckpt.load_into(lm, "stt_model.", ignore=OTHERS)
     lm.prepare(decode_kernels=True)
-    vocab, h = lm.embed_tokens.weight.shape[0], lm.llm.config.hidden_size
-    audio = 4.0 * mx.random.normal((1, 8, h), key=mx.random.key(21))
-    ids = mx.random.randint(0, vocab, (2, 8), key=mx.random.key(22)).astype(mx.int32)
-    stepped, lazy = lm.make_cache(), lm.make_cache()
-    want, got = [], []
-    for i in range(8):
-        t, f, frame = ids[:1, i : i + 1], ids[1:, i : i + 1], audio[:, i : i + 1]
-        text, function = lm.decode(t, frame, f, stepped)
-        mx.eval(text, function, stepped.state)
-        want.append((text.item(), function.item()))
-        got.append(lm.decode(t, frame, f, lazy))
-    mx.eval(got, lazy.state)
-    assert [(a.item(), b.item()) for a, b in got] == want
-    for a, b in zip(stepped.state, lazy.state):
+    want, got, stepped, lazy = stepped_and_lazy_decode(lm)
+    assert got == want
+    for a, b in zip(stepped, lazy):
         np_close(a, b, 2e-2, 2e-2)

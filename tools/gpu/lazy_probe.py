@@ -8,10 +8,10 @@ norms (emit / prenormed), the gated norm left for out_proj. Run on the lent H200
 
 from __future__ import annotations
 
+import sys
 import tempfile
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
 import voicechat.kernels.gemv as gemv
@@ -19,28 +19,19 @@ import voicechat.llm.nemotron_h as nh
 from voicechat.checkpoint import open_checkpoint
 from voicechat.testing import make_checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from test_nemotron_h import stepped_and_lazy_decode  # noqa: E402  (the lazy-order test's own run)
+
 
 def run(path: Path) -> str:
     ckpt = open_checkpoint(path)
     lm = nh.DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
     ckpt.load_into(lm, "stt_model.", ignore=("perception.", "rnnt_decoder.", "rnnt_joint."))
     lm.prepare(decode_kernels=True)
-    vocab, h = lm.embed_tokens.weight.shape[0], lm.llm.config.hidden_size
-    audio = 4.0 * mx.random.normal((1, 8, h), key=mx.random.key(21))
-    ids = mx.random.randint(0, vocab, (2, 8), key=mx.random.key(22)).astype(mx.int32)
-    stepped, lazy = lm.make_cache(), lm.make_cache()
-    want, got = [], []
-    for i in range(8):
-        t, f, frame = ids[:1, i : i + 1], ids[1:, i : i + 1], audio[:, i : i + 1]
-        text, function = lm.decode(t, frame, f, stepped)
-        mx.eval(text, function, stepped.state)
-        want.append((text.item(), function.item()))
-        got.append(lm.decode(t, frame, f, lazy))
-    mx.eval(got, lazy.state)
-    same_ids = [(a.item(), b.item()) for a, b in got] == want
+    want, got, stepped, lazy = stepped_and_lazy_decode(lm)
     diffs = [f"{i}:{float(np.abs(np.array(a) - np.array(b)).max()):.3g}"
-             for i, (a, b) in enumerate(zip(stepped.state, lazy.state)) if not np.array_equal(np.array(a), np.array(b))]
-    return f"ids {'same' if same_ids else 'DIFFER'}; states differing (index:max diff) {diffs or 'none'}"
+             for i, (a, b) in enumerate(zip(stepped, lazy)) if not np.array_equal(np.array(a), np.array(b))]
+    return f"ids {'same' if got == want else 'DIFFER'}; states differing (index:max diff) {diffs or 'none'}"
 
 
 def main() -> None:

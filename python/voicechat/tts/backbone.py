@@ -204,6 +204,15 @@ class BackboneCache:
     buffers: list[mx.array | None] = field(default_factory=list)
     offset: int = 0
     pending: tuple[list[mx.array], list[mx.array]] | None = None  # see `settle`
+    # The next position as the last compiled step computed it on the device (int32 scalar), valid
+    # while `position_at == offset`: an array made on the host for each step would be read from
+    # host-written memory by every attention launch (see `EarTTS.step`).
+    position: mx.array | None = None
+    position_at: int = -1
+
+    def position_array(self) -> mx.array:
+        """`offset` as an int32 scalar array, the device's own when a step left it."""
+        return self.position if self.position_at == self.offset else mx.array(self.offset, mx.int32)
 
     def __post_init__(self):
         self.groups, self.place = window_groups(self.windows)

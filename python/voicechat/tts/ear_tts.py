@@ -253,10 +253,11 @@ class EarTTS(nn.Module):
         q = self.cfg.num_quantizers
         text = mx.array(text_id, mx.int32) if not isinstance(text_id, mx.array) else text_id.astype(mx.int32)
         cache.reserve(cache.offset + 1, 2)
-        codes, key, cache.buffers, cache.pending = self._step_fn(
-            previous_code.astype(mx.int32).reshape(1, 1, q), text.reshape(1), mx.array(cache.offset, mx.int32),
+        codes, key, cache.buffers, cache.pending, cache.position = self._step_fn(
+            previous_code.astype(mx.int32).reshape(1, 1, q), text.reshape(1), cache.position_array(),
             key, silence_codes.astype(mx.int32).reshape(q), cache.buffers, cache.pending)
         cache.offset += 1
+        cache.position_at = cache.offset
         return codes, key
 
     def _step_graph(self, previous_code, text_id, offset, key, silence, buffers, pending):
@@ -265,4 +266,4 @@ class EarTTS(nn.Module):
         x = self.fuse(self.code_embedding(code), cond)
         hidden, buffers, pending = self.backbone.step_arrays(x, offset, buffers, pending)
         codes, key = self.generate_codes(hidden, key)
-        return codes, key, buffers, pending
+        return codes, key, buffers, pending, offset + 1  # the next step's position, on the device

@@ -1,6 +1,3 @@
-#include <stdexcept>
-#include <unordered_map>
-#include <mutex>
 #include "cuda_sources.h"
 
 #include <pybind11/pybind11.h>
@@ -9,6 +6,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
 #include <string_view>
 
 #include "mlx/mlx.h"
@@ -74,15 +74,15 @@ int float_bits(float f) {
   return i;
 }
 
-const mlx::core::array& kept_int(int v) {
+const mlx::core::array& kept_ints(const std::vector<int>& values) {
   static std::mutex lock;
-  static auto* kept = new std::unordered_map<int, mlx::core::array>();  // never freed: outlives the runtime
+  static auto* kept = new std::map<std::vector<int>, mlx::core::array>();  // never freed: outlives the runtime
   std::lock_guard<std::mutex> guard(lock);
-  auto it = kept->find(v);
+  auto it = kept->find(values);
   if (it == kept->end()) {
-    mlx::core::array a({v}, mlx::core::int32);
+    mlx::core::array a(values.begin(), mlx::core::Shape{static_cast<int>(values.size())}, mlx::core::int32);
     mlx::core::eval(a);
-    it = kept->emplace(v, a).first;
+    it = kept->emplace(values, a).first;
   }
   return it->second;
 }

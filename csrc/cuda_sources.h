@@ -60,10 +60,10 @@ std::string int_arg(int v);
 // scalar goes in as its magnitude and a bool).
 int float_bits(float f);
 
-// A one-element int32 array of v, made and evaluated once per value and kept for the process: for
-// an int a kernel must read from memory (a size, an index), never a fresh host array each call
-// (each launch reading one ran ~10 us longer on the H200).
-const mlx::core::array& kept_int(int v);
+// An int32 array of `values`, made and evaluated once per list and kept for the process: for ints
+// a kernel must read from memory (sizes, an index), never a fresh host array each call (each
+// launch reading one ran ~10 us longer on the H200).
+const mlx::core::array& kept_ints(const std::vector<int>& values);
 std::string type_arg(const std::string& cuda_type);
 
 // Device helpers for kernel headers: vc_block_sum / vc_block_max<THREADS>(v, scratch), the sum /

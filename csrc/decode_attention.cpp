@@ -21,9 +21,7 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
-#include <mutex>
 #include <optional>
-#include <unordered_map>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -327,7 +325,7 @@ struct Chunking {
 Chunking chunking(int cap) {
   const int ch = cap <= kChunk ? kChunk : kSplitChunk;
   const int nc = (cap + ch - 1) / ch;
-  return {nc, kept_int(cap), nc == 1, ch};
+  return {nc, kept_ints({cap}), nc == 1, ch};
 }
 
 // The second launch: one block per (b, h) merges its chunks' partial softmaxes -> [B, 1, H * D].
@@ -371,7 +369,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   const mx::Shape result{b, 1, h * d};
   // Without a new key: slot -1, and k_new / v_new fill their places unread.
   auto parts = part({q, k, v, mx::astype(offset, mx::int32, s), dims, with_new ? *k_new : q,
-                     with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : kept_int(-1)},
+                     with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : kept_ints({-1})},
                     {single ? result : mx::Shape{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
                     {kThreads, 1, 1},
                     {{"D", d}, {"H", h}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},

@@ -508,8 +508,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
     const auto& p = prenorm->partials;
     if (norm_weight) fail("norm_weight and prenormed partials cannot be combined");
     if (prenorm->groups < 1 || k % prenorm->groups != 0) fail("prenorm groups must divide K = " + std::to_string(k));
-    if (!float_dtype(p.dtype()) || p.ndim() != x.ndim() || m == 0 ||
-        static_cast<int>(p.size()) % m != 0 || p.shape(-1) % prenorm->groups != 0 ||
+    if (!float_dtype(p.dtype()) || p.ndim() != x.ndim() || m == 0 || p.shape(-1) % prenorm->groups != 0 ||
         static_cast<int>(p.size()) != m * p.shape(-1)) {
       fail("partials must be a float array [..., P] with x's leading shape and P a multiple of the groups");
     }

@@ -17,10 +17,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "cuda_sources.h"
@@ -416,21 +414,6 @@ const CudaSource& conv_scan_source() {
   return src;
 }
 
-// `dims` = [L, batch] as int32, one evaluated array per shape (built once, kept for the process).
-mx::array dims_array(int L, int b) {
-  static std::mutex lock;
-  static auto* cache = new std::unordered_map<int64_t, mx::array>();  // never freed: outlives the runtime
-  std::lock_guard<std::mutex> guard(lock);
-  const int64_t key = (static_cast<int64_t>(L) << 32) | static_cast<uint32_t>(b);
-  auto it = cache->find(key);
-  if (it == cache->end()) {
-    mx::array a(std::initializer_list<int>{L, b}, mx::Shape{2}, mx::int32);
-    mx::eval(a);
-    it = cache->emplace(key, a).first;
-  }
-  return it->second;
-}
-
 // Packed problem shape: xbc [b, L, H*P + 2*G*N], dt_src [b, L, dt_width] with dt at dt_offset.
 struct Packed {
   int H, P, G, N, dt_offset;
@@ -447,7 +430,7 @@ std::vector<mx::array> mamba_scan_cuda(const mx::array& xbc, const mx::array& dt
   // Without a state (HAS_STATE false) the kernel never reads `state`: any array fills the slot.
   const auto& st = state ? *state : dt_bias;
   const int rows = b * k.H * k.P;
-  return kernel({xbc, dt_src, A_log, D, dt_bias, st, dims_array(L, b)}, {{b, L, k.H, k.P}, {b, k.H, k.P, k.N}},
+  return kernel({xbc, dt_src, A_log, D, dt_bias, st, kept_ints({L, b})}, {{b, L, k.H, k.P}, {b, k.H, k.P, k.N}},
                 {xbc.dtype(), mx::float32}, {rows * 32, 1, 1}, {kCudaThreads, 1, 1},
                 {{"T", xbc.dtype()}, {"H", k.H}, {"P", k.P}, {"G", k.G}, {"N", k.N},
                  {"DT_W", static_cast<int>(dt_src.shape(2))}, {"DT_OFF", k.dt_offset},

@@ -283,7 +283,7 @@ std::vector<mx::array> rvq_search_cuda(const mx::array& residual, const mx::arra
   std::vector<mx::array> codes;
   for (int i = 0; i < count; ++i) {
     const bool first = i == 0;
-    auto outs = step({r, keys, codebooks, norms, kept_int(start + i)},
+    auto outs = step({r, keys, codebooks, norms, kept_ints({start + i})},
                      {{rows, dim}, {rows, nb}, {rows, 1}}, {mx::float32, mx::int64, mx::int32},
                      {rows * nb * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
                      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads},
@@ -295,7 +295,7 @@ std::vector<mx::array> rvq_search_cuda(const mx::array& residual, const mx::arra
     r = outs[0];
     keys = outs[1];
   }
-  auto outs = finish({r, keys, codebooks, kept_int(start + count - 1)}, {{rows, dim}, {rows, 1}},
+  auto outs = finish({r, keys, codebooks, kept_ints({start + count - 1})}, {{rows, dim}, {rows, 1}},
                      {mx::float32, mx::int32}, {rows * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
                      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads}},
                      std::nullopt, false, s);

@@ -740,6 +740,14 @@ def test_mog_sample_kernel_emulated(emulated, name):
     np.testing.assert_allclose(z, np.array(z_ref), rtol=2e-5, atol=2e-5)
 
 
+def _attention_inputs(b, h, hk, cap, d, seed):
+    """Random q [B, H, 1, D], buffers k, v [B, HK, CAP, D] and a new key and value [B, HK, 1, D]."""
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(seed), 5)
+    return (mx.random.normal((b, h, 1, d), key=k1), mx.random.normal((b, hk, cap, d), key=k2),
+            mx.random.normal((b, hk, cap, d), key=k3), mx.random.normal((b, hk, 1, d), key=k4),
+            mx.random.normal((b, hk, 1, d), key=k5))
+
+
 def _merged(exe, cases, tag, out, cap, tmp):
     """The attention's second launch (beyond ATTN_CHUNK slots): the chunks' partial softmaxes merged."""
     if cap <= ATTN_CHUNK:
@@ -761,11 +769,7 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
     position's slot (as the TTS backbone's step does) instead of the buffers'."""
     exe, cases, _, _, tmp = emulated
     b, h, hk, cap, d = ATTN_CONFIGS[tag]
-    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(offset + d), 5)
-    q = mx.random.normal((b, h, 1, d), key=k1)
-    k = mx.random.normal((b, hk, cap, d), key=k2)
-    v = mx.random.normal((b, hk, cap, d), key=k3)
-    k_new, v_new = mx.random.normal((b, hk, 1, d), key=k4), mx.random.normal((b, hk, 1, d), key=k5)
+    q, k, v, k_new, v_new = _attention_inputs(b, h, hk, cap, d, seed=offset + d)
     slot = offset % cap if with_new else -1
     scale = d**-0.5
     part = cases[f"{tag}_part"]
@@ -788,11 +792,7 @@ def test_decode_attention_writes_the_new_key_in_place_emulated(emulated, tag, of
     hold them there afterwards, every other slot untouched."""
     exe, cases, _, _, tmp = emulated
     b, h, hk, cap, d = ATTN_WRITE_CONFIGS[tag]
-    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(offset + d + 1), 5)
-    q = mx.random.normal((b, h, 1, d), key=k1)
-    k = mx.random.normal((b, hk, cap, d), key=k2)
-    v = mx.random.normal((b, hk, cap, d), key=k3)
-    k_new, v_new = mx.random.normal((b, hk, 1, d), key=k4), mx.random.normal((b, hk, 1, d), key=k5)
+    q, k, v, k_new, v_new = _attention_inputs(b, h, hk, cap, d, seed=offset + d + 1)
     scale = d**-0.5
     part = cases[f"{tag}_part"]
     part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([cap], mx.int32),

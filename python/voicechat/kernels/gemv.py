@@ -96,11 +96,16 @@ class Prenormed(NamedTuple):
         return scaled.reshape(x.shape)
 
 
+def resolved(x):
+    """`x` itself, or the normalized array a `Prenormed` stands for (MLX ops)."""
+    return x.resolve() if isinstance(x, Prenormed) else x
+
+
 # --------------------------------------------------------------------------- quantized
 
 def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None,
                                residual=None, squared_relu: bool = False, norm=None):
-    x = x.resolve() if isinstance(x, Prenormed) else x
+    x = resolved(x)
     x = x if norm is None else mx.fast.rms_norm(x, norm[0], norm[1])
     y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return _epilogue(y if bias is None else y + bias, residual, squared_relu)
@@ -246,7 +251,7 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
         if self.mode == "affine" and gemv_applies(x):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
                                     bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
-        x = x.resolve() if isinstance(x, Prenormed) else x
+        x = resolved(x)
         return _epilogue(super().__call__(x), residual, squared_relu)
 
     def emit_norm(self, x, residual, norm: nn.RMSNorm):
@@ -268,7 +273,7 @@ class GemvLinear(nn.Linear):
 
     def __call__(self, x, *, residual=None, squared_relu: bool = False, gated_input: bool = False):
         """`layer(x)` with the epilogue; `gated_input`: `layer(gelu_gate(x))` (one launch on the kernel path)."""
-        x = x.resolve() if isinstance(x, Prenormed) else x
+        x = resolved(x)
         if gemv_applies(x):
             return dense_matvec(x, self["weight"], bias=self.get("bias"), residual=residual,
                                 squared_relu=squared_relu, gated_input=gated_input)
@@ -288,7 +293,7 @@ def linear(layer: nn.Module, x, *, residual=None, squared_relu: bool = False, em
         return linear(layer, x, residual=residual), None
     if isinstance(layer, (GemvQuantizedLinear, GemvLinear)):
         return layer(x, residual=residual, squared_relu=squared_relu)
-    x = x.resolve() if isinstance(x, Prenormed) else x
+    x = resolved(x)
     return _epilogue(layer(x), residual, squared_relu)
 
 

@@ -28,6 +28,7 @@ copied) and `reset()` empties it. The same call handles a many-position prefix a
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -133,17 +134,14 @@ class KVCache:
         return [a for a in (self.keys, self.values) if a is not None]
 
 
-_NOTHING_PENDING: list[mx.array] = []
-
-
+@functools.cache
 def _nothing_pending() -> mx.array:
     """What a compiled step's buffers wait for when no write is pending: an evaluated array of its
     own, not the buffers themselves (with the keys passed for both, lazily evaluated teacher-forced
     steps parted from stepped ones on the H200; with an array of its own their ids agree)."""
-    if not _NOTHING_PENDING:
-        _NOTHING_PENDING.append(mx.zeros((1,)))
-        mx.eval(_NOTHING_PENDING)
-    return _NOTHING_PENDING[0]
+    nothing = mx.zeros((1,))
+    mx.eval(nothing)
+    return nothing
 
 
 def _own_buffer(a: mx.array | None) -> mx.array | None:
@@ -236,7 +234,6 @@ def _last_projection(layer: nn.Module, x, residual: mx.array | None, emit_norm: 
     if emit_norm is None or residual is None:
         return linear(layer, x, residual=residual), None
     return linear(layer, x, residual=residual, emit_norm=emit_norm)
-
 
 
 class Mamba2Mixer(nn.Module):

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -157,7 +158,10 @@ __device__ __forceinline__ int best_code(const unsigned long long* keys, int cou
 )";
 
 // Template args: T (codebooks' type), D, K, NB (blocks per row), THREADS, FIRST (no codebook
-// before this one: keys_prev is not read). q: [this codebook's index].
+// before this one: keys_prev is not read), INTO (FIRST only: codes_in holds the row's codes so far,
+// else codes_out starts as -1). q: [this codebook's index, its column in the code row, the row's
+// width W]. codes_in / codes_out [rows, W]: the row's codes so far, then with codebook q - 1's
+// written in its column (no concatenation of per-launch codes afterwards: a copy launch each).
 constexpr const char* kCudaStepSource = R"(
   constexpr int KB = K / NB;
   constexpr int WARPS = THREADS / 32;
@@ -168,10 +172,14 @@ constexpr const char* kCudaStepSource = R"(
   const int blk = blockIdx.x % NB;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int qi = q[0];
+  const int qi = q[0], col = q[1], width = q[2];
   if constexpr (FIRST) {
     for (int d = threadIdx.x; d < D; d += THREADS) r[d] = r_prev[static_cast<size_t>(row) * D + d];
-    if (blk == 0 && threadIdx.x == 0) code_prev[row] = -1;
+    if (blk == 0) {
+      for (int c = threadIdx.x; c < width; c += THREADS) {
+        codes_out[static_cast<size_t>(row) * width + c] = INTO ? codes_in[static_cast<size_t>(row) * width + c] : -1;
+      }
+    }
   } else {
     if (threadIdx.x == 0) {
       chosen = vc_rvq::best_code(reinterpret_cast<const unsigned long long*>(keys_prev) + static_cast<size_t>(row) * NB, NB);
@@ -181,7 +189,12 @@ constexpr const char* kCudaStepSource = R"(
     for (int d = threadIdx.x; d < D; d += THREADS) {
       r[d] = r_prev[static_cast<size_t>(row) * D + d] - static_cast<float>(e[d]);
     }
-    if (blk == 0 && threadIdx.x == 0) code_prev[row] = chosen;
+    if (blk == 0) {
+      for (int c = threadIdx.x; c < width; c += THREADS) {
+        codes_out[static_cast<size_t>(row) * width + c] =
+            c == col - 1 ? chosen : codes_in[static_cast<size_t>(row) * width + c];
+      }
+    }
   }
   __syncthreads();
   if (blk == 0) {
@@ -207,15 +220,19 @@ constexpr const char* kCudaStepSource = R"(
   }
 )";
 
-// The last codebook's finish: code and residual. Template args: T, D, K, NB, THREADS. q: [its index].
+// The last codebook's finish: its code, in its column of the code row, and the residual. Template
+// args: T, D, K, NB, THREADS. q: [its index, its column, the row's width W]; codes_in / codes [rows, W].
 constexpr const char* kCudaFinishSource = R"(
   __shared__ int chosen;
   const int row = blockIdx.x;
+  const int col = q[1], width = q[2];
   if (threadIdx.x == 0) {
     chosen = vc_rvq::best_code(reinterpret_cast<const unsigned long long*>(keys_prev) + static_cast<size_t>(row) * NB, NB);
-    code[row] = chosen;
   }
   __syncthreads();
+  for (int c = threadIdx.x; c < width; c += THREADS) {
+    codes[static_cast<size_t>(row) * width + c] = c == col ? chosen : codes_in[static_cast<size_t>(row) * width + c];
+  }
   const T* e = codebooks + (static_cast<size_t>(q[0]) * K + chosen) * D;
   for (int d = threadIdx.x; d < D; d += THREADS) {
     residual_out[static_cast<size_t>(row) * D + d] = r_prev[static_cast<size_t>(row) * D + d] - static_cast<float>(e[d]);
@@ -227,21 +244,21 @@ constexpr int kBlocksPerRow = 32;  // of the 1024 codewords: 32 per block, 4 per
 
 const CudaSource& cuda_step_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](const std::string& t, int d, int k, int nb, bool first) {
-    return CudaInstance{{"float", first ? "float" : "int64_t", t, "float", "int32_t"},
+  auto inst = [](const std::string& t, int d, int k, int nb, bool first, bool into) {
+    return CudaInstance{{"float", first ? "float" : "int64_t", t, "float", "int32_t", "int32_t"},
                         {"float", "int64_t", "int32_t"},
                         {P{"T", type_arg(t)}, P{"D", int_arg(d)}, P{"K", int_arg(k)},
                          P{"NB", int_arg(nb)}, P{"THREADS", "int:256"},
-                         P{"FIRST", first ? "bool:true" : "bool:false"}}};
+                         P{"FIRST", first ? "bool:true" : "bool:false"}, P{"INTO", into ? "bool:true" : "bool:false"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_rvq_step",
-      {"r_prev", "keys_prev", "codebooks", "norms", "q"},
-      {"r_cur", "keys", "code_prev"},
+      {"r_prev", "keys_prev", "codebooks", "norms", "q", "codes_in"},
+      {"r_cur", "keys", "codes_out"},
       kCudaStepSource,
       kCudaHeader,
-      {inst("__nv_bfloat16", 512, 1024, 32, true), inst("__nv_bfloat16", 512, 1024, 32, false),
-       inst("float", 40, 52, 4, false)},
+      {inst("__nv_bfloat16", 512, 1024, 32, true, true), inst("__nv_bfloat16", 512, 1024, 32, true, false),
+       inst("__nv_bfloat16", 512, 1024, 32, false, false), inst("float", 40, 52, 4, false, false)},
   });
   return src;
 }
@@ -249,15 +266,15 @@ const CudaSource& cuda_step_source() {
 const CudaSource& cuda_finish_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](const std::string& t, int d, int k, int nb) {
-    return CudaInstance{{"float", "int64_t", t, "int32_t"},
+    return CudaInstance{{"float", "int64_t", t, "int32_t", "int32_t"},
                         {"float", "int32_t"},
                         {P{"T", type_arg(t)}, P{"D", int_arg(d)}, P{"K", int_arg(k)},
                          P{"NB", int_arg(nb)}, P{"THREADS", "int:256"}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_rvq_finish",
-      {"r_prev", "keys_prev", "codebooks", "q"},
-      {"residual_out", "code"},
+      {"r_prev", "keys_prev", "codebooks", "q", "codes_in"},
+      {"residual_out", "codes"},
       kCudaFinishSource,
       kCudaHeader,
       {inst("__nv_bfloat16", 512, 1024, 32), inst("float", 40, 52, 4)},
@@ -272,35 +289,50 @@ int blocks_per_row(int k) {
   return nb;
 }
 
+// into [rows, Q] (optional): the row's codes so far; the result is then that row with columns
+// [start, start + count) replaced, else the codes [rows, count] alone.
 std::vector<mx::array> rvq_search_cuda(const mx::array& residual, const mx::array& codebooks,
-                                       const mx::array& norms, int start, int count, mx::Stream s) {
+                                       const mx::array& norms, int start, int count,
+                                       const std::optional<mx::array>& into, mx::Stream s) {
   static auto step = make_cuda_kernel(cuda_step_source());
   static auto finish = make_cuda_kernel(cuda_finish_source());
   const int rows = residual.shape(0), dim = residual.shape(1), size = codebooks.shape(1);
   const int nb = blocks_per_row(size);
+  const int width = into ? codebooks.shape(0) : count, col0 = into ? start : 0;
   auto r = mx::astype(residual, mx::float32, s);
   mx::array keys = r;  // not read by the first step
-  std::vector<mx::array> codes;
+  // The first step's codes_in: the row so far, or (not read) any int32 array.
+  mx::array codes = into ? mx::astype(*into, mx::int32, s) : kept_ints({-1});
   for (int i = 0; i < count; ++i) {
     const bool first = i == 0;
-    auto outs = step({r, keys, codebooks, norms, kept_ints({start + i})},
-                     {{rows, dim}, {rows, nb}, {rows, 1}}, {mx::float32, mx::int64, mx::int32},
+    auto outs = step({r, keys, codebooks, norms, kept_ints({start + i, col0 + i, width}), codes},
+                     {{rows, dim}, {rows, nb}, {rows, width}}, {mx::float32, mx::int64, mx::int32},
                      {rows * nb * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
                      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads},
-                      {"FIRST", first}},
+                      {"FIRST", first}, {"INTO", first && into.has_value()}},
                      std::nullopt, false, s);
-    if (!first) {
-      codes.push_back(outs[2]);  // [rows, 1] as written: no reshape
-    }
     r = outs[0];
     keys = outs[1];
+    codes = outs[2];
   }
-  auto outs = finish({r, keys, codebooks, kept_ints({start + count - 1})}, {{rows, dim}, {rows, 1}},
-                     {mx::float32, mx::int32}, {rows * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
+  auto outs = finish({r, keys, codebooks, kept_ints({start + count - 1, col0 + count - 1, width}), codes},
+                     {{rows, dim}, {rows, width}}, {mx::float32, mx::int32}, {rows * kCudaThreads, 1, 1},
+                     {kCudaThreads, 1, 1},
                      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads}},
                      std::nullopt, false, s);
-  codes.push_back(outs[1]);
-  return {codes.size() == 1 ? codes[0] : mx::concatenate(codes, 1, s), outs[0]};
+  return {outs[1], outs[0]};
+}
+
+// The row `into` with columns [start, start + count) replaced by `codes` (the paths that make the
+// codes on their own).
+mx::array splice_codes(const mx::array& into, const mx::array& codes, int start, mx::Stream s) {
+  const int rows = into.shape(0), width = into.shape(1), count = codes.shape(1);
+  auto row = mx::astype(into, mx::int32, s);
+  std::vector<mx::array> parts;
+  if (start > 0) parts.push_back(mx::slice(row, {0, 0}, {rows, start}, s));
+  parts.push_back(codes);
+  if (start + count < width) parts.push_back(mx::slice(row, {0, start + count}, {rows, width}, s));
+  return parts.size() == 1 ? parts[0] : mx::concatenate(parts, 1, s);
 }
 
 // ---------------------------------------------------------------- the op
@@ -322,22 +354,10 @@ void check_args(const mx::array& residual, const mx::array& codebooks, const mx:
   }
 }
 
-// method: "auto", "fused" (the C++ / CUDA kernel) or "composed" (MLX ops).
-std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& codebooks, const mx::array& norms,
-                                  int start, int count, const std::string& method, mx::StreamOrDevice s_) {
-  check_args(residual, codebooks, norms, start, count);
-  auto s = mx::to_stream(s_);
-  auto norms32 = mx::astype(norms, mx::float32, s);
-  if (method == "composed") {
-    return rvq_search_composed(residual, codebooks, norms32, start, count, s);
-  }
-  if (gpu_stream(s)) {
-    // The kernels for the few rows of a TTS step; the composed ops (a GEMM per codebook) for many.
-    if (cuda_build() && (method == "fused" || (method == "auto" && residual.shape(0) <= 8))) {
-      // No mx::contiguous here: cuda_kernel makes its inputs row-contiguous itself, at eval and
-      // only when they are not, while a Contiguous node costs the TTS step's graph a node each.
-      return rvq_search_cuda(residual, codebooks, norms32, start, count, s);
-    }
+// The codes alone, [B, count] (every path but the CUDA kernels with `into`).
+std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::array& codebooks, const mx::array& norms32,
+                                        int start, int count, const std::string& method, mx::Stream s) {
+  if (method == "composed" || gpu_stream(s)) {
     return rvq_search_composed(residual, codebooks, norms32, start, count, s);
   }
   // CPU: the loop wins for a few rows (the TTS step); BLAS wins for many (the codec encoder).
@@ -353,13 +373,39 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
                                 std::make_shared<RvqSearch>(s, start, count), {r32, books, n});
 }
 
+// method: "auto", "fused" (the C++ / CUDA kernel) or "composed" (MLX ops). into [B, Q] (optional):
+// the rows' codes so far; the codes come back as those rows with [start, start + count) replaced.
+std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& codebooks, const mx::array& norms,
+                                  int start, int count, const std::string& method,
+                                  const std::optional<mx::array>& into, mx::StreamOrDevice s_) {
+  check_args(residual, codebooks, norms, start, count);
+  if (into && (into->ndim() != 2 || into->shape(0) != residual.shape(0) || into->shape(1) != codebooks.shape(0) ||
+               !mx::issubdtype(into->dtype(), mx::integer))) {
+    throw std::invalid_argument("rvq_search: into must be integer codes [B, Q] (B residual rows, Q codebooks)");
+  }
+  auto s = mx::to_stream(s_);
+  auto norms32 = mx::astype(norms, mx::float32, s);
+  // The kernels for the few rows of a TTS step on a CUDA GPU; the composed ops (a GEMM per codebook)
+  // for many. No mx::contiguous there: cuda_kernel makes its inputs row-contiguous itself, at eval
+  // and only when they are not, while a Contiguous node costs the TTS step's graph a node each.
+  if (method != "composed" && gpu_stream(s) && cuda_build() &&
+      (method == "fused" || (method == "auto" && residual.shape(0) <= 8))) {
+    return rvq_search_cuda(residual, codebooks, norms32, start, count, into, s);
+  }
+  auto out = rvq_search_codes(residual, codebooks, norms32, start, count, method, s);
+  if (into) out[0] = splice_codes(*into, out[0], start, s);
+  return out;
+}
+
 void bind(py::module_& m) {
   cuda_step_source();  // registered at import, so the compile checks see them
   cuda_finish_source();
   m.def("rvq_search", &rvq_search, py::arg("residual"), py::arg("codebooks"), py::arg("norms"), py::arg("start"),
-        py::arg("count"), py::arg("method") = "auto", py::arg("stream") = py::none(),
+        py::arg("count"), py::arg("method") = "auto", py::kw_only(), py::arg("into") = py::none(),
+        py::arg("stream") = py::none(),
         "Sequential residual quantization over codebooks [start, start + count): (codes [B, count] int32, "
-        "residual [B, D] float32).");
+        "residual [B, D] float32); with into [B, Q] (the codes so far), the codes are those rows with "
+        "[start, start + count) replaced.");
 }
 
 }  // namespace

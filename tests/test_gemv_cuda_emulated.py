@@ -20,6 +20,7 @@ import pytest
 
 from voicechat.kernels import ext
 from voicechat.kernels.add_rms_norm import add_rms_norm_reference
+from voicechat.kernels.code_embedding import code_embedding_reference
 from voicechat.kernels.decode_attention import decode_attention_reference
 from voicechat.kernels.gemv import gelu_gate
 from voicechat.kernels.mog_sample import mog_sample_reference
@@ -376,6 +377,23 @@ def add_norm_case(rows, c, y_dtype=mx.float32):
     return case, ref
 
 
+def code_embedding_case(q, k, d, h, plus_rows, w_dtype):
+    keys = mx.random.split(mx.random.key(q + d + plus_rows), 4)
+    table = mx.concatenate([mx.random.normal((q, k, d), key=keys[0]), mx.zeros((q, 1, d))], axis=1)
+    table = table.reshape(q * (k + 1), d)
+    code = mx.concatenate([mx.random.randint(0, k, (1, q - 1), key=keys[1]), mx.array([[k]])], axis=1)
+    code = code.astype(mx.int32)  # the last one the mask code (a zero row)
+    weight = (0.2 * mx.random.normal((h, d), key=keys[2])).astype(w_dtype)
+    plus = mx.random.normal((plus_rows, 1, h), key=keys[3]) if plus_rows else None
+    rows = (256 // 32) * 4  # output rows a block: 8 warps of 4
+    args = dict(D=d, H=h, Q=q, KP=k + 1, B=plus_rows, ROWS=4, THREADS=256, TW=w_dtype)
+    case = Case("vc_code_embedding", args, [code, table, weight, table if plus is None else plus],
+                [("float", (max(plus_rows, 1), 1, h))], -(-h // rows), 256)
+    with mx.stream(mx.cpu):
+        ref = code_embedding_reference(code, table, weight, plus)
+    return case, ref
+
+
 def qkv_heads_case(b, t, hq, hk, d, offset, base, dtype=mx.float32):
     k1, k2, k3 = mx.random.split(mx.random.key(hq + d + t), 3)
     qkv = (2.0 * mx.random.normal((b, t, (hq + 2 * hk) * d), key=k1)).astype(dtype)
@@ -469,18 +487,23 @@ def attention_qkv_case(b, h, hk, cap, d, dtype, write):
 RVQ_CONFIGS = {"rvq_f32": (mx.float32, 40, 52, 4), "rvq_bf16": (mx.bfloat16, 64, 128, 32)}  # T, D, K, NB
 
 
-def rvq_cases(tag, dtype, d, k, nb, rows=3):
-    """The step kernel (first / next) and the finish, compiled once; inputs are set per launch."""
+def rvq_cases(tag, dtype, d, k, nb, rows=3, width=8):
+    """The step kernel (first, first into a code row, next) and the finish, compiled once; inputs
+    are set per launch. The code rows are [rows, width]."""
     base = dict(T=dtype, D=d, K=k, NB=nb, THREADS=256)
     placeholder = [mx.zeros((rows, d)), mx.zeros((rows, nb), mx.int64), mx.zeros((1, k, d), dtype),
-                   mx.zeros((1, k)), mx.zeros((1,), mx.int32)]
-    step_out = [("float", (rows, d)), ("int64_t", (rows, nb)), ("int32_t", (rows,))]
-    first = Case("vc_rvq_step", dict(base, FIRST=True), [placeholder[0], *placeholder[:1], *placeholder[2:]],
-                 step_out, rows * nb, 256)
-    nxt = Case("vc_rvq_step", dict(base, FIRST=False), placeholder, step_out, rows * nb, 256)
-    finish = Case("vc_rvq_finish", base, [placeholder[0], placeholder[1], placeholder[2], placeholder[4]],
-                  [("float", (rows, d)), ("int32_t", (rows,))], rows, 256)
-    return {f"{tag}_first": first, f"{tag}_next": nxt, f"{tag}_finish": finish}
+                   mx.zeros((1, k)), mx.zeros((3,), mx.int32), mx.zeros((rows, width), mx.int32)]
+    step_out = [("float", (rows, d)), ("int64_t", (rows, nb)), ("int32_t", (rows, width))]
+    first_in = [placeholder[0], *placeholder[:1], *placeholder[2:]]
+    cases = {f"{tag}_first": Case("vc_rvq_step", dict(base, FIRST=True, INTO=False), first_in, step_out, rows * nb, 256),
+             f"{tag}_first_into": Case("vc_rvq_step", dict(base, FIRST=True, INTO=True), first_in, step_out,
+                                       rows * nb, 256),
+             f"{tag}_next": Case("vc_rvq_step", dict(base, FIRST=False, INTO=False), placeholder, step_out,
+                                 rows * nb, 256),
+             f"{tag}_finish": Case("vc_rvq_finish", base, [placeholder[0], placeholder[1], placeholder[2],
+                                                           placeholder[4], placeholder[5]],
+                                   [("float", (rows, d)), ("int32_t", (rows, width))], rows, 256)}
+    return cases
 
 
 def conv_case(b, length, c, k, width, offset, src_dtype=mx.float32):
@@ -591,6 +614,10 @@ def emulated(tmp_path_factory):
         "add_norm_tts": add_norm_case(2, 1152),
         "add_norm_bf16_y": add_norm_case(3, 1152, mx.bfloat16),
         "add_norm_small": add_norm_case(1, 100),
+        # one frame's code embedding: a tail block past H, D no multiple of 32; the CFG pair added
+        # with bfloat16 weights, and alone
+        "code_embedding_b2_bf16": code_embedding_case(5, 8, 40, 70, 2, mx.bfloat16),
+        "code_embedding_alone": code_embedding_case(7, 6, 24, 33, 0, mx.float32),
         # the TTS heads: a CFG step late in a session, the warmup, grouped heads with D > 64 in bf16
         "qkv_step": qkv_heads_case(2, 1, 16, 16, 72, 300, 1e4),
         "qkv_warmup": qkv_heads_case(2, 37, 16, 16, 72, 0, 1e6),
@@ -723,6 +750,13 @@ def test_add_rms_norm_kernel_emulated(emulated, name):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", ["code_embedding_b2_bf16", "code_embedding_alone"])
+def test_code_embedding_kernel_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    (got,) = run(exe, name, cases[name], tmp)
+    np.testing.assert_allclose(got, np.array(refs[name]), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["qkv_step", "qkv_warmup", "qkv_grouped_bf16"])
 def test_qkv_heads_kernel_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
@@ -849,33 +883,35 @@ def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
 
 
 @pytest.mark.parametrize("tag", list(RVQ_CONFIGS))
-@pytest.mark.parametrize("start,count", [(0, 1), (2, 5)])
-def test_rvq_kernels_emulated(emulated, tag, start, count):
-    """The chain the host runs: a step launch per codebook, then the finish."""
+@pytest.mark.parametrize("start,count,into", [(0, 1, False), (2, 5, False), (2, 5, True), (0, 8, True)])
+def test_rvq_kernels_emulated(emulated, tag, start, count, into):
+    """The chain the host runs: a step launch per codebook, then the finish; each launch carries the
+    code row on (into: the row's earlier codes kept, the new ones in columns start..; else the
+    codes alone, columns 0..count - 1)."""
     exe, cases, _, _, tmp = emulated
     dtype, d, k, _ = RVQ_CONFIGS[tag]
-    keys_ = mx.random.split(mx.random.key(count + d), 2)
+    rows, width = 3, 8  # the cases' code rows
+    keys_ = mx.random.split(mx.random.key(count + d), 3)
     books = mx.random.normal((8, k, d), key=keys_[0]).astype(dtype)
-    residual = 2.0 * mx.random.normal((3, d), key=keys_[1])
+    residual = 2.0 * mx.random.normal((rows, d), key=keys_[1])
+    row = mx.random.randint(0, k, (rows, width), key=keys_[2]).astype(mx.int32)
     norms = codebook_norms(books)
-    r, keys, codes = residual, residual, []
+    col0, w = (start, width) if into else (0, count)
+    r, keys, codes = residual, residual, row if into else mx.zeros((rows, width), mx.int32)
     for i in range(count):
-        name = f"{tag}_first" if i == 0 else f"{tag}_next"
+        name = f"{tag}_first_into" if i == 0 and into else f"{tag}_first" if i == 0 else f"{tag}_next"
         case = cases[name]
-        case.inputs = [r, keys, books, norms, mx.array([start + i], mx.int32)]
-        (tmp / f"{tag}_{start}_{i}").mkdir()
-        r, keys, code = run(exe, name, case, tmp / f"{tag}_{start}_{i}")
-        r, keys = mx.array(r), mx.array(keys)
-        if i:
-            codes.append(code)
+        case.inputs = [r, keys, books, norms, mx.array([start + i, col0 + i, w], mx.int32), codes]
+        (tmp / f"{tag}_{start}_{count}_{into}_{i}").mkdir()
+        r, keys, codes = run(exe, name, case, tmp / f"{tag}_{start}_{count}_{into}_{i}")
+        r, keys, codes = mx.array(r), mx.array(keys), mx.array(codes)
     case = cases[f"{tag}_finish"]
-    case.inputs = [r, keys, books, mx.array([start + count - 1], mx.int32)]
-    (tmp / f"{tag}_{start}_finish").mkdir()
-    r_out, code = run(exe, f"{tag}_finish", case, tmp / f"{tag}_{start}_finish")
-    codes.append(code)
+    case.inputs = [r, keys, books, mx.array([start + count - 1, col0 + count - 1, w], mx.int32), codes]
+    (tmp / f"{tag}_{start}_{count}_{into}_finish").mkdir()
+    r_out, codes = run(exe, f"{tag}_finish", case, tmp / f"{tag}_{start}_{count}_{into}_finish")
     with mx.stream(mx.cpu):
-        want_codes, want_r = rvq_search_reference(residual, books, start, count, norms)
-    np.testing.assert_array_equal(np.stack(codes, axis=1), np.array(want_codes))
+        want_codes, want_r = rvq_search_reference(residual, books, start, count, norms, row if into else None)
+    np.testing.assert_array_equal(codes.reshape(-1)[: rows * w].reshape(rows, w), np.array(want_codes))
     np.testing.assert_allclose(r_out, np.array(want_r), rtol=1e-5, atol=1e-5)
 
 

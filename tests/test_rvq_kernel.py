@@ -34,6 +34,35 @@ def test_kernel_equals_reference(dtype, batch, start, count, method):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("start,count", [(0, 1), (4, 6), (25, 6), (0, 31)])
+@pytest.mark.parametrize("method", ["fused", "auto", "composed"])
+def test_codes_into_a_row_keep_its_other_columns(dtype, start, count, method):
+    # The TTS step's use: the codes so far in, that row with the run's columns replaced out.
+    residual, codebooks = _case(2, 40, 48, 31, dtype, seed=start + count)
+    norms = codebook_norms(codebooks)
+    row = mx.random.randint(0, 48, (2, 31), key=mx.random.key(7)).astype(mx.int32)
+    codes, r = rvq_search(residual, codebooks, start, count, norms, into=row, method=method)
+    alone, r_alone = rvq_search(residual, codebooks, start, count, norms, method=method)
+    with mx.stream(mx.cpu):
+        ref_codes, ref_r = rvq_search_reference(residual, codebooks, start, count, norms, into=row)
+        mx.eval(ref_codes, ref_r)
+    assert codes.shape == (2, 31) and codes.dtype == mx.int32
+    want = np.array(row)
+    want[:, start : start + count] = np.array(alone)
+    np.testing.assert_array_equal(np.array(codes), want)
+    np.testing.assert_array_equal(np.array(codes), np.array(ref_codes))
+    np.testing.assert_array_equal(np.array(r), np.array(r_alone))
+    np.testing.assert_allclose(np.array(r), np.array(ref_r), rtol=1e-5, atol=1e-4)
+
+
+def test_codes_into_must_be_one_integer_row_per_residual():
+    residual, codebooks = _case(2, 8, 4, 3, mx.float32, seed=1)
+    for bad in (mx.zeros((2, 2), mx.int32), mx.zeros((1, 3), mx.int32), mx.zeros((2, 3), mx.float32)):
+        with pytest.raises(ValueError, match="into"):
+            rvq_search(residual, codebooks, 0, 1, into=bad)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_full_size_shapes_one_row(dtype):
     residual, codebooks = _case(1, 512, 1024, 31, dtype, seed=3)
     codes, r = rvq_search(residual, codebooks, 9, 22, method="fused")

@@ -436,3 +436,54 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     h, _, _ = fresh.backbone.step_arrays(x, mx.array(1099, mx.int32), cache.buffers, cache.pending)
     merged = sum(cache.capacity(i) > 1024 for i in range(layers))
     assert merged >= 1 and count_ops(h).get("CustomKernel") == 5 * layers + 1 + merged
+
+
+def _gemv_tts(tiny_checkpoint, ckpt) -> EarTTS:
+    """A fresh EAR-TTS of the tiny checkpoint with our GEMV layers swapped in (as `session` does)."""
+    from voicechat.kernels.gemv import use_gemv
+
+    fresh = EarTTS(ckpt.config.tts_config, ckpt.config.text_config.vocab_size, compile=False)
+    ckpt.load_into(fresh, PREFIX)
+    use_gemv(fresh)
+    fresh.set_tokenizer(TextTokenizer(tiny_checkpoint / "tokenizer.json"))
+    fresh.prepare()
+    return fresh
+
+
+def test_frame_code_embedding_equals_the_code_embedding_plus_hidden(tiny_checkpoint, tiny):
+    """With the GEMV layers (one launch on a CUDA GPU, `kernels.code_embedding`): the depth sum,
+    `embed_code` and the hidden states' add, equal to the composed ops of `code_embedding`."""
+    _, ckpt = tiny
+    tts = _gemv_tts(tiny_checkpoint, ckpt)
+    q, k = tts.cfg.num_quantizers, tts.cfg.codebook_size
+    code = mx.random.randint(0, k + 1, (1, q), key=mx.random.key(3)).astype(mx.int32)
+    code = mx.where(mx.arange(q) % 3 == 0, k, code)  # some still masked
+    hidden = mx.random.normal((2, 1, tts.cfg.hidden_size), key=mx.random.key(4))
+    with mx.stream(mx.cpu):
+        want = tts.embed_code(tts.depthsum(code))
+        mx.eval(want)
+    np.testing.assert_allclose(np.array(tts.frame_code_embedding(code, plus=hidden)),
+                               np.array(want[:, None, :] + hidden), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(tts.frame_code_embedding(code.reshape(1, 1, q))),
+                               np.array(want[:, None, :]), rtol=1e-5, atol=1e-5)
+
+
+def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny):
+    """On a CUDA GPU an unmasking iteration's codes land in the frame's code row inside the RVQ
+    launches (no concatenation and its copy launches), and its input embedding is one launch (no
+    gather, sum or add of MLX's)."""
+    from voicechat.kernels.gemv import on_cuda_gpu
+    from voicechat.llm.opcount import count_ops
+
+    if not on_cuda_gpu():
+        pytest.skip("the kernels run on a CUDA GPU")
+    _, ckpt = tiny
+    tts = _gemv_tts(tiny_checkpoint, ckpt)
+    hidden = mx.random.normal((2, 1, tts.cfg.hidden_size), key=mx.random.key(4))
+    codes, key = tts.generate_codes(hidden, mx.random.key(1))
+    counts = count_ops(codes, key)
+    for kind in ("Concatenate", "Gather", "Sum"):
+        assert kind not in counts, counts
+    assert codes.shape == (1, 1, tts.cfg.num_quantizers)
+    mx.eval(codes)
+    assert 0 <= int(codes.min()) and int(codes.max()) < tts.cfg.codebook_size

@@ -7,7 +7,7 @@
 # every log lands in $OUT.
 #   export OUT; TESTS="tests/test_mamba_scan.py" bash tools/gpu/session.sh
 # PARTS (default "ncu tests isolation step ref e2e") picks the parts; NCU_DETAIL passes through to
-# llm_step_ncu.sh.
+# step_ncu.sh.
 set -uo pipefail
 PARTS=" ${PARTS:-ncu tests isolation step ref e2e} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -19,7 +19,7 @@ PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --
   >/dev/null 2>&1
 export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav MLX_PTX_CACHE_DIR=/tmp/ptx-ab \
   PYTHONUNBUFFERED=1
-part ncu && echo "== llm step under ncu" && NCU_LIMIT=${NCU_LIMIT:-120} bash tools/gpu/llm_step_ncu.sh 2>&1 | tail -14
+part ncu && echo "== llm step under ncu" && NCU_LIMIT=${NCU_LIMIT:-120} bash tools/gpu/step_ncu.sh 2>&1 | tail -14
 if [ -n "${TESTS:-}" ] && part tests; then
   echo "== tests: $TESTS"
   timeout -s INT -k 10 "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -rfE --timeout=140 $TESTS \

@@ -4,7 +4,9 @@
         code[q] = argmin_k ||E[q, k]||^2 - 2 r . E[q, k]     (first index on ties)
         r = r - E[q, code[q]]
 
-Returns `(codes [B, count] int32, residual [B, D] float32)`. Distances use the precomputed
+Returns `(codes [B, count] int32, residual [B, D] float32)`; given `into` (the codes so far,
+`[B, Q]`), the codes come back as those rows with columns [start, start + count) replaced (on
+CUDA the kernels write them there: no concatenation launches). Distances use the precomputed
 codeword norms (`codebook_norms`), so pass them in when calling repeatedly.
 """
 
@@ -22,7 +24,8 @@ def codebook_norms(codebooks: mx.array) -> mx.array:
 
 
 def rvq_search_reference(
-    residual: mx.array, codebooks: mx.array, start: int, count: int, norms: mx.array | None = None
+    residual: mx.array, codebooks: mx.array, start: int, count: int, norms: mx.array | None = None,
+    into: mx.array | None = None,
 ) -> tuple[mx.array, mx.array]:
     """Composed MLX ops, one codebook at a time."""
     norms = codebook_norms(codebooks) if norms is None else norms.astype(mx.float32)
@@ -34,7 +37,11 @@ def rvq_search_reference(
         code = mx.argmin(dist, axis=-1).astype(mx.int32)
         r = r - book[code]
         codes.append(code)
-    return mx.stack(codes, axis=1), r
+    codes = mx.stack(codes, axis=1)
+    if into is not None:
+        row = into.astype(mx.int32)
+        codes = mx.concatenate([row[:, :start], codes, row[:, start + count:]], axis=1)
+    return codes, r
 
 
 def rvq_search(
@@ -44,6 +51,7 @@ def rvq_search(
     count: int,
     norms: mx.array | None = None,
     *,
+    into: mx.array | None = None,
     method: str = "auto",
     stream=None,
 ) -> tuple[mx.array, mx.array]:
@@ -52,7 +60,7 @@ def rvq_search(
     `method`: "auto", "fused" (force the kernel) or "composed" (the C++ composed-ops path).
     """
     if use_reference():
-        return rvq_search_reference(residual, codebooks, start, count, norms)
+        return rvq_search_reference(residual, codebooks, start, count, norms, into)
     norms = codebook_norms(codebooks) if norms is None else norms
-    codes, r = ext.rvq_search(residual, codebooks, norms, start, count, method, stream)
+    codes, r = ext.rvq_search(residual, codebooks, norms, start, count, method, into=into, stream=stream)
     return codes, r

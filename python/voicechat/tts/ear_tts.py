@@ -31,6 +31,9 @@ from .char_encoder import CharAwareSubwordEncoder
 from .layers import OffsetRMSNorm, prepare_norms, stack_projections, unprepare_norms, unstack_projections
 from .mog_head import MoGHead
 
+from ..kernels._native import use_reference
+from ..kernels.code_embedding import code_embedding
+from ..kernels.gemv import GemvLinear, on_cuda_gpu
 from ..kernels.rvq import codebook_norms, rvq_search
 
 EOS_ID = 2
@@ -170,6 +173,16 @@ class EarTTS(nn.Module):
     def code_embedding(self, code: mx.array) -> mx.array:
         return self.embed_code(self.depthsum(code))
 
+    def frame_code_embedding(self, code: mx.array, plus: mx.array | None = None) -> mx.array:
+        """One frame's `code_embedding` (its Q codes in any shape) as `[1, 1, hidden]`, plus `plus
+        [B, 1, hidden]` when given: one launch on a CUDA GPU with our GEMV layer (the depth sum and
+        `embed_code` in `kernels.code_embedding`), the same ops as `code_embedding` elsewhere."""
+        self._prepare_weights()
+        if isinstance(self.embed_code, GemvLinear) and on_cuda_gpu() and not use_reference():
+            return code_embedding(code, self._rvq_flat, self.embed_code["weight"], plus)
+        out = self.code_embedding(code.reshape(1, 1, -1))
+        return out if plus is None else out + plus
+
     def condition(self, ids: mx.array, mask: mx.array) -> mx.array:
         """Text conditioning `[B, T, hidden]`: the char encoder where `mask`, flags everywhere."""
         table = self.char_table()
@@ -198,12 +211,12 @@ class EarTTS(nn.Module):
         done = 0
         for i, count in enumerate(self._schedule):
             # All codes are the mask at first, whose embedding is exactly zero: x is the hidden state.
-            x = hidden if done == 0 else self.code_embedding(code)[:, None, :] + hidden  # [2, 1, hidden]
+            x = hidden if done == 0 else self.frame_code_embedding(code, plus=hidden)  # [2, 1, hidden]
             # Rows taken as range slices (views): an integer index is a gather, a launch each.
             u, noise = (a[i : i + 1].reshape(a.shape[1:]) for a in (uniforms, normals))
             z = mog.sample(x, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale)
-            new, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms)
-            code = mx.concatenate([code[:, :done], new.astype(mx.int32), code[:, done + count:]], axis=1)
+            # The chosen codes land in their columns of the row (on CUDA the kernels write them there).
+            code, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms, into=code)
             done += count
         return code.reshape(1, 1, q), key
 
@@ -263,7 +276,7 @@ class EarTTS(nn.Module):
     def _step_graph(self, previous_code, text_id, offset, key, silence, buffers, pending):
         code = mx.where((text_id == self.eos_id)[:, None, None], silence[None, None, :], previous_code)
         cond = self._char_table[mx.minimum(text_id, self.vocab_size)][None]  # [1, 1, hidden]
-        x = self.fuse(self.code_embedding(code), cond)
+        x = self.fuse(self.frame_code_embedding(code), cond)
         hidden, buffers, pending = self.backbone.step_arrays(x, offset, buffers, pending)
         codes, key = self.generate_codes(hidden, key)
         return codes, key, buffers, pending, offset + 1  # the next step's position, on the device

@@ -1,17 +1,16 @@
 // One frame's code embedding, the EAR-TTS code generation's input at every unmasking iteration:
 //
-//   out[b] = plus[b] + W @ sum_q table[q * KP + code[q]]        (b over plus's rows; no plus: one row)
+//   out[b] = W @ sum_q table[q * KP + code[q]]        (the same for each of the B rows asked for)
 //
 // table [Q * KP, D] float32 is the codebooks with a zero row after each (KP = K + 1 rows a codebook;
 // the mask code K adds nothing), W [H, D] is `embed_code`. Composed, that is an index add, a gather,
-// a sum, the matvec and the add: five launches an iteration. Here one: every block forms the depth
+// a sum and the matvec: four launches an iteration. Here one: every block forms the depth
 // sum (31 rows of 512 floats from L2) and its warps take ROWS output rows each. CUDA through
 // fast::cuda_kernel; everywhere else the composed MLX ops (also the reference:
 // voicechat.kernels.code_embedding).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -29,8 +28,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowsPerWarp = 4;
 
-// Template args: D (latent), H (out rows), Q (codebooks), KP (table rows a codebook), B (plus's rows;
-// 0: no plus, one output row), ROWS (output rows a warp), THREADS, TW (W's type).
+// Template args: D (latent), H (out rows), Q (codebooks), KP (table rows a codebook), B (copies of the
+// result: the CFG pair's rows), ROWS (output rows a warp), THREADS, TW (W's type).
 constexpr const char* kSource = R"(
   constexpr int WARPS = THREADS / 32;
   __shared__ float depth[D];
@@ -62,12 +61,8 @@ constexpr const char* kSource = R"(
     for (int off = 16; off > 0; off >>= 1) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], off);
     const int n = first + r;
     if (lane == 0 && n < H) {
-      if constexpr (B == 0) {
-        out[n] = dot[r];
-      } else {
 #pragma unroll
-        for (int b = 0; b < B; ++b) out[static_cast<size_t>(b) * H + n] = plus[static_cast<size_t>(b) * H + n] + dot[r];
-      }
+      for (int b = 0; b < B; ++b) out[static_cast<size_t>(b) * H + n] = dot[r];
     }
   }
 )";
@@ -75,7 +70,7 @@ constexpr const char* kSource = R"(
 const CudaSource& source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int d, int h, int q, int kp, int b, const std::string& tw) {
-    return CudaInstance{{"int32_t", "float", tw, "float"},
+    return CudaInstance{{"int32_t", "float", tw},
                         {"float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"Q", int_arg(q)}, P{"KP", int_arg(kp)},
                          P{"B", int_arg(b)}, P{"ROWS", int_arg(kRowsPerWarp)}, P{"THREADS", int_arg(kThreads)},
@@ -83,12 +78,12 @@ const CudaSource& source() {
   };
   static const CudaSource& src = register_cuda_source({
       "vc_code_embedding",
-      {"code", "table", "weight", "plus"},
+      {"code", "table", "weight"},
       {"out"},
       kSource,
       "",
-      // the published TTS (bfloat16 or float32 weights; with the CFG pair added, and alone); a small odd one
-      {inst(512, 1152, 31, 1025, 2, "__nv_bfloat16"), inst(512, 1152, 31, 1025, 0, "__nv_bfloat16"),
+      // the published TTS (bfloat16 or float32 weights; for the CFG pair, and one row); a small odd one
+      {inst(512, 1152, 31, 1025, 2, "__nv_bfloat16"), inst(512, 1152, 31, 1025, 1, "__nv_bfloat16"),
        inst(512, 1152, 31, 1025, 2, "float"), inst(24, 70, 5, 9, 2, "float")},
   });
   return src;
@@ -99,20 +94,20 @@ void expect(bool ok, const std::string& what) {
 }
 
 // The composed ops (every backend but the CUDA kernel).
-mx::array composed(const mx::array& code, const mx::array& table, const mx::array& weight,
-                   const std::optional<mx::array>& plus, int q, int kp, mx::Stream s) {
-  auto rows = mx::add(mx::reshape(mx::astype(code, mx::int32, s), {q}, s),
-                      mx::multiply(mx::arange(q, mx::int32, s), mx::array(kp, mx::int32), s), s);
-  auto depth = mx::sum(mx::take(table, rows, 0, s), 0, true, s);                        // [1, D]
+mx::array composed(const mx::array& code, const mx::array& table, const mx::array& weight, int rows, int q, int kp,
+                   mx::Stream s) {
+  auto index = mx::add(mx::reshape(mx::astype(code, mx::int32, s), {q}, s),
+                       mx::multiply(mx::arange(q, mx::int32, s), mx::array(kp, mx::int32), s), s);
+  auto depth = mx::sum(mx::take(table, index, 0, s), 0, true, s);                        // [1, D]
   auto out = mx::matmul(depth, mx::transpose(mx::astype(weight, mx::float32, s), s), s);  // [1, H]
   const int h = weight.shape(0);
-  return plus ? mx::add(*plus, mx::reshape(out, {1, 1, h}, s), s) : mx::reshape(out, {1, 1, h}, s);
+  return mx::broadcast_to(mx::reshape(out, {1, 1, h}, s), {rows, 1, h}, s);
 }
 
 // code: one frame's Q codes (any shape of Q values; K = the mask); table [Q * KP, D] float32; weight
-// [H, D]; plus [B, 1, H] float32 or none. Returns plus + W @ depth sum ([B, 1, H]), or [1, 1, H].
-mx::array code_embedding(const mx::array& code, const mx::array& table, const mx::array& weight,
-                         const std::optional<mx::array>& plus, mx::StreamOrDevice s_) {
+// [H, D]. Returns W @ depth sum as [rows, 1, H] (the same row `rows` times).
+mx::array code_embedding(const mx::array& code, const mx::array& table, const mx::array& weight, int rows,
+                         mx::StreamOrDevice s_) {
   expect(code.ndim() >= 1 && mx::issubdtype(code.dtype(), mx::integer), "code must be integer codes");
   const int q = static_cast<int>(code.size());
   expect(code.shape(-1) == q, "code must hold one frame (its codes in the last axis, the rest of size 1)");
@@ -120,32 +115,27 @@ mx::array code_embedding(const mx::array& code, const mx::array& table, const mx
          "table must be float32 [Q * (K + 1), D] for Q = " + std::to_string(q) + " codes");
   expect(weight.ndim() == 2 && weight.shape(1) == table.shape(1) && float_dtype(weight.dtype()),
          "weight must be [H, D] (D = " + std::to_string(table.shape(1)) + ") of a float type");
+  expect(rows >= 1, "rows must be at least 1");
   const int kp = table.shape(0) / q, d = table.shape(1), h = weight.shape(0);
-  if (plus) {
-    expect(plus->ndim() == 3 && plus->shape(1) == 1 && plus->shape(2) == h && plus->dtype() == mx::float32,
-           "plus must be float32 [B, 1, " + std::to_string(h) + "]");
-  }
   auto s = mx::to_stream(s_);
-  const int b = plus ? plus->shape(0) : 0;
-  if (!(gpu_stream(s) && cuda_build() && code.dtype() == mx::int32 && b <= 2)) {
-    return composed(code, table, weight, plus, q, kp, s);
+  if (!(gpu_stream(s) && cuda_build() && code.dtype() == mx::int32 && rows <= 2)) {
+    return composed(code, table, weight, rows, q, kp, s);
   }
   static auto kernel = make_cuda_kernel(source());
   const int rows_per_block = (kThreads / 32) * kRowsPerWarp;
   const int blocks = (h + rows_per_block - 1) / rows_per_block;
-  return kernel({code, table, weight, plus ? *plus : table}, {plus ? plus->shape() : mx::Shape{1, 1, h}},
-                {mx::float32}, {blocks * kThreads, 1, 1}, {kThreads, 1, 1},
-                {{"D", d}, {"H", h}, {"Q", q}, {"KP", kp}, {"B", b}, {"ROWS", kRowsPerWarp}, {"THREADS", kThreads},
+  return kernel({code, table, weight}, {{rows, 1, h}}, {mx::float32}, {blocks * kThreads, 1, 1}, {kThreads, 1, 1},
+                {{"D", d}, {"H", h}, {"Q", q}, {"KP", kp}, {"B", rows}, {"ROWS", kRowsPerWarp}, {"THREADS", kThreads},
                  {"TW", weight.dtype()}},
                 std::nullopt, false, s)[0];
 }
 
 void bind(py::module_& m) {
   source();  // registered at import, so the compile checks see it
-  m.def("code_embedding", &code_embedding, py::arg("code"), py::arg("table"), py::arg("weight"),
-        py::arg("plus") = py::none(), py::arg("stream") = py::none(),
-        "One frame's code embedding: plus + weight @ sum_q table[q * (K + 1) + code[q]] ([B, 1, H]; without "
-        "plus [1, 1, H]). One CUDA launch on a CUDA stream (int32 codes, 1-2 rows of plus), MLX ops elsewhere.");
+  m.def("code_embedding", &code_embedding, py::arg("code"), py::arg("table"), py::arg("weight"), py::arg("rows") = 1,
+        py::arg("stream") = py::none(),
+        "One frame's code embedding: weight @ sum_q table[q * (K + 1) + code[q]] as [rows, 1, H] (the same row "
+        "`rows` times). One CUDA launch on a CUDA stream (int32 codes, 1-2 rows), MLX ops elsewhere.");
 }
 
 }  // namespace

@@ -308,12 +308,13 @@ const CudaSource& dense_source() {
 
 const CudaSource& dense_add_norm_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int k, int n, int m, int rows, int threads, bool has_bias, const char* tw, const char* tb) {
+  auto inst = [](int k, int n, int m, int rows, int threads, bool has_bias, const char* tw, const char* tb,
+                 int seam = 0) {
     return CudaInstance{{"float", "float", "float", "float", tw, tb},
                         {"float", "float"},
                         {P{"K", int_arg(k)}, P{"N", int_arg(n)}, P{"M", int_arg(m)}, P{"ROWS", int_arg(rows)},
                          P{"THREADS", int_arg(threads)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
-                         P{"EPS_BITS", int_arg(float_bits(1e-6f))},
+                         P{"SEAM", int_arg(seam)}, P{"EPS_BITS", int_arg(float_bits(1e-6f))},
                          P{"TW", type_arg(tw)}, P{"TB", type_arg(tb)}, P{"TO", "type:float"}}};
   };
   const char* bf = "__nv_bfloat16";
@@ -328,6 +329,11 @@ const CudaSource& dense_add_norm_source() {
           inst(1152, 9216, 2, 8, 160, false, bf, bf),
           inst(1152, 3456, 2, 8, 160, false, bf, bf),
           inst(200, 24, 1, 4, 32, true, "float", "float"),
+          // the MoG head's first gate/up on hidden + code embedding (or the hidden states alone), and
+          // the backbone's first q/k/v behind its input norm
+          inst(1152, 9216, 2, 8, 160, false, bf, bf, 1),
+          inst(1152, 9216, 2, 8, 160, false, bf, bf, 2),
+          inst(1152, 3456, 2, 8, 160, false, bf, bf, 2),
       },
   });
   return src;
@@ -669,18 +675,23 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
 // ---------------------------------------------------------------- sandwich-norm seam + dense matvec
 
 // (out, h') with h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias): one launch
-// on a CUDA stream for 1-2 float32 rows; MLX ops elsewhere.
-std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const mx::array& y, const mx::array& post,
-                                             const mx::array& pre, float eps, const mx::array& w,
-                                             const std::optional<mx::array>& bias, mx::StreamOrDevice s_) {
+// on a CUDA stream for 1-2 float32 rows; MLX ops elsewhere. Without post, h' = h + y; without y (and
+// post), h' = h: an input norm and the product.
+std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const std::optional<mx::array>& y,
+                                             const std::optional<mx::array>& post, const mx::array& pre, float eps,
+                                             const mx::array& w, const std::optional<mx::array>& bias,
+                                             mx::StreamOrDevice s_) {
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_add_norm_matvec: weight must be [N, K]");
   }
   const int n = w.shape(0), k = w.shape(1);
-  if (h.ndim() < 1 || h.shape() != y.shape() || h.shape(-1) != k) {
+  if (h.ndim() < 1 || h.shape(-1) != k || (y && y->shape() != h.shape())) {
     throw std::invalid_argument("dense_add_norm_matvec: h and y must be [..., K] alike with K = " + std::to_string(k));
   }
-  if (post.shape() != mx::Shape{k} || pre.shape() != mx::Shape{k}) {
+  if (post && !y) {
+    throw std::invalid_argument("dense_add_norm_matvec: post needs y (the branch it norms)");
+  }
+  if ((post && post->shape() != mx::Shape{k}) || pre.shape() != mx::Shape{k}) {
     throw std::invalid_argument("dense_add_norm_matvec: post and pre must be [K]");
   }
   if (bias && (bias->ndim() != 1 || bias->shape(0) != n)) {
@@ -688,25 +699,26 @@ std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const mx::array
   }
   auto s = mx::to_stream(s_);
   const int m = leading_rows(h);
-  const bool f32 = h.dtype() == mx::float32 && y.dtype() == mx::float32 && post.dtype() == mx::float32 &&
-                   pre.dtype() == mx::float32;
+  const int seam = post ? 0 : y ? 1 : 2;
+  const bool f32 = h.dtype() == mx::float32 && (!y || y->dtype() == mx::float32) &&
+                   (!post || post->dtype() == mx::float32) && pre.dtype() == mx::float32;
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && k % 8 == 0 && k <= 4096 &&
                            f32 && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype()));
   if (!kernel_path) {
-    auto h2 = mx::add(h, mx::fast::rms_norm(y, post, eps, s), s);
+    auto h2 = seam == 0 ? mx::add(h, mx::fast::rms_norm(*y, *post, eps, s), s) : seam == 1 ? mx::add(h, *y, s) : h;
     auto z = mx::fast::rms_norm(h2, pre, eps, s);
     auto out = bias ? mx::addmm(*bias, z, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(z, mx::transpose(w, s), s);
     return {out, h2};
   }
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n, 0, 0, 0);
   auto outs = kernel(dense_add_norm_source())(
-      {h, y, post, pre, w, bias ? *bias : w},  // flat, as in quantized_matvec
+      {h, y ? *y : h, post ? *post : pre, pre, w, bias ? *bias : w},  // flat, as in quantized_matvec
       {out_shape(h, n), h.shape()}, {mx::float32, mx::float32}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads}, {"HAS_BIAS", bias.has_value()},
-       {"EPS_BITS", float_bits(eps)}, {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()},
+       {"SEAM", seam}, {"EPS_BITS", float_bits(eps)}, {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()},
        {"TO", mx::float32}},
       std::nullopt, false, s);
-  return {outs[0], outs[1]};
+  return {outs[0], seam == 2 ? h : outs[1]};
 }
 
 // ---------------------------------------------------------------- two-head argmax
@@ -819,10 +831,11 @@ void bind(py::module_& m) {
         "x @ w.T (+ bias), then the epilogue, for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's "
         "matmul elsewhere (epilogue and launch overrides as quantized_matvec's). input='gelu_gate': x is "
         "[..., 2K] and gelu_tanh(x[..., :K]) * x[..., K:] is the product's input (formed as the kernel loads it).");
-  m.def("dense_add_norm_matvec", &dense_add_norm_matvec, py::arg("h"), py::arg("y"), py::arg("post"), py::arg("pre"),
+  m.def("dense_add_norm_matvec", &dense_add_norm_matvec, py::arg("h"), py::arg("y").none(true), py::arg("post").none(true), py::arg("pre"),
         py::arg("eps"), py::arg("w"), py::arg("bias") = py::none(), py::arg("stream") = py::none(),
         "[out, h'] with h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias): the "
-        "sandwich-norm seam and the next dense matvec in one CUDA launch for 1-2 float32 rows; MLX ops elsewhere.");
+        "sandwich-norm seam and the next dense matvec in one CUDA launch for 1-2 float32 rows; MLX ops elsewhere. "
+        "post=None: h' = h + y; y=None (and post=None): h' = h, the input norm and the product.");
   m.def("two_head_argmax", &two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),

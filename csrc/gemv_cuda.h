@@ -588,11 +588,13 @@ constexpr const char* kDenseSource = R"(
 
 // The sandwich-norm seam feeding a dense matvec, in one launch (the TTS's Gemma blocks):
 //   h'[m] = h[m] + rms_norm(y[m]) * post,   x[m] = rms_norm(h'[m]) * pre,   out[m, n] = x[m] . w[n] (+ bias)
-// and h' is written too (by block 0): the residual stream the next seam adds to. Every block forms
-// x (M rows of K floats) in shared memory from h and y (K floats each: small beside its weight
-// rows), then runs the block-layout product over it. eps from EPS_BITS (float bits).
-// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, EPS_BITS, TW, TB, TO (h, y, post, pre: float). Its header
-// is block_reduce_header() + kHeader.
+// and h' is written too (by block 0): the residual stream the next seam adds to. SEAM 1 adds y as it
+// is (h' = h + y: the MoG head's input, hidden states plus the code embedding); SEAM 2 has no y
+// (h' = h: a plain input norm before the product; y and post are not read). Every block forms x (M
+// rows of K floats) in shared memory from h and y (K floats each: small beside its weight rows), then
+// runs the block-layout product over it. eps from EPS_BITS (float bits).
+// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, SEAM, EPS_BITS, TW, TB, TO (h, y, post, pre: float).
+// Its header is block_reduce_header() + kHeader.
 constexpr const char* kDenseAddNormSource = R"(
   __shared__ __align__(16) float xs[M * K];
   __shared__ float red[THREADS / 32];
@@ -603,11 +605,16 @@ constexpr const char* kDenseAddNormSource = R"(
     const float* ym = y + static_cast<size_t>(m) * K;
     const float* hm = h + static_cast<size_t>(m) * K;
     float ss = 0.0f;
-    for (int k = threadIdx.x; k < K; k += THREADS) ss = fmaf(ym[k], ym[k], ss);
-    const float r_post = rsqrtf(vc_block_sum<THREADS>(ss, red) / static_cast<float>(K) + eps);
-    ss = 0.0f;
+    float r_post = 1.0f;
+    if constexpr (SEAM == 0) {
+      for (int k = threadIdx.x; k < K; k += THREADS) ss = fmaf(ym[k], ym[k], ss);
+      r_post = rsqrtf(vc_block_sum<THREADS>(ss, red) / static_cast<float>(K) + eps);
+      ss = 0.0f;
+    }
     for (int k = threadIdx.x; k < K; k += THREADS) {
-      const float v = hm[k] + ym[k] * r_post * post[k];
+      float v = hm[k];
+      if constexpr (SEAM == 0) v += ym[k] * r_post * post[k];
+      if constexpr (SEAM == 1) v += ym[k];
       xs[m * K + k] = v;
       ss = fmaf(v, v, ss);
     }

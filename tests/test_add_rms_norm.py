@@ -90,6 +90,33 @@ def test_seam_with_the_next_projection_equals_the_seam_then_the_layer(rows, bias
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("rows,bias,with_add", [(2, False, True), (2, False, False), (1, True, True), (5, False, True)])
+def test_input_norm_with_the_projection_equals_the_norm_then_the_layer(rows, bias, with_add):
+    """`add_norm_linear`: `h' = h + add` (or `h`), then the input norm and the layer; one launch with
+    our dense GEMV on CUDA (1-2 rows), MLX ops otherwise; the same numbers either way."""
+    import mlx.nn as nn
+
+    from voicechat.kernels.add_rms_norm import add_norm_linear
+    from voicechat.kernels.gemv import use_gemv
+
+    h, add, _, pre = _inputs((rows, 1), 1152, seed=rows + 7)
+    layer = use_gemv(nn.Linear(1152, 96, bias=bias))
+    layer.set_dtype(mx.bfloat16)
+    got_h, got = add_norm_linear(h, add if with_add else None, pre, 1e-6, layer)
+    with mx.stream(mx.cpu):
+        want_h = h + add if with_add else h
+        w = layer.weight.astype(mx.float32)
+        want = mx.fast.rms_norm(want_h, pre, 1e-6) @ w.T + (layer.bias.astype(mx.float32) if bias else 0.0)
+        want_h, want = np.array(want_h), np.array(want)
+    assert got.shape == (rows, 1, 96) and got_h.shape == h.shape
+    np.testing.assert_allclose(np.array(got_h), want_h, rtol=2e-6, atol=2e-6 * np.abs(want_h).max())
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    if ON_CUDA and rows <= 2:
+        from voicechat.llm.opcount import count_ops
+
+        assert count_ops(got).get("CustomKernel") == 1 and "RMSNorm" not in count_ops(got)
+
+
 def test_seam_matvec_refuses_bad_shapes():
     h, y, post, pre = _inputs((2,), 64)
     with pytest.raises(ValueError, match="alike"):
@@ -98,3 +125,5 @@ def test_seam_matvec_refuses_bad_shapes():
         ext.dense_add_norm_matvec(h, y, post[:8], pre, 1e-6, mx.zeros((8, 64)))
     with pytest.raises(ValueError, match="bias"):
         ext.dense_add_norm_matvec(h, y, post, pre, 1e-6, mx.zeros((8, 64)), mx.zeros((3,)))
+    with pytest.raises(ValueError, match="post needs y"):
+        ext.dense_add_norm_matvec(h, None, post, pre, 1e-6, mx.zeros((8, 64)))

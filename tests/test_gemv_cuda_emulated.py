@@ -343,7 +343,8 @@ def gated_norm_case(rows, c, groups, width, offset, dtype=mx.float32):
     return case, ref
 
 
-def dense_add_norm_case(n, k, m, w_dtype, rows, threads, bias_dtype=None):
+def dense_add_norm_case(n, k, m, w_dtype, rows, threads, bias_dtype=None, seam=0):
+    """seam 0: h + rms_norm(y) * post; 1: h + y; 2: h alone (y and post not read: NaN placeholders)."""
     k1, k2, k3, k4 = mx.random.split(mx.random.key(n + k), 4)
     h = mx.random.normal((m, k), key=k1)
     y = 3.0 * mx.random.normal((m, k), key=k2)
@@ -351,13 +352,18 @@ def dense_add_norm_case(n, k, m, w_dtype, rows, threads, bias_dtype=None):
     pre = 1.0 + 0.1 * mx.random.normal((k,), key=k4)
     w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
-    args = dict(K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None, EPS_BITS=_float_bits(1e-6),
-                TW=w_dtype,
-                TB=bias_dtype or w_dtype, TO=mx.float32)
-    case = Case("vc_dense_add_norm", args, [h, y, post, pre, w, bias if bias is not None else w],
+    args = dict(K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=bias is not None, SEAM=seam,
+                EPS_BITS=_float_bits(1e-6), TW=w_dtype, TB=bias_dtype or w_dtype, TO=mx.float32)
+    unread = mx.full(h.shape, float("nan"))
+    case = Case("vc_dense_add_norm", args, [h, unread if seam == 2 else y, unread[0] if seam else post, pre, w,
+                                            bias if bias is not None else w],
                 [("float", (m, n)), ("float", (m, k))], -(-n // rows), threads)
     with mx.stream(mx.cpu):
-        h2, z = add_rms_norm_reference(h, y, post, pre, 1e-6)
+        if seam == 0:
+            h2, z = add_rms_norm_reference(h, y, post, pre, 1e-6)
+        else:
+            h2 = h + y if seam == 1 else h
+            z = mx.fast.rms_norm(h2, pre, 1e-6)
         out = z @ w.T.astype(mx.float32)
         out = out if bias is None else out + bias.astype(mx.float32)
     return case, (out, h2)
@@ -377,20 +383,18 @@ def add_norm_case(rows, c, y_dtype=mx.float32):
     return case, ref
 
 
-def code_embedding_case(q, k, d, h, plus_rows, w_dtype):
-    keys = mx.random.split(mx.random.key(q + d + plus_rows), 4)
+def code_embedding_case(q, k, d, h, rows, w_dtype):
+    keys = mx.random.split(mx.random.key(q + d + rows), 3)
     table = mx.concatenate([mx.random.normal((q, k, d), key=keys[0]), mx.zeros((q, 1, d))], axis=1)
     table = table.reshape(q * (k + 1), d)
     code = mx.concatenate([mx.random.randint(0, k, (1, q - 1), key=keys[1]), mx.array([[k]])], axis=1)
     code = code.astype(mx.int32)  # the last one the mask code (a zero row)
     weight = (0.2 * mx.random.normal((h, d), key=keys[2])).astype(w_dtype)
-    plus = mx.random.normal((plus_rows, 1, h), key=keys[3]) if plus_rows else None
-    rows = (256 // 32) * 4  # output rows a block: 8 warps of 4
-    args = dict(D=d, H=h, Q=q, KP=k + 1, B=plus_rows, ROWS=4, THREADS=256, TW=w_dtype)
-    case = Case("vc_code_embedding", args, [code, table, weight, table if plus is None else plus],
-                [("float", (max(plus_rows, 1), 1, h))], -(-h // rows), 256)
+    per_block = (256 // 32) * 4  # output rows a block: 8 warps of 4
+    args = dict(D=d, H=h, Q=q, KP=k + 1, B=rows, ROWS=4, THREADS=256, TW=w_dtype)
+    case = Case("vc_code_embedding", args, [code, table, weight], [("float", (rows, 1, h))], -(-h // per_block), 256)
     with mx.stream(mx.cpu):
-        ref = code_embedding_reference(code, table, weight, plus)
+        ref = code_embedding_reference(code, table, weight, rows)
     return case, ref
 
 
@@ -610,14 +614,16 @@ def emulated(tmp_path_factory):
         # the seam feeding a dense matvec: the TTS's gate/up (2 rows, several steps), a bias and one row
         "dense_add_norm_tts": dense_add_norm_case(20, 1152, 2, mx.bfloat16, 8, 160),
         "dense_add_norm_bias": dense_add_norm_case(24, 200, 1, mx.float32, 4, 32, mx.float32),
+        "dense_add_plain": dense_add_norm_case(20, 1152, 2, mx.bfloat16, 8, 160, seam=1),
+        "dense_norm_only": dense_add_norm_case(24, 200, 1, mx.float32, 4, 32, mx.float32, seam=2),
         # the sandwich-norm seam: the TTS width (CFG batch), a bfloat16 branch, a width below a block
         "add_norm_tts": add_norm_case(2, 1152),
         "add_norm_bf16_y": add_norm_case(3, 1152, mx.bfloat16),
         "add_norm_small": add_norm_case(1, 100),
-        # one frame's code embedding: a tail block past H, D no multiple of 32; the CFG pair added
-        # with bfloat16 weights, and alone
+        # one frame's code embedding: a tail block past H, D no multiple of 32; for the CFG pair with
+        # bfloat16 weights, and one row
         "code_embedding_b2_bf16": code_embedding_case(5, 8, 40, 70, 2, mx.bfloat16),
-        "code_embedding_alone": code_embedding_case(7, 6, 24, 33, 0, mx.float32),
+        "code_embedding_one_row": code_embedding_case(7, 6, 24, 33, 1, mx.float32),
         # the TTS heads: a CFG step late in a session, the warmup, grouped heads with D > 64 in bf16
         "qkv_step": qkv_heads_case(2, 1, 16, 16, 72, 300, 1e4),
         "qkv_warmup": qkv_heads_case(2, 37, 16, 16, 72, 0, 1e6),
@@ -732,7 +738,7 @@ def test_emit_norm_kernel_emulated(emulated, name):
     np.testing.assert_allclose(partials.sum(-1), partials_ref.sum(-1), rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["dense_add_norm_tts", "dense_add_norm_bias"])
+@pytest.mark.parametrize("name", ["dense_add_norm_tts", "dense_add_norm_bias", "dense_add_plain", "dense_norm_only"])
 def test_dense_add_norm_kernel_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
     out, h2 = run(exe, name, cases[name], tmp)
@@ -750,7 +756,7 @@ def test_add_rms_norm_kernel_emulated(emulated, name):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["code_embedding_b2_bf16", "code_embedding_alone"])
+@pytest.mark.parametrize("name", ["code_embedding_b2_bf16", "code_embedding_one_row"])
 def test_code_embedding_kernel_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
     (got,) = run(exe, name, cases[name], tmp)

@@ -45,3 +45,15 @@ def add_rms_norm_linear(h: mx.array, y: mx.array, post: mx.array, pre: mx.array,
         return h2, out
     h2, z = add_rms_norm(h, y, post, pre, eps)
     return h2, layer(z)
+
+
+def add_norm_linear(h: mx.array, add: mx.array | None, pre: mx.array, eps: float, layer) -> tuple[mx.array, mx.array]:
+    """`(h', layer(rms_norm(h') * pre))` with `h' = h + add` (`add` None: `h' = h`, an input norm before
+    the layer): with a dense `GemvLinear` on a CUDA GPU (1-2 float32 rows) one launch
+    (`ext.dense_add_norm_matvec` without post); otherwise the add, MLX's rms_norm, then the layer."""
+    if (isinstance(layer, GemvLinear) and gemv_applies(h) and h.dtype == mx.float32 and pre.dtype == mx.float32
+            and (add is None or (add.dtype == mx.float32 and add.shape == h.shape))):
+        out, h2 = ext.dense_add_norm_matvec(h, add, None, pre, eps, layer["weight"], layer.get("bias"))
+        return h2, out
+    h2 = h if add is None else h + add
+    return h2, layer(mx.fast.rms_norm(h2, pre, eps))

@@ -30,6 +30,13 @@ def _arrays(outputs: tuple[Any, ...]) -> list[mx.array]:
 
 def count_ops(*outputs: Any) -> Counter:
     """Primitive name -> count over the unevaluated graph of `outputs` (arrays or trees of them)."""
+    # Labels of compiled graphs read "Compiled..." with the fused ops' names; count them as one kind.
+    return Counter("Compiled" if name.startswith("Compiled") else name
+                   for name, n in op_labels(*outputs).items() for _ in range(n))
+
+
+def op_labels(*outputs: Any) -> Counter:
+    """Like `count_ops`, with each compiled graph under its own label (the fused ops' names)."""
     arrays = _arrays(outputs)
     if not arrays:
         return Counter()
@@ -41,8 +48,7 @@ def count_ops(*outputs: Any) -> Counter:
             text = f.read()
     finally:
         os.unlink(path)
-    # Labels of compiled graphs read "Compiled..." with the fused ops' names; count them as one kind.
-    return Counter("Compiled" if name.startswith("Compiled") else name for name in _NODE.findall(text))
+    return Counter(_NODE.findall(text))
 
 
 def kernel_count(counts: Counter) -> int:

@@ -41,7 +41,7 @@ from ..kernels._native import use_reference
 from ..kernels.decode_attention import decode_attention, decode_attention_qkv
 from ..kernels.gemv import on_cuda_gpu, stack_linears
 from ..kernels.qkv_heads import qkv_heads, rope_inv_freq
-from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear
+from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear, norm_linear
 
 DEFAULT_CHUNK = 256  # cache slots added at a time (20 s of frames)
 
@@ -405,7 +405,12 @@ class Backbone(nn.Module):
             buffers = settle(buffers, pending)
         groups, place = window_groups(self.windows)
         h = x.astype(mx.float32)
-        z, qkv = self.layers[0].input_layernorm(h), None
+        first = self.layers[0]
+        if first.self_attn._qkv is not None:  # the input norm and q/k/v in one launch (CUDA)
+            h, qkv = norm_linear(h, first.input_layernorm, first.self_attn._qkv)
+            z = None
+        else:
+            z, qkv = first.input_layernorm(h), None
         slots = [offset if window is None else mx.remainder(offset, window) for window in groups]
         masks = {}  # buffers of one capacity share the mask
         new_kv: list[list] = [[] for _ in groups]

@@ -173,15 +173,15 @@ class EarTTS(nn.Module):
     def code_embedding(self, code: mx.array) -> mx.array:
         return self.embed_code(self.depthsum(code))
 
-    def frame_code_embedding(self, code: mx.array, plus: mx.array | None = None) -> mx.array:
-        """One frame's `code_embedding` (its Q codes in any shape) as `[1, 1, hidden]`, plus `plus
-        [B, 1, hidden]` when given: one launch on a CUDA GPU with our GEMV layer (the depth sum and
-        `embed_code` in `kernels.code_embedding`), the same ops as `code_embedding` elsewhere."""
+    def frame_code_embedding(self, code: mx.array, rows: int = 1) -> mx.array:
+        """One frame's `code_embedding` (its Q codes in any shape) as `[rows, 1, hidden]` (the same
+        row each time): one launch on a CUDA GPU with our GEMV layer (the depth sum and `embed_code`
+        in `kernels.code_embedding`), the same ops as `code_embedding` elsewhere."""
         self._prepare_weights()
         if isinstance(self.embed_code, GemvLinear) and on_cuda_gpu() and not use_reference():
-            return code_embedding(code, self._rvq_flat, self.embed_code["weight"], plus)
+            return code_embedding(code, self._rvq_flat, self.embed_code["weight"], rows)
         out = self.code_embedding(code.reshape(1, 1, -1))
-        return out if plus is None else out + plus
+        return out if rows == 1 else mx.broadcast_to(out, (rows, *out.shape[1:]))
 
     def condition(self, ids: mx.array, mask: mx.array) -> mx.array:
         """Text conditioning `[B, T, hidden]`: the char encoder where `mask`, flags everywhere."""
@@ -210,11 +210,12 @@ class EarTTS(nn.Module):
         normals = mx.random.normal(shape=(steps, 1, 1, d), key=key_noise)
         done = 0
         for i, count in enumerate(self._schedule):
-            # All codes are the mask at first, whose embedding is exactly zero: x is the hidden state.
-            x = hidden if done == 0 else self.frame_code_embedding(code, plus=hidden)  # [2, 1, hidden]
+            # The MoG head's input is hidden + the embedding of the codes so far (added inside its
+            # first launch). All codes are the mask at first, whose embedding is exactly zero.
+            embedded = None if done == 0 else self.frame_code_embedding(code, rows=hidden.shape[0])
             # Rows taken as range slices (views): an integer index is a gather, a launch each.
             u, noise = (a[i : i + 1].reshape(a.shape[1:]) for a in (uniforms, normals))
-            z = mog.sample(x, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale)
+            z = mog.sample(hidden, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale, add=embedded)
             # The chosen codes land in their columns of the row (on CUDA the kernels write them there).
             code, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms, into=code)
             done += count

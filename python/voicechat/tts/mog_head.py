@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ..config import MogHeadConfig
 from ..kernels.gemv import stack_linears
 from ..kernels.mog_sample import choose_component, component_mean, mog_sample
-from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear
+from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear, norm_linear
 
 
 class MLPLayer(nn.Module):
@@ -57,13 +57,19 @@ class MoGHead(nn.Module):
         n = self.num_predictions
         return tuple(mx.split(self._heads(h), [n, n + 1], axis=-1))
 
-    def trunk(self, x: mx.array) -> mx.array:
-        """`mlp_stack` in order (each layer `x + post(mlp(pre(x)))`, then the final norm), each norm
-        seam between two of them one `add_and_norm`, with the next layer's gate/up projection in
-        the same launch once stacked (`add_and_norm_linear`)."""
+    def trunk(self, x: mx.array, add: mx.array | None = None) -> mx.array:
+        """`mlp_stack` in order (each layer `x + post(mlp(pre(x)))`, then the final norm) on `x + add`
+        (or `x`), each norm seam between two of them one `add_and_norm`, with the next layer's gate/up
+        projection in the same launch once stacked (`add_and_norm_linear`; the first layer's input
+        norm and the add: `norm_linear`)."""
         *layers, final = self.mlp_stack
         h = x.astype(mx.float32)
-        z, gate_up = layers[0].pre_norm(h), None
+        if layers[0].mlp._gate_up is not None:
+            h, gate_up = norm_linear(h, layers[0].pre_norm, layers[0].mlp._gate_up, add)
+            z = None
+        else:
+            h = h if add is None else h + add.astype(mx.float32)
+            z, gate_up = layers[0].pre_norm(h), None
         for i, layer in enumerate(layers):
             out = layer.mlp(z) if gate_up is None else layer.mlp.down_from(gate_up)
             nxt = layers[i + 1] if i + 1 < len(layers) else None
@@ -85,18 +91,20 @@ class MoGHead(nn.Module):
         logs = mx.maximum(log_std, self.min_log_std)
         return mu * mx.exp(logs) + rest, logs
 
-    def guided(self, x: mx.array, guidance_scale: float) -> mx.array:
-        """The trunk over both CFG rows, then `cond + g * (cond - uncond)`: [1, T, hidden]."""
-        h = self.trunk(x)
+    def guided(self, x: mx.array, guidance_scale: float, add: mx.array | None = None) -> mx.array:
+        """The trunk over both CFG rows of `x + add` (or `x`), then `cond + g * (cond - uncond)`:
+        [1, T, hidden]."""
+        h = self.trunk(x, add)
         cond, uncond = h[:1], h[1:]
         return cond + guidance_scale * (cond - uncond)
 
     def sample(self, x: mx.array, guidance_scale: float, top_p: float, u: mx.array, noise: mx.array,
-               noise_scale: float) -> mx.array:
+               noise_scale: float, add: mx.array | None = None) -> mx.array:
         """One frame's draw `z = mu * s + rest + s * noise * noise_scale` (s = exp(logs)) from
-        x [2, 1, hidden]: the numbers of `infer` and that formula; on a CUDA GPU everything after
-        the projections is one launch (`kernels.mog_sample`)."""
-        h = self.guided(x, guidance_scale)
+        x [2, 1, hidden] (plus `add`, same shape, when given: added in the first layer's norm launch):
+        the numbers of `infer` and that formula; on a CUDA GPU everything after the projections is
+        one launch (`kernels.mog_sample`)."""
+        h = self.guided(x, guidance_scale, add)
         y = self._heads(h) if self._heads is not None else mx.concatenate(list(self.projections(h)), axis=-1)
         z, _ = mog_sample(y, h, u, noise, self.proj_mus.weight, self.low_mat, top_p, self.min_log_std, noise_scale)
         return z.reshape(1, 1, self.latent)

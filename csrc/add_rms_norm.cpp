@@ -65,6 +65,49 @@ constexpr const char* kSource = R"(
   }
 )";
 
+// The same seam over a classifier-free-guidance pair, the MoG head's last: rows 0 (conditioned) and 1
+// (not) of h, y [2, C] in one block, and out [C] = z0 + g * (z0 - z1), the guided input of the head's
+// projections (composed: the seam, then a launch for the guidance). Template args as kSource's and
+// G_BITS (the guidance scale as float bits).
+constexpr const char* kGuidedSource = R"(
+  constexpr int PER = (C + THREADS - 1) / THREADS;
+  __shared__ float scratch[THREADS / 32];
+  const float e = __int_as_float(EPS_BITS);
+  float z[2][PER];
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const size_t base = static_cast<size_t>(m) * C;
+    float v[PER];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+      v[i] = c < C ? static_cast<float>(y[base + c]) : 0.0f;
+      ss += v[i] * v[i];
+    }
+    const float r_post = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
+    ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+      v[i] = c < C ? static_cast<float>(h[base + c]) + v[i] * r_post * static_cast<float>(post[c]) : 0.0f;
+      ss += v[i] * v[i];
+    }
+    const float r_pre = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+      z[m][i] = c < C ? v[i] * r_pre * static_cast<float>(pre[c]) : 0.0f;
+    }
+  }
+  const float g = __int_as_float(G_BITS);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    if (c < C) out[c] = static_cast<TO>(z[0][i] + g * (z[0][i] - z[1][i]));
+  }
+)";
+
 const CudaSource& source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int c, const std::string& t) {
@@ -81,6 +124,26 @@ const CudaSource& source() {
       block_reduce_header(),
       // the TTS width (float32 as it runs; a bfloat16 branch too); a small odd one
       {inst(1152, "float"), inst(1152, "__nv_bfloat16"), inst(100, "float")},
+  });
+  return src;
+}
+
+const CudaSource& guided_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](int c, float g) {
+    return CudaInstance{{"float", "float", "float", "float"},
+                        {"float"},
+                        {P{"C", int_arg(c)}, P{"THREADS", int_arg(kThreads)}, P{"EPS_BITS", int_arg(float_bits(1e-6f))},
+                         P{"G_BITS", int_arg(float_bits(g))}, P{"TH", "type:float"}, P{"TY", "type:float"},
+                         P{"TW", "type:float"}, P{"TO", "type:float"}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_add_rms_norm_guided",
+      {"h", "y", "post", "pre"},
+      {"out"},
+      kGuidedSource,
+      block_reduce_header(),
+      {inst(1152, 0.2f), inst(100, 1.5f)},  // the published MoG head (guidance 0.2); a small odd one
   });
   return src;
 }
@@ -113,8 +176,39 @@ std::tuple<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::arra
   return {outs[0], outs[1]};
 }
 
+// The seam over a CFG pair h, y [2, 1, C] (row 0 conditioned, row 1 not), then z0 + g * (z0 - z1):
+// [1, 1, C]. One CUDA launch (float32, g >= 0); MLX ops elsewhere.
+mx::array add_rms_norm_guided(const mx::array& h, const mx::array& y, const mx::array& post, const mx::array& pre,
+                              float eps, float guidance, mx::StreamOrDevice s_) {
+  if (h.ndim() != 3 || h.shape(0) != 2 || h.shape(1) != 1 || h.shape() != y.shape()) {
+    throw std::invalid_argument("add_rms_norm_guided: h and y must both be [2, 1, C] (the CFG pair)");
+  }
+  const int c = h.shape(-1);
+  if (post.shape() != mx::Shape{c} || pre.shape() != mx::Shape{c}) {
+    throw std::invalid_argument("add_rms_norm_guided: post and pre must be [C] with C = " + std::to_string(c));
+  }
+  auto s = mx::to_stream(s_);
+  const bool kernel_path = gpu_stream(s) && cuda_build() && guidance >= 0.0f && h.dtype() == mx::float32 &&
+                           y.dtype() == mx::float32 && post.dtype() == mx::float32 && pre.dtype() == mx::float32;
+  if (!kernel_path) {
+    auto z = mx::fast::rms_norm(mx::add(h, mx::fast::rms_norm(y, post, eps, s), s), pre, eps, s);
+    auto cond = mx::slice(z, {0, 0, 0}, {1, 1, c}, s), uncond = mx::slice(z, {1, 0, 0}, {2, 1, c}, s);
+    return mx::add(cond, mx::multiply(mx::array(guidance), mx::subtract(cond, uncond, s), s), s);
+  }
+  static auto kernel = make_cuda_kernel(guided_source());
+  return kernel({h, y, post, pre}, {{1, 1, c}}, {mx::float32}, {kThreads, 1, 1}, {kThreads, 1, 1},
+                {{"C", c}, {"THREADS", kThreads}, {"EPS_BITS", float_bits(eps)}, {"G_BITS", float_bits(guidance)},
+                 {"TH", mx::float32}, {"TY", mx::float32}, {"TW", mx::float32}, {"TO", mx::float32}},
+                std::nullopt, false, s)[0];
+}
+
 void bind(py::module_& m) {
-  source();  // registered at import, so the compile checks see it
+  source();  // registered at import, so the compile checks see them
+  guided_source();
+  m.def("add_rms_norm_guided", &add_rms_norm_guided, py::arg("h"), py::arg("y"), py::arg("post"), py::arg("pre"),
+        py::arg("eps"), py::arg("guidance"), py::arg("stream") = py::none(),
+        "The seam over a CFG pair h, y [2, 1, C] (row 0 conditioned), then z0 + guidance * (z0 - z1) of its "
+        "normed output z: [1, 1, C]. One CUDA launch (float32, guidance >= 0) on a CUDA stream, MLX ops elsewhere.");
   m.def("add_rms_norm", &add_rms_norm, py::arg("h"), py::arg("y"), py::arg("post"), py::arg("pre"), py::arg("eps"),
         py::arg("stream") = py::none(),
         "(h + rms_norm(y) * post, rms_norm(that) * pre) over the last axis: one CUDA launch (float32 h, "

@@ -10,13 +10,14 @@
 //
 // G = H / HK (grouped heads). MLX's fast attention takes neither a mask array nor head dim 72 on
 // CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
-// NC chunks of CH slots per (b, h) each keep an online softmax (max, sum, weighted values) over
-// their valid slots, then one block per (b, h) merges the chunks: two launches, or one while the
-// buffers hold <= 1024 slots (one chunk normalizes and writes the result itself). No block waits for
-// another. A chunk's warps take 32 slots at a time, a slot a lane, so a step's time does not grow
-// slot by slot (one slot a warp at a time grew the TTS step ~1.5 ms between 40 and 490 positions
-// on the H200). CUDA through fast::cuda_kernel; elsewhere MLX's attention with the mask (the
-// reference: voicechat.kernels.decode_attention).
+// NC chunks of CH slots per (b, h) each make the softmax of their valid slots (max, sum, weighted
+// values: scores in shared memory, see kPartBody), then one block per (b, h) merges the chunks: two
+// launches, or one while the buffers hold <= 1024 slots (one chunk normalizes and writes the result
+// itself). No block waits for another. Every warp of a block works in each phase and no lane's
+// loads wait on one another's, so a step's time does not grow slot by slot (one slot a warp at a
+// time grew the TTS step ~1.5 ms between 40 and 490 positions on the H200). CUDA through
+// fast::cuda_kernel; elsewhere MLX's attention with the mask (the reference:
+// voicechat.kernels.decode_attention).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -49,18 +50,20 @@ constexpr int kSplitChunk = 256;
 // (the score scale as float bits); dims = [CAP]
 // (the buffers' slots: an input, so that a growing cache does not compile a kernel per size).
 // part: [B * H * NC, D + 2] = (max, sum, values); SINGLE (CAP <= CH, one chunk): the result itself,
-// [B * H, D], and no second launch.
+// [B * H, D], and no second launch. With one chunk a block is its (b, h) whatever CAP holds, so
+// nothing waits for the dims load before the query's and key's loads go out.
 constexpr const char* kPartHead = R"(
   const float neg_inf = -__uint_as_float(0x7f800000u);  // MLX's CUDA prelude has no `inf`
   const int CAP = dims[0];
-  const int NC = (CAP + CH - 1) / CH;
+  const int NC = SINGLE ? 1 : (CAP + CH - 1) / CH;
   constexpr int WARPS = THREADS / 32;
   constexpr int PER = (D + 31) / 32;  // dims per lane
   __shared__ __align__(16) float qs[D];
-  __shared__ float wm[WARPS], wl[WARPS];
   __shared__ float wacc[WARPS][D];
-  const int bh = blockIdx.x / NC;
-  const int chunk = blockIdx.x % NC;
+  __shared__ float ws[CH];  // the chunk's scores, then its softmax weights
+  __shared__ float red[WARPS];
+  const int bh = SINGLE ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) / NC;
+  const int chunk = SINGLE ? 0 : static_cast<int>(blockIdx.x) % NC;
   const int b = bh / H, h = bh % H, hk = h / (H / HK);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 )";
@@ -123,69 +126,77 @@ constexpr const char* kQkvPrologue = R"(
 )";
 
 // Both prologues leave qs (this head's query) in shared memory and kn / vn (the new key and value,
-// read in slot `slot`; -1: none); the body reads the buffers around them.
+// read in slot `slot`; -1: none); the body reads the buffers around them. Three phases over the
+// chunk's n valid slots, every warp busy in each, each lane's loads independent of one another:
+// scores (G = 4 lanes a slot, each a strided share of the key row's float4s, two shuffles join
+// them; 8 slots a warp at a time) into shared memory with the block's max; the softmax weights and
+// their sum; the weighted values (a slot a warp at a time, lanes over d), summed over the warps.
+// (One slot a lane, as before, left a 40-slot step with 2 of 8 warps working and ~10 dependent
+// memory round trips: 23 us a TTS layer on the H200.)
 constexpr const char* kPartBody = R"(  const float sc = __int_as_float(SCALE_BITS);
   const int cur = slot[0];
   const int last = min(offset[0], CAP - 1);  // the highest valid slot
   const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
   const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
-  float m = neg_inf, l = 0.0f, acc[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
-  // Passes of 32 slots a warp, a slot a lane: every lane scores its own key row (independent loads,
-  // so the whole pass is in flight at once, not one slot's latency after another), the warp takes
-  // the pass's max and weights with shuffles, then gathers the pass's value rows with lanes over d.
-  // The online softmax runs across a warp's passes.
-  const int end = min((chunk + 1) * CH, last + 1);
-  for (int base = chunk * CH + warp * 32; base < end; base += THREADS) {
-    const int s = base + lane;
-    float score = neg_inf;
-    if (s < end) {
+  const int start = chunk * CH;
+  const int n = max(0, min(CH, last + 1 - start));  // this chunk's valid slots
+  constexpr int G = 4;          // lanes a slot while scoring
+  constexpr int SPW = 32 / G;   // slots a warp at a time
+  const int g = lane % G;
+  float local_max = neg_inf;
+  for (int base = warp * SPW; base < n; base += WARPS * SPW) {  // warp-uniform: the shuffles see all lanes
+    const int t = base + lane / G;
+    float dot = 0.0f;
+    if (t < n) {
+      const int s = start + t;
       const float* ks = s == cur ? kn : kb + static_cast<size_t>(s) * D;
-      float dot = 0.0f;
       if (D % 4 == 0 && (reinterpret_cast<unsigned long long>(ks) & 15ull) == 0ull) {
-#pragma unroll 6
-        for (int d = 0; d < D; d += 4) {
-          const float4 kv = *reinterpret_cast<const float4*>(ks + d);
-          dot = fmaf(qs[d], kv.x, dot);
-          dot = fmaf(qs[d + 1], kv.y, dot);
-          dot = fmaf(qs[d + 2], kv.z, dot);
-          dot = fmaf(qs[d + 3], kv.w, dot);
+        const float4* k4 = reinterpret_cast<const float4*>(ks);
+        const float4* q4 = reinterpret_cast<const float4*>(qs);
+#pragma unroll
+        for (int j = 0; j < (D / 4 + G - 1) / G; ++j) {  // a constant count: every load goes out at once
+          const int i = g + j * G;
+          if (i < D / 4) {
+            const float4 kv = k4[i];
+            const float4 qv = q4[i];
+            dot = fmaf(qv.x, kv.x, dot);
+            dot = fmaf(qv.y, kv.y, dot);
+            dot = fmaf(qv.z, kv.z, dot);
+            dot = fmaf(qv.w, kv.w, dot);
+          }
         }
       } else {
-        for (int d = 0; d < D; ++d) dot = fmaf(qs[d], ks[d], dot);
-      }
-      score = dot * sc;
-    }
-    float pass_max = score;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) pass_max = fmaxf(pass_max, __shfl_xor_sync(0xffffffffu, pass_max, off));
-    const float m_new = fmaxf(m, pass_max);  // finite: slot `base` is valid
-    const float keep = expf(m - m_new);
-    const float w = s < end ? expf(score - m_new) : 0.0f;
-    float pass_sum = w;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) pass_sum += __shfl_xor_sync(0xffffffffu, pass_sum, off);
-    l = l * keep + pass_sum;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) acc[i] *= keep;
-    const int n = min(32, end - base);
-#pragma unroll 8
-    for (int j = 0; j < n; ++j) {
-      const float wj = __shfl_sync(0xffffffffu, w, j);
-      const int sj = base + j;
-      const float* vs = sj == cur ? vn : vb + static_cast<size_t>(sj) * D;
-#pragma unroll
-      for (int i = 0; i < PER; ++i) {
-        const int d = lane + 32 * i;
-        if (d < D) acc[i] = fmaf(wj, vs[d], acc[i]);
+        for (int d = g; d < D; d += G) dot = fmaf(qs[d], ks[d], dot);
       }
     }
-    m = m_new;
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    if (t < n && g == 0) {
+      ws[t] = dot * sc;
+      local_max = fmaxf(local_max, dot * sc);
+    }
   }
-  if (lane == 0) {
-    wm[warp] = m;
-    wl[warp] = l;
+  const float mb = vc_block_max<THREADS>(local_max, red);  // -inf for a chunk with no valid slot
+  float lsum = 0.0f;
+  for (int t = threadIdx.x; t < n; t += THREADS) {
+    const float w = expf(ws[t] - mb);
+    ws[t] = w;
+    lsum += w;
+  }
+  const float l = vc_block_sum<THREADS>(lsum, red);  // its barrier also publishes the weights
+  float acc[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+#pragma unroll 4
+  for (int t = warp; t < n; t += WARPS) {
+    const float w = ws[t];
+    const int s = start + t;
+    const float* vs = s == cur ? vn : vb + static_cast<size_t>(s) * D;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int d = lane + 32 * i;
+      if (d < D) acc[i] = fmaf(w, vs[d], acc[i]);
+    }
   }
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
@@ -193,28 +204,25 @@ constexpr const char* kPartBody = R"(  const float sc = __int_as_float(SCALE_BIT
     if (d < D) wacc[warp][d] = acc[i];
   }
   __syncthreads();
-  float mb = neg_inf;
-  for (int w = 0; w < WARPS; ++w) mb = fmaxf(mb, wm[w]);
   if constexpr (SINGLE) {  // one chunk holds every slot: normalize and write the result itself
-    float lsum = 0.0f;
-    for (int w = 0; w < WARPS; ++w) lsum += wm[w] == neg_inf ? 0.0f : expf(wm[w] - mb) * wl[w];
     for (int d = threadIdx.x; d < D; d += THREADS) {
       float total = 0.0f;
-      for (int w = 0; w < WARPS; ++w) total += wm[w] == neg_inf ? 0.0f : expf(wm[w] - mb) * wacc[w][d];
-      part[static_cast<size_t>(blockIdx.x) * D + d] = total / lsum;
+      for (int w = 0; w < WARPS; ++w) total += wacc[w][d];
+      part[static_cast<size_t>(blockIdx.x) * D + d] = total / l;
     }
     return;
   }
   float* out = part + static_cast<size_t>(blockIdx.x) * (D + 2);
   for (int d = threadIdx.x; d < D + 2; d += THREADS) {
-    float total = 0.0f;
-    for (int w = 0; w < WARPS; ++w) {
-      const float f = wm[w] == neg_inf ? 0.0f : expf(wm[w] - mb);
-      total += f * (d < D ? wacc[w][d] : wl[w]);
+    if (d < D) {
+      float total = 0.0f;
+      for (int w = 0; w < WARPS; ++w) total += wacc[w][d];
+      out[d + 2] = total;
+    } else if (d == D) {
+      out[1] = l;   // the sum
+    } else {
+      out[0] = mb;  // the max
     }
-    if (d < D) out[d + 2] = total;
-    else if (d == D) out[1] = total;  // the sum
-    else out[0] = mb;                 // the max
   }
 )";
 
@@ -257,7 +265,7 @@ const CudaSource& part_source() {
       {"q", "k", "v", "offset", "dims", "k_new", "v_new", "slot"},
       {"part"},
       std::string(kPartHead) + kPlainPrologue + kPartBody,
-      "",
+      block_reduce_header(),
       // the TTS backbone, the LLM's grouped heads (its decode step writing the cache in place)
       {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false), inst(128, 40, 8, true, true)},
   });
@@ -280,7 +288,7 @@ const CudaSource& qkv_part_source() {
       {"qkv", "q_scale", "k_scale", "inv_freq", "k", "v", "offset", "dims", "slot"},
       {"part", "k_out", "v_out"},
       std::string(kPartHead) + kQkvPrologue + kPartBody,
-      head_norm_rope_header(),
+      head_norm_rope_header() + block_reduce_header(),
       // the TTS backbone's step (one chunk, then several; writing the cache in place), grouped heads in
       // bfloat16
       {inst(72, 16, 16, true, "float", true), inst(72, 16, 16, false, "float", true),

@@ -37,13 +37,17 @@ __device__ __forceinline__ void vc_head_norm_rope(const TX* x, const float* scal
                                                   float position, float* o, int lane) {
   constexpr int HALF = D / 2;
   constexpr int PAIRS = (HALF + 31) / 32;
-  float lo[PAIRS], hi[PAIRS];
+  // The scales and frequencies load with x (not after the reduction: one memory round trip fewer).
+  float lo[PAIRS], hi[PAIRS], s_lo[PAIRS], s_hi[PAIRS], freq[PAIRS];
   float ss = 0.0f;
 #pragma unroll
   for (int p = 0; p < PAIRS; ++p) {
     const int i = lane + 32 * p;
     lo[p] = i < HALF ? static_cast<float>(x[i]) : 0.0f;
     hi[p] = i < HALF ? static_cast<float>(x[i + HALF]) : 0.0f;
+    s_lo[p] = i < HALF ? scale[i] : 0.0f;
+    s_hi[p] = i < HALF ? scale[i + HALF] : 0.0f;
+    freq[p] = i < HALF ? inv_freq[i] : 0.0f;
     ss += lo[p] * lo[p] + hi[p] * hi[p];
   }
 #pragma unroll
@@ -53,9 +57,9 @@ __device__ __forceinline__ void vc_head_norm_rope(const TX* x, const float* scal
   for (int p = 0; p < PAIRS; ++p) {
     const int i = lane + 32 * p;
     if (i < HALF) {
-      const float a = lo[p] * r * scale[i];
-      const float c = hi[p] * r * scale[i + HALF];
-      const float angle = position * inv_freq[i];
+      const float a = lo[p] * r * s_lo[p];
+      const float c = hi[p] * r * s_hi[p];
+      const float angle = position * freq[p];
       const float cs = cosf(angle);
       const float sn = sinf(angle);
       o[i] = a * cs - c * sn;

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from voicechat.kernels import ext
-from voicechat.kernels.add_rms_norm import add_rms_norm, add_rms_norm_reference
+from voicechat.kernels.add_rms_norm import (add_rms_norm, add_rms_norm_guided, add_rms_norm_guided_reference,
+                                             add_rms_norm_reference)
 from voicechat.kernels.gemv import on_cuda_gpu
 
 ON_CUDA = on_cuda_gpu()
@@ -47,6 +48,36 @@ def test_reference_is_the_formula():
     got_h, got_z = add_rms_norm(h, y, post, pre, 1e-6)
     np.testing.assert_allclose(np.array(got_h), want_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.array(got_z), norm(want_h) * qn, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("c,guidance", [(1152, 0.2), (100, 1.5), (8, 0.0)])
+def test_guided_seam_equals_reference(c, guidance):
+    """The MoG head's last seam over the CFG pair, then `cond + g * (cond - uncond)`: one launch on
+    CUDA, MLX ops elsewhere; against the seam then the guidance, and the formula in numpy."""
+    h, y, post, pre = _inputs((2, 1), c, seed=c)
+    got = ext.add_rms_norm_guided(h, y, post, pre, 1e-6, guidance)
+    if ON_CUDA:  # counted before anything evaluates it
+        from voicechat.llm.opcount import count_ops
+
+        assert count_ops(got).get("CustomKernel") == 1
+    with mx.stream(mx.cpu):
+        want = add_rms_norm_guided_reference(h, y, post, pre, 1e-6, guidance)
+        mx.eval(want)
+    assert got.shape == (1, 1, c) and got.dtype == mx.float32
+    want = np.array(want)
+    np.testing.assert_allclose(np.array(got), want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_allclose(np.array(add_rms_norm_guided(h, y, post, pre, 1e-6, guidance)), want,
+                               rtol=2e-6, atol=2e-6 * np.abs(want).max())
+    hn, yn, pn, qn = (np.array(a, np.float64) for a in (h, y, post, pre))
+    norm = lambda x: x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6)  # noqa: E731
+    z = norm(hn + norm(yn) * pn) * qn
+    np.testing.assert_allclose(want, z[:1] + guidance * (z[:1] - z[1:]), rtol=1e-5, atol=1e-5)
+
+
+def test_guided_seam_needs_the_cfg_pair():
+    h, y, post, pre = _inputs((3, 1), 12)
+    with pytest.raises(ValueError, match="CFG pair"):
+        ext.add_rms_norm_guided(h, y, post, pre, 1e-6, 0.2)
 
 
 def test_bad_arguments_are_refused():
@@ -103,6 +134,11 @@ def test_input_norm_with_the_projection_equals_the_norm_then_the_layer(rows, bia
     layer = use_gemv(nn.Linear(1152, 96, bias=bias))
     layer.set_dtype(mx.bfloat16)
     got_h, got = add_norm_linear(h, add if with_add else None, pre, 1e-6, layer)
+    if ON_CUDA and rows <= 2:  # counted before anything evaluates it
+        from voicechat.llm.opcount import count_ops
+
+        counts = count_ops(got)
+        assert counts.get("CustomKernel") == 1 and "RMSNorm" not in counts
     with mx.stream(mx.cpu):
         want_h = h + add if with_add else h
         w = layer.weight.astype(mx.float32)
@@ -111,10 +147,6 @@ def test_input_norm_with_the_projection_equals_the_norm_then_the_layer(rows, bia
     assert got.shape == (rows, 1, 96) and got_h.shape == h.shape
     np.testing.assert_allclose(np.array(got_h), want_h, rtol=2e-6, atol=2e-6 * np.abs(want_h).max())
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    if ON_CUDA and rows <= 2:
-        from voicechat.llm.opcount import count_ops
-
-        assert count_ops(got).get("CustomKernel") == 1 and "RMSNorm" not in count_ops(got)
 
 
 def test_seam_matvec_refuses_bad_shapes():

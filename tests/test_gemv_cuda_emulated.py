@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from voicechat.kernels import ext
-from voicechat.kernels.add_rms_norm import add_rms_norm_reference
+from voicechat.kernels.add_rms_norm import add_rms_norm_guided_reference, add_rms_norm_reference
 from voicechat.kernels.code_embedding import code_embedding_reference
 from voicechat.kernels.decode_attention import decode_attention_reference
 from voicechat.kernels.gemv import gelu_gate
@@ -398,6 +398,20 @@ def code_embedding_case(q, k, d, h, rows, w_dtype):
     return case, ref
 
 
+def add_norm_guided_case(c, guidance):
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(c + 1), 4)
+    h = mx.random.normal((2, 1, c), key=k1)
+    y = 3.0 * mx.random.normal((2, 1, c), key=k2)
+    post = 1.0 + 0.1 * mx.random.normal((c,), key=k3)
+    pre = 1.0 + 0.1 * mx.random.normal((c,), key=k4)
+    args = dict(C=c, THREADS=256, EPS_BITS=_float_bits(1e-6), G_BITS=_float_bits(guidance), TH=mx.float32,
+                TY=mx.float32, TW=mx.float32, TO=mx.float32)
+    case = Case("vc_add_rms_norm_guided", args, [h, y, post, pre], [("float", (1, 1, c))], 1, 256)
+    with mx.stream(mx.cpu):
+        ref = add_rms_norm_guided_reference(h, y, post, pre, 1e-6, guidance)
+    return case, ref
+
+
 def qkv_heads_case(b, t, hq, hk, d, offset, base, dtype=mx.float32):
     k1, k2, k3 = mx.random.split(mx.random.key(hq + d + t), 3)
     qkv = (2.0 * mx.random.normal((b, t, (hq + 2 * hk) * d), key=k1)).astype(dtype)
@@ -413,10 +427,12 @@ def qkv_heads_case(b, t, hq, hk, d, offset, base, dtype=mx.float32):
     return case, ref
 
 
-def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0):
+def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0, ties=False):
     k = mx.random.split(mx.random.key(seed), 6)
     y = mx.random.normal((n + 1 + latent,), key=k[0]) * mx.concatenate(
         [mx.full((n,), sharp), mx.ones((1 + latent,))])  # sharp: top-p keeps a few components
+    if ties:  # logits on a coarse grid: many equal probabilities, the top-p edge among equals
+        y = mx.concatenate([mx.round(y[:n]), y[n:]])
     h = mx.random.normal((hidden,), key=k[1])
     u = mx.random.uniform(shape=(n,), key=k[2])
     noise = mx.random.normal((latent,), key=k[3])
@@ -620,6 +636,9 @@ def emulated(tmp_path_factory):
         "add_norm_tts": add_norm_case(2, 1152),
         "add_norm_bf16_y": add_norm_case(3, 1152, mx.bfloat16),
         "add_norm_small": add_norm_case(1, 100),
+        # the MoG head's last seam over the CFG pair, guided: the published width, an odd one
+        "add_norm_guided_tts": add_norm_guided_case(1152, 0.2),
+        "add_norm_guided_odd": add_norm_guided_case(300, 1.5),
         # one frame's code embedding: a tail block past H, D no multiple of 32; for the CFG pair with
         # bfloat16 weights, and one row
         "code_embedding_b2_bf16": code_embedding_case(5, 8, 40, 70, 2, mx.bfloat16),
@@ -631,6 +650,8 @@ def emulated(tmp_path_factory):
         # the MoG draw: more components than threads, bfloat16 weights; a flat mixture (top-p keeps many)
         "mog_bf16": mog_case(1500, 8, 40, 96, mx.bfloat16, seed=1),
         "mog_flat_f32": mog_case(300, 4, 24, 64, mx.float32, seed=2, sharp=0.3),
+        "mog_ties": mog_case(200, 8, 16, 64, mx.bfloat16, seed=3, sharp=1.5, ties=True),
+        "mog_ties_flat": mog_case(700, 4, 24, 48, mx.float32, seed=4, sharp=0.6, ties=True),
         # the causal conv + SiLU: a step and a prefix longer than the kernel, bfloat16 input
         "conv_step": conv_case(1, 1, 300, 4, 700, 256),
         "conv_prefix_b2": conv_case(2, 6, 40, 4, 50, 7, mx.bfloat16),
@@ -756,6 +777,14 @@ def test_add_rms_norm_kernel_emulated(emulated, name):
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", ["add_norm_guided_tts", "add_norm_guided_odd"])
+def test_add_rms_norm_guided_kernel_emulated(emulated, name):
+    exe, cases, refs, _, tmp = emulated
+    (got,) = run(exe, name, cases[name], tmp)
+    want = np.array(refs[name])
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("name", ["code_embedding_b2_bf16", "code_embedding_one_row"])
 def test_code_embedding_kernel_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
@@ -771,7 +800,7 @@ def test_qkv_heads_kernel_emulated(emulated, name):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("name", ["mog_bf16", "mog_flat_f32"])
+@pytest.mark.parametrize("name", ["mog_bf16", "mog_flat_f32", "mog_ties", "mog_ties_flat"])
 def test_mog_sample_kernel_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
     z, component = run(exe, name, cases[name], tmp)

@@ -470,7 +470,10 @@ def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny):
     """On a CUDA GPU an unmasking iteration's codes land in the frame's code row inside the RVQ
     launches (no concatenation and its copy launches), its input embedding is one launch (no gather
     or sum of MLX's), and the MoG head adds it to the hidden states inside its first launch, the
-    input norm and gate/up (no add and no RMSNorm of MLX's)."""
+    input norm and gate/up (no RMSNorm of MLX's). Our launches: per iteration the MoG head's
+    2 L + 3 (the first norm with gate/up, L downs, L - 1 seams with the next gate/up, the final
+    seam, the three stacked projections, the draw), the RVQ's count + 1, the embedding from the
+    second iteration on. (MLX's own ops left are the frame's random draws.)"""
     from voicechat.kernels.gemv import on_cuda_gpu
     from voicechat.llm.opcount import count_ops
 
@@ -481,8 +484,11 @@ def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny):
     hidden = mx.random.normal((2, 1, tts.cfg.hidden_size), key=mx.random.key(4))
     codes, key = tts.generate_codes(hidden, mx.random.key(1))
     counts = count_ops(codes, key)
-    for kind in ("Concatenate", "Gather", "Sum", "Add", "RMSNorm"):
+    for kind in ("Concatenate", "Gather", "Sum", "RMSNorm"):
         assert kind not in counts, counts
+    iterations, layers = len(tts._schedule), len(tts.mog_head.mlp_stack) - 1
+    want = iterations * (2 * layers + 3) + (tts.cfg.num_quantizers + iterations) + (iterations - 1)
+    assert counts.get("CustomKernel") == want, counts
     assert codes.shape == (1, 1, tts.cfg.num_quantizers)
     mx.eval(codes)
     assert 0 <= int(codes.min()) and int(codes.max()) < tts.cfg.codebook_size

@@ -47,6 +47,24 @@ def add_rms_norm_linear(h: mx.array, y: mx.array, post: mx.array, pre: mx.array,
     return h2, layer(z)
 
 
+def add_rms_norm_guided_reference(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,
+                                  guidance: float) -> mx.array:
+    _, z = _add_norm(h, y, post, pre, eps)
+    cond, uncond = z[:1], z[1:]
+    return cond + guidance * (cond - uncond)
+
+
+def add_rms_norm_guided(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,
+                        guidance: float) -> mx.array:
+    """The seam over a classifier-free-guidance pair `h, y [2, 1, C]` (row 0 conditioned, row 1 not),
+    then `cond + guidance * (cond - uncond)` of its normed output: `[1, 1, C]`. One launch on a CUDA
+    GPU (float32, guidance >= 0); elsewhere the reference (the seam, then the guidance)."""
+    if (use_reference() or not on_cuda_gpu() or guidance < 0 or h.shape != y.shape or h.ndim != 3
+            or h.shape[:2] != (2, 1) or any(a.dtype != mx.float32 for a in (h, y, post, pre))):
+        return add_rms_norm_guided_reference(h, y, post, pre, eps, guidance)
+    return ext.add_rms_norm_guided(h, y, post, pre, eps, guidance)
+
+
 def add_norm_linear(h: mx.array, add: mx.array | None, pre: mx.array, eps: float, layer) -> tuple[mx.array, mx.array]:
     """`(h', layer(rms_norm(h') * pre))` with `h' = h + add` (`add` None: `h' = h`, an input norm before
     the layer): with a dense `GemvLinear` on a CUDA GPU (1-2 float32 rows) one launch

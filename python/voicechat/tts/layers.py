@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.add_rms_norm import add_norm_linear, add_rms_norm, add_rms_norm_linear
+from ..kernels.add_rms_norm import add_norm_linear, add_rms_norm, add_rms_norm_guided, add_rms_norm_linear
 from ..kernels.gemv import GemvLinear, gelu_gate, stack_linears
 
 
@@ -52,6 +52,16 @@ def norm_linear(h: mx.array, pre: OffsetRMSNorm, layer, add: mx.array | None = N
     one launch on a CUDA GPU for our dense GEMV layers (`kernels.add_rms_norm.add_norm_linear`)."""
     return add_norm_linear(h.astype(mx.float32), None if add is None else add.astype(mx.float32), pre.scale,
                            pre.eps, layer)
+
+
+def add_and_norm_guided(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm,
+                        guidance: float) -> mx.array:
+    """`add_and_norm`'s normed output `z` over a CFG pair `[2, 1, C]`, guided: `z[:1] + guidance *
+    (z[:1] - z[1:])`. One launch on a CUDA GPU (`kernels.add_rms_norm.add_rms_norm_guided`)."""
+    if post.eps != pre.eps:
+        _, z = add_and_norm(h, y, post, pre)
+        return z[:1] + guidance * (z[:1] - z[1:])
+    return add_rms_norm_guided(h.astype(mx.float32), y.astype(mx.float32), post.scale, pre.scale, post.eps, guidance)
 
 
 def add_and_norm(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm) -> tuple[mx.array, mx.array]:

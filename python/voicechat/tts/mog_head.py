@@ -15,7 +15,7 @@ import mlx.nn as nn
 from ..config import MogHeadConfig
 from ..kernels.gemv import stack_linears
 from ..kernels.mog_sample import choose_component, component_mean, mog_sample
-from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear, norm_linear
+from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_guided, add_and_norm_linear, norm_linear
 
 
 class MLPLayer(nn.Module):
@@ -57,11 +57,12 @@ class MoGHead(nn.Module):
         n = self.num_predictions
         return tuple(mx.split(self._heads(h), [n, n + 1], axis=-1))
 
-    def trunk(self, x: mx.array, add: mx.array | None = None) -> mx.array:
+    def trunk(self, x: mx.array, add: mx.array | None = None, guidance: float | None = None) -> mx.array:
         """`mlp_stack` in order (each layer `x + post(mlp(pre(x)))`, then the final norm) on `x + add`
         (or `x`), each norm seam between two of them one `add_and_norm`, with the next layer's gate/up
         projection in the same launch once stacked (`add_and_norm_linear`; the first layer's input
-        norm and the add: `norm_linear`)."""
+        norm and the add: `norm_linear`). With `guidance`, the CFG pair's guided row `cond + g *
+        (cond - uncond)` comes out of the last seam's launch (`add_and_norm_guided`)."""
         *layers, final = self.mlp_stack
         h = x.astype(mx.float32)
         if layers[0].mlp._gate_up is not None:
@@ -73,6 +74,8 @@ class MoGHead(nn.Module):
         for i, layer in enumerate(layers):
             out = layer.mlp(z) if gate_up is None else layer.mlp.down_from(gate_up)
             nxt = layers[i + 1] if i + 1 < len(layers) else None
+            if nxt is None and guidance is not None:
+                return add_and_norm_guided(h, out, layer.post_norm, final, guidance)
             if nxt is not None and nxt.mlp._gate_up is not None:
                 h, gate_up = add_and_norm_linear(h, out, layer.post_norm, nxt.pre_norm, nxt.mlp._gate_up)
                 z = None
@@ -94,9 +97,7 @@ class MoGHead(nn.Module):
     def guided(self, x: mx.array, guidance_scale: float, add: mx.array | None = None) -> mx.array:
         """The trunk over both CFG rows of `x + add` (or `x`), then `cond + g * (cond - uncond)`:
         [1, T, hidden]."""
-        h = self.trunk(x, add)
-        cond, uncond = h[:1], h[1:]
-        return cond + guidance_scale * (cond - uncond)
+        return self.trunk(x, add, guidance=guidance_scale)
 
     def sample(self, x: mx.array, guidance_scale: float, top_p: float, u: mx.array, noise: mx.array,
                noise_scale: float, add: mx.array | None = None) -> mx.array:

@@ -60,6 +60,7 @@ inline float __int_as_float(int v) { return __uint_as_float(static_cast<unsigned
 inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // CUDA: an approximation within 2 ulp
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 template <typename T>
 inline T __ldcs(const T* p) {
   return *p;

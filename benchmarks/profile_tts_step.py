@@ -25,7 +25,7 @@ from mlx_settings import mlx_env
 
 from voicechat.kernels.decode_attention import decode_attention, decode_attention_qkv
 from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
-from voicechat.llm.opcount import count_ops, kernel_count, op_labels
+from voicechat.llm.opcount import by_kind, count_ops, kernel_count, op_labels
 from voicechat.tokenizer import TextTokenizer
 from voicechat.tts.backbone import write_step_kv
 from voicechat.tts.ear_tts import EarTTS
@@ -170,9 +170,12 @@ def profile(tts: EarTTS, cache, previous, rounds: int, chain: int) -> dict:
         return codes, key
 
     out["step"] = _time(whole_step, rounds)
-    out["step"].update(_ops(count_ops(*whole_step())))
-    # every launch of the step by its label (compiled graphs by the ops they fuse), for reading
-    out["step"]["op_labels"] = dict(op_labels(*whole_step()).most_common())
+    # Counted on one step's outputs (a second step left lazy would also count the first's launches
+    # its cache buffers hang on). op_labels: every launch by its label, compiled graphs by the ops
+    # they fuse, for reading.
+    labels = op_labels(*whole_step())
+    out["step"].update(_ops(by_kind(labels)))
+    out["step"]["op_labels"] = dict(labels.most_common())
 
     def linked(prev_and_key):
         codes, key = tts.step(prev_and_key[0], text, cache, prev_and_key[1], silence)

@@ -28,39 +28,52 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// The seam for one row, both kernels' body: thread t holds channels t, t + THREADS, ... of h' in
+// v and of z = rms_norm(h') * pre in z (zero past C). Included after block_reduce_header().
+constexpr const char* kSeamHeader = R"(
+#ifndef VC_SEAM_ROW
+#define VC_SEAM_ROW
+template <int C, int THREADS, int PER, typename TH, typename TY, typename TW>
+__device__ __forceinline__ void vc_seam_row(const TH* h, const TY* y, const TW* post, const TW* pre, float eps,
+                                            float* scratch, float (&v)[PER], float (&z)[PER]) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    v[i] = c < C ? static_cast<float>(y[c]) : 0.0f;
+    ss += v[i] * v[i];
+  }
+  const float r_post = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + eps);
+  ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    v[i] = c < C ? static_cast<float>(h[c]) + v[i] * r_post * static_cast<float>(post[c]) : 0.0f;
+    ss += v[i] * v[i];
+  }
+  const float r_pre = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + eps);
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
+    z[i] = c < C ? v[i] * r_pre * static_cast<float>(pre[c]) : 0.0f;
+  }
+}
+#endif
+)";
+
 // Template args: C (channels), THREADS, EPS_BITS (eps as float bits), TH, TY, TW (post / pre), TO.
 constexpr const char* kSource = R"(
   constexpr int PER = (C + THREADS - 1) / THREADS;
   __shared__ float scratch[THREADS / 32];
   const size_t base = static_cast<size_t>(blockIdx.x) * C;
-  const float e = __int_as_float(EPS_BITS);
-  float v[PER];
-  float ss = 0.0f;
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
-    v[i] = c < C ? static_cast<float>(y[base + c]) : 0.0f;
-    ss += v[i] * v[i];
-  }
-  const float r_post = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
-  ss = 0.0f;
+  float v[PER], z[PER];
+  vc_seam_row<C, THREADS, PER>(h + base, y + base, post, pre, __int_as_float(EPS_BITS), scratch, v, z);
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int c = static_cast<int>(threadIdx.x) + i * THREADS;
     if (c < C) {
-      v[i] = static_cast<float>(h[base + c]) + v[i] * r_post * static_cast<float>(post[c]);
       h_out[base + c] = static_cast<TO>(v[i]);
-    } else {
-      v[i] = 0.0f;
-    }
-    ss += v[i] * v[i];
-  }
-  const float r_pre = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int c = static_cast<int>(threadIdx.x) + i * THREADS;
-    if (c < C) {
-      z_out[base + c] = static_cast<TO>(v[i] * r_pre * static_cast<float>(pre[c]));
+      z_out[base + c] = static_cast<TO>(z[i]);
     }
   }
 )";
@@ -72,39 +85,14 @@ constexpr const char* kSource = R"(
 constexpr const char* kGuidedSource = R"(
   constexpr int PER = (C + THREADS - 1) / THREADS;
   __shared__ float scratch[THREADS / 32];
-  const float e = __int_as_float(EPS_BITS);
-  float z[2][PER];
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const size_t base = static_cast<size_t>(m) * C;
-    float v[PER];
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
-      v[i] = c < C ? static_cast<float>(y[base + c]) : 0.0f;
-      ss += v[i] * v[i];
-    }
-    const float r_post = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
-    ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
-      v[i] = c < C ? static_cast<float>(h[base + c]) + v[i] * r_post * static_cast<float>(post[c]) : 0.0f;
-      ss += v[i] * v[i];
-    }
-    const float r_pre = rsqrtf(vc_block_sum<THREADS>(ss, scratch) / static_cast<float>(C) + e);
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const int c = static_cast<int>(threadIdx.x) + i * THREADS;
-      z[m][i] = c < C ? v[i] * r_pre * static_cast<float>(pre[c]) : 0.0f;
-    }
-  }
+  float v[PER], z0[PER], z1[PER];
+  vc_seam_row<C, THREADS, PER>(h, y, post, pre, __int_as_float(EPS_BITS), scratch, v, z0);
+  vc_seam_row<C, THREADS, PER>(h + C, y + C, post, pre, __int_as_float(EPS_BITS), scratch, v, z1);
   const float g = __int_as_float(G_BITS);
 #pragma unroll
   for (int i = 0; i < PER; ++i) {
     const int c = static_cast<int>(threadIdx.x) + i * THREADS;
-    if (c < C) out[c] = static_cast<TO>(z[0][i] + g * (z[0][i] - z[1][i]));
+    if (c < C) out[c] = static_cast<TO>(z0[i] + g * (z0[i] - z1[i]));
   }
 )";
 
@@ -121,7 +109,7 @@ const CudaSource& source() {
       {"h", "y", "post", "pre"},
       {"h_out", "z_out"},
       kSource,
-      block_reduce_header(),
+      block_reduce_header() + kSeamHeader,
       // the TTS width (float32 as it runs; a bfloat16 branch too); a small odd one
       {inst(1152, "float"), inst(1152, "__nv_bfloat16"), inst(100, "float")},
   });
@@ -142,7 +130,7 @@ const CudaSource& guided_source() {
       {"h", "y", "post", "pre"},
       {"out"},
       kGuidedSource,
-      block_reduce_header(),
+      block_reduce_header() + kSeamHeader,
       {inst(1152, 0.2f), inst(100, 1.5f)},  // the published MoG head (guidance 0.2); a small odd one
   });
   return src;

@@ -30,9 +30,15 @@ def _arrays(outputs: tuple[Any, ...]) -> list[mx.array]:
 
 def count_ops(*outputs: Any) -> Counter:
     """Primitive name -> count over the unevaluated graph of `outputs` (arrays or trees of them)."""
-    # Labels of compiled graphs read "Compiled..." with the fused ops' names; count them as one kind.
-    return Counter("Compiled" if name.startswith("Compiled") else name
-                   for name, n in op_labels(*outputs).items() for _ in range(n))
+    return by_kind(op_labels(*outputs))
+
+
+def by_kind(labels: Counter) -> Counter:
+    """`op_labels`' counts with every compiled graph as one kind, "Compiled" (`count_ops`' view)."""
+    out = Counter()
+    for name, n in labels.items():
+        out["Compiled" if name.startswith("Compiled") else name] += n
+    return out
 
 
 def op_labels(*outputs: Any) -> Counter:

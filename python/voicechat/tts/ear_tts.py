@@ -199,7 +199,7 @@ class EarTTS(nn.Module):
         """Iterative unmasking of one frame: hidden [2, 1, hidden] -> (codes [1, 1, Q] int32, key)."""
         self._prepare_weights()
         cfg, mog = self.cfg, self.mog_head
-        q, k, d = cfg.num_quantizers, cfg.codebook_size, cfg.latent_size
+        q, d = cfg.num_quantizers, cfg.latent_size
         code = self._all_masked
         # The frame's randomness in two draws (one per distribution, a row per iteration): a few
         # launches a frame instead of a split and a draw per iteration.

@@ -123,17 +123,17 @@ def test_seam_with_the_next_projection_equals_the_seam_then_the_layer(rows, bias
 
 @pytest.mark.parametrize("rows,bias,with_add", [(2, False, True), (2, False, False), (1, True, True), (5, False, True)])
 def test_input_norm_with_the_projection_equals_the_norm_then_the_layer(rows, bias, with_add):
-    """`add_norm_linear`: `h' = h + add` (or `h`), then the input norm and the layer; one launch with
-    our dense GEMV on CUDA (1-2 rows), MLX ops otherwise; the same numbers either way."""
+    """`add_rms_norm_linear` without post: `h' = h + add` (or `h`), then the input norm and the layer;
+    one launch with our dense GEMV on CUDA (1-2 rows), MLX ops otherwise; the same numbers either way."""
     import mlx.nn as nn
 
-    from voicechat.kernels.add_rms_norm import add_norm_linear
+    from voicechat.kernels.add_rms_norm import add_rms_norm_linear
     from voicechat.kernels.gemv import use_gemv
 
     h, add, _, pre = _inputs((rows, 1), 1152, seed=rows + 7)
     layer = use_gemv(nn.Linear(1152, 96, bias=bias))
     layer.set_dtype(mx.bfloat16)
-    got_h, got = add_norm_linear(h, add if with_add else None, pre, 1e-6, layer)
+    got_h, got = add_rms_norm_linear(h, add if with_add else None, None, pre, 1e-6, layer)
     if ON_CUDA and rows <= 2:  # counted before anything evaluates it
         from voicechat.llm.opcount import count_ops
 

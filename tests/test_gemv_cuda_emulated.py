@@ -817,6 +817,16 @@ def _attention_inputs(b, h, hk, cap, d, seed):
             mx.random.normal((b, hk, 1, d), key=k5))
 
 
+def _run_plain_part(exe, cases, tag, q, k, v, offset, cap, k_new, v_new, slot, name, tmp):
+    """The plain attention's launch(es) on these inputs: its outputs, the first merged (`_merged`)."""
+    part = cases[f"{tag}_part"]
+    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([cap], mx.int32), k_new, v_new,
+                   mx.array([slot], mx.int32)]
+    (tmp / name).mkdir()
+    out, *rest = run(exe, f"{tag}_part", part, tmp / name)
+    return [_merged(exe, cases, tag, out, cap, tmp / f"{name}_c"), *rest]
+
+
 def _merged(exe, cases, tag, out, cap, tmp):
     """The attention's second launch (beyond ATTN_CHUNK slots): the chunks' partial softmaxes merged."""
     if cap <= ATTN_CHUNK:
@@ -841,13 +851,8 @@ def test_decode_attention_kernels_emulated(emulated, tag, offset, with_new):
     q, k, v, k_new, v_new = _attention_inputs(b, h, hk, cap, d, seed=offset + d)
     slot = offset % cap if with_new else -1
     scale = d**-0.5
-    part = cases[f"{tag}_part"]
-    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([cap], mx.int32),
-                   k_new, v_new, mx.array([slot], mx.int32)]
-    name = f"{tag}_{offset}_{int(with_new)}"
-    (tmp / name).mkdir()
-    (out,) = run(exe, f"{tag}_part", part, tmp / name)
-    out = _merged(exe, cases, tag, out, cap, tmp / f"{name}_c")
+    (out,) = _run_plain_part(exe, cases, tag, q, k, v, offset, cap, k_new, v_new, slot,
+                             f"{tag}_{offset}_{int(with_new)}", tmp)
     with mx.stream(mx.cpu):
         new = (k_new, v_new, mx.array(slot, mx.int32)) if with_new else None
         want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale, new=new)
@@ -863,13 +868,8 @@ def test_decode_attention_writes_the_new_key_in_place_emulated(emulated, tag, of
     b, h, hk, cap, d = ATTN_WRITE_CONFIGS[tag]
     q, k, v, k_new, v_new = _attention_inputs(b, h, hk, cap, d, seed=offset + d + 1)
     scale = d**-0.5
-    part = cases[f"{tag}_part"]
-    part.inputs = [q, k, v, mx.array([offset], mx.int32), mx.array([cap], mx.int32),
-                   k_new, v_new, mx.array([offset], mx.int32)]
-    name = f"{tag}_{offset}_write"
-    (tmp / name).mkdir()
-    out, k_after, v_after = run(exe, f"{tag}_part", part, tmp / name)
-    out = _merged(exe, cases, tag, out, cap, tmp / f"{name}_c")
+    out, k_after, v_after = _run_plain_part(exe, cases, tag, q, k, v, offset, cap, k_new, v_new, offset,
+                                            f"{tag}_{offset}_write", tmp)
     with mx.stream(mx.cpu):
         want = decode_attention_reference(q, k, v, mx.array(offset, mx.int32), scale,
                                           new=(k_new, v_new, mx.array(offset, mx.int32)))

@@ -35,16 +35,22 @@ def add_rms_norm(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: f
     return tuple(ext.add_rms_norm(h, y, post, pre, eps))
 
 
-def add_rms_norm_linear(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,
+def add_rms_norm_linear(h: mx.array, y: mx.array | None, post: mx.array | None, pre: mx.array, eps: float,
                         layer) -> tuple[mx.array, mx.array]:
-    """`(h', layer(z))` for `(h', z) = add_rms_norm(h, y, post, pre, eps)`: with a dense
-    `GemvLinear` on a CUDA GPU (1-2 float32 rows) the seam and the product are one launch
-    (`ext.dense_add_norm_matvec`); otherwise the seam, then the layer."""
-    if isinstance(layer, GemvLinear) and gemv_applies(h) and all(a.dtype == mx.float32 for a in (h, y, post, pre)):
+    """`(h', layer(rms_norm(h') * pre))` with `h' = h + rms_norm(y) * post` (the seam of
+    `add_rms_norm`), `h + y` without `post`, or `h` without `y` either (an input norm before the
+    layer): with a dense `GemvLinear` on a CUDA GPU (1-2 float32 rows) one launch
+    (`ext.dense_add_norm_matvec`); otherwise MLX ops, then the layer."""
+    given = [a for a in (h, y, post, pre) if a is not None]
+    if (isinstance(layer, GemvLinear) and gemv_applies(h) and all(a.dtype == mx.float32 for a in given)
+            and (y is None or y.shape == h.shape)):
         out, h2 = ext.dense_add_norm_matvec(h, y, post, pre, eps, layer["weight"], layer.get("bias"))
         return h2, out
-    h2, z = add_rms_norm(h, y, post, pre, eps)
-    return h2, layer(z)
+    if post is not None:
+        h2, z = add_rms_norm(h, y, post, pre, eps)
+        return h2, layer(z)
+    h2 = h if y is None else h + y
+    return h2, layer(mx.fast.rms_norm(h2, pre, eps))
 
 
 def add_rms_norm_guided_reference(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,
@@ -63,15 +69,3 @@ def add_rms_norm_guided(h: mx.array, y: mx.array, post: mx.array, pre: mx.array,
             or h.shape[:2] != (2, 1) or any(a.dtype != mx.float32 for a in (h, y, post, pre))):
         return add_rms_norm_guided_reference(h, y, post, pre, eps, guidance)
     return ext.add_rms_norm_guided(h, y, post, pre, eps, guidance)
-
-
-def add_norm_linear(h: mx.array, add: mx.array | None, pre: mx.array, eps: float, layer) -> tuple[mx.array, mx.array]:
-    """`(h', layer(rms_norm(h') * pre))` with `h' = h + add` (`add` None: `h' = h`, an input norm before
-    the layer): with a dense `GemvLinear` on a CUDA GPU (1-2 float32 rows) one launch
-    (`ext.dense_add_norm_matvec` without post); otherwise the add, MLX's rms_norm, then the layer."""
-    if (isinstance(layer, GemvLinear) and gemv_applies(h) and h.dtype == mx.float32 and pre.dtype == mx.float32
-            and (add is None or (add.dtype == mx.float32 and add.shape == h.shape))):
-        out, h2 = ext.dense_add_norm_matvec(h, add, None, pre, eps, layer["weight"], layer.get("bias"))
-        return h2, out
-    h2 = h if add is None else h + add
-    return h2, layer(mx.fast.rms_norm(h2, pre, eps))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels.add_rms_norm import add_norm_linear, add_rms_norm, add_rms_norm_guided, add_rms_norm_linear
+from ..kernels.add_rms_norm import add_rms_norm, add_rms_norm_guided, add_rms_norm_linear
 from ..kernels.gemv import GemvLinear, gelu_gate, stack_linears
 
 
@@ -49,9 +49,10 @@ def add_and_norm_linear(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: Offs
 
 def norm_linear(h: mx.array, pre: OffsetRMSNorm, layer, add: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """`(h', layer(pre(h')))` with `h' = h + add` (or `h`): an input norm and the projection after it,
-    one launch on a CUDA GPU for our dense GEMV layers (`kernels.add_rms_norm.add_norm_linear`)."""
-    return add_norm_linear(h.astype(mx.float32), None if add is None else add.astype(mx.float32), pre.scale,
-                           pre.eps, layer)
+    one launch on a CUDA GPU for our dense GEMV layers (`kernels.add_rms_norm.add_rms_norm_linear`
+    without post)."""
+    return add_rms_norm_linear(h.astype(mx.float32), None if add is None else add.astype(mx.float32), None,
+                               pre.scale, pre.eps, layer)
 
 
 def add_and_norm_guided(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm,

@@ -43,27 +43,53 @@ __device__ __forceinline__ float field(unsigned int v) {
   return fmaf(__uint_as_float(under_magic<mask>(v)), unit, -8388608.0f * unit);
 }
 
-// The 32 / BITS values of one packed word, lowest bits first (MLX's affine packing). Fields that
-// would reach bit 23 are taken from the word shifted down.
-template <int BITS>
-__device__ __forceinline__ void unpack(unsigned int v, float* q) {
-  if constexpr (BITS == 4) {
-    const unsigned int hi = v >> 20;
-    q[0] = field<0, 4>(v);
-    q[1] = field<4, 4>(v);
-    q[2] = field<8, 4>(v);
-    q[3] = field<12, 4>(v);
-    q[4] = field<16, 4>(v);
-    q[5] = field<0, 4>(hi);
-    q[6] = field<4, 4>(hi);
-    q[7] = field<8, 4>(hi);
-  } else {
-    static_assert(BITS == 8, "4 or 8 bits");
-    const unsigned int hi = v >> 16;
-    q[0] = field<0, 8>(v);
-    q[1] = field<8, 8>(v);
-    q[2] = field<0, 8>(hi);
-    q[3] = field<8, 8>(hi);
+// The 4 values of one 8-bit packed word, lowest bits first (MLX's affine packing). Fields that
+// would reach bit 23 are taken from the word shifted down. (4 bits: pair_word below.)
+__device__ __forceinline__ void unpack8(unsigned int v, float* q) {
+  const unsigned int hi = v >> 16;
+  q[0] = field<0, 8>(v);
+  q[1] = field<8, 8>(v);
+  q[2] = field<0, 8>(hi);
+  q[3] = field<8, 8>(hi);
+}
+
+// 4-bit values two at a time (the 4-bit kernels' dequantization: 2.5 instructions a value with its
+// product, against 3 for field() + FMA). Pair S of a packed word is its nibbles S (lo) and S + 4
+// (hi). Shifted so that they sit at bits 3..6 and 19..22 and OR-ed under 0x41804180 (16.0 as two
+// bfloat16), one LOP3 gives a word t whose upper half is bfloat16 16 + q_hi and whose lower half
+// is bfloat16 16 + q_lo. Read as float32, t is 16 + q_hi + (lower half) * 2^-19
+// = 16 + Pair::C + q_hi + q_lo * 2^-16 (Pair::C = 0x4180 * 2^-19): exact, q_lo's trace included;
+// t << 16 is exactly 16 + q_lo. With xl = x_lo - 2^-16 x_hi the two products sum to
+//   q_hi x_hi + q_lo (xl + 2^-16 x_hi) + (16 + Pair::C) x_hi + 16 xl,
+// so a chunk's dot minus (16 + Pair::C) sum(x_hi) - 16 sum(xl) is its sum of q x (to float32
+// rounding of xl; the offsets are ~3x the values, so the cancellation costs ~1.5 bits).
+struct Pair {
+  static constexpr float C = 16768.0f / 524288.0f;  // 0x4180 * 2^-19
+  static constexpr float LO = 1.0f / 65536.0f;      // 2^-16
+};
+
+template <int S>
+__device__ __forceinline__ unsigned int pair_word(unsigned int v) {
+  const unsigned int u = S == 0 ? v << 3 : v >> (4 * S - 3);
+#ifdef __CUDA_ARCH__
+  unsigned int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(u), "n"(0x00780078u), "r"(0x41804180u));
+  return r;
+#else
+  return (u & 0x00780078u) | 0x41804180u;
+#endif
+}
+
+// dot[m] += the products of pair S of word v with (xh, xl) (see pair_word), for M input rows.
+template <int S, int M>
+__device__ __forceinline__ void pair_fma(unsigned int v, const float (*xh)[4], const float (*xl)[4], float* dot) {
+  const unsigned int t = pair_word<S>(v);
+  const float hi = __uint_as_float(t);
+  const float lo = __uint_as_float(t << 16);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    dot[m] = fmaf(hi, xh[m][S], dot[m]);
+    dot[m] = fmaf(lo, xl[m][S], dot[m]);
   }
 }
 
@@ -204,9 +230,10 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
     if (c < CHUNKS) {
       float dot[ROWS][M];
       float xsum[M];
+      float hsum[M], lsum[M];  // 4 bits: sum(x_hi), sum(xl) for the pairs' offsets (see pair_word)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        xsum[m] = 0.0f;
+        xsum[m] = hsum[m] = lsum[m] = 0.0f;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) dot[r][m] = 0.0f;
       }
@@ -223,18 +250,55 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
               xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
             }
           }
-#pragma unroll
-          for (int j = 0; j < VPW; ++j) xsum[m] += xv[m][j];
         }
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          float q[VPW];
-          unpack<BITS>(word(cur.w[r], k), q);
+        if constexpr (BITS == 4) {
+          float xh[M][4], xl[M][4];
 #pragma unroll
           for (int m = 0; m < M; ++m) {
 #pragma unroll
-            for (int j = 0; j < VPW; ++j) dot[r][m] = fmaf(q[j], xv[m][j], dot[r][m]);
+            for (int s = 0; s < 4; ++s) {
+              xh[m][s] = xv[m][s + 4];
+              xl[m][s] = fmaf(-Pair::LO, xv[m][s + 4], xv[m][s]);
+              hsum[m] += xh[m][s];
+              lsum[m] += xl[m][s];
+            }
           }
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const unsigned int v = word(cur.w[r], k);
+            pair_fma<0, M>(v, xh, xl, dot[r]);
+            pair_fma<1, M>(v, xh, xl, dot[r]);
+            pair_fma<2, M>(v, xh, xl, dot[r]);
+            pair_fma<3, M>(v, xh, xl, dot[r]);
+          }
+        } else {
+          static_assert(BITS == 8, "4 or 8 bits");
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int j = 0; j < VPW; ++j) xsum[m] += xv[m][j];
+          }
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            float q[VPW];
+            unpack8(word(cur.w[r], k), q);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+#pragma unroll
+              for (int j = 0; j < VPW; ++j) dot[r][m] = fmaf(q[j], xv[m][j], dot[r][m]);
+            }
+          }
+        }
+      }
+      if constexpr (BITS == 4) {
+        // The offsets out: dot - (16 + Pair::C) sum(x_hi) - 16 sum(xl); the x the pairs saw sums to
+        // sum(x_hi) (1 + 2^-16) + sum(xl).
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float offset = fmaf(16.0f + Pair::C, hsum[m], 16.0f * lsum[m]);
+          xsum[m] = fmaf(1.0f + Pair::LO, hsum[m], lsum[m]);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) dot[r][m] -= offset;
         }
       }
       if constexpr (SPLIT) {

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# On the lent H200, after a build: each 4-bit GEMV launch shape's kernel time under Nsight Compute
+# (gpu__time_duration at ncu's locked clocks, one pass, no host in it) at the LLM's shapes, float32
+# x. The back-to-back timings of qmv_grid.py include MLX's per-call host work, which at these sizes
+# is near the kernel's own time; this is the kernel alone. Prints "shape rows threads warps: us".
+#   export OUT; [GEMV_PYTHONPATH=...] bash tools/gpu/qmv_ncu.sh [tag]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+TAG=${1:-new}
+export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+cat > /tmp/qmv_ncu_probe.py <<'PY'
+import sys
+import mlx.core as mx
+sys.path.insert(0, "benchmarks")
+from bench_gemv import random_q4
+from voicechat.kernels import ext
+
+# (rows, threads, warps): block layout 8 / 4 rows, 64 threads (several steps a thread), warp layout
+LAUNCHES = ((8, 0, 0), (4, 0, 0), (8, 64, 0), (4, 0, 4), (2, 0, 8))
+for n, k in ((22656, 4480), (15680, 4480), (4480, 10240), (4480, 15680)):
+    w, s, b = random_q4(n, k, 0)
+    x = mx.random.normal((1, k))
+    for rows, threads, warps in LAUNCHES:
+        for _ in range(2):
+            mx.eval(ext.quantized_matvec(x, w, s, b, rows_per_block=rows, threads=threads, warps=warps))
+        print(f"launched {n}x{k} {rows} {threads} {warps}", flush=True)
+PY
+timeout -s INT "${NCU_LIMIT:-120}" "$NCU" --target-processes all -k "regex:vc_qmv" --metrics gpu__time_duration.sum \
+  --csv --page raw python3 /tmp/qmv_ncu_probe.py > "$OUT/qmv_ncu_$TAG.csv" 2> "$OUT/qmv_ncu_$TAG.err"
+python3 - "$OUT/qmv_ncu_$TAG.csv" "$TAG" <<'PY'
+import csv, re, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
+if not rows:
+    sys.exit(f"qmv_ncu: no kernels profiled (see {sys.argv[1][:-4]}.err)")
+head = rows[0]
+col, name = head.index("gpu__time_duration.sum"), head.index("Kernel Name")
+best = {}
+for r in rows[2:]:  # rows[1]: the units (ns)
+    m = re.search(r"vc_qmv(_warp)?_[0-9a-f]+_4_64_(\d+)_(\d+)_1_(\d+)_(\d+)", r[name])
+    key = (int(m.group(3)), int(m.group(2)), "warp" if m.group(1) else "block", int(m.group(4)), int(m.group(5)))
+    best[key] = min(best.get(key, 1e30), float(r[col].replace(",", "")) / 1e3)
+for (n, k, layout, rows_, split), us in best.items():
+    nbytes = n * k // 2 + 4 * n * (k // 64)
+    print(f"{sys.argv[2]} {n}x{k} {layout} rows {rows_} split {split}: {us:7.2f} us {nbytes / us / 1e3:6.0f} GB/s")
+PY

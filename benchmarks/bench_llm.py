@@ -111,7 +111,7 @@ def test_llm_decode_step(benchmark, lm):
     ids = benchmark.pedantic(step, setup=lambda: _fresh_cache(primed), rounds=ROUNDS, warmup_rounds=3)
     assert ids[0].shape == (1,)
     (cache,), _ = _fresh_cache(primed)
-    counts = count_ops(*lm.decode(text, frame, function, cache), cache.state)
+    counts = count_ops(*lm.decode(text, frame, function, cache, queue=False), cache.state)
     benchmark.extra_info.update(size=SIZE, context=CONTEXT, ops_total=sum(counts.values()),
                                 ops_kernels=kernel_count(counts), ops=dict(counts))
 

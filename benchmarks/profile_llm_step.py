@@ -61,7 +61,9 @@ def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False, conte
         return out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32)
 
     # One step from an idle device: build the graph (Python), queue it (`async_eval` returns once
-    # every kernel is encoded and launched: the host's share), then wait for the rest.
+    # every kernel is encoded and launched: the host's share), then wait for the rest. The compiled
+    # step queues its parts but the last while it builds them (`DuplexLM.decode`): its build time
+    # includes their queueing, and the device is already running them.
     build, queue, wait, whole = [], [], [], []
     for _ in range(rounds + 2):
         cache = primed.copy()

@@ -668,6 +668,8 @@ def emulated(tmp_path_factory):
         "emit_m2": emit_case(37, 640, 2, 4, 32),
         "emit_tail": emit_case(10, 4480, 1, 8, 160),
         "emit_prenormed_groups": emit_case(16, 1280, 1, 8, 32, np_=20, ng=4),
+        # the Mamba out_proj as launched: 8 groups, one step a thread (320 threads over K = 10240)
+        "emit_prenormed_groups_one_step": emit_case(16, 10240, 1, 8, 320, np_=640, ng=8),
         "emit_bf16": emit_case(12, 256, 2, 4, 32, mx.bfloat16, next_dtype=mx.bfloat16),
     }.items():
         cases[name], refs[name] = case, ref

@@ -10,7 +10,7 @@ import pytest
 
 from voicechat.checkpoint import CheckpointError, open_checkpoint
 from voicechat.kernels import use_reference
-from voicechat.llm.nemotron_h import DuplexLM, KVCache, MambaCache, count_step_ops
+from voicechat.llm.nemotron_h import DECODE_PARTS, DuplexLM, KVCache, MambaCache, count_step_ops, decode_parts
 from voicechat.llm.opcount import count_ops, kernel_count
 from voicechat.testing import make_checkpoint
 
@@ -422,6 +422,38 @@ def test_compiled_decode_equals_the_eager_step(lm, tiny_checkpoint_q4, prefix, w
         KVCache.step = old
 
 
+def test_decode_parts_cover_the_stack_in_order():
+    for n in (1, 2, 3, 6, 52, 80):
+        parts = decode_parts(n)
+        assert [i for first, last in parts for i in range(first, last)] == list(range(n))
+        assert all(last > first for first, last in parts)
+    assert decode_parts(52)[0] == (0, DECODE_PARTS[0])  # the device starts after a small first part
+    assert len(decode_parts(52)) == len(DECODE_PARTS) + 1
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_queued_decode_parts_equal_the_lazy_step(tiny_checkpoint_q4, kernels):
+    """`decode` queueing its parts as it builds them (the default) gives bit for bit the ids and
+    caches of the same steps left lazy until one evaluation a step (`queue=False`)."""
+    ckpt = open_checkpoint(tiny_checkpoint_q4)
+    lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
+    ckpt.load_into(lm, "stt_model.", ignore=OTHERS)
+    lm.prepare(decode_kernels=kernels)
+    assert len(decode_parts(len(lm.llm.layers))) > 1  # the tiny stack is split too
+    vocab, h = lm.embed_tokens.weight.shape[0], lm.llm.config.hidden_size
+    audio = 4.0 * mx.random.normal((1, 6, h), key=mx.random.key(31))
+    ids = mx.random.randint(0, vocab, (2, 6), key=mx.random.key(32)).astype(mx.int32)
+    queued, whole = lm.make_cache(), lm.make_cache()
+    for i in range(6):
+        t, f, frame = ids[:1, i : i + 1], ids[1:, i : i + 1], audio[:, i : i + 1]
+        a = lm.decode(t, frame, f, queued)
+        b = lm.decode(t, frame, f, whole, queue=False)
+        mx.eval(a, b, queued.state, whole.state)
+        assert [x.item() for x in a] == [x.item() for x in b]
+    for x, y in zip(queued.state, whole.state, strict=True):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
 def stepped_and_lazy_decode(lm: DuplexLM, steps: int = 8):
     """The same teacher-forced compiled decode steps evaluated one at a time and as one lazy graph:
     (ids stepped, ids lazy, caches' state stepped, lazy). Also run by tools/gpu/lazy_probe.py."""
@@ -435,7 +467,7 @@ def stepped_and_lazy_decode(lm: DuplexLM, steps: int = 8):
         text, function = lm.decode(t, frame, f, stepped)
         mx.eval(text, function, stepped.state)
         want.append((text.item(), function.item()))
-        got.append(lm.decode(t, frame, f, lazy))
+        got.append(lm.decode(t, frame, f, lazy, queue=False))
     mx.eval(got, lazy.state)
     return want, [(a.item(), b.item()) for a, b in got], stepped.state, lazy.state
 

@@ -3,7 +3,10 @@
 # (gpu__time_duration at ncu's locked clocks, one pass, no host in it) at the LLM's shapes, float32
 # x. The back-to-back timings of qmv_grid.py include MLX's per-call host work, which at these sizes
 # is near the kernel's own time; this is the kernel alone. Prints "shape rows threads warps: us".
-#   export OUT; [GEMV_PYTHONPATH=...] bash tools/gpu/qmv_ncu.sh [tag]
+# PROBE=step: the step's own instances instead (tools/gpu/qmv_step_probe.py: in_proj / up_proj with a
+# prenormed x, out_proj / down_proj emitting the next norm, at several launch shapes each, and MLX's
+# quantized_matmul at the same shapes), with each launch's registers a thread.
+#   export OUT; [GEMV_PYTHONPATH=...] [PROBE=step] bash tools/gpu/qmv_ncu.sh [tag]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 TAG=${1:-new}
@@ -26,8 +29,11 @@ for n, k in ((22656, 4480), (15680, 4480), (4480, 10240), (4480, 15680)):
             mx.eval(ext.quantized_matvec(x, w, s, b, rows_per_block=rows, threads=threads, warps=warps))
         print(f"launched {n}x{k} {rows} {threads} {warps}", flush=True)
 PY
-timeout -s INT "${NCU_LIMIT:-120}" "$NCU" --target-processes all -k "regex:vc_qmv" --metrics gpu__time_duration.sum \
-  --csv --page raw python3 /tmp/qmv_ncu_probe.py > "$OUT/qmv_ncu_$TAG.csv" 2> "$OUT/qmv_ncu_$TAG.err"
+probe=/tmp/qmv_ncu_probe.py filter="regex:vc_qmv"
+[ "${PROBE:-}" = step ] && probe=tools/gpu/qmv_step_probe.py filter="regex:qmv"
+timeout -s INT "${NCU_LIMIT:-120}" "$NCU" --target-processes all -k "$filter" \
+  --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size \
+  --csv --page raw python3 "$probe" > "$OUT/qmv_ncu_$TAG.csv" 2> "$OUT/qmv_ncu_$TAG.err"
 python3 - "$OUT/qmv_ncu_$TAG.csv" "$TAG" <<'PY'
 import csv, re, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
@@ -35,12 +41,22 @@ if not rows:
     sys.exit(f"qmv_ncu: no kernels profiled (see {sys.argv[1][:-4]}.err)")
 head = rows[0]
 col, name = head.index("gpu__time_duration.sum"), head.index("Kernel Name")
-best = {}
+regs, grid = head.index("launch__registers_per_thread"), head.index("launch__grid_size")
+best, extra = {}, {}
 for r in rows[2:]:  # rows[1]: the units (ns)
-    m = re.search(r"vc_qmv(_warp)?_[0-9a-f]+_4_64_(\d+)_(\d+)_1_(\d+)_(\d+)", r[name])
-    key = (int(m.group(3)), int(m.group(2)), "warp" if m.group(1) else "block", int(m.group(4)), int(m.group(5)))
+    m = re.search(r"vc_qmv(_warp|_emit)?_[0-9a-f]+_4_64_(\d+)_(\d+)_1_(\d+)_(\d+)", r[name])
+    if m:
+        key = (int(m.group(3)), int(m.group(2)), (m.group(1) or "_block")[1:], int(m.group(4)), int(m.group(5)))
+    else:  # MLX's kernel: its name and grid (the shape is the probe's order)
+        key = (r[name][:60], r[grid])
     best[key] = min(best.get(key, 1e30), float(r[col].replace(",", "")) / 1e3)
-for (n, k, layout, rows_, split), us in best.items():
+    extra[key] = r[regs]
+for key, us in best.items():
+    if len(key) == 2:
+        print(f"{sys.argv[2]} mlx {key[0]} grid {key[1]} regs {extra[key]}: {us:7.2f} us")
+        continue
+    n, k, layout, rows_, split = key
     nbytes = n * k // 2 + 4 * n * (k // 64)
-    print(f"{sys.argv[2]} {n}x{k} {layout} rows {rows_} split {split}: {us:7.2f} us {nbytes / us / 1e3:6.0f} GB/s")
+    print(f"{sys.argv[2]} {n}x{k} {layout} rows {rows_} split {split} regs {extra[key]}: {us:7.2f} us "
+          f"{nbytes / us / 1e3:6.0f} GB/s")
 PY

@@ -401,17 +401,38 @@ class NemotronH(nn.Module):
     def __call__(self, embeds: mx.array, cache: list | None = None) -> mx.array:
         """embeds [b, L, H] -> hidden [b, L, H] (float32). With `cache`, continue from it and update it;
         without, run the sequence from an empty state."""
-        x = embeds.astype(mx.float32)
-        if cache is None:
-            cache = [None] * len(self.layers)
-        normed = None  # the block's norm as the block before left it (decode kernels only)
-        nexts = [layer.norm for layer in self.layers[1:]] + [None]
-        for layer, c, next_norm in zip(self.layers, cache, nexts):
-            x, normed = layer(x, c, normed, next_norm)
+        x, _ = self.run_layers(embeds.astype(mx.float32), [None] * len(self.layers) if cache is None else cache)
         return self.norm_f(x)
+
+    def run_layers(self, x: mx.array, cache: list, start: int = 0, end: int | None = None, normed=None):
+        """Layers [start, end) on the residual stream x (float32), `cache` holding their entries:
+        (x after them, the next layer's norm of it left half done (`Prenormed`) or None). `normed`:
+        what layer `start - 1` left of layer `start`'s norm (decode kernels only)."""
+        end = len(self.layers) if end is None else end
+        for i, c in zip(range(start, end), cache):
+            next_norm = self.layers[i + 1].norm if i + 1 < len(self.layers) else None
+            x, normed = self.layers[i](x, c, normed, next_norm)
+        return x, normed
 
 
 # --------------------------------------------------------------------------- the duplex LM
+
+
+# Layers in each compiled part of a decode step, first to last (the last part takes the rest). The
+# first is small so that the device starts early; later ones grow, as the host builds and encodes a
+# layer faster than the device runs it (~40 against ~60 us at full size on the H200).
+DECODE_PARTS = (2, 3, 4, 6, 9, 14)
+
+
+def decode_parts(n_layers: int) -> list[tuple[int, int]]:
+    """[first, last) layer ranges of the decode step's parts for a stack of n_layers."""
+    bounds, first = [], 0
+    for size in DECODE_PARTS:
+        if first + size >= n_layers:
+            break
+        bounds.append((first, first + size))
+        first += size
+    return bounds + [(first, n_layers)]
 
 
 class StepOutput(NamedTuple):
@@ -440,19 +461,26 @@ class DuplexLM(nn.Module):
     # ------------------------------------------------------------ compiled decode
 
     def decode(self, prev_text_ids: mx.array, audio: mx.array, prev_function_ids: mx.array,
-               cache: NemotronHCache) -> tuple[mx.array, mx.array]:
-        """One timeline position as one compiled graph: the fused input of the previous ids
+               cache: NemotronHCache, queue: bool = True) -> tuple[mx.array, mx.array]:
+        """One timeline position as a few compiled graphs: the fused input of the previous ids
         ([b, 1] each) and the audio frame [b, 1, H], every layer with `cache` (updated), and both
         heads' greedy ids (int32 [b] each). The same ids as `step(fused_input(...), cache)`.
 
-        Compiled, a step costs one call from Python and its elementwise chains fuse. Its shapes
+        Compiled, a step costs a few calls from Python and its elementwise chains fuse. Its shapes
         must not change from step to step, so the attention layers see their whole cache buffers
-        with the position as an array (keys past it masked out); the graph is traced again only
-        when the buffers grow (every `KVCache.step` positions). Nothing is evaluated here.
+        with the position as an array (keys past it masked out); the graphs are traced again only
+        when the buffers grow (every `KVCache.step` positions).
+
+        The layers run in parts (`DECODE_PARTS`), each compiled on its own. With `queue` each part
+        but the last is queued (`mx.async_eval`) as soon as it is built, so that the device starts
+        on the first layers while Python builds and encodes the rest: a step the caller waits on no
+        longer waits for its whole graph to be built first (on the H200, MLX-CUDA launched nothing
+        before ~100 kernels were encoded). `queue=False` leaves the whole step lazy (to count its
+        ops, or to build several steps before one evaluation).
         """
         cfg = self.llm.config
         b, offset = audio.shape[0], cache.offset
-        state = []
+        layer_state = []
         for layer, c in zip(self.llm.layers, cache):
             if layer.kind == "mamba":
                 mixer = layer.mixer
@@ -460,19 +488,30 @@ class DuplexLM(nn.Module):
                     c.conv = mx.zeros((b, mixer.kernel - 1, mixer.conv_dim), mx.float32)
                 if c.ssm is None:
                     c.ssm = mx.zeros((b, mixer.num_heads, mixer.head_dim, mixer.state_size), mx.float32)
-                state += [c.conv, c.ssm]
+                layer_state.append([c.conv, c.ssm])
             elif layer.kind == "attention":
                 c.reserve(offset + 1, b, cfg.num_key_value_heads, cfg.head_dim)
-                state += [c.keys, c.values, _nothing_pending() if c.pending is None else c.pending]
-        if getattr(self, "_decode_fn", None) is None:
-            self._decode_fn = mx.compile(self._decode_graph)
+                layer_state.append([c.keys, c.values, _nothing_pending() if c.pending is None else c.pending])
+            else:
+                layer_state.append([])
+        if getattr(self, "_decode_fns", None) is None:
+            self._decode_fns = [(first, last, mx.compile(functools.partial(self._decode_part, first, last)))
+                                for first, last in decode_parts(len(self.llm.layers))]
         # The position as the last step computed it on the device: an array made on the host for
         # each step would be read from host-written memory by every attention launch.
         position = cache.position if cache.position_at == offset else mx.array([offset], mx.int32)
-        text, function, cache.position, *state = self._decode_fn(prev_text_ids, audio, prev_function_ids,
-                                                                 position, state)
+        carry = [prev_text_ids, audio, prev_function_ids]
+        new_state = []
+        for first, last, fn in self._decode_fns:
+            state = [a for per_layer in layer_state[first:last] for a in per_layer]
+            out = fn(carry, position, state)
+            carry, part_state = out[: len(out) - len(state)], out[len(out) - len(state):]
+            new_state += part_state
+            if queue and last < len(self.llm.layers):
+                mx.async_eval(carry, part_state)
+        text, function, cache.position = carry
         cache.position_at = offset + 1
-        arrays = iter(state)
+        arrays = iter(new_state)
         for c in cache:
             if isinstance(c, MambaCache):
                 c.conv, c.ssm = next(arrays), next(arrays)
@@ -480,23 +519,39 @@ class DuplexLM(nn.Module):
                 c.keys, c.values, c.pending, c.offset = next(arrays), next(arrays), next(arrays), offset + 1
         return text, function
 
-    def _decode_graph(self, prev_text_ids, audio, prev_function_ids, offset, state):
+    def _decode_part(self, first: int, last: int, carry: list, offset: mx.array, state: list) -> list:
+        """Layers [first, last) of a decode step (compiled per part by `decode`). carry: the previous
+        ids and the audio frame for the first part, else the residual stream and what the layer
+        before left of this part's first norm (its `Prenormed` arrays, when the kernels made one).
+        Returns the next part's carry (the last part's: both ids and the next position), then the
+        layers' new cache state."""
+        layers = self.llm.layers
+        if first == 0:
+            x, normed = self.fused_input(*carry).astype(mx.float32), None
+        else:
+            x, *pre = carry
+            normed = Prenormed(pre[0], pre[1], 1, layers[first].norm.eps) if pre else None
         arrays = iter(state)
         caches, masks = [], {}
-        for layer in self.llm.layers:
+        for layer in layers[first:last]:
             if layer.kind == "mamba":
                 caches.append(MambaCache(next(arrays), next(arrays)))
             elif layer.kind == "attention":
                 caches.append(BufferKV(next(arrays), next(arrays), offset, masks, pending=next(arrays)))
             else:
                 caches.append(None)
-        out = self.step(self.fused_input(prev_text_ids, audio, prev_function_ids), caches)
+        x, normed = self.llm.run_layers(x, caches, first, last, normed)
         # An attention layer hands back its buffers and what the next step must wait for: its
         # attention output when that wrote the buffers in place, else what this step waited for.
         new_state = [a for c in caches if c is not None
                      for a in ((c.conv, c.ssm) if isinstance(c, MambaCache) else
                                (c.keys, c.values, c.pending if c.written is None else c.written))]
-        return [out.text_ids.astype(mx.int32), out.function_ids.astype(mx.int32), offset + 1, *new_state]
+        if last < len(layers):
+            if normed is not None and normed.groups != 1:
+                raise AssertionError("a block hands the next one a plain RMSNorm (one group)")
+            return [x, *((normed.weighted, normed.partials) if normed is not None else ()), *new_state]
+        text, function = self.greedy(self.llm.norm_f(x)[:, -1])
+        return [text.astype(mx.int32), function.astype(mx.int32), offset + 1, *new_state]
 
     def prepare(self, decode_kernels: bool | None = None) -> "DuplexLM":
         """Load-time conversions for decoding; call once after loading weights. Returns self.
@@ -564,15 +619,17 @@ class DuplexLM(nn.Module):
         """Run fused [b, L, H] through the LLM (updating `cache`), greedy ids of both heads at the
         last position. Nothing is evaluated here."""
         hidden = self.llm(fused, cache)
-        last = hidden[:, -1]
-        text_logits, function_logits = self.heads(last)  # lazy: computed only if read
+        return StepOutput(*self.greedy(hidden[:, -1]), hidden, *self.heads(hidden[:, -1]))
+
+    def greedy(self, last: mx.array) -> tuple[mx.array, mx.array]:
+        """Both heads' greedy ids of hidden states [b, H] (after norm_f)."""
         if getattr(self, "decode_kernels", False):
             from ..kernels.gemv import two_head_argmax
 
             ids = two_head_argmax(last, self.lm_head, self.function_head)  # one pass, no logits written
-            return StepOutput(ids[..., 0], ids[..., 1], hidden, text_logits, function_logits)
-        return StepOutput(mx.argmax(text_logits, axis=-1), mx.argmax(function_logits, axis=-1), hidden,
-                          text_logits, function_logits)
+            return ids[..., 0], ids[..., 1]
+        text_logits, function_logits = self.heads(last)
+        return mx.argmax(text_logits, axis=-1), mx.argmax(function_logits, axis=-1)
 
     __call__ = step
 

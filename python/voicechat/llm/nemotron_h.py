@@ -475,8 +475,9 @@ class DuplexLM(nn.Module):
         but the last is queued (`mx.async_eval`) as soon as it is built, so that the device starts
         on the first layers while Python builds and encodes the rest: a step the caller waits on no
         longer waits for its whole graph to be built first (on the H200 the device started ~2.0 ms
-        into a 5 ms waited step: MLX-CUDA launches its work as CUDA graphs of many ops). `queue=False` leaves the whole step lazy (to count its
-        ops, or to build several steps before one evaluation).
+        into a 5 ms waited step: MLX-CUDA launches its work as CUDA graphs of many ops).
+        `queue=False` leaves the whole step lazy (to count its ops, or to build several steps
+        before one evaluation).
         """
         cfg = self.llm.config
         b, offset = audio.shape[0], cache.offset

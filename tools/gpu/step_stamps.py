@@ -5,10 +5,11 @@ through (so every kernel of the step waits for it) and stores %globaltimer; the 
 step's ids and stores it again. Per round (each from an idle device, as profile_llm_step's
 sync_step): the host's waited time, the device span between the stamps, and the rest, which is host
 time before the first kernel ran or after the last one ended. %globaltimer counts the host's
-wall clock in ns (checked first: a lone stamp must fall between the host times around its eval), so
-the stamps go on the host's timeline: when the first kernel ran after the step's graph was built
-and queued, and how long the host's wait went on after the last one. Without Nsight Systems (not on
-the GPU image) this says whether the waited step is device time, a late start or a late return.
+wall clock in ns to a constant offset (0-3 ms on the H200s seen), which a lone stamp between the
+host's times around its eval measures to ~+-50 us; with it taken off, the stamps go on the host's
+timeline: when the first kernel ran after the step's graph was built and queued, and how long the
+host's wait went on after the last one. Without Nsight Systems (not on the GPU image) this says
+whether the waited step is device time, a late start or a late return.
 
     PYTHONPATH=/tmp/site2:/tmp/site python3 tools/gpu/step_stamps.py [tiny]
 """
@@ -50,17 +51,20 @@ def main() -> None:
     lm = _lm("tiny" if len(sys.argv) > 1 else "full")
     cache, text, function, _ = _primed(lm)
     frames = _audio(lm, CONTEXT + 24)[:, CONTEXT:]
-    if _PASS is not None:  # the clocks: a lone stamp between the host's times around it
-        offsets = []
+    offset = 0  # %globaltimer - the host's time_ns, ns
+    if _PASS is not None:  # the clocks: a lone stamp lies between the host's times around its eval
+        mids, halves = [], []
         for _ in range(20):
             mx.synchronize()
             h0 = time.time_ns()
             _, s = stamp_pass(frames[:, 0])
             mx.eval(s)
             h1 = time.time_ns()
-            offsets.append((1e-3 * (s.item() - h0), 1e-3 * (h1 - s.item())))
-        print("lone stamp: {:.0f} us after the host's launch, {:.0f} us before its eval returned (medians)".format(
-            *(statistics.median(o[j] for o in offsets) for j in (0, 1))))
+            mids.append(s.item() - (h0 + h1) // 2)
+            halves.append((h1 - h0) // 2)
+        offset = int(statistics.median(mids))
+        print(f"clock offset {offset / 1e3:.0f} us, +- {statistics.median(halves) / 1e3:.0f} us (a lone stamp's "
+              "round trip, halved): the device times below have it taken off", flush=True)
     marks = {k: [] for k in ("built", "queued", "device start", "device end", "returned")}
     for i in range(24):
         mx.synchronize()
@@ -79,7 +83,7 @@ def main() -> None:
         mx.eval(*outs)
         t3 = time.time_ns()
         if i >= 4:  # compiled and warm
-            g0, g1 = (s0.item(), s1.item()) if s1 is not None else (t0, t0)
+            g0, g1 = (s0.item() - offset, s1.item() - offset) if s1 is not None else (t0, t0)
             for k, v in zip(marks, (t1, t2, g0, g1, t3)):
                 marks[k].append(1e-6 * (v - t0))
     print("ms from the step's start (min / median):", flush=True)

@@ -3,7 +3,8 @@
 
 Two one-block kernels bracket the compiled step in its graph: the first passes the step's input
 through (the LLM's audio frame, which every kernel of its step waits for; the TTS's previous
-codes, which all but its text path wait for) and stores %globaltimer; the second reads the step's outputs and stores it again. Per round (each from an idle device, as profile_llm_step's
+codes, which all but its text path wait for) and stores %globaltimer; the second reads the
+step's outputs and stores it again. Per round (each from an idle device, as profile_llm_step's
 sync_step): the host's waited time, the device span between the stamps, and the rest, which is host
 time before the first kernel ran or after the last one ended. %globaltimer counts the host's
 wall clock in ns to a constant offset (0-3 ms on the H200s seen), which a lone stamp between the

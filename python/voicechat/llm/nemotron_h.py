@@ -620,16 +620,18 @@ class DuplexLM(nn.Module):
         """Run fused [b, L, H] through the LLM (updating `cache`), greedy ids of both heads at the
         last position. Nothing is evaluated here."""
         hidden = self.llm(fused, cache)
-        return StepOutput(*self.greedy(hidden[:, -1]), hidden, *self.heads(hidden[:, -1]))
+        logits = self.heads(hidden[:, -1])  # lazy: computed only if read
+        return StepOutput(*self.greedy(hidden[:, -1], logits), hidden, *logits)
 
-    def greedy(self, last: mx.array) -> tuple[mx.array, mx.array]:
-        """Both heads' greedy ids of hidden states [b, H] (after norm_f)."""
+    def greedy(self, last: mx.array, logits: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
+        """Both heads' greedy ids of hidden states [b, H] (after norm_f); `logits`: the heads' output
+        on `last` when the caller already built it (the argmax then reads it)."""
         if getattr(self, "decode_kernels", False):
             from ..kernels.gemv import two_head_argmax
 
             ids = two_head_argmax(last, self.lm_head, self.function_head)  # one pass, no logits written
             return ids[..., 0], ids[..., 1]
-        text_logits, function_logits = self.heads(last)
+        text_logits, function_logits = self.heads(last) if logits is None else logits
         return mx.argmax(text_logits, axis=-1), mx.argmax(function_logits, axis=-1)
 
     __call__ = step

@@ -92,52 +92,6 @@ Launch pick_launch(int chunks, int n, int rows_override, int threads_override, i
   return l;
 }
 
-// The 4-bit block layout's product runs through a ring of cp.async copies into shared memory
-// (vc_gemv::qmv_accumulate_async): each thread keeps its own next steps' weight chunks in flight
-// while it computes, without registers to hold them. Depth and threads of a launch by default.
-constexpr int kAsyncStages = 3;
-constexpr int kAsyncThreads = 64;
-constexpr int kAsyncRingBytes = 40960;  // the most the ring may take of a block's static shared memory
-
-// The ring's depth for a block-layout launch of `rows` rows and `threads` threads: the requested
-// depth (-1: kAsyncStages), cut to what fits kAsyncRingBytes; 0 (the register path) where the ring
-// does not apply or fits fewer than 2 stages.
-int async_stages(int requested, bool applies, int rows, int threads) {
-  if (!applies || requested == 0) {
-    return 0;
-  }
-  const int fit = kAsyncRingBytes / (rows * threads * 24);
-  const int stages = std::min(requested < 0 ? kAsyncStages : requested, fit);
-  return stages >= 2 ? stages : 0;
-}
-
-struct QuantLaunch {
-  Launch launch;
-  int stages;  // the cp.async ring's depth, 0: the register path
-};
-
-// A quantized matvec's launch for `chunks` 16-byte chunks a row and n rows (overrides as
-// pick_launch's; stages -1 = auto, 0 = the register path). The ring takes 4-bit weights with 16-bit
-// scales in the block layout (block_only: a norm prologue or an emitted norm, which only the block
-// layout has). On the register path a group-norm prologue (group_prenorm) takes one step a thread:
-// it keeps each step's sums apart until the groups' scales are known, which with several steps a
-// thread costs registers (the Mamba out_proj, 4480x10240 with 8 groups: 168 registers at 160
-// threads, 2 steps each, against 80 at 320 threads, one step each: 29.6 against 27.0 us under Nsight
-// Compute on the H200).
-QuantLaunch quantized_launch(int chunks, int n, int bits, bool scales16, bool block_only, bool group_prenorm,
-                             int rows, int threads, int warps, int stages) {
-  const bool ring = bits == 4 && scales16 && stages != 0 &&
-                    (block_only || warps == 0 || (warps < 0 && kWarpLayoutWarps == 0));
-  if (ring && threads <= 0) {
-    threads = std::min(kAsyncThreads, 32 * ((chunks + 31) / 32));
-  }
-  if (!ring && group_prenorm && threads <= 0 && chunks <= 512) {
-    threads = 32 * ((chunks + 31) / 32);
-  }
-  const Launch l = pick_launch(chunks, n, rows, threads, block_only ? 0 : warps);
-  return {l, async_stages(stages, ring && l.warps == 0, l.rows, l.threads)};
-}
-
 // Blocks of a launch over n output rows.
 int blocks_for(const Launch& l, int n) {
   const int rows_per_block = l.warps > 0 ? l.rows * l.warps : l.rows;
@@ -154,11 +108,10 @@ using TemplateArg = std::pair<std::string, std::string>;
 // in its place); epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU
 // (vc_gemv::finish); tn (block layout only): the RMSNorm prologue's weight type, or nullptr for
 // none (the kernel then gets `scales` for the weight and the eps); np > 0 (with tn "float"): an
-// input normalized by its producer, np partial sums in ng groups (NORM 2, vc_gemv::qmv_block);
-// stages (block layout only): the cp.async ring's depth, 0 for the register path.
+// input normalized by its producer, np partial sums in ng groups (NORM 2, vc_gemv::qmv_block).
 CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, const char* to, int bits, int group, int k,
                           int n, int m, int rows, int split_count, const char* tb = nullptr, int epi = 0,
-                          const char* tn = nullptr, int np = 0, int ng = 1, int stages = 0) {
+                          const char* tn = nullptr, int np = 0, int ng = 1) {
   const char* bias_type = tb ? tb : ts;
   const char* residual_type = epi == 1 ? to : ts;
   CudaInstance inst{
@@ -170,9 +123,8 @@ CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, con
        TemplateArg{"HAS_BIAS", tb ? "bool:true" : "bool:false"}, TemplateArg{"TX", type_arg(tx)},
        TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TB", type_arg(bias_type)},
        TemplateArg{"TR", type_arg(residual_type)}, TemplateArg{"TO", type_arg(to)}}};
-  if (std::string(split) == "THREADS") {  // the block layout's RMSNorm prologue and product path
+  if (std::string(split) == "THREADS") {  // the block layout's RMSNorm prologue
     const char* norm_type = tn ? tn : ts;
-    inst.template_args.push_back(TemplateArg{"STAGES", int_arg(stages)});
     inst.input_types.push_back(norm_type);
     inst.template_args.push_back(TemplateArg{"NORM", int_arg(tn ? (np > 0 ? 2 : 1) : 0)});
     inst.template_args.push_back(TemplateArg{"EPS_BITS", int_arg(float_bits(1e-5f))});
@@ -184,17 +136,16 @@ CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, con
 }
 
 // One instance of vc_qmv_emit: a + residual matvec (of the output's type) that also writes the next
-// norm's input with weight type te; its own input plain (np = 0) or normalized by its producer;
-// stages as qmv_instance's.
+// norm's input with weight type te; its own input plain (np = 0) or normalized by its producer.
 CudaInstance qmv_emit_instance(const char* tx, const char* ts, const char* to, int k, int n, int m, int rows,
-                               int threads, const char* te, int np = 0, int ng = 1, int stages = 0) {
+                               int threads, const char* te, int np = 0, int ng = 1) {
   const char* tn = np > 0 ? "float" : ts;
   return CudaInstance{
       {tx, "uint32_t", ts, ts, ts, to, tn, te},
       {to, "float", "float"},
       {TemplateArg{"BITS", "int:4"}, TemplateArg{"GROUP", "int:64"}, TemplateArg{"K", int_arg(k)},
        TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)}, TemplateArg{"ROWS", int_arg(rows)},
-       TemplateArg{"THREADS", int_arg(threads)}, TemplateArg{"STAGES", int_arg(stages)}, TemplateArg{"HAS_BIAS", "bool:false"},
+       TemplateArg{"THREADS", int_arg(threads)}, TemplateArg{"HAS_BIAS", "bool:false"},
        TemplateArg{"NORM", int_arg(np > 0 ? 2 : 0)}, TemplateArg{"NP", int_arg(np)}, TemplateArg{"NG", int_arg(ng)},
        TemplateArg{"EPS_BITS", int_arg(float_bits(1e-5f))},
        TemplateArg{"TX", type_arg(tx)}, TemplateArg{"TS", type_arg(ts)}, TemplateArg{"TB", type_arg(ts)},
@@ -246,13 +197,6 @@ const CudaSource& qmv_source() {
           inst(f, bf, f, 4, 64, 4480, 22656, 1, 8, 160, nullptr, 0, f, 560),
           inst(f, bf, f, 4, 64, 4480, 15680, 1, 8, 160, nullptr, 2, f, 560),
           inst(f, bf, f, 4, 64, 4480, 7168, 2, 8, 160, nullptr, 0, f, 560),
-          // Through the cp.async ring as launched (8 rows, 64 threads, 3 stages): the prenormed in_proj /
-          // up_proj / q-k-v, and the RMSNorm prologue.
-          inst(f, bf, f, 4, 64, 4480, 22656, 1, 8, 64, nullptr, 0, f, 560, 1, 3),
-          inst(f, bf, f, 4, 64, 4480, 15680, 1, 8, 64, nullptr, 2, f, 560, 1, 3),
-          inst(f, bf, f, 4, 64, 4480, 7168, 2, 8, 64, nullptr, 0, f, 560, 1, 3),
-          inst(f, bf, f, 4, 64, 4480, 22656, 1, 8, 64, nullptr, 0, f, 0, 1, 3),
-          inst(bf, bf, bf, 4, 64, 4480, 131072, 1, 8, 64, nullptr, 0, nullptr, 0, 1, 3),
           // The other packings, dtypes and a Linear bias.
           inst(f, bf, f, 8, 64, 4480, 5120, 2, 8, 160),
           inst("__half", "__half", "__half", 4, 32, 4480, 1000, 1, 2, 64),
@@ -280,10 +224,6 @@ const CudaSource& qmv_emit_source() {
           qmv_emit_instance(f, bf, f, 15680, 4480, 1, 8, 256, f),
           qmv_emit_instance(f, bf, f, 5120, 4480, 2, 8, 160, f),
           qmv_emit_instance(bf, bf, f, 4480, 1000, 1, 4, 160, bf),
-          // through the cp.async ring as launched (8 rows, 64 threads, 3 stages)
-          qmv_emit_instance(f, bf, f, 10240, 4480, 1, 8, 64, f, 640, 8, 3),
-          qmv_emit_instance(f, bf, f, 15680, 4480, 1, 8, 64, f, 0, 1, 3),
-          qmv_emit_instance(f, bf, f, 5120, 4480, 2, 8, 64, f, 0, 1, 3),
       },
   });
   return src;
@@ -562,7 +502,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                                              const std::optional<mx::array>& residual, const std::string& activation,
                                              const std::optional<mx::array>& norm_weight, float norm_eps,
                                              const std::optional<Prenorm>& prenorm,
-                                             const std::optional<mx::array>& next_norm, int stages, mx::Stream s) {
+                                             const std::optional<mx::array>& next_norm, mx::Stream s) {
   const char* who = next_norm ? "quantized_matvec_emit_norm" : "quantized_matvec";
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   const Epilogue epi = make_epilogue(residual, activation, n, who);
@@ -609,9 +549,15 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const auto out_dtype = output_dtype(x.dtype(), scales.dtype(), bias, epi);
   // The norm prologues and the emitted norm input are the block layout's: they take it whatever the default.
   const bool block_only = norm_weight || prenorm || next_norm;
-  const QuantLaunch q = quantized_launch(k * bits / 128, n, bits, scales.itemsize() == 2, block_only,
-                                         prenorm && prenorm->groups > 1, rows_per_block, threads, warps, stages);
-  const Launch& l = q.launch;
+  // A group-norm prologue keeps each step's sums apart until the groups' scales are known: with
+  // several steps a thread that costs registers (the Mamba out_proj, 4480x10240 with 8 groups: 168
+  // registers at 160 threads, 2 steps each, against 80 at 320 threads, one step each: 29.6 against
+  // 27.0 us under Nsight Compute on the H200). So such a launch takes one step a thread.
+  const int chunks = k * bits / 128;
+  if (prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512) {
+    threads = 32 * ((chunks + 31) / 32);
+  }
+  const Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only ? 0 : warps);
   const bool warp = l.warps > 0;
   // x and the residual go in with their own shapes (the kernel reads them flat, row-contiguous as
   // MLX makes every kernel input) and the output comes out shaped: no reshape nodes in the graph.
@@ -626,7 +572,6 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   if (!warp) {
     const int np = prenorm ? prenorm->partials.shape(-1) : 0;
-    args.emplace_back("STAGES", q.stages);
     inputs.push_back(norm_weight ? *norm_weight : prenorm ? prenorm->partials : scales);
     args.emplace_back("NORM", norm_weight ? 1 : prenorm ? 2 : 0);
     args.emplace_back("EPS_BITS", norm_weight || prenorm ? float_bits(norm_eps) : 0);
@@ -658,11 +603,10 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
                            int threads, int warps, const std::optional<mx::array>& residual,
                            const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
-                           const std::optional<mx::array>& prenormed, int prenorm_groups, int stages,
-                           mx::StreamOrDevice s) {
+                           const std::optional<mx::array>& prenormed, int prenorm_groups, mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, warps, residual,
                                activation, norm_weight, norm_eps, make_prenorm(prenormed, prenorm_groups),
-                               std::nullopt, stages, mx::to_stream(s))[0];
+                               std::nullopt, mx::to_stream(s))[0];
 }
 
 std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -670,9 +614,9 @@ std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::
                                                   const mx::array& next_norm, const std::optional<mx::array>& bias,
                                                   int group_size, int bits, const std::optional<mx::array>& prenormed,
                                                   int prenorm_groups, float norm_eps, int rows_per_block, int threads,
-                                                  int stages, mx::StreamOrDevice s) {
+                                                  mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, 0, residual, "",
-                               std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm, stages,
+                               std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm,
                                mx::to_stream(s));
 }
 
@@ -850,16 +794,12 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
 // ---------------------------------------------------------------- bindings
 
 py::tuple launch_config(const std::string& kind, int k, int n, int bits, int itemsize) {
-  if (kind == "quantized") {  // itemsize: the scales'
-    const QuantLaunch q = quantized_launch(k * bits / 128, n, bits, itemsize == 2, false, false, 0, 0, -1, -1);
-    return py::make_tuple(q.launch.rows, q.launch.threads, q.launch.warps, q.stages);
-  }
   const int chunks = kind == "dense" ? k * itemsize / 16 : k * bits / 128;
   Launch l = pick_launch(chunks, n, 0, 0, kind == "argmax" ? 0 : -1);
   if (kind == "argmax") {
     l.rows = kArgmaxRows;
   }
-  return py::make_tuple(l.rows, l.threads, l.warps, 0);
+  return py::make_tuple(l.rows, l.threads, l.warps);
 }
 
 void bind(py::module_& m) {
@@ -875,13 +815,11 @@ void bind(py::module_& m) {
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
         py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
-        py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stages") = -1,
-        py::arg("stream") = py::none(),
+        py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
-        "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block), stages (the "
-        "4-bit block layout's cp.async ring depth: -1 = auto, 0 = off, else 2 or more, cut to what fits). norm_weight: "
+        "warps (-1 = auto, 0 = block layout, > 0 = warp layout with that many warps per block). norm_weight: "
         "an RMSNorm of x first (rms_norm(x, norm_weight, norm_eps)), formed in the same launch. prenormed: "
         "x is a norm's input already times its weight and prenormed [..., P] float32 partial sums of its "
         "squares (prenorm_groups equal channel groups, each over P / groups consecutive partials); each "
@@ -890,7 +828,7 @@ void bind(py::module_& m) {
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),
         py::arg("prenorm_groups") = 1, py::arg("norm_eps") = 1e-5f, py::arg("rows_per_block") = 0,
-        py::arg("threads") = 0, py::arg("stages") = -1, py::arg("stream") = py::none(),
+        py::arg("threads") = 0, py::arg("stream") = py::none(),
         "[out, normed, partials]: out = x @ dequantize(w).T (+ bias) + residual, and the next RMSNorm's input "
         "left for its matvec: normed = out * next_norm (float32) and partials [..., P] (float32) whose sum "
         "is each row's sum of out^2 (pass both as that matvec's x and prenormed). One CUDA launch; MLX ops "
@@ -913,9 +851,8 @@ void bind(py::module_& m) {
         "argmax over both quantized heads (weight, scales, biases) in one pass: [ids int32 [..., 2]] "
         "or [ids, logits_a, logits_b].");
   m.def("gemv_launch_config", &launch_config, py::arg("kind"), py::arg("k"), py::arg("n"), py::arg("bits") = 4,
-        py::arg("itemsize") = 2, "(rows per block or per warp, threads per block, warps per block (0: block layout), "
-        "cp.async ring stages (0: none)) the kernels pick for a shape; itemsize: the dense weight's, or the "
-        "quantized weight's scales'.");
+        py::arg("itemsize") = 2, "(rows per block or per warp, threads per block, warps per block (0: block layout)) the kernels "
+        "pick for a shape.");
 }
 
 }  // namespace

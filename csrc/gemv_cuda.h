@@ -184,64 +184,6 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
   }
 }
 
-// Word k of chunk c of the M rows of x as float32, VPW values a row. NORM: times the norm weight,
-// ss[m] gathering the sum of squares of x first (see qmv_accumulate).
-template <int K, int M, int VPW, bool NORM, typename TX, typename TN>
-__device__ __forceinline__ void word_x(const TX* x, int c, int k, bool vec, const TN* norm_w, float* ss,
-                                       float (&xv)[M][VPW]) {
-  constexpr int CHUNK = 4 * VPW;
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
-    if constexpr (NORM) {
-#pragma unroll
-      for (int j = 0; j < VPW; ++j) {
-        ss[m] = fmaf(xv[m][j], xv[m][j], ss[m]);
-        xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
-      }
-    }
-  }
-}
-
-// 4 bits: one word's x as the pairs take it (x_hi, xl = x_lo - 2^-16 x_hi; see pair_word), their
-// sums gathered in hsum / lsum for the offsets.
-template <int M>
-__device__ __forceinline__ void pair_inputs(const float (&xv)[M][8], float (&xh)[M][4], float (&xl)[M][4], float* hsum,
-                                            float* lsum) {
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      xh[m][s] = xv[m][s + 4];
-      xl[m][s] = fmaf(-Pair::LO, xv[m][s + 4], xv[m][s]);
-      hsum[m] += xh[m][s];
-      lsum[m] += xl[m][s];
-    }
-  }
-}
-
-// dot[m] += the products of the 8 nibbles of packed word v with one word's pair inputs.
-template <int M>
-__device__ __forceinline__ void word_products(unsigned int v, const float (*xh)[4], const float (*xl)[4], float* dot) {
-  pair_fma<0, M>(v, xh, xl, dot);
-  pair_fma<1, M>(v, xh, xl, dot);
-  pair_fma<2, M>(v, xh, xl, dot);
-  pair_fma<3, M>(v, xh, xl, dot);
-}
-
-// 4 bits, a chunk's end: its dots without the pairs' offsets, dot - (16 + Pair::C) sum(x_hi) -
-// 16 sum(xl), and xsum, the sum of the x the pairs saw: sum(x_hi) (1 + 2^-16) + sum(xl).
-template <int ROWS, int M>
-__device__ __forceinline__ void pair_offsets(float (&dot)[ROWS][M], const float* hsum, const float* lsum, float* xsum) {
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float offset = fmaf(16.0f + Pair::C, hsum[m], 16.0f * lsum[m]);
-    xsum[m] = fmaf(1.0f + Pair::LO, hsum[m], lsum[m]);
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) dot[r][m] -= offset;
-  }
-}
-
 // acc[r][m] = sum_k x[m, k] * (scale * q[row0 + r, k] + bias) over this thread's chunks, for the
 // affine-quantized weight [n_rows, K * BITS / 32] (uint32) with scales / biases [n_rows, K / GROUP].
 // A 16-byte chunk holds 128 / BITS values of one group (GROUP >= 32): per chunk and row,
@@ -253,24 +195,18 @@ __device__ __forceinline__ void pair_offsets(float (&dot)[ROWS][M], const float*
 // SPLIT (a group norm's scales still to come): step it's sums go to split[it] instead of acc, so
 // that the caller can scale each by its chunk's group before adding them up (a step's chunk lies in
 // one group: (x * r_g * w) . q = sum_g r_g ((x * w)_g . q_g)).
-// PREFETCH: the next step's loads are issued before this step's math (registers for two steps'
-// loads); without it a step loads and then computes, and other warps hide the wait.
-// KSPLIT > 1: only the row's kpart-th of KSPLIT equal runs of chunks (a split-K launch).
 template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool NORM = false, bool SPLIT = false,
-          bool PREFETCH = true, int KSPLIT = 1, typename TX, typename TS, typename TN = float>
+          typename TX, typename TS, typename TN = float>
 __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
                                                const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M],
                                                int lane, const TN* norm_w = nullptr, float* ss = nullptr,
-                                               float (*split)[ROWS][M] = nullptr, int kpart = 0) {
+                                               float (*split)[ROWS][M] = nullptr) {
   constexpr int VPW = 32 / BITS;      // values per word
   constexpr int CHUNK = 4 * VPW;      // values per 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;   // chunks per row
   constexpr int GROUPS = K / GROUP;   // scales per row
-  constexpr int PART = CHUNKS / KSPLIT;  // chunks this call walks
-  constexpr int ITERS = (PART + THREADS - 1) / THREADS;
+  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
   static_assert(K % GROUP == 0 && GROUP % CHUNK == 0, "a chunk lies inside one group");
-  static_assert(CHUNKS % KSPLIT == 0, "KSPLIT divides the row's chunks");
-  const int first = kpart * PART;
   const bool vec = aligned16(x);
   const uint4* w4 = reinterpret_cast<const uint4*>(weight);
   int rows[ROWS];
@@ -281,22 +217,17 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
     for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
   }
   QuantStep<ROWS> cur{};
-  if (PREFETCH && lane < PART) {
-    load_step<CHUNKS, GROUPS, CHUNK, GROUP>(cur, w4, scales, biases, rows, first + lane);
+  if (lane < CHUNKS) {
+    load_step<CHUNKS, GROUPS, CHUNK, GROUP>(cur, w4, scales, biases, rows, lane);
   }
 #pragma unroll
   for (int it = 0; it < ITERS; ++it) {
-    const int step = it * THREADS + lane;  // within the part
-    const int c = first + step;
+    const int c = it * THREADS + lane;
     QuantStep<ROWS> next{};
-    if constexpr (PREFETCH) {
-      if (it + 1 < ITERS && step + THREADS < PART) {
-        load_step<CHUNKS, GROUPS, CHUNK, GROUP>(next, w4, scales, biases, rows, c + THREADS);
-      }
-    } else if (step < PART) {
-      load_step<CHUNKS, GROUPS, CHUNK, GROUP>(cur, w4, scales, biases, rows, c);
+    if (it + 1 < ITERS && c + THREADS < CHUNKS) {
+      load_step<CHUNKS, GROUPS, CHUNK, GROUP>(next, w4, scales, biases, rows, c + THREADS);
     }
-    if (step < PART) {
+    if (c < CHUNKS) {
       float dot[ROWS][M];
       float xsum[M];
       float hsum[M], lsum[M];  // 4 bits: sum(x_hi), sum(xl) for the pairs' offsets (see pair_word)
@@ -309,12 +240,37 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         float xv[M][VPW];
-        word_x<K, M, VPW, NORM>(x, c, k, vec, norm_w, ss, xv);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
+          if constexpr (NORM) {
+#pragma unroll
+            for (int j = 0; j < VPW; ++j) {
+              ss[m] = fmaf(xv[m][j], xv[m][j], ss[m]);
+              xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
+            }
+          }
+        }
         if constexpr (BITS == 4) {
           float xh[M][4], xl[M][4];
-          pair_inputs<M>(xv, xh, xl, hsum, lsum);
 #pragma unroll
-          for (int r = 0; r < ROWS; ++r) word_products<M>(word(cur.w[r], k), xh, xl, dot[r]);
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+              xh[m][s] = xv[m][s + 4];
+              xl[m][s] = fmaf(-Pair::LO, xv[m][s + 4], xv[m][s]);
+              hsum[m] += xh[m][s];
+              lsum[m] += xl[m][s];
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const unsigned int v = word(cur.w[r], k);
+            pair_fma<0, M>(v, xh, xl, dot[r]);
+            pair_fma<1, M>(v, xh, xl, dot[r]);
+            pair_fma<2, M>(v, xh, xl, dot[r]);
+            pair_fma<3, M>(v, xh, xl, dot[r]);
+          }
         } else {
           static_assert(BITS == 8, "4 or 8 bits");
 #pragma unroll
@@ -334,7 +290,17 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
           }
         }
       }
-      if constexpr (BITS == 4) pair_offsets<ROWS, M>(dot, hsum, lsum, xsum);
+      if constexpr (BITS == 4) {
+        // The offsets out: dot - (16 + Pair::C) sum(x_hi) - 16 sum(xl); the x the pairs saw sums to
+        // sum(x_hi) (1 + 2^-16) + sum(xl).
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float offset = fmaf(16.0f + Pair::C, hsum[m], 16.0f * lsum[m]);
+          xsum[m] = fmaf(1.0f + Pair::LO, hsum[m], lsum[m]);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) dot[r][m] -= offset;
+        }
+      }
       if constexpr (SPLIT) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
@@ -349,162 +315,8 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
         }
       }
     }
-    if constexpr (PREFETCH) cur = next;
+    cur = next;
   }
-}
-
-// cp.async (sm_80 and later): BYTES (16, or 4) from global to shared memory without registers, in
-// groups that the issuing thread commits and later waits for; the copies a thread has waited for
-// are visible to that thread. Elsewhere (the CPU emulation of the kernels) plain copies.
-template <int BYTES>
-__device__ __forceinline__ void cp_async(void* dst, const void* src) {
-  static_assert(BYTES == 16 || BYTES == 4, "16 or 4 bytes");
-#ifdef __CUDA_ARCH__
-  const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
-  if constexpr (BYTES == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src) : "memory");
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(to), "l"(src) : "memory");
-  }
-#else
-  if constexpr (BYTES == 16) {
-    *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-  } else {
-    *static_cast<unsigned int*>(dst) = *static_cast<const unsigned int*>(src);
-  }
-#endif
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Waits until at most PENDING of this thread's committed groups are still in flight.
-template <int PENDING>
-__device__ __forceinline__ void cp_async_wait() {
-#ifdef __CUDA_ARCH__
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-#endif
-}
-
-// One of the two 16-bit scales of a 4-byte word (hi: the upper one), as float.
-template <typename TS>
-__device__ __forceinline__ float scale_half(unsigned int v, bool hi, const TS* type) {
-  float q[2];
-  unpack_dense(v, q, type);
-  return hi ? q[1] : q[0];
-}
-
-// qmv_accumulate for 4-bit weights with 16-bit scales through a ring of cp.async copies: each
-// thread copies its own chunks of the ROWS rows, and the words holding their groups' scale and
-// bias, STAGES - 1 steps ahead of the step it computes, into shared-memory slots that only it reads.
-// The weight stream stays in flight through the math without registers to hold it (the register
-// path holds one step ahead: 72-128 registers, 2-5 blocks an SM, and its loads wait while it
-// computes), and no barrier is needed: the copies a thread waits for are visible to it.
-// NORM as qmv_accumulate's. NG > 0: channel group g of x (K / NG wide) is scaled by
-// xscale[g * M + m] (a group norm's scales, known before the loop). `ready()` runs once the first
-// STAGES - 1 steps' copies are in flight: the caller's own work that the loop needs (the group
-// scales), overlapping them. Scales whose word is not 4-byte aligned (an odd view) are read from
-// global memory instead.
-template <int GROUP, int K, int M, int ROWS, int THREADS, int STAGES, bool NORM, int NG, typename TX, typename TS,
-          typename TN, typename Ready>
-__device__ __forceinline__ void qmv_accumulate_async(const TX* x, const unsigned int* weight, const TS* scales,
-                                                     const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M],
-                                                     const TN* norm_w, float* ss, const float* xscale, Ready&& ready) {
-  constexpr int CHUNK = 32;            // 4-bit values per 16-byte chunk
-  constexpr int CHUNKS = K / CHUNK;    // chunks per row
-  constexpr int GROUPS = K / GROUP;    // scales per row
-  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
-  static_assert(K % GROUP == 0 && GROUP % CHUNK == 0, "a chunk lies inside one group");
-  static_assert(sizeof(TS) == 2, "16-bit scales: a 4-byte word holds a group's scale");
-  // 24 bytes a slot (a chunk, a scale word, a bias word); the launcher keeps to kAsyncRingBytes
-  static_assert(STAGES >= 2 && STAGES * ROWS * THREADS * 24 <= 40960, "the ring fits 40 KB");
-  constexpr int GW = K / (NG > 0 ? NG : 1);  // a norm group's channels
-  static_assert(GW * (NG > 0 ? NG : 1) == K && GW % CHUNK == 0, "a chunk lies inside one norm group");
-  __shared__ uint4 ring_w[STAGES][ROWS][THREADS];
-  __shared__ unsigned int ring_s[STAGES][ROWS][THREADS];
-  __shared__ unsigned int ring_b[STAGES][ROWS][THREADS];
-  const int lane = static_cast<int>(threadIdx.x);
-  const bool vec = aligned16(x);
-  const bool words = ((reinterpret_cast<unsigned long long>(scales) | reinterpret_cast<unsigned long long>(biases)) & 3ull) == 0ull;
-  const uint4* w4 = reinterpret_cast<const uint4*>(weight);
-  int rows[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = min(row0 + r, n_rows - 1);
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-  }
-  auto issue = [&](int it) {
-    const int c = it * THREADS + lane;
-    if (it < ITERS && c < CHUNKS) {
-      const int slot = it % STAGES;
-      const int g = c * CHUNK / GROUP;
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        cp_async<16>(&ring_w[slot][r][lane], w4 + static_cast<size_t>(rows[r]) * CHUNKS + c);
-        if (words) {
-          const size_t i = (static_cast<size_t>(rows[r]) * GROUPS + g) & ~static_cast<size_t>(1);
-          cp_async<4>(&ring_s[slot][r][lane], scales + i);
-          cp_async<4>(&ring_b[slot][r][lane], biases + i);
-        }
-      }
-    }
-    cp_async_commit();  // every step commits a group (empty or not), so that the waits count steps
-  };
-#pragma unroll
-  for (int it = 0; it + 1 < STAGES; ++it) issue(it);
-  ready();
-#pragma unroll 1
-  for (int it = 0; it < ITERS; ++it) {
-    issue(it + STAGES - 1);
-    const int c = it * THREADS + lane;
-    cp_async_wait<STAGES - 1>();  // step it's copies have landed
-    if (c < CHUNKS) {
-      const int slot = it % STAGES;
-      const int g = c * CHUNK / GROUP;
-      float xh[4][M][4], xl[4][M][4];
-      float hsum[M], lsum[M], xsum[M];
-#pragma unroll
-      for (int m = 0; m < M; ++m) hsum[m] = lsum[m] = 0.0f;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float xv[M][8];
-        word_x<K, M, 8, NORM>(x, c, k, vec, norm_w, ss, xv);
-        if constexpr (NG > 0) {
-          const int gn = c * CHUNK / GW;
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            const float r_g = xscale[gn * M + m];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) xv[m][j] *= r_g;
-          }
-        }
-        pair_inputs<M>(xv, xh[k], xl[k], hsum, lsum);
-      }
-      float dot[ROWS][M];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const uint4 w = ring_w[slot][r][lane];
-#pragma unroll
-        for (int m = 0; m < M; ++m) dot[r][m] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) word_products<M>(word(w, k), xh[k], xl[k], dot[r]);
-      }
-      pair_offsets<ROWS, M>(dot, hsum, lsum, xsum);
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const size_t i = static_cast<size_t>(rows[r]) * GROUPS + g;
-        const float scale = words ? scale_half(ring_s[slot][r][lane], i & 1, scales) : static_cast<float>(scales[i]);
-        const float bias = words ? scale_half(ring_b[slot][r][lane], i & 1, biases) : static_cast<float>(biases[i]);
-#pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] += fmaf(scale, dot[r][m], bias * xsum[m]);
-      }
-    }
-  }
-  cp_async_wait<0>();
 }
 
 // gelu with the tanh approximation, as mlx.nn.gelu_approx.
@@ -678,24 +490,19 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
 // rsqrt(its partials' sum / (K / NG) + eps). The partials are loaded with the first weight lines
 // and used after the product, so they add no trip to memory: NG = 1 (an RMSNorm) scales the row's
 // sums at the end; NG > 1 (a group norm) keeps each step's sums apart (one group a step) until a
-// block sum of the partials gives the groups' scales (with STAGES, that block sum runs first, while
-// the first copies are in flight, and the scales go onto x).
-//
-// STAGES > 0 (4 bits, 16-bit scales): the product runs through qmv_accumulate_async's cp.async
-// ring, STAGES steps deep; 0: through qmv_accumulate's registers.
+// block sum of the partials gives the groups' scales.
 //
 // EMIT (the next block's norm input, for EPI 1): besides out = product + residual, normed[m, row] =
 // out[m, row] * next_w[row] and partials[m, b] = the sum of out[m, row]^2 over the block's rows,
 // so that the next matvec can take them with NORM 2 (NP = the blocks of this launch).
-template <int BITS, int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int EPI, bool HAS_BIAS, int NORM,
-          int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
+template <int BITS, int GROUP, int K, int N, int M, int ROWS, int THREADS, int EPI, bool HAS_BIAS, int NORM, int NP,
+          int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
           typename TE>
 __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weight, const TS* scales,
                                           const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                           float eps, TO* out, const TE* next_w, float* normed, float* partials) {
   constexpr bool ROW_NORM = NORM == 1 || (NORM == 2 && NG == 1);  // one scale a row, at the end
   constexpr bool GROUPS = NORM == 2 && NG > 1;
-  constexpr bool ASYNC = STAGES > 0;  // the cp.async ring (qmv_accumulate_async), else the register path
   constexpr int SUMS = ROWS * M + (ROW_NORM ? M : 0);  // the row sums, then each x row's sum of squares
   constexpr int CHUNK = 128 / BITS;                    // values per 16-byte chunk
   constexpr int ITERS = (K / CHUNK + THREADS - 1) / THREADS;
@@ -704,95 +511,63 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
   static_assert(NORM != 2 || (NG >= 1 && NP % (NG > 0 ? NG : 1) == 0), "NP partials in NG equal groups");
   static_assert(!GROUPS || (GW * NG == K && GW % CHUNK == 0), "a chunk lies inside one norm group");
   static_assert(!EMIT || (EPI == 1 && ROWS * M <= 32), "EMIT follows a residual, its rows in one warp");
-  static_assert(!ASYNC || BITS == 4, "the cp.async ring takes 4-bit weights");
   __shared__ float part[(SUMS > NG * M ? SUMS : NG * M) * THREADS];
   __shared__ float total[SUMS];
   __shared__ float group_total[GROUPS ? NG * M : 1];
   __shared__ float inv_rms[M];
   const int row0 = blockIdx.x * ROWS;
-  float pv[M][PER];  // this thread's partials (NORM 2)
-  auto load_partials = [&]() {
-    if constexpr (NORM == 2) {
+  float pv[M][PER];  // this thread's partials (NORM 2), loaded now, read after the product
+  if constexpr (NORM == 2) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-          const int i = static_cast<int>(threadIdx.x) + j * THREADS;
-          pv[m][j] = i < NP ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
-        }
-      }
-    }
-  };
-  float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
-  float split[GROUPS && !ASYNC ? ITERS : 1][ROWS][M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
-  // An RMSNorm's partials go to the row's sum of squares.
-  auto add_partials = [&]() {
-    if constexpr (NORM == 2 && NG == 1) {
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-#pragma unroll
-        for (int j = 0; j < PER; ++j) acc[ROWS][m] += pv[m][j];
-      }
-    }
-  };
-  // A group norm's sums of squares: each thread adds its partials to their groups', then the block's.
-  auto group_sums = [&]() {
-    if constexpr (GROUPS) {
-      float gs[NG * M];
-#pragma unroll
-      for (int o = 0; o < NG * M; ++o) gs[o] = 0.0f;
+    for (int m = 0; m < M; ++m) {
 #pragma unroll
       for (int j = 0; j < PER; ++j) {
         const int i = static_cast<int>(threadIdx.x) + j * THREADS;
-        const int g = min(i, NP - 1) / (NP / NG);
-#pragma unroll
-        for (int o = 0; o < NG; ++o) {
-#pragma unroll
-          for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? pv[m][j] : 0.0f;
-        }
-      }
-      block_sum<NG * M, THREADS>(gs, part, group_total);
-    }
-  };
-  float (&sums)[ROWS][M] = reinterpret_cast<float (&)[ROWS][M]>(acc);
-  if constexpr (ASYNC) {
-    // The partials are read, and the group scales made, while the first copies are in flight (the
-    // group scales then scale x in the loop).
-    __shared__ float group_scale[GROUPS ? NG * M : 1];
-    auto ready = [&]() {
-      load_partials();
-      add_partials();
-      if constexpr (GROUPS) {
-        group_sums();
-        if (threadIdx.x < NG * M) {
-          group_scale[threadIdx.x] = rsqrtf(group_total[threadIdx.x] / static_cast<float>(GW) + eps);
-        }
-        __syncthreads();
-      }
-    };
-    qmv_accumulate_async<GROUP, K, M, ROWS, THREADS, STAGES, NORM == 1, GROUPS ? NG : 0>(
-        x, weight, scales, biases, row0, N, sums, norm_w, acc[ROWS], group_scale, ready);
-  } else {
-    load_partials();  // with the first weight lines, read after the product
-    if constexpr (GROUPS) {
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-          for (int m = 0; m < M; ++m) split[it][r][m] = 0.0f;
-        }
+        pv[m][j] = i < NP ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
       }
     }
-    qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(x, weight, scales, biases, row0, N, sums,
-                                                                         threadIdx.x, norm_w, acc[ROWS], split);
-    add_partials();
   }
-  if constexpr (GROUPS && !ASYNC) {
-    // Each step's sums scaled by its chunk's group.
-    group_sums();
+  float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
+  float split[GROUPS ? ITERS : 1][ROWS][M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
+  if constexpr (GROUPS) {
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) split[it][r][m] = 0.0f;
+      }
+    }
+  }
+  qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(
+      x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
+      split);
+  if constexpr (NORM == 2 && NG == 1) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int j = 0; j < PER; ++j) acc[ROWS][m] += pv[m][j];
+    }
+  }
+  if constexpr (GROUPS) {
+    // The groups' sums of squares (each thread adds its partials to their groups'), then each step's
+    // sums scaled by its chunk's group.
+    float gs[NG * M];
+#pragma unroll
+    for (int o = 0; o < NG * M; ++o) gs[o] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = static_cast<int>(threadIdx.x) + j * THREADS;
+      const int g = min(i, NP - 1) / (NP / NG);
+#pragma unroll
+      for (int o = 0; o < NG; ++o) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? pv[m][j] : 0.0f;
+      }
+    }
+    block_sum<NG * M, THREADS>(gs, part, group_total);
 #pragma unroll
     for (int it = 0; it < ITERS; ++it) {
       const int c = it * THREADS + static_cast<int>(threadIdx.x);
@@ -843,22 +618,22 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
 // y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM 1: x is
 // rms_norm(x) * norm_w first (eps from EPS_BITS), formed on the fly (see qmv_accumulate); NORM 2: x
 // was normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).
-// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS (the
+// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS (the
 // norm's eps as float bits), and the dtypes TX, TS, TB, TR, TN, TO (the kernel name is made of the
 // template args only, so every dtype must be one of them).
 constexpr const char* kQmvSource = R"(
   const float eps = __int_as_float(EPS_BITS);
-  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 )";
 
 // kQmvSource with EMIT (see vc_gemv::qmv_block): out = product + residual, and the next norm's input
 // normed = out * next_w with the block's partial sums of out^2. Template args: BITS, GROUP, K, N,
-// M, ROWS, THREADS, STAGES, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
+// M, ROWS, THREADS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvEmitSource = R"(
   const float eps = __int_as_float(EPS_BITS);
-  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, STAGES, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials);
 )";
 

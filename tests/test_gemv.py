@@ -423,7 +423,7 @@ def _emulate_qmv(x, w, scales, biases, group, bits, threads):
 def test_kernel_arithmetic_emulated_in_numpy(bits, group, k):
     w, s, b = _quantized(6, k, bits=bits, group=group, dtype=mx.float32, seed=k)
     x = _x((2, k), mx.float32)
-    _, threads, warps, _ = ext.gemv_launch_config("quantized", k, 6, bits)
+    _, threads, warps = ext.gemv_launch_config("quantized", k, 6, bits)
     threads = 32 if warps else threads  # the warp layout: 32 lanes split K
     got = _emulate_qmv(np.array(x), np.array(w), np.array(s), np.array(b), group, bits, threads)
     want = np.array(_on_cpu(quantized_matvec_reference, x, w, s, b, group, bits))

@@ -189,12 +189,10 @@ def _epilogue_ref(ref, epi, residual):
 
 
 def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0,
-             norm_dtype=None, stages=0, scale_offset=0):
+             norm_dtype=None):
     """`warps` > 0: the warp layout (vc_qmv_warp) with that many warps per block; else the block
     layout with `threads` threads. `epi` 1: + a residual, 2: squared ReLU. `norm_dtype`: an RMSNorm
-    prologue (block layout) with a weight of that type. `stages`: the cp.async ring's depth (block
-    layout; 0 the register path). `offset` / `scale_offset`: x / the scales and biases start that many
-    elements into their buffers (unaligned)."""
+    prologue (block layout) with a weight of that type."""
     w, s, b = _q(n, k, bits, group, s_dtype, seed=n + k)
     x = _x((m, k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
@@ -207,12 +205,10 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
     norm_w = (1.0 + 0.2 * _x((k,), mx.float32, seed=9)).astype(norm_dtype) if norm_dtype else None
     if not warps:
         inputs += [norm_w if norm_dtype else s]
-        args.update(STAGES=stages, NORM=1 if norm_dtype else 0, NP=0, NG=1, EPS_BITS=EPS_BITS,
-                    TN=norm_dtype or s_dtype)
-    offsets = [offset, 0, scale_offset, scale_offset] + [0] * (len(inputs) - 4)
+        args.update(NORM=1 if norm_dtype else 0, NP=0, NG=1, EPS_BITS=EPS_BITS, TN=norm_dtype or s_dtype)
     case = Case("vc_qmv_warp" if warps else "vc_qmv", args, inputs,
                 [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
-                offsets)
+                [offset] + [0] * (len(inputs) - 1))
     with mx.stream(mx.cpu):
         xf = x.astype(mx.float32)
         xf = mx.fast.rms_norm(xf, norm_w.astype(mx.float32), 1e-5) if norm_dtype else xf
@@ -235,13 +231,12 @@ def _prenormed_inputs(k, m, np_, ng, x_dtype, seed):
     return mx.array(raw * weight).astype(x_dtype), mx.array(partials), mx.array(normed)
 
 
-def prenormed_case(n, k, m, np_, ng, rows, threads, epi=0, stages=0):
-    """vc_qmv on an input its producer normalized (NORM 2): NG = 1 an RMSNorm, > 1 a group norm;
-    `stages` as qmv_case's."""
+def prenormed_case(n, k, m, np_, ng, rows, threads, epi=0):
+    """vc_qmv on an input its producer normalized (NORM 2): NG = 1 an RMSNorm, > 1 a group norm."""
     w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
     x, partials, normed = _prenormed_inputs(k, m, np_, ng, mx.float32, seed=k)
     residual = _x((m, n), mx.float32, seed=5) if epi == 1 else s
-    args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages, EPI=epi, HAS_BIAS=False,
+    args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, EPI=epi, HAS_BIAS=False,
                 TX=mx.float32, TS=mx.bfloat16, TB=mx.bfloat16, TR=residual.dtype, TO=mx.float32, NORM=2, NP=np_,
                 NG=ng, EPS_BITS=EPS_BITS, TN=mx.float32)
     case = Case("vc_qmv", args, [x, w, s, b, s, residual, partials], [("float", (m, n))],
@@ -252,10 +247,9 @@ def prenormed_case(n, k, m, np_, ng, rows, threads, epi=0, stages=0):
     return case, ref
 
 
-def emit_case(n, k, m, rows, threads, x_dtype=mx.float32, np_=0, ng=1, next_dtype=mx.float32, stages=0):
+def emit_case(n, k, m, rows, threads, x_dtype=mx.float32, np_=0, ng=1, next_dtype=mx.float32):
     """vc_qmv_emit: + residual, and the next norm's input (out * next_w, partial sums of out^2 a
-    block); its own input plain, or normalized by its producer (np_ partials in ng groups);
-    `stages` as qmv_case's."""
+    block); its own input plain, or normalized by its producer (np_ partials in ng groups)."""
     w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
     if np_:
         x, partials, normed = _prenormed_inputs(k, m, np_, ng, x_dtype, seed=k)
@@ -266,8 +260,7 @@ def emit_case(n, k, m, rows, threads, x_dtype=mx.float32, np_=0, ng=1, next_dtyp
     residual = _x((m, n), mx.float32, seed=5)
     next_w = (1.0 + 0.2 * _x((n,), mx.float32, seed=11)).astype(next_dtype)
     blocks = -(-n // rows)
-    args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages, HAS_BIAS=False,
-                NORM=2 if np_ else 0,
+    args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, HAS_BIAS=False, NORM=2 if np_ else 0,
                 NP=np_, NG=ng, EPS_BITS=EPS_BITS, TX=x_dtype, TS=mx.bfloat16, TB=mx.bfloat16, TR=mx.float32,
                 TN=mx.float32 if np_ else mx.bfloat16, TE=next_dtype, TO=mx.float32)
     case = Case("vc_qmv_emit", args, [x, w, s, b, s, residual, *norm_in, next_w],
@@ -678,21 +671,6 @@ def emulated(tmp_path_factory):
         # the Mamba out_proj as launched: 8 groups, one step a thread (320 threads over K = 10240)
         "emit_prenormed_groups_one_step": emit_case(16, 10240, 1, 8, 320, np_=640, ng=8),
         "emit_bf16": emit_case(12, 256, 2, 4, 32, mx.bfloat16, next_dtype=mx.bfloat16),
-        # the cp.async ring (vc_gemv::qmv_accumulate_async): one step with idle lanes and two rows; more
-        # steps than stages (the ring wraps) with squared ReLU; the RMSNorm prologue; inputs normalized by
-        # their producer (an RMSNorm, groups); float16 scales of group 32; scales and biases at an odd
-        # element (their words read from memory, not copied); the emitted norm, plain and after groups
-        "q4_ring_m2_tail": qmv_case(37, 640, 2, 4, 64, mx.float32, mx.bfloat16, 4, 32, stages=3),
-        "q4_ring_wraps_relu2": qmv_case(21, 4480, 1, 4, 64, mx.float32, mx.bfloat16, 8, 32, epi=2, stages=4),
-        "q4_ring_norm_m2": qmv_case(19, 4480, 2, 4, 64, mx.float32, mx.bfloat16, 8, 64, norm_dtype=mx.float32,
-                                    stages=3),
-        "q4_ring_prenormed_rms": prenormed_case(19, 4480, 2, 300, 1, 8, 64, stages=2),
-        "q4_ring_prenormed_groups": prenormed_case(13, 1280, 2, 12, 4, 4, 32, epi=1, stages=3),
-        "q4_ring_f16_g32": qmv_case(5, 1024, 1, 4, 32, mx.float16, mx.float16, 2, 32, stages=3),
-        "q4_ring_odd_scales": qmv_case(9, 1024, 1, 4, 64, mx.float32, mx.bfloat16, 4, 32, stages=3,
-                                       scale_offset=1),
-        "emit_ring_m2": emit_case(37, 640, 2, 4, 32, stages=2),
-        "emit_ring_groups": emit_case(16, 10240, 1, 8, 64, np_=640, ng=8, stages=3),
     }.items():
         cases[name], refs[name] = case, ref
     for tag, config in ATTN_CONFIGS.items():
@@ -734,9 +712,7 @@ def emulated(tmp_path_factory):
                                   "q4_prenormed_rms_m2", "q4_prenormed_rms_relu2", "q4_prenormed_groups",
                                   "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
                                   "warp_dense_gelu_gate", "gated_norm_mixer", "gated_norm_small",
-                                  "gated_norm_bf16", "q4_ring_m2_tail", "q4_ring_wraps_relu2", "q4_ring_norm_m2",
-                                  "q4_ring_prenormed_rms", "q4_ring_prenormed_groups", "q4_ring_f16_g32",
-                                  "q4_ring_odd_scales"])
+                                  "gated_norm_bf16"])
 def test_matvec_kernels_emulated(emulated, name):
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]
@@ -771,8 +747,7 @@ def test_conv_scan_step_kernel_emulated(emulated, name):
     np.testing.assert_array_equal(conv_state, np.array(conv_ref))
 
 
-@pytest.mark.parametrize("name", ["emit_m2", "emit_tail", "emit_prenormed_groups", "emit_bf16", "emit_ring_m2",
-                                  "emit_ring_groups"])
+@pytest.mark.parametrize("name", ["emit_m2", "emit_tail", "emit_prenormed_groups", "emit_bf16"])
 def test_emit_norm_kernel_emulated(emulated, name):
     """out = product + residual, normed = out * next_w, and the block partials sum to sum(out^2)."""
     exe, cases, refs, _, tmp = emulated

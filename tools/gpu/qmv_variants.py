@@ -1,20 +1,20 @@
-"""Launch-structure experiments for the 4-bit GEMV at the LLM's shapes (out_proj 4480x10240,
-down_proj 4480x15680, in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the
-program `tools/gpu/qmv_variants.sh` runs under Nsight Compute.
+"""Launch shapes of the 4-bit GEMV at the LLM's shapes (out_proj 4480x10240, down_proj 4480x15680,
+in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
+`tools/gpu/qmv_variants.sh` runs under Nsight Compute.
 
   stream   the weight rows, scales and biases read and folded, no math: what a kernel of this grid
            can stream (the roofline of the launch shape); built here from the extension's device
            code (vc_gemv's header, fetched through ext.cuda_sources())
-  plain    the product alone through the register path (vc_gemv::qmv_accumulate + block_sum):
-           PREFETCH 1 issues the next step's loads before this step's math, 0 loads then computes;
-           KSPLIT > 1 splits each row's chunks over that many blocks (partial sums out)
-  ext      the step's own instance through the extension, prologue and emitted norm included, at
-           (rows, threads, stages): stages 0 the register path, > 0 the cp.async ring
+  ext      the step's own instance through the extension (prologue and emitted norm included) at
+           (rows, threads); threads 0: the default
+
+Tried with it and removed (2026-12-01, commit 65a9609 has the code): a cp.async ring into shared
+memory (lost at every shape: 10 warps an SM), the product without the register prefetch, split-K.
 
     PYTHONPATH=python python tools/gpu/qmv_variants.py [--list] [--nvcc]
 
---list prints the variants; --nvcc compiles each stream / plain variant for sm_90 with nvcc here
-(no GPU) and prints its registers a thread.
+--list prints the variants; --nvcc compiles each stream variant for sm_90 with nvcc here (no GPU)
+and prints its registers a thread.
 """
 
 from __future__ import annotations
@@ -58,21 +58,6 @@ STREAM = """
   if (fold == 0x9E3779B9u) out[blockIdx.x] = static_cast<float>(fold);  // keeps the loads
 """
 
-PLAIN = """
-  __shared__ float part[ROWS * THREADS];
-  __shared__ float total[ROWS];
-  const int kpart = blockIdx.x % KSPLIT;
-  const int row0 = (blockIdx.x / KSPLIT) * ROWS;
-  float acc[ROWS][1];
-  vc_gemv::qmv_accumulate<4, 64, K, 1, ROWS, THREADS, false, false, PREFETCH, KSPLIT>(
-      x, weight, scales, biases, row0, N, acc, threadIdx.x, static_cast<const float*>(nullptr),
-      static_cast<float*>(nullptr), static_cast<float (*)[ROWS][1]>(nullptr), kpart);
-  vc_gemv::block_sum<ROWS, THREADS>(&acc[0][0], part, total);
-  if (threadIdx.x < ROWS && row0 + static_cast<int>(threadIdx.x) < N) {
-    out[static_cast<size_t>(kpart) * N + row0 + threadIdx.x] = total[threadIdx.x];
-  }
-"""
-
 # name: (N, K, ext case: prenorm groups (0: none), emit, activation)
 SHAPES = {
     "out_proj": (4480, 10240, (8, True, "")),
@@ -81,14 +66,13 @@ SHAPES = {
     "up_proj": (15680, 4480, (1, False, "relu_squared")),
 }
 
-# (kind, rows, threads, prefetch or stages, ksplit) per shape
-RING = [("ext", 8, 64, 3, 1), ("ext", 8, 64, 2, 1), ("ext", 8, 32, 4, 1), ("ext", 8, 32, 6, 1), ("ext", 8, 96, 2, 1),
-        ("ext", 4, 64, 6, 1), ("ext", 4, 128, 3, 1), ("ext", 4, 32, 8, 1)]
+# (kind, rows, threads, ksplit) per shape
+DEFAULT = ("ext", 0, 0, 1)
 VARIANTS = {
-    "out_proj": [("stream", 8, 320, 0, 1), ("stream", 8, 160, 0, 2), ("ext", 8, 320, 0, 1), *RING],
-    "down_proj": [("stream", 8, 256, 0, 1), ("plain", 8, 256, 0, 2), ("ext", 8, 256, 0, 1), *RING],
-    "in_proj": [("stream", 8, 160, 0, 1), ("ext", 8, 160, 0, 1), *RING],
-    "up_proj": [("ext", 8, 160, 0, 1), *RING[:4]],
+    "out_proj": [("stream", 8, 320, 1), ("stream", 8, 160, 2), DEFAULT, ("ext", 8, 160, 1), ("ext", 4, 320, 1)],
+    "down_proj": [("stream", 8, 256, 1), ("stream", 8, 512, 1), DEFAULT, ("ext", 8, 512, 1), ("ext", 4, 256, 1)],
+    "in_proj": [("stream", 8, 160, 1), DEFAULT, ("ext", 4, 160, 1)],
+    "up_proj": [DEFAULT, ("ext", 4, 160, 1)],
 }
 
 
@@ -99,42 +83,38 @@ def _header() -> str:
     raise SystemExit("the extension has no vc_qmv source")
 
 
-def _kernel(kind: str):
-    return mx.fast.cuda_kernel(
-        name=f"vc_probe_{kind}", input_names=["x", "weight", "scales", "biases"], output_names=["out"],
-        source=STREAM if kind == "stream" else PLAIN, header=_header())
+def _stream_kernel():
+    return mx.fast.cuda_kernel(name="vc_probe_stream", input_names=["x", "weight", "scales", "biases"],
+                               output_names=["out"], source=STREAM, header=_header())
 
 
 def _tag(shape: str, v) -> str:
-    kind, rows, threads, prefetch, ksplit = v
-    return f"{shape} {kind} rows {rows} threads {threads} prefetch|stages {prefetch} ksplit {ksplit}"
+    kind, rows, threads, ksplit = v
+    return f"{shape} {kind} rows {rows} threads {threads} ksplit {ksplit}"
 
 
 def _args(n: int, k: int, v) -> dict:
-    kind, rows, threads, prefetch, ksplit = v
+    _, rows, threads, ksplit = v
     blocks = (n + rows - 1) // rows * ksplit
-    targs = [("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("KSPLIT", ksplit)]
-    if kind == "plain":
-        targs.append(("PREFETCH", bool(prefetch)))
-    outs = [ksplit * n if kind == "plain" else blocks]
-    return dict(grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1), template=targs,
-                output_shapes=[tuple(outs)], output_dtypes=[mx.float32])
+    return dict(grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
+                template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("KSPLIT", ksplit)],
+                output_shapes=[(blocks,)], output_dtypes=[mx.float32])
 
 
 def _ext_call(shape: str, v, tensors):
-    """The step's instance of `shape` through the extension at v's rows, threads and stages."""
-    _, rows, threads, stages, _ = v
+    """The step's instance of `shape` through the extension at v's rows and threads."""
+    _, rows, threads, _ = v
     _, _, (groups, emit, activation) = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = tensors
     pre = dict(prenormed=partials, prenorm_groups=groups) if groups else {}
-    launch = dict(rows_per_block=rows, threads=threads, stages=stages)
+    launch = dict(rows_per_block=rows, threads=threads)
     if emit:
         return ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **pre, **launch)
     return [ext.quantized_matvec(x, w, s, b, None, 64, 4, warps=0, activation=activation, **pre, **launch)]
 
 
 def run() -> None:
-    kernels = {kind: _kernel(kind) for kind in ("stream", "plain")}
+    stream = _stream_kernel()
     for shape, (n, k, (groups, _, _)) in SHAPES.items():
         w, s, b = random_q4(n, k, 0)
         x = mx.random.normal((1, k))
@@ -148,7 +128,7 @@ def run() -> None:
                 if v[0] == "ext":
                     mx.eval(*_ext_call(shape, v, tensors))
                 else:
-                    mx.eval(kernels[v[0]](inputs=[x, w, s, b], **_args(n, k, v))[0])
+                    mx.eval(stream(inputs=[x, w, s, b], **_args(n, k, v))[0])
             print("launched", _tag(shape, v), flush=True)
 
 
@@ -162,9 +142,8 @@ def nvcc_registers() -> None:
         for v in (v for v in VARIANTS[shape] if v[0] != "ext"):
             a = _args(n, k, v)
             src = {"name": "probe", "input_names": ["x", "weight", "scales", "biases"], "output_names": ["out"],
-                   "source": STREAM if v[0] == "stream" else PLAIN, "header": header}
-            targs = [(name, f"bool:{str(val).lower()}" if isinstance(val, bool) else f"int:{val}")
-                     for name, val in a["template"]]
+                   "source": STREAM, "header": header}
+            targs = [(name, f"int:{val}") for name, val in a["template"]]
             inst = {"input_types": ["float", "uint32_t", "__nv_bfloat16", "__nv_bfloat16"],
                     "output_types": ["float"], "template_args": targs}
             with tempfile.TemporaryDirectory() as tmp:

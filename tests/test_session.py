@@ -1,12 +1,16 @@
 """The offline timeline end to end on tiny synthetic checkpoints and a real spoken WAV."""
 
+import threading
+
 import numpy as np
 import pytest
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 import voicechat
 from voicechat.session import InputError
+from voicechat.tts_thread import TTSThread
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +47,8 @@ def test_result_shapes_and_lengths(chat, result, spoken_wav):
     assert all(0 <= c < k for row in result.audio_codes for c in row)
     assert all(0 <= t < chat.config.text_config.vocab_size for t in result.text_tokens + result.function_tokens)
     assert set(result.timings) >= {"perception_s", "tts_warmup_s", "timeline_s", "codec_s", "transcript_s", "generate_s"}
-    assert result.host_syncs <= 5 + frames // 32  # a handful, not one per frame
+    # a handful, not one per frame (the TTS worker thread, on by default on a GPU, waits on its own half)
+    assert result.host_syncs <= (6 + 2 * (frames // 32) if chat.tts_thread else 5 + frames // 32)
     # the running peak memory after each stage: every stage, never falling, above zero
     peaks = result.peak_memory_gb
     assert list(peaks) == [k for k in result.timings if k != "generate_s"]
@@ -138,15 +143,61 @@ def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):
     assert plain.host_syncs > result.frames > result.host_syncs
 
 
-def test_the_tts_on_its_own_stream_changes_nothing(chat, result, spoken_wav):
-    """`overlap_tts` (the TTS step of frame t beside the LLM step of frame t + 1, on two streams)
-    gives the same ids, codes and samples as one stream."""
-    default = chat.overlap_tts
+def _tts_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "voicechat-tts"]
+
+
+@pytest.mark.parametrize("system_prompt", [None, "Be brief."])
+def test_the_tts_on_its_own_thread_changes_nothing(chat, result, spoken_wav, system_prompt):
+    """`tts_thread` (the TTS steps built on a worker thread, fed the LLM's text ids on the device)
+    gives the same ids, codes and samples as the loop on one thread, and leaves no thread behind."""
+    default = chat.tts_thread
     try:
-        chat.overlap_tts = not default
-        other = chat.generate(spoken_wav, seed=0)
+        chat.tts_thread = False
+        one = chat.generate(spoken_wav, seed=0, system_prompt=system_prompt)
+        chat.tts_thread = True
+        two = chat.generate(spoken_wav, seed=0, system_prompt=system_prompt)
     finally:
-        chat.overlap_tts = default
-    assert other.text_tokens == result.text_tokens and other.function_tokens == result.function_tokens
-    assert other.audio_codes == result.audio_codes
-    assert np.array_equal(other.audio, result.audio)
+        chat.tts_thread = default
+    if system_prompt is None:
+        assert one.audio_codes == result.audio_codes
+    assert two.text_tokens == one.text_tokens and two.function_tokens == one.function_tokens
+    assert two.audio_codes == one.audio_codes
+    assert np.array_equal(two.audio, one.audio)
+    assert not _tts_threads()
+
+
+def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
+    """A TTS step that fails on the worker raises there on `finish()`, in the caller's thread, and
+    the worker ends (a silence row of the wrong size cannot be reshaped to the frame's codes)."""
+    tts = chat.tts.tts_model
+    with mx.stream(chat._tts_stream):
+        cache = tts.make_cache()
+        previous = tts.warmup(chat.tts.audio_prompt_latents[chat.config.speaker], chat.warmup_codes(), cache)
+    worker = TTSThread(tts, chat._tts_stream, mx.zeros((5,), mx.int32), sync_every=4)
+    worker.start(previous, cache, mx.random.key(0))
+    for _ in range(3):
+        worker.put(mx.array([chat.config.pad_token_id], mx.int32))
+    with pytest.raises(ValueError, match="reshape"):
+        worker.finish()
+    assert not _tts_threads()
+
+
+def test_every_array_the_loaded_model_holds_is_evaluated(chat):
+    """Derived private arrays too (norm scales, RoPE frequencies): a compiled step closing over a
+    lazy array computes it again at every call, and the TTS worker thread could not evaluate one
+    made on this thread's default stream (MLX raises "There is no Stream(...) in current thread")."""
+    arrays = [(k, a) for k, a in tree_flatten(chat.model) if isinstance(a, mx.array)]
+    failed = []
+
+    def evaluate_each():
+        for k, a in arrays:
+            try:
+                mx.eval(a)
+            except RuntimeError:
+                failed.append(k)
+
+    other = threading.Thread(target=evaluate_each)
+    other.start()
+    other.join()
+    assert len(arrays) > 400 and failed == []

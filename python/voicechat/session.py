@@ -8,7 +8,8 @@ heads give `text[t]` and `function[t]` (greedy, after the system prompt); from t
 `text[t]` into one frame of 31 codec codes. The loop never waits for the device: ids stay on the
 device and feed the next frame, the LLM step runs as one compiled graph (`DuplexLM.decode`) as
 the TTS step does, evaluation is pipelined with `mx.async_eval`, and the host syncs
-only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest).
+only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest). On a GPU the
+TTS half is built on a host thread of its own (`tts_thread`), beside the LLM half.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .audio import AudioError, load_audio
 from .checkpoint import Checkpoint, open_checkpoint
@@ -31,6 +33,7 @@ from .stt.conformer import subsampled_length
 from .kernels.rnnt_greedy import emitted_tokens
 from .stt.rnnt import greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
+from .tts_thread import TTSThread
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
 # Past 30 s of audio the encoder runs a layer at a time (ConformerEncoder's `stepwise`): what a GPU
@@ -76,8 +79,8 @@ class Result:
 class VoiceChat:
     """A loaded model: `generate()` runs the offline timeline on one input.
 
-    `overlap_tts` (default False): run each frame's TTS step on a stream of its own, beside the
-    next frame's LLM step (same outputs; whether it is faster depends on the device)."""
+    `tts_thread` (default: on a CUDA GPU): build the TTS steps on a host thread of their own while
+    this thread builds the LLM steps (same ids and codes; `tts_thread.py` says why it pays)."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):
@@ -94,12 +97,13 @@ class VoiceChat:
         self._transcript_stream = mx.new_stream(mx.cpu)
         self._transcript_weights = loop_weights(self.stt.rnnt_decoder, self.stt.rnnt_joint,
                                                 host_copies=mx.default_device() == mx.gpu)
-        # The TTS step of frame t and the LLM step of frame t + 1 do not depend on each other: on
-        # streams of their own a GPU can run them at the same time (same ids and codes either way).
-        # Off until measured on a GPU (bench_e2e runs both there); on the CPU the two streams only
-        # contend for the cores (not faster on tiny models here).
-        self._tts_stream = mx.new_stream(mx.default_device())
-        self.overlap_tts = False
+        # The timeline's two halves, each on a stream of its own that any thread may use (the LLM's
+        # text ids feed the TTS, which may be stepped on another thread: see tts_thread.py).
+        self._llm_stream = mx.new_thread_unsafe_stream(mx.default_device())
+        self._tts_stream = mx.new_thread_unsafe_stream(mx.default_device())
+        # On a GPU the loop is bound by MLX's host time a launch: two threads build it faster. On the
+        # CPU the host threads would only take cores from the kernels.
+        self.tts_thread = on_cuda_gpu()
 
     # ------------------------------------------------------------------ helpers
 
@@ -196,8 +200,8 @@ class VoiceChat:
         lap("perception_s")
 
         tts = self.tts.tts_model
-        tts_cache = tts.make_cache()
-        with self._tts_on(not pipelined):
+        with mx.stream(self._tts_stream):
+            tts_cache = tts.make_cache()
             previous_code = tts.warmup(self.tts.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
         mx.eval(previous_code)
         lap("tts_warmup_s")
@@ -240,14 +244,13 @@ class VoiceChat:
         """The frame loop. Returns (text ids, function ids, codes [T, Q] numpy, host syncs).
 
         `plain`: wait for every frame and pass its ids back as Python ints (the straightforward
-        loop, kept so tests can hold the pipelined one to it). Otherwise, with `overlap_tts`, the
-        TTS runs on its own stream, so that frame t's TTS step and frame t + 1's LLM step overlap."""
+        loop, kept so tests can hold the pipelined one to it). Otherwise, with `tts_thread`, the
+        TTS steps are built on a worker thread (`TTSThread`) fed each frame's text id."""
         c = self.config
         stt, tts = self.stt, self.tts.tts_model
         pad = mx.array([[c.pad_token_id]], dtype=mx.int32)
         silence = self.tts.codec_silence_tokens
         q = c.tts_config.num_quantizers
-        cache = stt.make_cache()
         key = mx.random.key(seed)
         prompt_frames, frames = len(ids), audio_embeds.shape[1]
         total = prompt_frames + frames
@@ -256,58 +259,70 @@ class VoiceChat:
         function_out: list[mx.array] = []
         code_out: list[mx.array] = [mx.zeros((1, 1, q), dtype=mx.int32)]  # no TTS at t = 0
         syncs = 0
+        worker = TTSThread(tts, self._tts_stream, silence, SYNC_EVERY) if self.tts_thread and not plain else None
+        if worker is not None:
+            worker.start(previous_code, tts_cache, key)
 
-        # The system prompt enters on the audio channel; its positions emit pad, so the LLM takes
-        # them in one call. The TTS still steps through them (on pad) to keep its timeline.
-        if prompt_frames:
-            prompt = stt.embed(mx.array([ids], dtype=mx.int32))
-            fused = stt.fused_input(mx.broadcast_to(pad, (1, prompt_frames)), prompt,
-                                    mx.broadcast_to(pad, (1, prompt_frames)))
-            stt.step(fused, cache)
-            text_out += [pad.reshape(1)] * prompt_frames
-            function_out += [pad.reshape(1)] * prompt_frames
-            for t in range(1, prompt_frames):
-                with self._tts_on(plain):
-                    previous_code, key = tts.step(previous_code, pad.reshape(1), tts_cache, key, silence)
-                code_out.append(previous_code)
-            mx.async_eval(previous_code, key, *cache.state)
-        prev_text, prev_function = pad, pad
+        def tts_step(text_id) -> None:
+            """Frame t's TTS step (t >= 1), on its stream: here or on the worker."""
+            nonlocal previous_code, key
+            if worker is not None:
+                worker.put(text_id)
+                return
+            with mx.stream(self._tts_stream):
+                previous_code, key = tts.step(previous_code, text_id, tts_cache, key, silence)
+            code_out.append(previous_code)
+            (mx.eval if plain else mx.async_eval)(previous_code, key)
 
-        for i in range(frames):
-            t = prompt_frames + i
-            if plain:  # the eager step, read back at once
-                out = stt.step(stt.fused_input(prev_text, audio_embeds[:, i : i + 1], prev_function), cache)
-                text_id = mx.array([out.text_ids.item()], dtype=mx.int32)
-                function_id = mx.array([out.function_ids.item()], dtype=mx.int32)
-                syncs += 1
-            else:  # the same step as one compiled graph, left on the device
-                text_id, function_id = stt.decode(prev_text, audio_embeds[:, i : i + 1], prev_function, cache)
-            text_out.append(text_id)
-            function_out.append(function_id)
-            if t >= 1:
-                with self._tts_on(plain):
-                    previous_code, key = tts.step(previous_code, int(text_id.item()) if plain else text_id,
-                                                  tts_cache, key, silence)
-                code_out.append(previous_code)
-                if plain:
-                    mx.eval(previous_code, key)
-            prev_text, prev_function = text_id[None], function_id[None]
-            mx.async_eval(text_id, function_id, previous_code, key)
-            if (i + 1) % SYNC_EVERY == 0:
-                mx.eval(text_id, previous_code)
-                syncs += 1
-            if progress is not None:
-                progress(t + 1, total)
+        try:
+            with mx.stream(self._llm_stream):
+                cache = stt.make_cache()
+                # The system prompt enters on the audio channel; its positions emit pad, so the LLM
+                # takes them in one call. The TTS still steps through them (on pad) to keep its timeline.
+                if prompt_frames:
+                    prompt = stt.embed(mx.array([ids], dtype=mx.int32))
+                    fused = stt.fused_input(mx.broadcast_to(pad, (1, prompt_frames)), prompt,
+                                            mx.broadcast_to(pad, (1, prompt_frames)))
+                    stt.step(fused, cache)
+                    mx.async_eval(*cache.state)
+                    text_out += [pad.reshape(1)] * prompt_frames
+                    function_out += [pad.reshape(1)] * prompt_frames
+                    for _ in range(1, prompt_frames):
+                        tts_step(pad.reshape(1))
+                prev_text, prev_function = pad, pad
+
+                for i in range(frames):
+                    t = prompt_frames + i
+                    if plain:  # the eager step, read back at once
+                        out = stt.step(stt.fused_input(prev_text, audio_embeds[:, i : i + 1], prev_function), cache)
+                        text_id = mx.array([out.text_ids.item()], dtype=mx.int32)
+                        function_id = mx.array([out.function_ids.item()], dtype=mx.int32)
+                        syncs += 1
+                    else:  # the same step as one compiled graph, left on the device
+                        text_id, function_id = stt.decode(prev_text, audio_embeds[:, i : i + 1], prev_function, cache)
+                        mx.async_eval(text_id, function_id)
+                    text_out.append(text_id)
+                    function_out.append(function_id)
+                    if t >= 1:
+                        tts_step(int(text_id.item()) if plain else text_id)
+                    prev_text, prev_function = text_id[None], function_id[None]
+                    if (i + 1) % SYNC_EVERY == 0:  # (the worker bounds its own half)
+                        mx.eval(text_id, previous_code)
+                        syncs += 1
+                    if progress is not None:
+                        progress(t + 1, total)
+            if worker is not None:
+                codes, worker_syncs = worker.finish()
+                code_out += codes
+                syncs += worker_syncs
+        finally:
+            if worker is not None:
+                worker.close()
 
         text = mx.concatenate(text_out).tolist()
         function = mx.concatenate(function_out).tolist()
         codes = np.array(mx.concatenate(code_out, axis=1)[0])  # [T, Q]
         return text, function, codes, syncs + 1
-
-    def _tts_on(self, plain: bool):
-        """The stream TTS steps are built on: their own (`overlap_tts`), else the default one."""
-        overlap = self.overlap_tts and not plain
-        return mx.stream(self._tts_stream if overlap else mx.default_stream(mx.default_device()))
 
     def _decode_audio(self, codes: np.ndarray) -> np.ndarray:
         """Control codes -> silence codes, then the codec over the whole answer."""
@@ -367,4 +382,8 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
     checkpoint.release()  # the model holds what it uses; converted tensors would stay twice
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)
     chat.warmup_codes()
+    # Every array the model holds, the derived private ones too (norm scales, RoPE frequencies,
+    # codebook views): a compiled step that closes over a lazy array computes it again at every
+    # call, and one made on this thread's default stream cannot be evaluated from another thread.
+    mx.eval([a for _, a in tree_flatten(model) if isinstance(a, mx.array)])
     return chat

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On the lent H200, after test.sh's build: the end-to-end frame (and the LLM step) under MLX-CUDA's
 # graph settings, one process per arm, one warm kernel cache for all (the first arm pays the JIT).
-#   bash tools/gpu/ab.sh default MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400
+#   bash tools/gpu/ab.sh default MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=400 VOICECHAT_BENCH_TTS_THREAD=0
 # An arm is `default` or VAR=VALUE[,VAR=VALUE]. AB_LLM=1 / AB_TTS=1 also run profile_llm_step /
 # profile_tts_step (without the backbone's parts) per arm: their host share against the wait.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=${AB_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1 VOICECHAT_BENCH_SIZE=${VOICECHAT_BENCH_SIZE:-full}
-export VOICECHAT_BENCH_SECONDS=${VOICECHAT_BENCH_SECONDS:-5} VOICECHAT_BENCH_OVERLAP=${VOICECHAT_BENCH_OVERLAP:-0}
+export VOICECHAT_BENCH_SECONDS=${VOICECHAT_BENCH_SECONDS:-5} VOICECHAT_BENCH_TTS_THREAD=${VOICECHAT_BENCH_TTS_THREAD:-1}
 export MLX_PTX_CACHE_DIR=/tmp/ptx-ab
 for arm in "$@"; do
   settings=()

@@ -213,7 +213,8 @@ class PRVQ(nn.Module):
         """
         if len(self._held) != len(self.mus_list) or any(a is not b for a, b in zip(self._held, self.mus_list)):
             book = mx.stack([m.astype(mx.float32) for m in self.mus_list])
-            self.mus_list = [book[q] for q in range(book.shape[0])]
+            # range slices: views (an integer index is a gather, which evaluates to a copy)
+            self.mus_list = [book[q : q + 1].reshape(book.shape[1:]) for q in range(book.shape[0])]
             self._held = tuple(self.mus_list)
             self._book, self._norms = book, codebook_norms(book)
         return self._book, self._norms

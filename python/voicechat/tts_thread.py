@@ -1,0 +1,98 @@
+"""The TTS half of the frame loop, built on a host thread of its own.
+
+On a GPU the frame loop is bound by the host: MLX spends ~15 us of host time a launch, and a frame
+is ~155 LLM launches and ~255 TTS launches. Frame t's TTS step needs only frame t's text id, so
+while the caller's thread builds the LLM chain, a worker builds the TTS chain, fed the text ids
+(device arrays, never read back) through a queue. Same ids and codes as one thread.
+
+MLX (>= 0.31.2) gives each thread its own default stream, and a lazy array made on one thread's
+default stream cannot be evaluated from another ("There is no Stream(gpu, 0) in current thread").
+So both halves run on streams made with `mx.new_thread_unsafe_stream` (the LLM's text ids cross
+threads; the TTS's carried arrays are made by the caller and stepped by the worker), each stream
+used by one thread at a time, and what the worker carries is evaluated before it starts and after it
+ends. A compiled step keeps the streams it was traced on: the TTS step always runs on its stream.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import mlx.core as mx
+
+from .tts.backbone import BackboneCache
+
+_DONE = object()  # the end of the text ids
+
+
+def cache_arrays(cache: BackboneCache) -> list[mx.array]:
+    """Every array a TTS cache carries from step to step."""
+    out = [b for b in cache.buffers if b is not None]
+    if cache.pending is not None:
+        out += [a for part in cache.pending for a in part]
+    if cache.position is not None:
+        out.append(cache.position)
+    return out
+
+
+class TTSThread:
+    """Steps `tts` once per text id given to `put`, on a worker thread, on `stream`.
+
+    `start()` takes the carried state (the warmed-up cache, the previous code and the key), `put()`
+    each frame's text id, `finish()` waits for the worker and returns the codes of every frame (and
+    the host syncs it made); an error in the worker is raised there. `close()` stops a worker that
+    `finish()` will not be called for (the caller's loop failed)."""
+
+    def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int):
+        self.tts, self.stream, self.silence, self.sync_every = tts, stream, silence, sync_every
+        self._ids: queue.SimpleQueue = queue.SimpleQueue()
+        self._codes: list[mx.array] = []
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.syncs = 0
+
+    def start(self, previous_code: mx.array, cache: BackboneCache, key: mx.array) -> None:
+        # made on the caller's thread: settled, so that the worker's graphs hold no pending work of it
+        mx.eval(previous_code, key, cache_arrays(cache))
+        self.syncs += 1
+        self._thread = threading.Thread(target=self._run, args=(previous_code, cache, key),
+                                        name="voicechat-tts", daemon=True)
+        self._thread.start()
+
+    def put(self, text_id: mx.array) -> None:
+        self._ids.put(text_id)
+
+    def finish(self) -> tuple[list[mx.array], int]:
+        """The codes `[1, 1, Q]` of every frame put, evaluated, and the worker's host syncs."""
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self._codes, self.syncs
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._ids.put(_DONE)
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, previous_code: mx.array, cache: BackboneCache, key: mx.array) -> None:
+        text_id = None
+        try:
+            with mx.stream(self.stream):
+                frames = 0
+                while (text_id := self._ids.get()) is not _DONE:
+                    previous_code, key = self.tts.step(previous_code, text_id, cache, key, self.silence)
+                    self._codes.append(previous_code)
+                    mx.async_eval(previous_code, key)
+                    frames += 1
+                    if frames % self.sync_every == 0:  # bound what is in flight
+                        mx.eval(previous_code)
+                        self.syncs += 1
+                # settled here: the caller reads the codes and drops the cache on its own thread
+                mx.eval(self._codes, key, cache_arrays(cache))
+                self.syncs += 1
+        except BaseException as e:  # raised again by finish(), on the caller's thread
+            self._error = e
+            if text_id is not _DONE:
+                while self._ids.get() is not _DONE:  # let the caller's loop run to its end
+                    pass

@@ -167,6 +167,73 @@ def test_the_tts_on_its_own_thread_changes_nothing(chat, result, spoken_wav, sys
     assert not _tts_threads()
 
 
+_FROM_A_THREAD = """
+import json, sys, threading
+import mlx.core as mx
+import voicechat
+
+chat = voicechat.load(sys.argv[1])
+chat.tts_thread = True
+out = {}
+
+def call():
+    try:
+        r = chat.generate(sys.argv[2], seed=0)
+        out.update(codes=r.audio_codes, text=r.text_tokens)
+    except Exception as e:
+        out["error"] = repr(e)
+    finally:
+        mx.clear_streams()  # what a caller's thread does before it ends (see the README)
+
+caller = threading.Thread(target=call)
+caller.start()
+caller.join()
+print(json.dumps(out))
+"""
+
+
+def test_generate_from_a_thread_of_the_callers_own(tiny_checkpoint, result, spoken_wav):
+    """A server calls generate() from its own threads, not the one that loaded the model (a fresh
+    process: nothing else has touched the model's arrays first). Nothing the model or the session
+    holds may be a lazy array of the loading thread's streams (a module-level constant was), the
+    result is the same, and the process exits cleanly (MLX aborted at exit over a finished thread's
+    streams)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FROM_A_THREAD, str(tiny_checkpoint), str(spoken_wav)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "error" not in out, out["error"]
+    assert out["codes"] == result.audio_codes and out["text"] == result.text_tokens
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_failing_progress_callback_stops_the_tts_thread(chat, result, spoken_wav):
+    """An error in the caller's loop (here the progress callback's, as an interrupt would be) ends
+    generate() with that error without stepping the queued frames, leaves no thread, and the next
+    generate() gives the same result as before."""
+    def stop_at_10(done, total):
+        if done == 10:
+            raise _Stop(f"{done} of {total}")
+
+    default = chat.tts_thread
+    chat.tts_thread = True
+    try:
+        with pytest.raises(_Stop, match="10 of"):
+            chat.generate(spoken_wav, seed=0, progress=stop_at_10)
+        assert not _tts_threads()
+        again = chat.generate(spoken_wav, seed=0)
+    finally:
+        chat.tts_thread = default
+    assert again.audio_codes == result.audio_codes and again.text_tokens == result.text_tokens
+
+
 def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
     """A TTS step that fails on the worker raises there on `finish()`, in the caller's thread, and
     the worker ends (a silence row of the wrong size cannot be reshaped to the frame's codes)."""

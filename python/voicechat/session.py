@@ -15,6 +15,7 @@ TTS half is built on a host thread of its own (`tts_thread`), beside the LLM hal
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,7 @@ class VoiceChat:
         self._prompt_codes: mx.array | None = None
         self._control_codes = np.array(self.tts.control_codes)
         self._silence_codes = np.array(self.tts.codec_silence_tokens)
-        self._transcript_stream = mx.new_stream(mx.cpu)
+        self._transcript_stream = mx.new_thread_unsafe_stream(mx.cpu)  # any calling thread
         self._transcript_weights = loop_weights(self.stt.rnnt_decoder, self.stt.rnnt_joint,
                                                 host_copies=mx.default_device() == mx.gpu)
         # The timeline's two halves, each on a stream of its own that any thread may use (the LLM's
@@ -104,6 +105,7 @@ class VoiceChat:
         # On a GPU the loop is bound by MLX's host time a launch: two threads build it faster. On the
         # CPU the host threads would only take cores from the kernels.
         self.tts_thread = on_cuda_gpu()
+        self._generating = threading.Lock()
 
     # ------------------------------------------------------------------ helpers
 
@@ -162,8 +164,15 @@ class VoiceChat:
         """Run the timeline on `audio` (a path, or a float32 array at `sample_rate`).
 
         `progress(done, total)` is called as timeline frames are queued. `pipelined=False` runs
-        the plain loop (a host sync per frame; same ids and codes, slower).
+        the plain loop (a host sync per frame; same ids and codes, slower). Calls on one VoiceChat
+        from several threads run one at a time (they share its streams and caches' buffers).
         """
+        with self._generating:
+            return self._generate(audio, system_prompt, extra_decoding_seconds, seed, sample_rate, progress,
+                                  pipelined)
+
+    def _generate(self, audio, system_prompt, extra_decoding_seconds, seed, sample_rate, progress,
+                  pipelined) -> Result:
         c = self.config
         timings: dict[str, float] = {}
         peaks: dict[str, float] = {}
@@ -311,13 +320,14 @@ class VoiceChat:
                         syncs += 1
                     if progress is not None:
                         progress(t + 1, total)
+        except BaseException:  # (an interrupt, or the progress callback's error): no more TTS steps
             if worker is not None:
-                codes, worker_syncs = worker.finish()
-                code_out += codes
-                syncs += worker_syncs
-        finally:
-            if worker is not None:
-                worker.close()
+                worker.abort()
+            raise
+        if worker is not None:
+            codes, worker_syncs = worker.finish()
+            code_out += codes
+            syncs += worker_syncs
 
         text = mx.concatenate(text_out).tolist()
         function = mx.concatenate(function_out).tolist()

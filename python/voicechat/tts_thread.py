@@ -40,8 +40,8 @@ class TTSThread:
 
     `start()` takes the carried state (the warmed-up cache, the previous code and the key), `put()`
     each frame's text id, `finish()` waits for the worker and returns the codes of every frame (and
-    the host syncs it made); an error in the worker is raised there. `close()` stops a worker that
-    `finish()` will not be called for (the caller's loop failed)."""
+    the host syncs it made); an error in the worker is raised there. `abort()` stops a worker whose
+    codes are no longer wanted (the caller's loop failed) without stepping the ids still queued."""
 
     def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int):
         self.tts, self.stream, self.silence, self.sync_every = tts, stream, silence, sync_every
@@ -49,6 +49,7 @@ class TTSThread:
         self._codes: list[mx.array] = []
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._aborted = False
         self.syncs = 0
 
     def start(self, previous_code: mx.array, cache: BackboneCache, key: mx.array) -> None:
@@ -64,12 +65,16 @@ class TTSThread:
 
     def finish(self) -> tuple[list[mx.array], int]:
         """The codes `[1, 1, Q]` of every frame put, evaluated, and the worker's host syncs."""
-        self.close()
+        self._join()
         if self._error is not None:
             raise self._error
         return self._codes, self.syncs
 
-    def close(self) -> None:
+    def abort(self) -> None:
+        self._aborted = True
+        self._join()
+
+    def _join(self) -> None:
         if self._thread is not None:
             self._ids.put(_DONE)
             self._thread.join()
@@ -81,6 +86,8 @@ class TTSThread:
             with mx.stream(self.stream):
                 frames = 0
                 while (text_id := self._ids.get()) is not _DONE:
+                    if self._aborted:
+                        return
                     previous_code, key = self.tts.step(previous_code, text_id, cache, key, self.silence)
                     self._codes.append(previous_code)
                     mx.async_eval(previous_code, key)
@@ -96,3 +103,6 @@ class TTSThread:
             if text_id is not _DONE:
                 while self._ids.get() is not _DONE:  # let the caller's loop run to its end
                     pass
+        finally:
+            # MLX 0.32.4 aborts the process at exit over streams a finished thread made and left
+            mx.clear_streams()

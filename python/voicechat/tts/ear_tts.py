@@ -73,7 +73,9 @@ class GatedFusion(nn.Module):
         return self.final_norm(scale * (gate * a + (1.0 - gate) * t))
 
 
-_CONDITIONED_ROW = mx.array([True, False])[:, None, None]  # row 0 of a CFG batch sees the text
+# Row 0 of a CFG batch sees the text. Made as data, not as an op: a lazy array made at import
+# would belong to the importing thread's stream (and a compiled step would recompute it each call).
+_CONDITIONED_ROW = mx.array([[[True]], [[False]]])
 
 
 class EarTTS(nn.Module):

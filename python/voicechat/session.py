@@ -98,8 +98,8 @@ class VoiceChat:
         self._transcript_stream = mx.new_thread_unsafe_stream(mx.cpu)  # any calling thread
         self._transcript_weights = loop_weights(self.stt.rnnt_decoder, self.stt.rnnt_joint,
                                                 host_copies=mx.default_device() == mx.gpu)
-        # The timeline's two halves, each on a stream of its own that any thread may use (the LLM's
-        # text ids feed the TTS, which may be stepped on another thread: see tts_thread.py).
+        # Streams any thread may use (see tts_thread.py): the timeline runs on the first; the TTS on
+        # the second when a worker thread steps it (on one thread, one stream: no cross-stream waits).
         self._llm_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._tts_stream = mx.new_thread_unsafe_stream(mx.default_device())
         # On a GPU the loop is bound by MLX's host time a launch: two threads build it faster. On the
@@ -209,14 +209,15 @@ class VoiceChat:
         lap("perception_s")
 
         tts = self.tts.tts_model
-        with mx.stream(self._tts_stream):
+        threaded = self.tts_thread and pipelined
+        with mx.stream(self._tts_stream if threaded else self._llm_stream):
             tts_cache = tts.make_cache()
             previous_code = tts.warmup(self.tts.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
         mx.eval(previous_code)
         lap("tts_warmup_s")
 
         text_ids, function_ids, codes, syncs = self._timeline(
-            audio_embeds, ids, previous_code, tts_cache, seed, progress, plain=not pipelined)
+            audio_embeds, ids, previous_code, tts_cache, seed, progress, plain=not pipelined, threaded=threaded)
         # The TTS's K/V buffers (0.26 GB at full size for 30 s, 0.8 GB for 120 s) are not needed
         # by the codec: free them before it runs rather than at return.
         del tts_cache, previous_code, audio_embeds, mel
@@ -249,12 +250,12 @@ class VoiceChat:
             peak_memory_gb=peaks,
         )
 
-    def _timeline(self, audio_embeds, ids, previous_code, tts_cache, seed, progress, plain=False):
+    def _timeline(self, audio_embeds, ids, previous_code, tts_cache, seed, progress, plain=False, threaded=False):
         """The frame loop. Returns (text ids, function ids, codes [T, Q] numpy, host syncs).
 
         `plain`: wait for every frame and pass its ids back as Python ints (the straightforward
-        loop, kept so tests can hold the pipelined one to it). Otherwise, with `tts_thread`, the
-        TTS steps are built on a worker thread (`TTSThread`) fed each frame's text id."""
+        loop, kept so tests can hold the pipelined one to it). `threaded`: the TTS steps are built on
+        a worker thread (`TTSThread`) fed each frame's text id."""
         c = self.config
         stt, tts = self.stt, self.tts.tts_model
         pad = mx.array([[c.pad_token_id]], dtype=mx.int32)
@@ -268,18 +269,17 @@ class VoiceChat:
         function_out: list[mx.array] = []
         code_out: list[mx.array] = [mx.zeros((1, 1, q), dtype=mx.int32)]  # no TTS at t = 0
         syncs = 0
-        worker = TTSThread(tts, self._tts_stream, silence, SYNC_EVERY) if self.tts_thread and not plain else None
+        worker = TTSThread(tts, self._tts_stream, silence, SYNC_EVERY) if threaded else None
         if worker is not None:
             worker.start(previous_code, tts_cache, key)
 
         def tts_step(text_id) -> None:
-            """Frame t's TTS step (t >= 1), on its stream: here or on the worker."""
+            """Frame t's TTS step (t >= 1): on the worker, or here on the timeline's stream."""
             nonlocal previous_code, key
             if worker is not None:
                 worker.put(text_id)
                 return
-            with mx.stream(self._tts_stream):
-                previous_code, key = tts.step(previous_code, text_id, tts_cache, key, silence)
+            previous_code, key = tts.step(previous_code, text_id, tts_cache, key, silence)
             code_out.append(previous_code)
             (mx.eval if plain else mx.async_eval)(previous_code, key)
 

@@ -10,7 +10,8 @@ default stream cannot be evaluated from another ("There is no Stream(gpu, 0) in 
 So both halves run on streams made with `mx.new_thread_unsafe_stream` (the LLM's text ids cross
 threads; the TTS's carried arrays are made by the caller and stepped by the worker), each stream
 used by one thread at a time, and what the worker carries is evaluated before it starts and after it
-ends. A compiled step keeps the streams it was traced on: the TTS step always runs on its stream.
+ends. What a compiled step closes over must be evaluated (a lazy array there would be recomputed at
+every call, on the stream of the thread that made it): `voicechat.load` evaluates everything.
 """
 
 from __future__ import annotations

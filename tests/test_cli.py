@@ -46,6 +46,7 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
     assert set(data["peak_memory_gb"]) == set(data["timings"]) - {"load_s", "generate_s"}
     assert max(data["peak_memory_gb"].values()) > 0
     assert data["prompt_frames"] > 0 and len(data["text_tokens"]) == data["frames"]
+    assert 0 < data["host_syncs"] < data["frames"]  # a handful a run, not one a frame
     # the permissions a plain open() gives under the umask (the atomic write's temp file has 0o600)
     umask = os.umask(0)
     os.umask(umask)

@@ -72,7 +72,7 @@ class Result:
             "user_transcript": self.user_transcript, "text": self.text, "function_text": self.function_text,
             "sample_rate": self.sample_rate, "text_tokens": self.text_tokens,
             "function_tokens": self.function_tokens, "audio_codes": self.audio_codes, "frames": self.frames,
-            "prompt_frames": self.prompt_frames, "timings": dict(self.timings),
+            "prompt_frames": self.prompt_frames, "host_syncs": self.host_syncs, "timings": dict(self.timings),
             "peak_memory_gb": dict(self.peak_memory_gb),
         }
 

@@ -1,6 +1,7 @@
 """The offline timeline end to end on tiny synthetic checkpoints and a real spoken WAV."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -237,16 +238,20 @@ def test_a_failing_progress_callback_stops_the_tts_thread(chat, result, spoken_w
 
 
 def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
-    """A TTS step that fails on the worker raises there on `finish()`, in the caller's thread, and
-    the worker ends (a silence row of the wrong size cannot be reshaped to the frame's codes)."""
+    """A TTS step that fails on the worker raises in the caller's thread, at its next `put()` (the
+    caller's loop stops early) and at `finish()`, and the worker ends (a silence row of the wrong
+    size cannot be reshaped to the frame's codes)."""
     tts = chat.tts.tts_model
     with mx.stream(chat._tts_stream):
         cache = tts.make_cache()
         previous = tts.warmup(chat.tts.audio_prompt_latents[chat.config.speaker], chat.warmup_codes(), cache)
     worker = TTSThread(tts, chat._tts_stream, mx.zeros((5,), mx.int32), sync_every=4)
     worker.start(previous, cache, mx.random.key(0))
-    for _ in range(3):
-        worker.put(mx.array([chat.config.pad_token_id], mx.int32))
+    with pytest.raises(ValueError, match="reshape"):
+        for _ in range(500):  # the worker's error stops the caller at a put() once it has failed
+            worker.put(mx.array([chat.config.pad_token_id], mx.int32))
+            time.sleep(0.01)
+    worker.abort()
     with pytest.raises(ValueError, match="reshape"):
         worker.finish()
     assert not _tts_threads()

@@ -41,7 +41,8 @@ class TTSThread:
 
     `start()` takes the carried state (the warmed-up cache, the previous code and the key), `put()`
     each frame's text id, `finish()` waits for the worker and returns the codes of every frame (and
-    the host syncs it made); an error in the worker is raised there. `abort()` stops a worker whose
+    the host syncs it made); an error in the worker is raised there, or by the next `put()`, after
+    which the caller must `abort()`. `abort()` stops a worker whose
     codes are no longer wanted (the caller's loop failed) without stepping the ids still queued."""
 
     def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int):
@@ -62,6 +63,8 @@ class TTSThread:
         self._thread.start()
 
     def put(self, text_id: mx.array) -> None:
+        if self._error is not None:  # the worker failed: stop the caller's loop now
+            raise self._error
         self._ids.put(text_id)
 
     def finish(self) -> tuple[list[mx.array], int]:

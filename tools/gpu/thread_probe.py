@@ -16,7 +16,10 @@ traced on another thread: so the TTS's carried arrays are evaluated where a roun
 each thread compiles its own TTS step, and the LLM chain runs on a stream made with
 `mx.new_thread_unsafe_stream`. Where the compiled TTS still fails in the worker, the probe says so and
 times both arms with the TTS step uncompiled. A probe for the next step of issue 7;
-nothing in the package changes.
+nothing in the package changes. (Found after it: the compiled step failed in the worker because it
+closed over lazy arrays made on the main thread, not because a compiled trace keeps its stream;
+`voicechat.tts_thread` now does this in the package with one compiled step. Keep this probe as the
+measurement of the twelfth session.)
 
     PYTHONPATH=/tmp/site2:/tmp/site python3 tools/gpu/thread_probe.py [--size tiny] [--frames 60]
 """

@@ -100,7 +100,7 @@ class VoiceChat:
                                                 host_copies=mx.default_device() == mx.gpu)
         # Streams any thread may use (see tts_thread.py): the timeline runs on the first; the TTS on
         # the second when a worker thread steps it (on one thread, one stream: no cross-stream waits).
-        self._llm_stream = mx.new_thread_unsafe_stream(mx.default_device())
+        self._timeline_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._tts_stream = mx.new_thread_unsafe_stream(mx.default_device())
         # On a GPU the loop is bound by MLX's host time a launch: two threads build it faster. On the
         # CPU the host threads would only take cores from the kernels.
@@ -210,7 +210,7 @@ class VoiceChat:
 
         tts = self.tts.tts_model
         threaded = self.tts_thread and pipelined
-        with mx.stream(self._tts_stream if threaded else self._llm_stream):
+        with mx.stream(self._tts_stream if threaded else self._timeline_stream):
             tts_cache = tts.make_cache()
             previous_code = tts.warmup(self.tts.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
         mx.eval(previous_code)
@@ -284,7 +284,7 @@ class VoiceChat:
             (mx.eval if plain else mx.async_eval)(previous_code, key)
 
         try:
-            with mx.stream(self._llm_stream):
+            with mx.stream(self._timeline_stream):
                 cache = stt.make_cache()
                 # The system prompt enters on the audio channel; its positions emit pad, so the LLM
                 # takes them in one call. The TTS still steps through them (on pad) to keep its timeline.

@@ -26,16 +26,6 @@ from .tts.backbone import BackboneCache
 _DONE = object()  # the end of the text ids
 
 
-def cache_arrays(cache: BackboneCache) -> list[mx.array]:
-    """Every array a TTS cache carries from step to step."""
-    out = [b for b in cache.buffers if b is not None]
-    if cache.pending is not None:
-        out += [a for part in cache.pending for a in part]
-    if cache.position is not None:
-        out.append(cache.position)
-    return out
-
-
 class TTSThread:
     """Steps `tts` once per text id given to `put`, on a worker thread, on `stream`.
 
@@ -56,7 +46,7 @@ class TTSThread:
 
     def start(self, previous_code: mx.array, cache: BackboneCache, key: mx.array) -> None:
         # made on the caller's thread: settled, so that the worker's graphs hold no pending work of it
-        mx.eval(previous_code, key, cache_arrays(cache))
+        mx.eval(previous_code, key, cache.state)
         self.syncs += 1
         self._thread = threading.Thread(target=self._run, args=(previous_code, cache, key),
                                         name="voicechat-tts", daemon=True)
@@ -100,7 +90,7 @@ class TTSThread:
                         mx.eval(previous_code)
                         self.syncs += 1
                 # settled here: the caller reads the codes and drops the cache on its own thread
-                mx.eval(self._codes, key, cache_arrays(cache))
+                mx.eval(self._codes, key, cache.state)
                 self.syncs += 1
         except BaseException as e:  # raised again by finish(), on the caller's thread
             self._error = e

@@ -210,6 +210,13 @@ class BackboneCache:
     position: mx.array | None = None
     position_at: int = -1
 
+    @property
+    def state(self) -> list[mx.array]:
+        """Every array the cache carries from step to step (to `mx.eval` where it changes hands)."""
+        pending = [a for part in self.pending for a in part] if self.pending is not None else []
+        position = [self.position] if self.position is not None else []
+        return [b for b in self.buffers if b is not None] + pending + position
+
     def position_array(self) -> mx.array:
         """`offset` as an int32 scalar array, the device's own when a step left it."""
         return self.position if self.position_at == self.offset else mx.array(self.offset, mx.int32)

@@ -50,9 +50,9 @@ std::string jit_name(const CudaSource& source) {
   return source.name + "_" + std::string(hex, 12);
 }
 
-mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source) {
+mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory) {
   return mlx::core::fast::cuda_kernel(jit_name(source), source.input_names, source.output_names, source.source,
-                                      source.header);
+                                      source.header, true, shared_memory);
 }
 
 bool cuda_build() { return std::string_view(VC_BACKEND) == "cuda"; }

@@ -35,8 +35,9 @@ struct CudaSource {
 // reuse its old name, or a cache from an older voicechat would run the old code.
 std::string jit_name(const CudaSource& source);
 
-// mlx::core::fast::cuda_kernel for `source`, under jit_name(source).
-mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source);
+// mlx::core::fast::cuda_kernel for `source`, under jit_name(source), launched with `shared_memory`
+// bytes of dynamic shared memory.
+mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory = 0);
 
 // Returns its argument, so a kernel file can write
 //   static const auto& kSrc = register_cuda_source({...});

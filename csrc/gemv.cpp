@@ -229,6 +229,79 @@ const CudaSource& qmv_emit_source() {
   return src;
 }
 
+// One instance of vc_qmv_stream (emit false) or vc_qmv_stream_emit (emit true), 4-bit group 64 with
+// bfloat16 scales, a float32 output: np > 0, an input normalized by its producer (np partials in ng
+// groups); epi as qmv_instance's (emit: + residual).
+CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m, int rows, int threads, int stages,
+                                 int epi = 0, int np = 0, int ng = 1) {
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  const char* residual_type = emit || epi == 1 ? f : bf;
+  const char* norm_type = np > 0 ? f : bf;
+  CudaInstance inst{{tx, "uint32_t", bf, bf, bf, residual_type, norm_type}, {f}, {}};
+  std::vector<TemplateArg> args = {
+      {"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)}, {"ROWS", int_arg(rows)},
+      {"THREADS", int_arg(threads)}, {"STAGES", int_arg(stages)}};
+  if (!emit) {
+    args.push_back({"EPI", int_arg(epi)});
+  }
+  args.insert(args.end(), {{"HAS_BIAS", "bool:false"}, {"NORM", int_arg(np > 0 ? 2 : 0)}, {"NP", int_arg(np)},
+                           {"NG", int_arg(ng)}, {"EPS_BITS", int_arg(float_bits(1e-5f))}, {"TX", type_arg(tx)},
+                           {"TS", type_arg(bf)}, {"TB", type_arg(bf)}, {"TR", type_arg(residual_type)},
+                           {"TN", type_arg(norm_type)}});
+  if (emit) {
+    inst.input_types.push_back(f);
+    inst.output_types = {f, f, f};
+    args.push_back({"TE", type_arg(f)});
+  }
+  args.push_back({"TO", type_arg(f)});
+  inst.template_args = args;
+  return inst;
+}
+
+std::string stream_header() { return std::string(gemv_cuda::kHeader) + gemv_cuda::kStreamHeader; }
+
+const CudaSource& qmv_stream_source() {
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_stream",
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w"},
+      {"out"},
+      gemv_cuda::kQmvStreamSource,
+      stream_header(),
+      {
+          // mamba in_proj and mlp up_proj (squared ReLU) on a mamba out_proj's emitted norm input (560
+          // partials); plain, two rows of bfloat16 x; q_proj after an MLP down_proj (two rows)
+          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 560),
+          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 560),
+          qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4),
+          qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 560),
+      },
+  });
+  return src;
+}
+
+const CudaSource& qmv_stream_emit_source() {
+  const char* f = "float";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_stream_emit",
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "next_w"},
+      {"out", "normed", "partials"},
+      gemv_cuda::kQmvStreamEmitSource,
+      stream_header(),
+      {
+          // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
+          // (one chunk a thread, or two), attention o_proj (two rows)
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 3, 0, 640, 8),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2),
+          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3),
+      },
+  });
+  return src;
+}
+
 const CudaSource& qmv_warp_source() {
   auto inst = [](auto... args) { return qmv_instance("WARPS", args...); };
   const char* f = "float";
@@ -377,16 +450,17 @@ const CudaSource& argmax_finish_source() {
   return src;
 }
 
-const mx::fast::CustomKernelFunction& kernel(const CudaSource& src) {
-  // One kernel function per source; MLX caches the compiled instances by template args.
-  static std::vector<std::pair<const CudaSource*, mx::fast::CustomKernelFunction>> made;
-  for (auto& [s, fn] : made) {
-    if (s == &src) {
+const mx::fast::CustomKernelFunction& kernel(const CudaSource& src, int shared_memory = 0) {
+  // One kernel function per source and dynamic shared memory size (fixed when the function is made);
+  // MLX caches the compiled instances by template args.
+  static std::vector<std::tuple<const CudaSource*, int, mx::fast::CustomKernelFunction>> made;
+  for (auto& [s, smem, fn] : made) {
+    if (s == &src && smem == shared_memory) {
       return fn;
     }
   }
-  made.emplace_back(&src, make_cuda_kernel(src));
-  return made.back().second;
+  made.emplace_back(&src, shared_memory, make_cuda_kernel(src, shared_memory));
+  return std::get<2>(made.back());
 }
 
 // ---------------------------------------------------------------- checks
@@ -494,6 +568,94 @@ mx::array apply_prenorm(const mx::array& x, const Prenorm& p, float eps, mx::Str
   return mx::astype(mx::reshape(scaled, x.shape(), s), x.dtype(), s);
 }
 
+// ---------------------------------------------------------------- the streamed layout
+
+constexpr int kSmemPerSm = 232448;      // Hopper: a block's (and an SM's) most dynamic shared memory
+constexpr int kStreamStaticSmem = 4096;  // vc_qmv_stream's own __shared__ arrays, at most
+
+struct StreamLaunch {
+  int rows, threads, stages, blocks, smem;
+};
+
+// The default for `stages` = 0: how many tiles a vc_qmv_stream block keeps in flight at this
+// shape, or 0 for the block layout (vc_qmv). Not yet measured on the H200: the block layout.
+int default_stream_stages(int /*k*/, int /*n*/, int /*m*/) { return 0; }
+
+// The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
+// default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
+// rows / threads / blocks_per_sm: overrides (0 = auto).
+std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
+                                        bool takes_norm, int rows, int threads, int stages, int blocks_per_sm,
+                                        const char* who) {
+  const bool forced = stages > 0;
+  if (stages == 0) {
+    stages = default_stream_stages(k, n, m);
+  }
+  if (stages <= 0) {
+    return std::nullopt;
+  }
+  rows = rows > 0 ? rows : 8;
+  const int chunks = k / 32;
+  if (threads <= 0) {
+    threads = chunks <= 512 ? 32 * ((chunks + 31) / 32) : 32 * ((chunks + 63) / 64);
+  }
+  const int stage = rows * k / 2 + 2 * rows * (k / group_size) * scale_bytes;
+  const char* why = bits != 4                                   ? "4-bit weights only"
+                    : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
+                    : group_size % 32 != 0                      ? "a group of whole 16-byte chunks"
+                    : n % rows != 0 || rows * m > 32            ? "N a multiple of rows_per_block, rows x M <= 32"
+                    : (rows * (k / group_size) * scale_bytes) % 16 != 0 ? "a tile's scales in whole 16 bytes"
+                    : threads % 32 != 0 || threads > 512 || (chunks + threads - 1) / threads > 2
+                        ? "threads a multiple of 32 up to 512, two chunks of K a thread at most"
+                    : stages < 2 || stages * stage + kStreamStaticSmem > kSmemPerSm
+                        ? "2 stages at least, their tiles inside 227 KB of shared memory"
+                        : nullptr;
+  if (why) {
+    if (forced) {
+      throw std::invalid_argument(std::string(who) + ": the streamed layout takes " + why);
+    }
+    return std::nullopt;
+  }
+  const int smem = stages * stage;
+  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
+                                       : std::max(1, std::min(2048 / threads, kSmemPerSm / (smem + kStreamStaticSmem)));
+  return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem};
+}
+
+// The vc_qmv_stream launch of quantized_matvec_impl (its checks done): [out] or [out, normed, partials].
+std::vector<mx::array> quantized_matvec_streamed(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                                 const mx::array& biases, const std::optional<mx::array>& bias,
+                                                 const Epilogue& epi, const std::optional<Prenorm>& prenorm,
+                                                 const std::optional<mx::array>& next_norm, float norm_eps,
+                                                 mx::Dtype out_dtype, const StreamLaunch& l, mx::Stream s) {
+  const int k = x.shape(-1), n = w.shape(0), m = leading_rows(x);
+  std::vector<mx::array> inputs = {x, w, scales, biases, bias ? *bias : scales, epi.residual ? *epi.residual : scales,
+                                   prenorm ? prenorm->partials : scales};
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
+      {"GROUP", k / (static_cast<int>(scales.shape(-1)))}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
+      {"THREADS", l.threads}, {"STAGES", l.stages}};
+  if (!next_norm) {
+    args.emplace_back("EPI", epi.kind());
+  }
+  args.insert(args.end(), {{"HAS_BIAS", bias.has_value()}, {"NORM", prenorm ? 2 : 0},
+                           {"NP", prenorm ? static_cast<int>(prenorm->partials.shape(-1)) : 0},
+                           {"NG", prenorm ? prenorm->groups : 1}, {"EPS_BITS", prenorm ? float_bits(norm_eps) : 0},
+                           {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
+                           {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TN", inputs[6].dtype()}});
+  const std::tuple<int, int, int> grid{l.blocks * l.threads, 1, 1}, block{l.threads, 1, 1};
+  if (!next_norm) {
+    args.emplace_back("TO", out_dtype);
+    return kernel(qmv_stream_source(), l.smem)(inputs, {out_shape(x, n)}, {out_dtype}, grid, block, args,
+                                               std::nullopt, false, s);
+  }
+  inputs.push_back(*next_norm);
+  args.emplace_back("TE", next_norm->dtype());
+  args.emplace_back("TO", out_dtype);
+  return kernel(qmv_stream_emit_source(), l.smem)(
+      inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, n / l.rows)}, {out_dtype, mx::float32, mx::float32},
+      grid, block, args, std::nullopt, false, s);
+}
+
 // What quantized_matvec and quantized_matvec_emit_norm share: [out] or, with next_norm, [out,
 // normed, partials] (normed = out * next_norm, partials [..., P] whose sum is each row's sum of out^2).
 std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -502,7 +664,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                                              const std::optional<mx::array>& residual, const std::string& activation,
                                              const std::optional<mx::array>& norm_weight, float norm_eps,
                                              const std::optional<Prenorm>& prenorm,
-                                             const std::optional<mx::array>& next_norm, mx::Stream s) {
+                                             const std::optional<mx::array>& next_norm, int stages,
+                                             int blocks_per_sm, mx::Stream s) {
   const char* who = next_norm ? "quantized_matvec_emit_norm" : "quantized_matvec";
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   const Epilogue epi = make_epilogue(residual, activation, n, who);
@@ -557,6 +720,13 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   if (prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512) {
     threads = 32 * ((chunks + 31) / 32);
   }
+  const auto streamed = warps > 0 ? std::nullopt
+                                  : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
+                                                !norm_weight, rows_per_block, threads, stages, blocks_per_sm, who);
+  if (streamed) {
+    return quantized_matvec_streamed(x, w, scales, biases, bias, epi, prenorm, next_norm, norm_eps, out_dtype,
+                                     *streamed, s);
+  }
   const Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only ? 0 : warps);
   const bool warp = l.warps > 0;
   // x and the residual go in with their own shapes (the kernel reads them flat, row-contiguous as
@@ -603,10 +773,11 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            const std::optional<mx::array>& bias, int group_size, int bits, int rows_per_block,
                            int threads, int warps, const std::optional<mx::array>& residual,
                            const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
-                           const std::optional<mx::array>& prenormed, int prenorm_groups, mx::StreamOrDevice s) {
+                           const std::optional<mx::array>& prenormed, int prenorm_groups, int stages,
+                           int blocks_per_sm, mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, warps, residual,
                                activation, norm_weight, norm_eps, make_prenorm(prenormed, prenorm_groups),
-                               std::nullopt, mx::to_stream(s))[0];
+                               std::nullopt, stages, blocks_per_sm, mx::to_stream(s))[0];
 }
 
 std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -614,10 +785,10 @@ std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::
                                                   const mx::array& next_norm, const std::optional<mx::array>& bias,
                                                   int group_size, int bits, const std::optional<mx::array>& prenormed,
                                                   int prenorm_groups, float norm_eps, int rows_per_block, int threads,
-                                                  mx::StreamOrDevice s) {
+                                                  int stages, int blocks_per_sm, mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, 0, residual, "",
-                               std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm,
-                               mx::to_stream(s));
+                               std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm, stages,
+                               blocks_per_sm, mx::to_stream(s));
 }
 
 // ---------------------------------------------------------------- dense matvec
@@ -805,6 +976,8 @@ py::tuple launch_config(const std::string& kind, int k, int n, int bits, int ite
 void bind(py::module_& m) {
   qmv_source();  // registered at import, so the compile check sees them
   qmv_emit_source();
+  qmv_stream_source();
+  qmv_stream_emit_source();
   qmv_warp_source();
   dense_source();
   dense_add_norm_source();
@@ -815,7 +988,8 @@ void bind(py::module_& m) {
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
         py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
-        py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stream") = py::none(),
+        py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stages") = 0,
+        py::arg("blocks_per_sm") = 0, py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
@@ -823,16 +997,19 @@ void bind(py::module_& m) {
         "an RMSNorm of x first (rms_norm(x, norm_weight, norm_eps)), formed in the same launch. prenormed: "
         "x is a norm's input already times its weight and prenormed [..., P] float32 partial sums of its "
         "squares (prenorm_groups equal channel groups, each over P / groups consecutive partials); each "
-        "group is scaled by rsqrt(sum / group width + norm_eps) in the same launch.");
+        "group is scaled by rsqrt(sum / group width + norm_eps) in the same launch. stages: the streamed "
+        "layout (4-bit; a persistent grid, each block `stages` tiles of rows_per_block rows in flight through "
+        "bulk copies into shared memory, blocks_per_sm blocks an SM): -1 never, 0 where the default picks it, "
+        "> 0 always (an error where it cannot take the call).");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),
         py::arg("prenorm_groups") = 1, py::arg("norm_eps") = 1e-5f, py::arg("rows_per_block") = 0,
-        py::arg("threads") = 0, py::arg("stream") = py::none(),
+        py::arg("threads") = 0, py::arg("stages") = 0, py::arg("blocks_per_sm") = 0, py::arg("stream") = py::none(),
         "[out, normed, partials]: out = x @ dequantize(w).T (+ bias) + residual, and the next RMSNorm's input "
         "left for its matvec: normed = out * next_norm (float32) and partials [..., P] (float32) whose sum "
         "is each row's sum of out^2 (pass both as that matvec's x and prenormed). One CUDA launch; MLX ops "
-        "elsewhere (P = 1 there).");
+        "elsewhere (P = 1 there; P = N / rows_per_block in the streamed layout, see quantized_matvec's stages).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",

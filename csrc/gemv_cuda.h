@@ -637,6 +637,295 @@ constexpr const char* kQmvEmitSource = R"(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials);
 )";
 
+// The streamed 4-bit matvec (vc_qmv_stream): the block layout's math with the weight bytes moved
+// by the copy engine instead of the threads' loads. The twelfth session's profile of the block
+// layout at the N = 4480 shapes: 2 blocks an SM, each thread one round trip to memory, then its
+// math and the block sum with nothing in flight (48% of stalls on the L1TEX scoreboard, 2.1
+// waves). Here a block stays on its SM and walks tiles (ROWS consecutive rows, whole K): one
+// thread asks for the next STAGES tiles' weights, scales and biases with cp.async.bulk into shared
+// memory (an mbarrier a stage counts their bytes), so the bytes in flight do not cost registers;
+// every thread keeps its chunks of x in registers for all tiles (loaded once, already split into
+// the pair form of vc_gemv::pair_word, the input norm's scale folded in), and reads each tile's
+// weights from shared memory. Include-guarded; it needs kHeader before it.
+constexpr const char* kStreamHeader = R"(
+#ifndef VC_STREAM_HEADER
+#define VC_STREAM_HEADER
+// The kernel body's dynamic shared memory (the emulation has no `extern __shared__`).
+#ifdef __CUDA_ARCH__
+#define VC_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#else
+#define VC_DYNAMIC_SMEM(name) unsigned char* name = cuda_emu::dynamic_smem()
+#endif
+
+namespace vc_stream {
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Arms the barrier's current phase for `bytes` of copies, then copies [src, src + bytes) into dst.
+__device__ __forceinline__ void bar_expect(unsigned long long* bar, unsigned int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+// The block's threads are done reading a stage (they passed a barrier): order those reads before
+// the copy engine's writes into it.
+__device__ __forceinline__ void reads_before_copies() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void bar_wait(unsigned long long* bar, unsigned int parity) {
+  unsigned int done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+  }
+}
+#else  // the CPU emulation: a copy is done when it is issued
+inline void bar_init(unsigned long long*) {}
+inline void bar_expect(unsigned long long*, unsigned int) {}
+inline void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long*) { memcpy(dst, src, bytes); }
+inline void reads_before_copies() {}
+inline void bar_wait(unsigned long long*, unsigned int) {}
+#endif
+
+// Tile `tile`'s weight rows, scales and biases into stage `st`: by the copy engine (bulk, thread 0
+// only), or (every pointer not 16-byte aligned) by the block's threads, word by word.
+template <int W_BYTES, int S_BYTES, int THREADS>
+__device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w, const unsigned char* s,
+                                      const unsigned char* b, int tile, bool bulk, unsigned long long* bar) {
+  const unsigned char* src[3] = {w + static_cast<size_t>(tile) * W_BYTES, s + static_cast<size_t>(tile) * S_BYTES,
+                                 b + static_cast<size_t>(tile) * S_BYTES};
+  unsigned char* dst[3] = {st, st + W_BYTES, st + W_BYTES + S_BYTES};
+  const unsigned int bytes[3] = {W_BYTES, S_BYTES, S_BYTES};
+  if (bulk) {
+    bar_expect(bar, W_BYTES + 2 * S_BYTES);
+    for (int i = 0; i < 3; ++i) bulk_copy(dst[i], src[i], bytes[i], bar);
+  } else {
+    for (int i = 0; i < 3; ++i) {
+      // scales and biases are 2-byte types at least; the weight words 4 bytes
+      for (unsigned int o = 2 * threadIdx.x; o < bytes[i]; o += 2 * THREADS) {
+        *reinterpret_cast<unsigned short*>(dst[i] + o) = *reinterpret_cast<const unsigned short*>(src[i] + o);
+      }
+    }
+  }
+}
+
+// out[m, row] for the streamed matvec's tiles: NORM 0 (x as it is) or 2 (x normalized by its
+// producer: norm_w holds NP partial sums of squares an input row in NG groups, see vc_gemv::qmv_block),
+// the epilogue of vc_gemv::finish, and with EMIT the next norm's input as vc_qmv_emit writes it
+// (partials: one a tile). N a multiple of ROWS. The dynamic shared memory `smem` holds STAGES tiles.
+template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int EPI, bool HAS_BIAS, int NORM,
+          int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
+          typename TE>
+__device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weight, const TS* scales,
+                                           const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
+                                           float eps, TO* out, const TE* next_w, float* normed, float* partials,
+                                           unsigned char* smem) {
+  using vc_gemv::Pair;
+  constexpr int CHUNK = 32;  // 4-bit values in a 16-byte chunk
+  constexpr int CHUNKS = K / CHUNK;
+  constexpr int CPT = (CHUNKS + THREADS - 1) / THREADS;  // chunks a thread
+  constexpr int GROUPS = K / GROUP;
+  constexpr int TILES = N / ROWS;
+  constexpr int W_BYTES = ROWS * K / 2;
+  constexpr int S_BYTES = ROWS * GROUPS * static_cast<int>(sizeof(TS));
+  constexpr int STAGE = W_BYTES + 2 * S_BYTES;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int SUMS = ROWS * M;
+  constexpr int NGM = (NORM == 2 ? NG : 1) * M;
+  static_assert(N % ROWS == 0 && K % GROUP == 0 && GROUP % CHUNK == 0, "whole tiles; a chunk inside a group");
+  static_assert(S_BYTES % 16 == 0 && STAGE % 16 == 0, "bulk copies move multiples of 16 bytes");
+  static_assert(STAGES >= 2 && SUMS <= 32 && THREADS % 32 == 0, "two stages at least; a tile's sums in one warp");
+  static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
+  static_assert(NORM == 0 || (NP % NG == 0 && K % NG == 0 && (K / NG) % CHUNK == 0), "NP partials in NG groups");
+  __shared__ unsigned long long bars[STAGES];
+  __shared__ float red[2][WARPS][SUMS > NGM ? SUMS : NGM];
+  __shared__ float group_total[NGM];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
+  const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
+  const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
+  const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
+  if (threadIdx.x == 0 && bulk) {
+    for (int s = 0; s < STAGES; ++s) bar_init(&bars[s]);
+    for (int s = 0; s < STAGES && s < tiles; ++s) {
+      fetch<W_BYTES, S_BYTES, THREADS>(smem + s * STAGE, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
+    }
+  }
+  // The input norm's scales (NORM 2): each group's partials summed by the block.
+  if constexpr (NORM == 2) {
+    float gs[NGM];
+#pragma unroll
+    for (int o = 0; o < NGM; ++o) gs[o] = 0.0f;
+    for (int i = threadIdx.x; i < NP; i += THREADS) {
+      const int g = i / (NP / NG);
+#pragma unroll
+      for (int o = 0; o < NG; ++o) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int o = 0; o < NGM; ++o) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) gs[o] += __shfl_xor_sync(0xffffffffu, gs[o], off);
+      if (lane == 0) red[1][warp][o] = gs[o];
+    }
+    __syncthreads();
+    if (threadIdx.x < NGM) {
+      float t = 0.0f;
+      for (int w = 0; w < WARPS; ++w) t += red[1][w][threadIdx.x];
+      group_total[threadIdx.x] = t;
+    }
+  }
+  __syncthreads();  // the barriers' init (and the group totals) seen by every thread
+  // This thread's chunks of x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a
+  // chunk, and per chunk the offset the pairs add and the sum of the x they saw.
+  float xh[CPT][4][M][4], xl[CPT][4][M][4], offset[CPT][M], xsum[CPT][M];
+  const bool vec = vc_gemv::aligned16(x);
+#pragma unroll
+  for (int j = 0; j < CPT; ++j) {
+    const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float r = 1.0f;
+      if constexpr (NORM == 2) {
+        r = rsqrtf(group_total[(c * CHUNK / (K / NG)) * M + m] / static_cast<float>(K / NG) + eps);
+      }
+      float hs = 0.0f, ls = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float xv[8];
+        vc_gemv::load_x<8>(x + static_cast<size_t>(m) * K + c * CHUNK + k * 8, xv, vec);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          xh[j][k][m][s] = xv[s + 4] * r;
+          xl[j][k][m][s] = fmaf(-Pair::LO, xh[j][k][m][s], xv[s] * r);
+          hs += xh[j][k][m][s];
+          ls += xl[j][k][m][s];
+        }
+      }
+      offset[j][m] = fmaf(16.0f + Pair::C, hs, 16.0f * ls);
+      xsum[j][m] = fmaf(1.0f + Pair::LO, hs, ls);
+    }
+  }
+  for (int i = 0; i < tiles; ++i) {
+    const int tile = blockIdx.x + i * gridDim.x;
+    const int s = i % STAGES;
+    unsigned char* st = smem + s * STAGE;
+    if (bulk) {
+      bar_wait(&bars[s], (i / STAGES) & 1);
+    } else {
+      fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, tile, false, nullptr);
+      __syncthreads();
+    }
+    const uint4* w4 = reinterpret_cast<const uint4*>(st);
+    const TS* tscale = reinterpret_cast<const TS*>(st + W_BYTES);
+    const TS* tbias = reinterpret_cast<const TS*>(st + W_BYTES + S_BYTES);
+    float acc[ROWS][M];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+      const int c = static_cast<int>(threadIdx.x) + j * THREADS;
+      if (c < CHUNKS) {
+        const int g = c * CHUNK / GROUP;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const uint4 wv = w4[r * CHUNKS + c];
+          float dot[M];
+#pragma unroll
+          for (int m = 0; m < M; ++m) dot[m] = -offset[j][m];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const unsigned int v = vc_gemv::word(wv, k);
+            vc_gemv::pair_fma<0, M>(v, xh[j][k], xl[j][k], dot);
+            vc_gemv::pair_fma<1, M>(v, xh[j][k], xl[j][k], dot);
+            vc_gemv::pair_fma<2, M>(v, xh[j][k], xl[j][k], dot);
+            vc_gemv::pair_fma<3, M>(v, xh[j][k], xl[j][k], dot);
+          }
+          const float scale = static_cast<float>(tscale[r * GROUPS + g]);
+          const float bias_g = static_cast<float>(tbias[r * GROUPS + g]);
+#pragma unroll
+          for (int m = 0; m < M; ++m) acc[r][m] += fmaf(scale, dot[m], bias_g * xsum[j][m]);
+        }
+      }
+    }
+    // The tile's sums: each warp's, then the warps' in order (red is double-buffered: a thread may
+    // write the next tile's before the last reader of this one's is done).
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float v = acc[r][m];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == 0) red[i & 1][warp][r * M + m] = v;
+      }
+    }
+    __syncthreads();  // stage s read by every thread: refill it
+    if (bulk && threadIdx.x == 0 && i + STAGES < tiles) {
+      reads_before_copies();
+      fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, tile + STAGES * gridDim.x, true, &bars[s]);
+    }
+    if (threadIdx.x < 32) {
+      const int row = tile * ROWS + static_cast<int>(threadIdx.x) / M;
+      const int m = static_cast<int>(threadIdx.x) % M;
+      float sq = 0.0f;
+      if (threadIdx.x < SUMS) {
+        float v = 0.0f;
+        for (int w = 0; w < WARPS; ++w) v += red[i & 1][w][threadIdx.x];
+        const float stored = vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, N);
+        if constexpr (EMIT) {
+          normed[static_cast<size_t>(m) * N + row] = stored * static_cast<float>(next_w[row]);
+          sq = stored * stored;
+        }
+      }
+      if constexpr (EMIT) {
+#pragma unroll
+        for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+        if (threadIdx.x < M) partials[static_cast<size_t>(threadIdx.x) * TILES + tile] = sq;
+      }
+    }
+  }
+}
+
+}  // namespace vc_stream
+#endif
+)";
+
+// y = the 4-bit matvec of kQmvSource (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a
+// persistent grid, STAGES tiles of ROWS rows in flight a block by bulk copies (dynamic shared memory:
+// STAGES * the tile's bytes). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES, EPI, HAS_BIAS, NORM,
+// NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TO.
+constexpr const char* kQmvStreamSource = R"(
+  VC_DYNAMIC_SMEM(vc_stages);
+  const float eps = __int_as_float(EPS_BITS);
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, false>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
+      static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_stages);
+)";
+
+// kQmvStreamSource with EMIT (as kQmvEmitSource: out = product + residual, normed = out * next_w, and
+// each tile's partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES, HAS_BIAS,
+// NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
+constexpr const char* kQmvStreamEmitSource = R"(
+  VC_DYNAMIC_SMEM(vc_stages);
+  const float eps = __int_as_float(EPS_BITS);
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, 1, HAS_BIAS, NORM, NP, NG, true>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_stages);
+)";
+
 // y[m, n] = x[m, :] . w[n, :] (+ bias[n]) for dense bfloat16 / float16 / float32 weights (PRO 1:
 // x[m, :] = gelu_tanh(gate) * up from a [M, 2K] x, see dense_accumulate).
 // Template args: K, N, M, ROWS, THREADS, EPI, PRO, HAS_BIAS, TX, TW, TB, TR, TO.

@@ -136,6 +136,37 @@ def test_quantized_full_size_equals_mlx(n, k, dtype, rows):
     _check_quantized(n, k, dtype, rows)
 
 
+def _stream_stages(k: int, most: int = 4) -> int:
+    """The most tiles of 8 rows (4-bit, group 64, bfloat16 scales) a streamed block keeps in flight
+    inside 227 KB of shared memory, up to `most`."""
+    return min(most, (232448 - 4096) // (8 * k // 2 + 2 * 8 * (k // 64) * 2))
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n,k", LLM_FULL)
+def test_streamed_layout_full_size_equals_mlx(n, k, dtype, rows):
+    """The streamed layout (bulk copies into shared memory, a persistent grid) at every LLM shape."""
+    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
+    x = _x((rows, k), dtype, seed=rows)
+    got = quantized_matvec(x, w, s, b, stages=_stream_stages(k))
+    assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
+
+
+@needs_cuda
+def test_streamed_layout_refuses_what_it_cannot_take():
+    w, s, b = _quantized(36, 640, dtype=mx.bfloat16, seed=1)  # 36 rows: no whole tiles of 8
+    x = _x((1, 640), mx.float32)
+    with pytest.raises(ValueError, match="streamed layout takes N a multiple"):
+        quantized_matvec(x, w, s, b, stages=2)
+    w, s, b = _quantized(64, 15680, dtype=mx.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="227 KB"):
+        quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=4)
+    assert_close(quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=2),
+                 reference(quantized_matvec_reference, _x((1, 15680), mx.float32), w, s, b))
+
+
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])
 def test_quantized_input_shapes_and_bias(shape):
     w, s, b = _quantized(72, 192)
@@ -606,8 +637,13 @@ def _q4(n, k, seed):
     return w, s.astype(mx.bfloat16), b.astype(mx.bfloat16)
 
 
+# the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block
+STAGES = [0, 3] if ON_CUDA else [0]
+
+
+@pytest.mark.parametrize("stages", STAGES)
 @pytest.mark.parametrize("n,k,n2,rows", [(4480, 10240, 22656, 1), (192, 320, 256, 2), (128, 192, 40, 1)])
-def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, n2, rows):
+def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, n2, rows, stages):
     """A + residual matvec leaving the next RMSNorm half done, finished by the next matvec (the LLM
     block seam, shapes of the mamba out_proj into in_proj among them): the same as the plain matvec,
     MLX's rms_norm, then the next matvec (squared ReLU on it, as the MLP's up_proj)."""
@@ -617,8 +653,8 @@ def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, 
     residual = 3.0 * mx.random.normal((rows, n), key=mx.random.key(2))
     norm = nn.RMSNorm(n, eps=1e-5)
     norm.weight = 1.0 + 0.2 * mx.random.normal((n,), key=mx.random.key(3))
-    out, pre = quantized_matvec_emit_norm(x, w1, s1, b1, residual, norm.weight, eps=norm.eps)
-    got = quantized_matvec(pre, w2, s2, b2, squared_relu=True)
+    out, pre = quantized_matvec_emit_norm(x, w1, s1, b1, residual, norm.weight, eps=norm.eps, stages=stages)
+    got = quantized_matvec(pre, w2, s2, b2, squared_relu=True, stages=stages)
     with mx.stream(mx.cpu):
         want_out = quantized_matvec_reference(x, w1, s1, b1, residual=residual)
         want = quantized_matvec_reference(norm(want_out), w2, s2, b2, squared_relu=True)
@@ -630,8 +666,9 @@ def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, 
     np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("stages", STAGES)
 @pytest.mark.parametrize("k,groups,per_group,rows", [(10240, 8, 80, 1), (256, 4, 3, 2), (192, 4, 1, 1)])
-def test_group_prenormed_input_equals_group_norm_then_matvec(k, groups, per_group, rows):
+def test_group_prenormed_input_equals_group_norm_then_matvec(k, groups, per_group, rows, stages):
     """An input its producer normalized by groups (the gated norm the conv + scan kernel leaves for
     the mamba out_proj; 192 / 4 = 48 channels a group is not whole 16-byte chunks: the composed
     path), into a plain and an emitting matvec."""
@@ -645,8 +682,8 @@ def test_group_prenormed_input_equals_group_norm_then_matvec(k, groups, per_grou
     pre = Prenormed(raw * weight, (sq * split).reshape(rows, groups * per_group), groups, 1e-5)
     residual = mx.random.normal((rows, n), key=mx.random.key(7))
     next_norm = 1.0 + 0.1 * mx.random.normal((n,), key=mx.random.key(8))
-    got = quantized_matvec(pre, w, s, b)
-    out, nxt = quantized_matvec_emit_norm(pre, w, s, b, residual, next_norm)
+    got = quantized_matvec(pre, w, s, b, stages=stages)
+    out, nxt = quantized_matvec_emit_norm(pre, w, s, b, residual, next_norm, stages=stages)
     with mx.stream(mx.cpu):
         normed = mx.fast.rms_norm(raw.reshape(rows, groups, -1), None, 1e-5).reshape(rows, k) * weight
         np.testing.assert_allclose(np.array(pre.resolve()), np.array(normed), rtol=1e-5, atol=1e-5)

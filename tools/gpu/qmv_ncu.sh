@@ -4,7 +4,8 @@
 # x. The back-to-back timings of qmv_grid.py include MLX's per-call host work, which at these sizes
 # is near the kernel's own time; this is the kernel alone. Prints "shape rows threads warps: us".
 # PROBE=step: the step's own instances instead (tools/gpu/qmv_step_probe.py: in_proj / up_proj with a
-# prenormed x, out_proj / down_proj emitting the next norm, at several launch shapes each, and MLX's
+# prenormed x, out_proj / down_proj emitting the next norm, at several launch shapes each (the streamed
+# layout's among them: "streamSxB" is S stages on B blocks), and MLX's
 # quantized_matmul at the same shapes), with each launch's registers a thread.
 #   export OUT; [GEMV_PYTHONPATH=...] [PROBE=step] bash tools/gpu/qmv_ncu.sh [tag]
 set -uo pipefail
@@ -29,7 +30,7 @@ for n, k in ((22656, 4480), (15680, 4480), (4480, 10240), (4480, 15680)):
             mx.eval(ext.quantized_matvec(x, w, s, b, rows_per_block=rows, threads=threads, warps=warps))
         print(f"launched {n}x{k} {rows} {threads} {warps}", flush=True)
 PY
-probe=/tmp/qmv_ncu_probe.py filter="regex:vc_qmv"
+probe=/tmp/qmv_ncu_probe.py filter="regex:vc_qmv"  # vc_qmv_stream too
 [ "${PROBE:-}" = step ] && probe=tools/gpu/qmv_step_probe.py filter="regex:qmv"
 timeout -s INT "${NCU_LIMIT:-120}" "$NCU" --target-processes all -k "$filter" \
   --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size \
@@ -45,7 +46,11 @@ regs, grid = head.index("launch__registers_per_thread"), head.index("launch__gri
 best, extra = {}, {}
 for r in rows[2:]:  # rows[1]: the units (ns)
     m = re.search(r"vc_qmv(_warp|_emit)?_[0-9a-f]+_4_64_(\d+)_(\d+)_1_(\d+)_(\d+)", r[name])
-    if m:
+    st = re.search(r"vc_qmv_stream(_emit)?_[0-9a-f]+_64_(\d+)_(\d+)_1_(\d+)_(\d+)_(\d+)", r[name])
+    if st:  # the streamed layout: its stages and grid (blocks) in the layout's name
+        key = (int(st.group(3)), int(st.group(2)), f"stream{st.group(6)}x{r[grid]}", int(st.group(4)),
+               int(st.group(5)))
+    elif m:
         key = (int(m.group(3)), int(m.group(2)), (m.group(1) or "_block")[1:], int(m.group(4)), int(m.group(5)))
     else:  # MLX's kernel: its name and grid (the shape is the probe's order)
         key = (r[name][:60], r[grid])

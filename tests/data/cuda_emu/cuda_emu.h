@@ -32,6 +32,7 @@ struct Dim3 {
 };
 inline thread_local Dim3 threadIdx;
 inline thread_local Dim3 blockIdx;
+inline Dim3 gridDim;
 
 struct uint4 {
   unsigned int x, y, z, w;
@@ -103,11 +104,13 @@ struct Block {
   };
   std::barrier<> bar;
   std::vector<std::unique_ptr<Warp>> warps;
+  alignas(128) unsigned char smem[232448];  // the block's dynamic shared memory (Hopper's most)
 };
 inline Block* block = nullptr;
 
 // Launch `kernel` over `blocks` blocks of `threads` threads (threads a multiple of 32).
 inline void launch(int blocks, int threads, const std::function<void()>& kernel) {
+  gridDim.x = blocks;
   for (int b = 0; b < blocks; ++b) {
     Block blk(threads);
     block = &blk;
@@ -127,6 +130,10 @@ inline void launch(int blocks, int threads, const std::function<void()>& kernel)
 }  // namespace cuda_emu
 
 inline void __syncthreads() { cuda_emu::block->bar.arrive_and_wait(); }
+
+namespace cuda_emu {
+inline unsigned char* dynamic_smem() { return block->smem; }
+}  // namespace cuda_emu
 
 namespace cuda_emu {
 // Every lane of the warp deposits v, then reads lane `src`'s.

@@ -293,7 +293,7 @@ const CudaSource& qmv_stream_emit_source() {
       {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
           // (one chunk a thread, or two), attention o_proj (two rows)
-          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 3, 0, 640, 8),
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 0, 640, 8),
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2),
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2),
           qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3),
@@ -578,8 +578,14 @@ struct StreamLaunch {
 };
 
 // The default for `stages` = 0: how many tiles a vc_qmv_stream block keeps in flight at this
-// shape, or 0 for the block layout (vc_qmv). Not yet measured on the H200: the block layout.
-int default_stream_stages(int /*k*/, int /*n*/, int /*m*/) { return 0; }
+// shape, or 0 for the block layout (vc_qmv). Nsight Compute on the H200 (2026-12-01, the step's
+// instances, float32 x, one row; block layout against the best streamed launch): out_proj
+// 4480x10240 26.6 -> 22.8 us (2 stages, 264 blocks), down_proj 4480x15680 34.2 -> 26.7 us (2
+// stages, 132 blocks of 512 threads); in_proj 22656x4480 34.7 against 35.7 and up_proj 15680x4480
+// 26.4 against 27.9 (2 stages, 660 blocks), where more stages (fewer blocks an SM) lost more: the
+// streamed block computes its tiles with the warps one block brings, so it pays where the block
+// layout's grid is short (N = 4480: 2.1 waves of 2 blocks an SM). Two rows not measured.
+int default_stream_stages(int k, int /*n*/, int m) { return m == 1 && k >= 8192 ? 2 : 0; }
 
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).

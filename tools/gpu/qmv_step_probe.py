@@ -57,12 +57,13 @@ def main() -> None:
         for shape in launches:
             for _ in range(2):
                 mx.eval(launch(n, k, groups, emit, activation, shape, tensors))
-            print(f"launched {name} {n}x{k} (rows, threads, stages, blocks an SM) {shape}", flush=True)
+            # stderr: ncu's CSV goes to stdout, and this line has commas
+            print(f"launched {name} {n}x{k} (rows, threads, stages, blocks an SM) {shape}", file=sys.stderr)
         for x_dtype in (mx.float32, mx.bfloat16):
             xm = x.astype(x_dtype)
             for _ in range(2):
                 mx.eval(mx.quantized_matmul(xm, w, s, b, transpose=True, group_size=64, bits=4))
-        print(f"launched mlx {n}x{k}", flush=True)
+        print(f"launched mlx {n}x{k}", file=sys.stderr)
 
 
 if __name__ == "__main__":

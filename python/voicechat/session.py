@@ -8,8 +8,8 @@ heads give `text[t]` and `function[t]` (greedy, after the system prompt); from t
 `text[t]` into one frame of 31 codec codes. The loop never waits for the device: ids stay on the
 device and feed the next frame, the LLM step runs as one compiled graph (`DuplexLM.decode`) as
 the TTS step does, evaluation is pipelined with `mx.async_eval`, and the host syncs
-only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest). On a GPU the
-TTS half is built on a host thread of its own (`tts_thread`), beside the LLM half.
+only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest). Optionally
+(`tts_thread`, experimental) the TTS half is built on a host thread of its own, beside the LLM half.
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ class Result:
 class VoiceChat:
     """A loaded model: `generate()` runs the offline timeline on one input.
 
-    `tts_thread` (default: on a CUDA GPU): build the TTS steps on a host thread of their own while
-    this thread builds the LLM steps (same ids and codes; `tts_thread.py` says why it pays)."""
+    `tts_thread` (default off; experimental): build the TTS steps on a host thread of their own while
+    this thread builds the LLM steps (same ids and codes; `tts_thread.py` says why it pays, and why
+    it is off: MLX 0.32.4's CUDA backend crashed with two threads encoding at once)."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):
@@ -102,9 +103,8 @@ class VoiceChat:
         # the second when a worker thread steps it (on one thread, one stream: no cross-stream waits).
         self._timeline_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._tts_stream = mx.new_thread_unsafe_stream(mx.default_device())
-        # On a GPU the loop is bound by MLX's host time a launch: two threads build it faster. On the
-        # CPU the host threads would only take cores from the kernels.
-        self.tts_thread = on_cuda_gpu()
+        # Off: two threads evaluating at once segfaulted MLX 0.32.4 on the H200 (tts_thread.py).
+        self.tts_thread = False
         self._generating = threading.Lock()
 
     # ------------------------------------------------------------------ helpers

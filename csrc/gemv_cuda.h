@@ -693,6 +693,30 @@ inline void reads_before_copies() {}
 inline void bar_wait(unsigned long long*, unsigned int) {}
 #endif
 
+// The sums over a warp of N values (N a power of two <= 32) in 2N - 1 + (5 - log2 N) shuffles
+// instead of 5N: at each halving step lanes with bit O set keep the upper half of their values and
+// send the lower half across, the others the reverse. Returns, in every lane, the total of value
+// (lane >> (5 - log2 N)) & (N - 1). v is overwritten.
+template <int N, int O>
+__device__ __forceinline__ float fold_sums(float* v, int lane) {
+  if constexpr (O == 0) {
+    return v[0];
+  } else if constexpr (N > 1) {
+    constexpr int H = N / 2;
+    const bool up = (lane & O) != 0;
+#pragma unroll
+    for (int i = 0; i < H; ++i) {
+      const float send = up ? v[i] : v[i + H];
+      const float keep = up ? v[i + H] : v[i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    return fold_sums<H, O / 2>(v, lane);
+  } else {
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+    return fold_sums<1, O / 2>(v, lane);
+  }
+}
+
 // Tile `tile`'s weight rows, scales and biases into stage `st`: by the copy engine (bulk, thread 0
 // only), or (every pointer not 16-byte aligned) by the block's threads, word by word.
 template <int W_BYTES, int S_BYTES, int THREADS>
@@ -861,17 +885,13 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
         }
       }
     }
-    // The tile's sums: each warp's, then the warps' in order (red is double-buffered: a thread may
-    // write the next tile's before the last reader of this one's is done).
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float v = acc[r][m];
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane == 0) red[i & 1][warp][r * M + m] = v;
-      }
+    // The tile's sums: each warp's (folded, see fold_sums), then the warps' in order (red is
+    // double-buffered: a thread may write the next tile's before the last reader of this one's is done).
+    {
+      constexpr int LOG = SUMS >= 32 ? 5 : SUMS >= 16 ? 4 : SUMS >= 8 ? 3 : SUMS >= 4 ? 2 : SUMS >= 2 ? 1 : 0;
+      static_assert(SUMS == 1 << LOG, "ROWS x M a power of two");
+      const float v = fold_sums<SUMS, 16>(&acc[0][0], lane);
+      if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[i & 1][warp][(lane >> (5 - LOG)) & (SUMS - 1)] = v;
     }
     __syncthreads();  // stage s read by every thread: refill it
     if (bulk && threadIdx.x == 0 && i + STAGES < tiles) {

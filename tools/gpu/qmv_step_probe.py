@@ -5,10 +5,12 @@ layout's), and MLX's product at the same
 shapes: the program `tools/gpu/qmv_ncu.sh` runs under Nsight Compute with PROBE=step.
 
     PYTHONPATH=python python tools/gpu/qmv_step_probe.py [tiny]   (a check of the script on the CPU)
+    QMV_CASES=out_proj,down_proj ...                             (some of the four)
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import mlx.core as mx
@@ -31,6 +33,8 @@ CASES = {
     "down_proj": (4480, 15680, 0, True, "", BLOCK + ((8, 0, 2, 0), (8, 512, 2, 0), (8, 512, 3, 0),
                                                       (8, 0, 3, 0))),
 }
+if os.environ.get("QMV_CASES"):  # a comma-separated subset, to keep a short call short
+    CASES = {name: CASES[name] for name in os.environ["QMV_CASES"].split(",")}
 if len(sys.argv) > 1:
     CASES = {"tiny": (64, 1024, 8, True, "", ((0, 0, -1, 0), (4, 128, -1, 0)))}
 

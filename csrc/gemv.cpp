@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <variant>
 #include <vector>
 
 #include "cuda_sources.h"
@@ -587,12 +588,24 @@ struct StreamLaunch {
 // layout's grid is short (N = 4480: 2.1 waves of 2 blocks an SM). Two rows not measured.
 int default_stream_stages(int k, int /*n*/, int m) { return m == 1 && k >= 8192 ? 2 : 0; }
 
+// Whether the GPU has the copy engine's bulk copies and mbarrier transaction counts (sm_90 on):
+// the streamed layout's PTX does not compile for older GPUs, which keep the block layout. Asked
+// once, of the first device a call runs on (one GPU a process here).
+bool bulk_copies(int device_index) {
+  static const bool has = [device_index] {
+    const auto& info = mx::gpu::device_info(device_index);
+    const auto it = info.find("compute_capability_major");
+    return it != info.end() && std::holds_alternative<size_t>(it->second) && std::get<size_t>(it->second) >= 9;
+  }();
+  return has;
+}
+
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto).
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                         bool takes_norm, int rows, int threads, int stages, int blocks_per_sm,
-                                        const char* who) {
+                                        int device_index, const char* who) {
   const bool forced = stages > 0;
   if (stages == 0) {
     stages = default_stream_stages(k, n, m);
@@ -606,7 +619,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     threads = chunks <= 512 ? 32 * ((chunks + 31) / 32) : 32 * ((chunks + 63) / 64);
   }
   const int stage = rows * k / 2 + 2 * rows * (k / group_size) * scale_bytes;
-  const char* why = bits != 4                                   ? "4-bit weights only"
+  const char* why = !bulk_copies(device_index)                  ? "a GPU with bulk copies (sm_90 or newer)"
+                    : bits != 4                                 ? "4-bit weights only"
                     : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
                     : group_size % 32 != 0                      ? "a group of whole 16-byte chunks"
                     : n % rows != 0 || rows * m > 32            ? "N a multiple of rows_per_block, rows x M <= 32"
@@ -728,7 +742,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   const auto streamed = warps > 0 ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
-                                                !norm_weight, rows_per_block, threads, stages, blocks_per_sm, who);
+                                                !norm_weight, rows_per_block, threads, stages, blocks_per_sm,
+                                                s.device.index, who);
   if (streamed) {
     return quantized_matvec_streamed(x, w, scales, biases, bias, epi, prenorm, next_norm, norm_eps, out_dtype,
                                      *streamed, s);

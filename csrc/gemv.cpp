@@ -647,12 +647,13 @@ std::vector<mx::array> quantized_matvec_streamed(const mx::array& x, const mx::a
                                                  const mx::array& biases, const std::optional<mx::array>& bias,
                                                  const Epilogue& epi, const std::optional<Prenorm>& prenorm,
                                                  const std::optional<mx::array>& next_norm, float norm_eps,
-                                                 mx::Dtype out_dtype, const StreamLaunch& l, mx::Stream s) {
+                                                 int group_size, mx::Dtype out_dtype, const StreamLaunch& l,
+                                                 mx::Stream s) {
   const int k = x.shape(-1), n = w.shape(0), m = leading_rows(x);
   std::vector<mx::array> inputs = {x, w, scales, biases, bias ? *bias : scales, epi.residual ? *epi.residual : scales,
                                    prenorm ? prenorm->partials : scales};
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
-      {"GROUP", k / (static_cast<int>(scales.shape(-1)))}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
+      {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
       {"THREADS", l.threads}, {"STAGES", l.stages}};
   if (!next_norm) {
     args.emplace_back("EPI", epi.kind());
@@ -745,8 +746,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                                                 !norm_weight, rows_per_block, threads, stages, blocks_per_sm,
                                                 s.device.index, who);
   if (streamed) {
-    return quantized_matvec_streamed(x, w, scales, biases, bias, epi, prenorm, next_norm, norm_eps, out_dtype,
-                                     *streamed, s);
+    return quantized_matvec_streamed(x, w, scales, biases, bias, epi, prenorm, next_norm, norm_eps, group_size,
+                                     out_dtype, *streamed, s);
   }
   const Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only ? 0 : warps);
   const bool warp = l.warps > 0;

@@ -481,6 +481,24 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
   return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned long long>(~static_cast<unsigned int>(index));
 }
 
+// The end of an emitting matvec's row group, in the first warp (all 32 lanes call it): lane t with
+// `valid` stores finish(v) for row `row`, input row t % M, and the next norm's input normed = stored *
+// next_w[row]; partials[m * np + p] gets the sum of stored^2 over the group's rows.
+template <int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO, typename TE>
+__device__ __forceinline__ void emit_rows(float v, bool valid, int row, const TB* bias, const TR* residual, TO* out,
+                                          int n, const TE* next_w, float* normed, float* partials, int p, int np) {
+  const int m = static_cast<int>(threadIdx.x) % M;
+  float sq = 0.0f;
+  if (valid) {
+    const float stored = finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
+    normed[static_cast<size_t>(m) * n + row] = stored * static_cast<float>(next_w[row]);
+    sq = stored * stored;
+  }
+#pragma unroll
+  for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+  if (threadIdx.x < M) partials[static_cast<size_t>(threadIdx.x) * np + p] = sq;
+}
+
 // The block-layout quantized matvec, whole: block b computes rows [b * ROWS, b * ROWS + ROWS).
 //
 // NORM 0: x is the product's input. NORM 1: rms_norm(x) * norm_w is (see qmv_accumulate; eps).
@@ -591,20 +609,12 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
   }
   if constexpr (EMIT) {
     if (threadIdx.x < 32) {
-      float sq = 0.0f;
       const int row = row0 + static_cast<int>(threadIdx.x) / M;
       const int m = static_cast<int>(threadIdx.x) % M;
-      if (threadIdx.x < ROWS * M && row < N) {
-        const float v = row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
-        const float stored = finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, N);
-        normed[static_cast<size_t>(m) * N + row] = stored * static_cast<float>(next_w[row]);
-        sq = stored * stored;
-      }
-#pragma unroll
-      for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-      if (threadIdx.x < M) {
-        partials[static_cast<size_t>(threadIdx.x) * ((N + ROWS - 1) / ROWS) + blockIdx.x] = sq;
-      }
+      const bool valid = threadIdx.x < ROWS * M && row < N;
+      const float v = !valid ? 0.0f : row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
+      emit_rows<M, EPI, HAS_BIAS>(v, valid, row, bias, residual, out, N, next_w, normed, partials, blockIdx.x,
+                                  (N + ROWS - 1) / ROWS);
     }
   } else {
     store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N, row_scale);
@@ -900,21 +910,15 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     }
     if (threadIdx.x < 32) {
       const int row = tile * ROWS + static_cast<int>(threadIdx.x) / M;
-      const int m = static_cast<int>(threadIdx.x) % M;
-      float sq = 0.0f;
+      float v = 0.0f;
       if (threadIdx.x < SUMS) {
-        float v = 0.0f;
         for (int w = 0; w < WARPS; ++w) v += red[i & 1][w][threadIdx.x];
-        const float stored = vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, N);
-        if constexpr (EMIT) {
-          normed[static_cast<size_t>(m) * N + row] = stored * static_cast<float>(next_w[row]);
-          sq = stored * stored;
-        }
       }
       if constexpr (EMIT) {
-#pragma unroll
-        for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-        if (threadIdx.x < M) partials[static_cast<size_t>(threadIdx.x) * TILES + tile] = sq;
+        vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, bias, residual, out, N, next_w, normed,
+                                             partials, tile, TILES);
+      } else if (threadIdx.x < SUMS) {
+        vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, row, N);
       }
     }
   }

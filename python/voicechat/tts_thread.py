@@ -40,8 +40,8 @@ class TTSThread:
     `start()` takes the carried state (the warmed-up cache, the previous code and the key), `put()`
     each frame's text id, `finish()` waits for the worker and returns the codes of every frame (and
     the host syncs it made); an error in the worker is raised there, or by the next `put()`, after
-    which the caller must `abort()`. `abort()` stops a worker whose
-    codes are no longer wanted (the caller's loop failed) without stepping the ids still queued."""
+    which the caller must `abort()`. `abort()` stops a worker whose codes are no longer wanted (the
+    caller's loop failed) without stepping the ids still queued."""
 
     def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int):
         self.tts, self.stream, self.silence, self.sync_every = tts, stream, silence, sync_every

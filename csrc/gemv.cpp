@@ -569,6 +569,74 @@ mx::array apply_prenorm(const mx::array& x, const Prenorm& p, float eps, mx::Str
   return mx::astype(mx::reshape(scaled, x.shape(), s), x.dtype(), s);
 }
 
+// One instance of vc_qmv_imma (emit false) or vc_qmv_imma_emit (emit true), 4-bit group 64 with
+// bfloat16 scales, a float32 output, LEVELS 3: np > 0, an input normalized by its producer (np partials
+// in ng groups); epi as qmv_instance's (emit: + residual).
+CudaInstance qmv_imma_instance(bool emit, const char* tx, int k, int n, int m, int warps, int epi = 0, int np = 0,
+                               int ng = 1) {
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  const char* residual_type = emit || epi == 1 ? f : bf;
+  const char* norm_type = np > 0 ? f : bf;
+  CudaInstance inst{{tx, "uint32_t", bf, bf, bf, residual_type, norm_type}, {f}, {}};
+  std::vector<TemplateArg> args = {{"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
+                                   {"WARPS", int_arg(warps)}, {"LEVELS", int_arg(3)}};
+  if (!emit) {
+    args.push_back({"EPI", int_arg(epi)});
+  }
+  args.insert(args.end(), {{"HAS_BIAS", "bool:false"}, {"NORM", int_arg(np > 0 ? 2 : 0)}, {"NP", int_arg(np)},
+                           {"NG", int_arg(ng)}, {"EPS_BITS", int_arg(float_bits(1e-5f))}, {"TX", type_arg(tx)},
+                           {"TS", type_arg(bf)}, {"TB", type_arg(bf)}, {"TR", type_arg(residual_type)},
+                           {"TN", type_arg(norm_type)}});
+  if (emit) {
+    inst.input_types.push_back(f);
+    inst.output_types = {f, f, f};
+    args.push_back({"TE", type_arg(f)});
+  }
+  args.push_back({"TO", type_arg(f)});
+  inst.template_args = args;
+  return inst;
+}
+
+std::string imma_header() { return stream_header() + gemv_cuda::kImmaHeader; }
+
+const CudaSource& qmv_imma_source() {
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_imma",
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w"},
+      {"out"},
+      gemv_cuda::kQmvImmaSource,
+      imma_header(),
+      {
+          // mamba in_proj and mlp up_proj (squared ReLU) on an emitted norm input (280 partials);
+          // plain, two rows of bfloat16 x
+          qmv_imma_instance(false, f, 4480, 22656, 1, 8, 0, 280),
+          qmv_imma_instance(false, f, 4480, 15680, 1, 8, 2, 280),
+          qmv_imma_instance(false, bf, 4480, 22656, 2, 8),
+      },
+  });
+  return src;
+}
+
+const CudaSource& qmv_imma_emit_source() {
+  const char* f = "float";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_imma_emit",
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "next_w"},
+      {"out", "normed", "partials"},
+      gemv_cuda::kQmvImmaEmitSource,
+      imma_header(),
+      {
+          // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
+          qmv_imma_instance(true, f, 10240, 4480, 1, 8, 0, 640, 8),
+          qmv_imma_instance(true, f, 15680, 4480, 1, 8),
+      },
+  });
+  return src;
+}
+
 // ---------------------------------------------------------------- the streamed layout
 
 constexpr int kSmemPerSm = 232448;      // Hopper: a block's (and an SM's) most dynamic shared memory
@@ -677,6 +745,88 @@ std::vector<mx::array> quantized_matvec_streamed(const mx::array& x, const mx::a
       grid, block, args, std::nullopt, false, s);
 }
 
+// ---------------------------------------------------------------- the integer-MMA layout
+
+constexpr int kImmaLevels = 3;  // x's block floating point terms: 6 + 7 + 7 bits below a group's largest
+
+struct ImmaLaunch {
+  int warps, blocks, smem;
+};
+
+// Whether the GPU has the integer MMA (sm_80 on). Asked once, of the first device a call runs on.
+bool integer_mma(int device_index) {
+  static const bool has = [device_index] {
+    const auto& info = mx::gpu::device_info(device_index);
+    const auto it = info.find("compute_capability_major");
+    return it != info.end() && std::holds_alternative<size_t>(it->second) && std::get<size_t>(it->second) >= 8;
+  }();
+  return has;
+}
+
+// The integer-MMA launch at this shape, or nothing. imma: < 0 never; 0 the default (not yet: see
+// docs/developing.md); > 0 always (refused with a reason where the kernel cannot take it). threads /
+// blocks_per_sm: overrides (0 = auto).
+std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bits, bool takes_norm,
+                                    int prenorm_groups, int threads, int imma, int blocks_per_sm, int device_index,
+                                    const char* who) {
+  if (imma <= 0) {
+    return std::nullopt;
+  }
+  const int warps = threads > 0 ? threads / 32 : 8;
+  const int groups = k / 64;
+  const int smem = groups * (64 * kImmaLevels * m + 20 * m);
+  const char* why = !integer_mma(device_index)                  ? "a GPU with integer MMA (sm_80 or newer)"
+                    : bits != 4 || group_size != 64             ? "4-bit weights in groups of 64"
+                    : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
+                    : k % 64 != 0 || n % 16 != 0 || m > 2       ? "K a multiple of 64, N of 16, 1-2 rows"
+                    : (k / prenorm_groups) % 64 != 0            ? "prenorm groups of whole 64-wide groups"
+                    : threads % 32 != 0 || warps < 1 || warps > 32 ? "threads a multiple of 32 up to 1024"
+                    : smem + kStreamStaticSmem > kSmemPerSm     ? "x's expansion inside 227 KB of shared memory"
+                                                                : nullptr;
+  if (why) {
+    throw std::invalid_argument(std::string(who) + ": the integer-MMA layout takes " + why);
+  }
+  // a persistent grid must be resident at once: 64 registers a thread (ptxas: 55-60) bound it too
+  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
+                                       : std::max(1, std::min({2048 / (32 * warps), 65536 / (64 * 32 * warps),
+                                                               kSmemPerSm / (smem + kStreamStaticSmem)}));
+  return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem};
+}
+
+// The vc_qmv_imma launch of quantized_matvec_impl (its checks done): [out] or [out, normed, partials].
+std::vector<mx::array> quantized_matvec_imma(const mx::array& x, const mx::array& w, const mx::array& scales,
+                                             const mx::array& biases, const std::optional<mx::array>& bias,
+                                             const Epilogue& epi, const std::optional<Prenorm>& prenorm,
+                                             const std::optional<mx::array>& next_norm, float norm_eps,
+                                             mx::Dtype out_dtype, const ImmaLaunch& l, mx::Stream s) {
+  const int k = x.shape(-1), n = w.shape(0), m = leading_rows(x);
+  std::vector<mx::array> inputs = {x, w, scales, biases, bias ? *bias : scales, epi.residual ? *epi.residual : scales,
+                                   prenorm ? prenorm->partials : scales};
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
+      {"K", k}, {"N", n}, {"M", m}, {"WARPS", l.warps}, {"LEVELS", kImmaLevels}};
+  if (!next_norm) {
+    args.emplace_back("EPI", epi.kind());
+  }
+  args.insert(args.end(), {{"HAS_BIAS", bias.has_value()}, {"NORM", prenorm ? 2 : 0},
+                           {"NP", prenorm ? static_cast<int>(prenorm->partials.shape(-1)) : 0},
+                           {"NG", prenorm ? prenorm->groups : 1}, {"EPS_BITS", prenorm ? float_bits(norm_eps) : 0},
+                           {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
+                           {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TN", inputs[6].dtype()}});
+  const int threads = 32 * l.warps;
+  const std::tuple<int, int, int> grid{l.blocks * threads, 1, 1}, block{threads, 1, 1};
+  if (!next_norm) {
+    args.emplace_back("TO", out_dtype);
+    return kernel(qmv_imma_source(), l.smem)(inputs, {out_shape(x, n)}, {out_dtype}, grid, block, args,
+                                             std::nullopt, false, s);
+  }
+  inputs.push_back(*next_norm);
+  args.emplace_back("TE", next_norm->dtype());
+  args.emplace_back("TO", out_dtype);
+  return kernel(qmv_imma_emit_source(), l.smem)(
+      inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, n / 16)}, {out_dtype, mx::float32, mx::float32},
+      grid, block, args, std::nullopt, false, s);
+}
+
 // What quantized_matvec and quantized_matvec_emit_norm share: [out] or, with next_norm, [out,
 // normed, partials] (normed = out * next_norm, partials [..., P] whose sum is each row's sum of out^2).
 std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -686,7 +836,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                                              const std::optional<mx::array>& norm_weight, float norm_eps,
                                              const std::optional<Prenorm>& prenorm,
                                              const std::optional<mx::array>& next_norm, int stages,
-                                             int blocks_per_sm, mx::Stream s) {
+                                             int blocks_per_sm, int imma, mx::Stream s) {
   const char* who = next_norm ? "quantized_matvec_emit_norm" : "quantized_matvec";
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   const Epilogue epi = make_epilogue(residual, activation, n, who);
@@ -740,6 +890,12 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const int chunks = k * bits / 128;
   if (prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512) {
     threads = 32 * ((chunks + 31) / 32);
+  }
+  const auto mma = warps > 0 ? std::nullopt
+                             : pick_imma(k, n, m, group_size, bits, !norm_weight, prenorm ? prenorm->groups : 1,
+                                         threads, imma, blocks_per_sm, s.device.index, who);
+  if (mma) {
+    return quantized_matvec_imma(x, w, scales, biases, bias, epi, prenorm, next_norm, norm_eps, out_dtype, *mma, s);
   }
   const auto streamed = warps > 0 ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
@@ -796,10 +952,10 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            int threads, int warps, const std::optional<mx::array>& residual,
                            const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
                            const std::optional<mx::array>& prenormed, int prenorm_groups, int stages,
-                           int blocks_per_sm, mx::StreamOrDevice s) {
+                           int blocks_per_sm, int imma, mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, warps, residual,
                                activation, norm_weight, norm_eps, make_prenorm(prenormed, prenorm_groups),
-                               std::nullopt, stages, blocks_per_sm, mx::to_stream(s))[0];
+                               std::nullopt, stages, blocks_per_sm, imma, mx::to_stream(s))[0];
 }
 
 std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -807,10 +963,11 @@ std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::
                                                   const mx::array& next_norm, const std::optional<mx::array>& bias,
                                                   int group_size, int bits, const std::optional<mx::array>& prenormed,
                                                   int prenorm_groups, float norm_eps, int rows_per_block, int threads,
-                                                  int stages, int blocks_per_sm, mx::StreamOrDevice s) {
+                                                  int stages, int blocks_per_sm, int imma,
+                                                  mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, 0, residual, "",
                                std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm, stages,
-                               blocks_per_sm, mx::to_stream(s));
+                               blocks_per_sm, imma, mx::to_stream(s));
 }
 
 // ---------------------------------------------------------------- dense matvec
@@ -1000,6 +1157,8 @@ void bind(py::module_& m) {
   qmv_emit_source();
   qmv_stream_source();
   qmv_stream_emit_source();
+  qmv_imma_source();
+  qmv_imma_emit_source();
   qmv_warp_source();
   dense_source();
   dense_add_norm_source();
@@ -1011,7 +1170,7 @@ void bind(py::module_& m) {
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
         py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
         py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stages") = 0,
-        py::arg("blocks_per_sm") = 0, py::arg("stream") = py::none(),
+        py::arg("blocks_per_sm") = 0, py::arg("imma") = 0, py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
@@ -1022,16 +1181,19 @@ void bind(py::module_& m) {
         "group is scaled by rsqrt(sum / group width + norm_eps) in the same launch. stages: the streamed "
         "layout (4-bit; a persistent grid, each block `stages` tiles of rows_per_block rows in flight through "
         "bulk copies into shared memory, blocks_per_sm blocks an SM): -1 never, 0 where the default picks it, "
-        "> 0 always (an error where it cannot take the call).");
+        "> 0 always (an error where it cannot take the call). imma: the integer-MMA layout (4-bit group 64; "
+        "16-row slabs on the tensor cores, x as a block floating point expansion; threads and blocks_per_sm "
+        "steer it): 0 / -1 never, > 0 always (an error where it cannot take the call).");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),
         py::arg("prenorm_groups") = 1, py::arg("norm_eps") = 1e-5f, py::arg("rows_per_block") = 0,
-        py::arg("threads") = 0, py::arg("stages") = 0, py::arg("blocks_per_sm") = 0, py::arg("stream") = py::none(),
+        py::arg("threads") = 0, py::arg("stages") = 0, py::arg("blocks_per_sm") = 0, py::arg("imma") = 0,
+        py::arg("stream") = py::none(),
         "[out, normed, partials]: out = x @ dequantize(w).T (+ bias) + residual, and the next RMSNorm's input "
         "left for its matvec: normed = out * next_norm (float32) and partials [..., P] (float32) whose sum "
         "is each row's sum of out^2 (pass both as that matvec's x and prenormed). One CUDA launch; MLX ops "
-        "elsewhere (P = 1 there; P = N / rows_per_block in the streamed layout, see quantized_matvec's stages).");
+        "elsewhere (P = 1 there; P = N / rows_per_block in the streamed layout, see quantized_matvec's stages; N / 16 with imma).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",

@@ -727,6 +727,39 @@ __device__ __forceinline__ float fold_sums(float* v, int lane) {
   }
 }
 
+// NORM 2's group totals: group_total[o * M + m] = the sum of input row m's partials in group o (NP
+// partials a row in NG groups of NP / NG), summed by the block. scratch: WARPS rows of `stride`
+// floats (stride >= NG * M). Ends with a block barrier.
+template <int NP, int NG, int M, int THREADS, typename TN>
+__device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, int stride, float* group_total) {
+  constexpr int NGM = NG * M;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float gs[NGM];
+#pragma unroll
+  for (int o = 0; o < NGM; ++o) gs[o] = 0.0f;
+  for (int i = threadIdx.x; i < NP; i += THREADS) {
+    const int g = i / (NP / NG);
+#pragma unroll
+    for (int o = 0; o < NG; ++o) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int o = 0; o < NGM; ++o) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) gs[o] += __shfl_xor_sync(0xffffffffu, gs[o], off);
+    if (lane == 0) scratch[warp * stride + o] = gs[o];
+  }
+  __syncthreads();
+  if (threadIdx.x < NGM) {
+    float t = 0.0f;
+    for (int w = 0; w < THREADS / 32; ++w) t += scratch[w * stride + threadIdx.x];
+    group_total[threadIdx.x] = t;
+  }
+  __syncthreads();
+}
+
 // Tile `tile`'s weight rows, scales and biases into stage `st`: by the copy engine (bulk, thread 0
 // only), or (every pointer not 16-byte aligned) by the block's threads, word by word.
 template <int W_BYTES, int S_BYTES, int THREADS>
@@ -795,29 +828,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
-    float gs[NGM];
-#pragma unroll
-    for (int o = 0; o < NGM; ++o) gs[o] = 0.0f;
-    for (int i = threadIdx.x; i < NP; i += THREADS) {
-      const int g = i / (NP / NG);
-#pragma unroll
-      for (int o = 0; o < NG; ++o) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int o = 0; o < NGM; ++o) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) gs[o] += __shfl_xor_sync(0xffffffffu, gs[o], off);
-      if (lane == 0) red[1][warp][o] = gs[o];
-    }
-    __syncthreads();
-    if (threadIdx.x < NGM) {
-      float t = 0.0f;
-      for (int w = 0; w < WARPS; ++w) t += red[1][w][threadIdx.x];
-      group_total[threadIdx.x] = t;
-    }
+    group_totals<NP, NG, M, THREADS>(norm_w, &red[1][0][0], SUMS > NGM ? SUMS : NGM, group_total);
   }
   __syncthreads();  // the barriers' init (and the group totals) seen by every thread
   // This thread's chunks of x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a
@@ -926,6 +937,243 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
 
 }  // namespace vc_stream
 #endif
+)";
+
+// The 4-bit matvec on the tensor cores' integer MMA (mma.sync m16n8k32, u8 x s8 -> s32): the
+// weights' nibbles are the u8 A operand as they stand (v & 0x0F0F0F0F: two instructions for eight
+// values, against the float path's five a pair), and x the s8 B operand as a block floating point
+// expansion built once a block in shared memory: each group of 64 inputs is 2^E (p0 + p1 / 128 + p2 /
+// 128^2 ...) with int8 p (LEVELS terms, 6 + 7 (LEVELS - 1) bits below the group's largest |x|), one
+// term a B column, so one MMA takes every term (and both rows of x) at once. Integer sums are exact;
+// each group's are scaled in float32: s * 2^E * sum(q p) + b * sum(x).
+constexpr const char* kImmaHeader = R"(
+#ifndef VC_IMMA_HEADER
+#define VC_IMMA_HEADER
+namespace vc_imma {
+
+#ifdef __CUDA_ARCH__
+// d += a . b for the warp: a the 16x32 u8 tile (lane 4g + t: rows g and g + 8, columns 4t..4t+3 and
+// 16 + 4t..16 + 4t+3), b the 32x8 s8 tile (column g, the same rows as the lane's a columns).
+__device__ __forceinline__ void mma(int* d, const unsigned int* a, const unsigned int* b) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#else
+inline void mma(int* d, const unsigned int* a, const unsigned int* b) { cuda_emu::mma_m16n8k32_u8s8(d, a, b); }
+#endif
+
+__device__ __forceinline__ uint2 load_words(const uint2* p) {
+  const unsigned int* w = reinterpret_cast<const unsigned int*>(p);
+  return uint2{w[0], w[1]};
+}
+
+// An int of magnitude below 2^22 as a float, in two full-rate instructions (no I2F).
+__device__ __forceinline__ float small_int_float(int v) { return __int_as_float(v + 0x4B400000) - 12582912.0f; }
+
+// x's expansion in shared memory, for group G (64 inputs), step S (0, 1: 32 inputs each), lane column
+// T and term (level l, row m: p = l * M + m): the B fragment's two words (bytes: inputs
+// 8 (2T + S) + {0, 2, 4, 6} and + 1, the nibbles v & 0x0F0F0F0F and (v >> 4) & 0x0F0F0F0F of word
+// 2T + S of the group). Then a float a (group, row): 2^E times the input norm's scale; and a float a
+// (group, lane column, row): the sum of the scaled inputs of the lane column's 16 (words 2T, 2T + 1).
+template <int K, int M, int LEVELS>
+struct Layout {
+  static constexpr int GROUPS = K / 64;
+  static constexpr int P = LEVELS * M;
+  static constexpr int TERMS = 0;
+  static constexpr int FACTORS = GROUPS * 2 * 4 * P * 8;  // byte offsets
+  static constexpr int SUMS = FACTORS + GROUPS * M * 4;
+  static constexpr int BYTES = SUMS + GROUPS * 4 * M * 4;
+};
+
+// Builds the expansion of x (scaled by `scale(group, m)`, the input norm's) into smem: eight lanes
+// a group of 64 (one word each), the group's largest |x| by three shuffles.
+template <int K, int M, int LEVELS, int THREADS, typename TX, typename Scale>
+__device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale scale) {
+  using L = Layout<K, M, LEVELS>;
+  uint2* terms = reinterpret_cast<uint2*>(smem + L::TERMS);
+  float* factors = reinterpret_cast<float*>(smem + L::FACTORS);
+  float* sums = reinterpret_cast<float*>(smem + L::SUMS);
+  constexpr int ITEMS = L::GROUPS * M * 8;
+  const bool vec = vc_gemv::aligned16(x);
+  for (int base = threadIdx.x & ~31; base < ITEMS; base += THREADS) {
+    const int e = base + static_cast<int>(threadIdx.x & 31);
+    const bool valid = e < ITEMS;
+    const int word = e & 7, gm = min(e >> 3, L::GROUPS * M - 1);
+    const int grp = gm / M, m = gm % M;
+    float v[8];
+    vc_gemv::load_x<8>(x + static_cast<size_t>(m) * K + grp * 64 + word * 8, v, vec);
+    float top = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      top = fmaxf(top, fabsf(v[i]));
+      sum += v[i];
+    }
+    top = valid ? top : 0.0f;
+#pragma unroll
+    for (int off = 1; off < 8; off <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    // 2^E with top / 2^E in [32, 64): the first term's |p| <= 64, each next one's too (x 128)
+    // (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), E = e - 132; e >= 7 keeps 2^E normal)
+    const int ebits = max(static_cast<int>(__float_as_uint(top) >> 23), 7);
+    const float down = __uint_as_float(static_cast<unsigned int>(259 - ebits) << 23);
+    const float up = __uint_as_float(static_cast<unsigned int>(ebits - 5) << 23);
+    unsigned int lo[LEVELS], hi[LEVELS];
+#pragma unroll
+    for (int l = 0; l < LEVELS; ++l) lo[l] = hi[l] = 0u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      float y = v[i] * down;
+#pragma unroll
+      for (int l = 0; l < LEVELS; ++l) {
+        const float r = rintf(y);
+        const unsigned int byte = static_cast<unsigned int>(static_cast<int>(r)) & 0xFFu;
+        if (i & 1) {
+          hi[l] |= byte << (8 * (i >> 1));
+        } else {
+          lo[l] |= byte << (8 * (i >> 1));
+        }
+        y = (y - r) * 128.0f;
+      }
+    }
+    const float s = scale(grp, m);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // words 2T, 2T + 1
+    if (valid) {
+      const int t = word >> 1, step = word & 1;
+#pragma unroll
+      for (int l = 0; l < LEVELS; ++l) terms[((grp * 2 + step) * 4 + t) * L::P + l * M + m] = uint2{lo[l], hi[l]};
+      if (word == 0) factors[grp * M + m] = up * s;
+      if (step == 0) sums[(grp * 4 + t) * M + m] = sum * s;
+    }
+  }
+}
+
+// out[m, row] for 16-row slabs, a persistent grid (block b: slabs b, b + grid, ...), the block's warps
+// splitting each slab's groups (warp w: w, w + WARPS, ...); NORM 0 / 2, the epilogue of
+// vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The dynamic shared memory holds the
+// expansion (Layout::BYTES).
+template <int K, int N, int M, int WARPS, int LEVELS, int EPI, bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT,
+          typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
+__device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight, const TS* scales, const TS* biases,
+                                         const TB* bias, const TR* residual, const TN* norm_w, float eps, TO* out,
+                                         const TE* next_w, float* normed, float* partials, unsigned char* smem) {
+  using L = Layout<K, M, LEVELS>;
+  constexpr int THREADS = WARPS * 32;
+  constexpr int GROUPS = L::GROUPS;
+  constexpr int SLABS = N / 16;
+  constexpr int SUMS = 16 * M;
+  constexpr int NGM = (NORM == 2 ? NG : 1) * M;
+  static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
+  static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
+  __shared__ float red[2][WARPS][SUMS > NGM ? SUMS : NGM];
+  __shared__ float group_total[NGM];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  if constexpr (NORM == 2) {
+    vc_stream::group_totals<NP, NG, M, THREADS>(norm_w, &red[1][0][0], SUMS > NGM ? SUMS : NGM, group_total);
+  }
+  expand_x<K, M, LEVELS, THREADS>(x, smem, [&](int grp, int m) {
+    if constexpr (NORM == 2) {
+      constexpr int W = K / NG;
+      return rsqrtf(group_total[(grp * 64 / W) * M + m] / static_cast<float>(W) + eps);
+    } else {
+      return 1.0f;
+    }
+  });
+  __syncthreads();
+  const uint2* terms = reinterpret_cast<const uint2*>(smem + L::TERMS);
+  const float* factors = reinterpret_cast<const float*>(smem + L::FACTORS);
+  const float* sums = reinterpret_cast<const float*>(smem + L::SUMS);
+  // This lane's B column g: term (level g / 2, row g % 2) or none; its C columns 2t, 2t + 1: level t
+  // of rows 0 and 1, weighed 128^-t.
+  const int term = (g >> 1) * M + (g & 1);
+  const bool has_term = (g & 1) < M && (g >> 1) < LEVELS;
+  const float level_weight = t < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * t) << 23) : 0.0f;
+  constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
+  const bool w8 = (reinterpret_cast<size_t>(weight) & 7) == 0;
+  for (int i = 0, slab = blockIdx.x; slab < SLABS; ++i, slab += gridDim.x) {
+    const int row = slab * 16 + g;
+    const uint2* w_lo = reinterpret_cast<const uint2*>(weight + static_cast<size_t>(row) * (K / 8)) + t;
+    const uint2* w_hi = reinterpret_cast<const uint2*>(weight + static_cast<size_t>(row + 8) * (K / 8)) + t;
+    const TS* s_lo = scales + static_cast<size_t>(row) * GROUPS;
+    const TS* s_hi = scales + static_cast<size_t>(row + 8) * GROUPS;
+    const TS* b_lo = biases + static_cast<size_t>(row) * GROUPS;
+    const TS* b_hi = biases + static_cast<size_t>(row + 8) * GROUPS;
+    float acc[2][M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
+#pragma unroll 4
+    for (int grp = warp; grp < GROUPS; grp += WARPS) {
+      // words 2t, 2t + 1 of the group (two 4-byte loads where the weight is not 8-byte aligned)
+      const uint2 wl = w8 ? w_lo[grp * 4] : load_words(w_lo + grp * 4);
+      const uint2 wh = w8 ? w_hi[grp * 4] : load_words(w_hi + grp * 4);
+      int c[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
+        const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
+        const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
+        const unsigned int b[2] = {bt.x, bt.y};
+        mma(c, a, b);
+      }
+      const float sl = static_cast<float>(s_lo[grp]), sh = static_cast<float>(s_hi[grp]);
+      const float bl = static_cast<float>(b_lo[grp]), bh = static_cast<float>(b_hi[grp]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float f = factors[grp * M + m] * level_weight;
+        const float xs = sums[(grp * 4 + t) * M + m];
+        acc[0][m] = fmaf(sl * f, small_int_float(c[m]), fmaf(bl, xs, acc[0][m]));
+        acc[1][m] = fmaf(sh * f, small_int_float(c[2 + m]), fmaf(bh, xs, acc[1][m]));
+      }
+    }
+    // The quad's lanes hold a row's levels and its share of the bias term: sum them, then the warps'.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 1);
+        acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 2);
+        if (t == 0) red[i & 1][warp][(g + 8 * h) * M + m] = acc[h][m];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      float v = 0.0f;
+      if (threadIdx.x < SUMS) {
+        for (int w = 0; w < WARPS; ++w) v += red[i & 1][w][threadIdx.x];
+      }
+      const int out_row = slab * 16 + static_cast<int>(threadIdx.x) / M;
+      if constexpr (EMIT) {
+        vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, out_row, bias, residual, out, N, next_w, normed,
+                                             partials, slab, SLABS);
+      } else if (threadIdx.x < SUMS) {
+        vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, out_row, N);
+      }
+    }
+  }
+}
+
+}  // namespace vc_imma
+#endif
+)";
+
+// y = the 4-bit matvec (group 64) through vc_imma::qmv_imma: NORM 0 or 2, EPI, HAS_BIAS. Template args:
+// K, N, M, WARPS, LEVELS, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TO.
+constexpr const char* kQmvImmaSource = R"(
+  VC_DYNAMIC_SMEM(vc_expansion);
+  const float eps = __int_as_float(EPS_BITS);
+  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, EPI, HAS_BIAS, NORM, NP, NG, false>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
+      static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_expansion);
+)";
+
+// kQmvImmaSource with EMIT (out = product + residual, normed = out * next_w, a partial sum of out^2 a
+// 16-row slab). Template args: K, N, M, WARPS, LEVELS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the
+// dtypes TX, TS, TB, TR, TN, TE, TO.
+constexpr const char* kQmvImmaEmitSource = R"(
+  VC_DYNAMIC_SMEM(vc_expansion);
+  const float eps = __int_as_float(EPS_BITS);
+  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, 1, HAS_BIAS, NORM, NP, NG, true>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_expansion);
 )";
 
 // y = the 4-bit matvec of kQmvSource (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a

@@ -167,6 +167,28 @@ def test_streamed_layout_refuses_what_it_cannot_take():
                  reference(quantized_matvec_reference, _x((1, 15680), mx.float32), w, s, b))
 
 
+@needs_cuda
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n,k", LLM_FULL)
+def test_integer_mma_layout_full_size_equals_mlx(n, k, dtype, rows):
+    """The integer tensor-core layout (x as int8 block floating point terms) at every LLM shape."""
+    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
+    x = _x((rows, k), dtype, seed=rows)
+    got = quantized_matvec(x, w, s, b, imma=1)
+    assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
+
+
+@needs_cuda
+def test_integer_mma_layout_refuses_what_it_cannot_take():
+    w, s, b = _quantized(40, 640, dtype=mx.bfloat16, seed=1)  # 40 rows: no whole slabs of 16
+    with pytest.raises(ValueError, match="integer-MMA layout takes K a multiple of 64, N of 16"):
+        quantized_matvec(_x((1, 640), mx.float32), w, s, b, imma=1)
+    w, s, b = _quantized(48, 640, bits=4, group=32, dtype=mx.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="groups of 64"):
+        quantized_matvec(_x((1, 640), mx.float32), w, s, b, 32, 4, imma=1)
+
+
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])
 def test_quantized_input_shapes_and_bias(shape):
     w, s, b = _quantized(72, 192)
@@ -637,13 +659,20 @@ def _q4(n, k, seed):
     return w, s.astype(mx.bfloat16), b.astype(mx.bfloat16)
 
 
-# the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block
-STAGES = [0, 3] if ON_CUDA else [0]
+# the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block and the
+# integer tensor-core one
+LAYOUTS = [{}, {"stages": 3}, {"imma": 1}] if ON_CUDA else [{}]
 
 
-@pytest.mark.parametrize("stages", STAGES)
+def _fits(layout: dict, k: int, n: int) -> dict:
+    """The layout for a K x N product: the integer-MMA one takes K a multiple of 64 and N of 16 only
+    (elsewhere the default's)."""
+    return {} if "imma" in layout and (k % 64 or n % 16) else layout
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("n,k,n2,rows", [(4480, 10240, 22656, 1), (192, 320, 256, 2), (128, 192, 40, 1)])
-def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, n2, rows, stages):
+def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, n2, rows, layout):
     """A + residual matvec leaving the next RMSNorm half done, finished by the next matvec (the LLM
     block seam, shapes of the mamba out_proj into in_proj among them): the same as the plain matvec,
     MLX's rms_norm, then the next matvec (squared ReLU on it, as the MLP's up_proj)."""
@@ -653,8 +682,8 @@ def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, 
     residual = 3.0 * mx.random.normal((rows, n), key=mx.random.key(2))
     norm = nn.RMSNorm(n, eps=1e-5)
     norm.weight = 1.0 + 0.2 * mx.random.normal((n,), key=mx.random.key(3))
-    out, pre = quantized_matvec_emit_norm(x, w1, s1, b1, residual, norm.weight, eps=norm.eps, stages=stages)
-    got = quantized_matvec(pre, w2, s2, b2, squared_relu=True, stages=stages)
+    out, pre = quantized_matvec_emit_norm(x, w1, s1, b1, residual, norm.weight, eps=norm.eps, **_fits(layout, k, n))
+    got = quantized_matvec(pre, w2, s2, b2, squared_relu=True, **_fits(layout, n, n2))
     with mx.stream(mx.cpu):
         want_out = quantized_matvec_reference(x, w1, s1, b1, residual=residual)
         want = quantized_matvec_reference(norm(want_out), w2, s2, b2, squared_relu=True)
@@ -666,9 +695,9 @@ def test_emitted_norm_finished_by_the_next_matvec_equals_rms_norm_between(n, k, 
     np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("stages", STAGES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("k,groups,per_group,rows", [(10240, 8, 80, 1), (256, 4, 3, 2), (192, 4, 1, 1)])
-def test_group_prenormed_input_equals_group_norm_then_matvec(k, groups, per_group, rows, stages):
+def test_group_prenormed_input_equals_group_norm_then_matvec(k, groups, per_group, rows, layout):
     """An input its producer normalized by groups (the gated norm the conv + scan kernel leaves for
     the mamba out_proj; 192 / 4 = 48 channels a group is not whole 16-byte chunks: the composed
     path), into a plain and an emitting matvec."""
@@ -682,8 +711,9 @@ def test_group_prenormed_input_equals_group_norm_then_matvec(k, groups, per_grou
     pre = Prenormed(raw * weight, (sq * split).reshape(rows, groups * per_group), groups, 1e-5)
     residual = mx.random.normal((rows, n), key=mx.random.key(7))
     next_norm = 1.0 + 0.1 * mx.random.normal((n,), key=mx.random.key(8))
-    got = quantized_matvec(pre, w, s, b, stages=stages)
-    out, nxt = quantized_matvec_emit_norm(pre, w, s, b, residual, next_norm, stages=stages)
+    layout = _fits(layout, k, n)
+    got = quantized_matvec(pre, w, s, b, **layout)
+    out, nxt = quantized_matvec_emit_norm(pre, w, s, b, residual, next_norm, **layout)
     with mx.stream(mx.cpu):
         normed = mx.fast.rms_norm(raw.reshape(rows, groups, -1), None, 1e-5).reshape(rows, k) * weight
         np.testing.assert_allclose(np.array(pre.resolve()), np.array(normed), rtol=1e-5, atol=1e-5)

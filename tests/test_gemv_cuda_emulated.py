@@ -309,6 +309,41 @@ def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=
     return case, ref
 
 
+def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1, emit=False,
+              x_offset=0, w_offset=0, x_scale=1.0):
+    """vc_qmv_imma (or _emit): a persistent grid of `blocks` blocks walking the N / 16 slabs, `warps`
+    warps splitting each slab's groups; the input plain or normalized by its producer (np_ partials in
+    ng groups). w_offset > 0 misaligns the weight (its words then come in 4-byte loads)."""
+    w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
+    if np_:
+        x, partials, normed = _prenormed_inputs(k, m, np_, ng, x_dtype, seed=k)
+    else:
+        x = normed = (_x((m, k), mx.float32) * x_scale).astype(x_dtype)
+        partials = s
+    bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
+    residual = _x((m, n), mx.float32, seed=5) if epi == 1 or emit else s
+    next_w = (1.0 + 0.2 * _x((n,), mx.float32, seed=11)) if emit else None
+    args = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=3)
+    if not emit:
+        args["EPI"] = epi
+    args.update(HAS_BIAS=bias is not None, NORM=2 if np_ else 0, NP=np_, NG=ng, EPS_BITS=EPS_BITS, TX=x_dtype,
+                TS=mx.bfloat16, TB=bias_dtype or mx.bfloat16, TR=residual.dtype, TN=partials.dtype, TO=mx.float32)
+    inputs = [x, w, s, b, bias if bias is not None else s, residual, partials]
+    outputs = [("float", (m, n))]
+    if emit:
+        args["TE"] = mx.float32
+        inputs.append(next_w)
+        outputs += [("float", (m, n)), ("float", (m, n // 16))]
+    case = Case("vc_qmv_imma_emit" if emit else "vc_qmv_imma", args, inputs, outputs, blocks, 32 * warps,
+                [x_offset, w_offset] + [0] * (len(inputs) - 2))
+    with mx.stream(mx.cpu):
+        ref = mx.quantized_matmul(normed.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
+        ref = _epilogue_ref(ref if bias is None else ref + bias, 1 if emit else epi, residual)
+        if emit:
+            ref = (ref, ref * next_w, mx.square(ref).reshape(m, n // 16, 16).sum(-1))
+    return case, ref
+
+
 def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0, pro=0):
     w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
     x = _x((m, 2 * k if pro else k), x_dtype)
@@ -710,6 +745,16 @@ def emulated(tmp_path_factory):
         "stream_prenormed_groups": stream_case(32, 1024, 2, 4, 32, 2, 3, np_=8, ng=4),
         "stream_emit_prenormed": stream_case(32, 2048, 1, 8, 64, 2, 2, np_=16, ng=8, emit=True),
         "stream_emit_m2": stream_case(24, 640, 2, 4, 32, 4, 5, emit=True),
+        # the integer-MMA layout: slabs wrapping round a grid of 3 (uneven groups a warp), two rows of
+        # unaligned bfloat16 x with a residual, a misaligned weight with a bias and squared ReLU, tiny
+        # and huge x (the expansion's exponents), a group-normalized input, emitting
+        "imma_q4": imma_case(64, 640, 1, 3, 3),
+        "imma_m2_bf16": imma_case(32, 1024, 2, 2, 1, mx.bfloat16, epi=1, x_offset=1),
+        "imma_own_words": imma_case(48, 512, 1, 4, 2, epi=2, bias_dtype=mx.float32, w_offset=1),
+        "imma_tiny_x": imma_case(16, 256, 2, 2, 1, x_scale=1e-30),
+        "imma_huge_x": imma_case(16, 256, 1, 1, 1, x_scale=1e30),
+        "imma_prenormed_groups": imma_case(32, 1024, 2, 2, 2, np_=8, ng=4),
+        "imma_emit_prenormed": imma_case(48, 2048, 1, 4, 2, np_=16, ng=8, emit=True),
         "emit_m2": emit_case(37, 640, 2, 4, 32),
         "emit_tail": emit_case(10, 4480, 1, 8, 160),
         "emit_prenormed_groups": emit_case(16, 1280, 1, 8, 32, np_=20, ng=4),
@@ -811,6 +856,21 @@ def test_emit_norm_kernel_emulated(emulated, name):
 def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a tile): the tiles a block walks, the stages it reuses, the input norm folded into x."""
+    exe, cases, refs, _, tmp = emulated
+    case, ref = cases[name], refs[name]
+    got = run(exe, name, case, tmp)
+    want = [np.array(r) for r in (ref if isinstance(ref, tuple) else (ref,))]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("name", ["imma_q4", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
+                                  "imma_prenormed_groups", "imma_emit_prenormed"])
+def test_integer_mma_matvec_kernels_emulated(emulated, name):
+    """vc_qmv_imma equals MLX's product (and, emitting, the next norm's input and a partial sum of
+    out^2 a slab): the MMA's fragments as PTX lays them out, x's block floating point expansion at
+    any scale, the slabs a block walks and the groups its warps split."""
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]
     got = run(exe, name, case, tmp)

@@ -6,6 +6,7 @@ shapes: the program `tools/gpu/qmv_ncu.sh` runs under Nsight Compute with PROBE=
 
     PYTHONPATH=python python tools/gpu/qmv_step_probe.py [tiny]   (a check of the script on the CPU)
     QMV_CASES=out_proj,down_proj ...                             (some of the four)
+    QMV_LAUNCHES="8,0,2,0;4,0,2,3" ...                           (these launches for every case)
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from bench_gemv import random_q4  # noqa: E402
 
 from voicechat.kernels import ext  # noqa: E402
 
-# Launches: (rows, threads, stages, blocks_per_sm); 0 = the default, stages -1 = the block layout,
-# > 0 the streamed layout (vc_qmv_stream) with that many tiles in flight a block.
+# Launches: (rows, threads, stages, blocks_per_sm[, imma]); 0 = the default, stages -1 = the block
+# layout, > 0 the streamed layout (vc_qmv_stream) with that many tiles in flight a block; imma 1: the
+# integer tensor-core layout (vc_qmv_imma: threads and blocks_per_sm steer it).
 BLOCK = ((0, 0, -1, 0), (4, 0, -1, 0))
 # name: (N, K, prenorm groups (0: plain x), emit, activation, launches)
 CASES = {
@@ -35,15 +37,18 @@ CASES = {
 }
 if os.environ.get("QMV_CASES"):  # a comma-separated subset, to keep a short call short
     CASES = {name: CASES[name] for name in os.environ["QMV_CASES"].split(",")}
+if os.environ.get("QMV_LAUNCHES"):  # "rows,threads,stages,blocks_per_sm;..." for every case
+    chosen = tuple(tuple(int(v) for v in item.split(",")) for item in os.environ["QMV_LAUNCHES"].split(";"))
+    CASES = {name: case[:5] + (chosen,) for name, case in CASES.items()}
 if len(sys.argv) > 1:
     CASES = {"tiny": (64, 1024, 8, True, "", ((0, 0, -1, 0), (4, 128, -1, 0)))}
 
 
 def launch(n: int, k: int, groups: int, emit: bool, activation: str, launch_shape, tensors):
-    rows, threads, stages, per_sm = launch_shape
+    rows, threads, stages, per_sm, imma = (*launch_shape, 0)[:5]
     w, s, b, x, partials, residual, next_w = tensors
     pre = dict(prenormed=partials, prenorm_groups=groups) if groups else {}
-    shape = dict(rows_per_block=rows, threads=threads, stages=stages, blocks_per_sm=per_sm)
+    shape = dict(rows_per_block=rows, threads=threads, stages=stages, blocks_per_sm=per_sm, imma=imma)
     if emit:
         return ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **shape, **pre)
     return ext.quantized_matvec(x, w, s, b, None, 64, 4, warps=0, activation=activation, **shape, **pre)

@@ -118,7 +118,7 @@ def _prenorm_args(x) -> tuple[mx.array, dict]:
 
 
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
-                     squared_relu: bool = False, norm=None, stages: int = 0, stream=None):
+                     squared_relu: bool = False, norm=None, stages: int = 0, imma: int = 0, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
     `x` [..., K] or `Prenormed` (its scales applied in the same launch), w packed uint32
     [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input is `rms_norm(x, weight, eps)`,
@@ -127,7 +127,9 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     row block re-reads x and the weight; it takes `Prenormed` inputs instead.) A tensor-core variant
     was tried and lost on the H200; see docs/developing.md. `stages`: the streamed 4-bit layout (each
     block keeps that many tiles of weights in flight through bulk copies into shared memory; -1
-    never, 0 where the default picks it); only the CUDA path reads it."""
+    never, 0 where the default picks it). `imma` > 0: the integer tensor-core layout (4-bit group
+    64: 16-row slabs, x as a block floating point expansion of int8 terms); only the CUDA path
+    reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)
@@ -137,7 +139,7 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     norm_weight, norm_eps = norm if norm is not None else (None, pre.pop("norm_eps", 1e-5))
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
                                 activation=_activation(squared_relu), norm_weight=norm_weight,
-                                norm_eps=float(norm_eps), stages=stages, stream=stream, **pre)
+                                norm_eps=float(norm_eps), stages=stages, imma=imma, stream=stream, **pre)
 
 
 def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size: int = 64,
@@ -148,17 +150,18 @@ def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_no
 
 
 def quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, group_size: int = 64, bits: int = 4, *,
-                               bias=None, eps: float = 1e-5, stages: int = 0, stream=None):
+                               bias=None, eps: float = 1e-5, stages: int = 0, imma: int = 0, stream=None):
     """`(out, Prenormed)`: `out = x @ dequantize(w).T (+ bias) + residual` as `quantized_matvec`'s, and
     `rms_norm(out, next_norm, eps)` left for the next quantized matvec to apply (the next block's
-    input norm, formed by no launch of its own). One launch on a CUDA GPU; `stages` as
+    input norm, formed by no launch of its own). One launch on a CUDA GPU; `stages` and `imma` as
     `quantized_matvec`'s."""
     if use_reference():
         return quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size, bits,
                                                     bias=bias, eps=eps)
     x, pre = _prenorm_args(x)
     out, weighted, partials = ext.quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, bias,
-                                                             group_size, bits, stages=stages, stream=stream,
+                                                             group_size, bits, stages=stages, imma=imma,
+                                                             stream=stream,
                                                              **pre)
     return out, Prenormed(weighted, partials, 1, eps)
 

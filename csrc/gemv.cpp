@@ -570,7 +570,7 @@ mx::array apply_prenorm(const mx::array& x, const Prenorm& p, float eps, mx::Str
 }
 
 // One instance of vc_qmv_imma (emit false) or vc_qmv_imma_emit (emit true), 4-bit group 64 with
-// bfloat16 scales, a float32 output, LEVELS 3: np > 0, an input normalized by its producer (np partials
+// bfloat16 scales, a float32 output, LEVELS 4: np > 0, an input normalized by its producer (np partials
 // in ng groups); epi as qmv_instance's (emit: + residual).
 CudaInstance qmv_imma_instance(bool emit, const char* tx, int k, int n, int m, int warps, int epi = 0, int np = 0,
                                int ng = 1) {
@@ -580,7 +580,7 @@ CudaInstance qmv_imma_instance(bool emit, const char* tx, int k, int n, int m, i
   const char* norm_type = np > 0 ? f : bf;
   CudaInstance inst{{tx, "uint32_t", bf, bf, bf, residual_type, norm_type}, {f}, {}};
   std::vector<TemplateArg> args = {{"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
-                                   {"WARPS", int_arg(warps)}, {"LEVELS", int_arg(3)}};
+                                   {"WARPS", int_arg(warps)}, {"LEVELS", int_arg(4)}};
   if (!emit) {
     args.push_back({"EPI", int_arg(epi)});
   }
@@ -747,7 +747,7 @@ std::vector<mx::array> quantized_matvec_streamed(const mx::array& x, const mx::a
 
 // ---------------------------------------------------------------- the integer-MMA layout
 
-constexpr int kImmaLevels = 3;  // x's block floating point terms: 6 + 7 + 7 bits below a group's largest
+constexpr int kImmaLevels = 4;  // x's block floating point terms: 6 + 7 + 7 + 7 bits below a group's largest
 
 struct ImmaLaunch {
   int warps, blocks, smem;
@@ -780,15 +780,16 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
                     : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
                     : k % 64 != 0 || n % 16 != 0 || m > 2       ? "K a multiple of 64, N of 16, 1-2 rows"
                     : (k / prenorm_groups) % 64 != 0            ? "prenorm groups of whole 64-wide groups"
-                    : threads % 32 != 0 || warps < 1 || warps > 32 ? "threads a multiple of 32 up to 1024"
+                    : threads % 32 != 0 || warps < 1 || warps > 32 || warps > k / 64
+                        ? "threads a multiple of 32 up to 1024, a 64-wide group at least a warp"
                     : smem + kStreamStaticSmem > kSmemPerSm     ? "x's expansion inside 227 KB of shared memory"
                                                                 : nullptr;
   if (why) {
     throw std::invalid_argument(std::string(who) + ": the integer-MMA layout takes " + why);
   }
-  // a persistent grid must be resident at once: 64 registers a thread (ptxas: 55-60) bound it too
+  // a persistent grid must be resident at once: 80 registers a thread (ptxas: 72-80) bound it too
   const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
-                                       : std::max(1, std::min({2048 / (32 * warps), 65536 / (64 * 32 * warps),
+                                       : std::max(1, std::min({2048 / (32 * warps), 65536 / (80 * 32 * warps),
                                                                kSmemPerSm / (smem + kStreamStaticSmem)}));
   return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem};
 }

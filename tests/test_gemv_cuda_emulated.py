@@ -310,7 +310,7 @@ def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=
 
 
 def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1, emit=False,
-              x_offset=0, w_offset=0, x_scale=1.0):
+              x_offset=0, w_offset=0, x_scale=1.0, levels=4):
     """vc_qmv_imma (or _emit): a persistent grid of `blocks` blocks walking the N / 16 slabs, `warps`
     warps splitting each slab's groups; the input plain or normalized by its producer (np_ partials in
     ng groups). w_offset > 0 misaligns the weight (its words then come in 4-byte loads)."""
@@ -323,7 +323,7 @@ def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
     residual = _x((m, n), mx.float32, seed=5) if epi == 1 or emit else s
     next_w = (1.0 + 0.2 * _x((n,), mx.float32, seed=11)) if emit else None
-    args = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=3)
+    args = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=levels)
     if not emit:
         args["EPI"] = epi
     args.update(HAS_BIAS=bias is not None, NORM=2 if np_ else 0, NP=np_, NG=ng, EPS_BITS=EPS_BITS, TX=x_dtype,
@@ -749,6 +749,7 @@ def emulated(tmp_path_factory):
         # unaligned bfloat16 x with a residual, a misaligned weight with a bias and squared ReLU, tiny
         # and huge x (the expansion's exponents), a group-normalized input, emitting
         "imma_q4": imma_case(64, 640, 1, 3, 3),
+        "imma_three_levels": imma_case(32, 640, 2, 4, 1, levels=3),
         "imma_m2_bf16": imma_case(32, 1024, 2, 2, 1, mx.bfloat16, epi=1, x_offset=1),
         "imma_own_words": imma_case(48, 512, 1, 4, 2, epi=2, bias_dtype=mx.float32, w_offset=1),
         "imma_tiny_x": imma_case(16, 256, 2, 2, 1, x_scale=1e-30),
@@ -865,7 +866,7 @@ def test_streamed_matvec_kernels_emulated(emulated, name):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
 
 
-@pytest.mark.parametrize("name", ["imma_q4", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
+@pytest.mark.parametrize("name", ["imma_q4", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
                                   "imma_prenormed_groups", "imma_emit_prenormed"])
 def test_integer_mma_matvec_kernels_emulated(emulated, name):
     """vc_qmv_imma equals MLX's product (and, emitting, the next norm's input and a partial sum of

@@ -230,19 +230,17 @@ const CudaSource& qmv_emit_source() {
   return src;
 }
 
-// One instance of vc_qmv_stream (emit false) or vc_qmv_stream_emit (emit true), 4-bit group 64 with
-// bfloat16 scales, a float32 output: np > 0, an input normalized by its producer (np partials in ng
-// groups); epi as qmv_instance's (emit: + residual).
-CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m, int rows, int threads, int stages,
-                                 int epi = 0, int np = 0, int ng = 1) {
+// One instance of a persistent 4-bit kernel (vc_qmv_stream / vc_qmv_imma; emit: their _emit twin),
+// group 64 with bfloat16 scales, a float32 output: `layout` its leading template args (the layout's
+// own), np > 0 an input normalized by its producer (np partials in ng groups); epi as qmv_instance's
+// (emit: + residual).
+CudaInstance persistent_instance(bool emit, const char* tx, std::vector<TemplateArg> layout, int epi, int np, int ng) {
   const char* f = "float";
   const char* bf = "__nv_bfloat16";
   const char* residual_type = emit || epi == 1 ? f : bf;
   const char* norm_type = np > 0 ? f : bf;
   CudaInstance inst{{tx, "uint32_t", bf, bf, bf, residual_type, norm_type}, {f}, {}};
-  std::vector<TemplateArg> args = {
-      {"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)}, {"ROWS", int_arg(rows)},
-      {"THREADS", int_arg(threads)}, {"STAGES", int_arg(stages)}};
+  std::vector<TemplateArg> args = std::move(layout);
   if (!emit) {
     args.push_back({"EPI", int_arg(epi)});
   }
@@ -258,6 +256,14 @@ CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m,
   args.push_back({"TO", type_arg(f)});
   inst.template_args = args;
   return inst;
+}
+
+CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m, int rows, int threads, int stages,
+                                 int epi = 0, int np = 0, int ng = 1) {
+  return persistent_instance(emit, tx,
+                             {{"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
+                              {"ROWS", int_arg(rows)}, {"THREADS", int_arg(threads)}, {"STAGES", int_arg(stages)}},
+                             epi, np, ng);
 }
 
 std::string stream_header() { return std::string(gemv_cuda::kHeader) + gemv_cuda::kStreamHeader; }
@@ -569,33 +575,13 @@ mx::array apply_prenorm(const mx::array& x, const Prenorm& p, float eps, mx::Str
   return mx::astype(mx::reshape(scaled, x.shape(), s), x.dtype(), s);
 }
 
-// One instance of vc_qmv_imma (emit false) or vc_qmv_imma_emit (emit true), 4-bit group 64 with
-// bfloat16 scales, a float32 output, LEVELS 4: np > 0, an input normalized by its producer (np partials
-// in ng groups); epi as qmv_instance's (emit: + residual).
+// vc_qmv_imma's instances, LEVELS 4 (see persistent_instance).
 CudaInstance qmv_imma_instance(bool emit, const char* tx, int k, int n, int m, int warps, int epi = 0, int np = 0,
                                int ng = 1) {
-  const char* f = "float";
-  const char* bf = "__nv_bfloat16";
-  const char* residual_type = emit || epi == 1 ? f : bf;
-  const char* norm_type = np > 0 ? f : bf;
-  CudaInstance inst{{tx, "uint32_t", bf, bf, bf, residual_type, norm_type}, {f}, {}};
-  std::vector<TemplateArg> args = {{"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
-                                   {"WARPS", int_arg(warps)}, {"LEVELS", int_arg(4)}};
-  if (!emit) {
-    args.push_back({"EPI", int_arg(epi)});
-  }
-  args.insert(args.end(), {{"HAS_BIAS", "bool:false"}, {"NORM", int_arg(np > 0 ? 2 : 0)}, {"NP", int_arg(np)},
-                           {"NG", int_arg(ng)}, {"EPS_BITS", int_arg(float_bits(1e-5f))}, {"TX", type_arg(tx)},
-                           {"TS", type_arg(bf)}, {"TB", type_arg(bf)}, {"TR", type_arg(residual_type)},
-                           {"TN", type_arg(norm_type)}});
-  if (emit) {
-    inst.input_types.push_back(f);
-    inst.output_types = {f, f, f};
-    args.push_back({"TE", type_arg(f)});
-  }
-  args.push_back({"TO", type_arg(f)});
-  inst.template_args = args;
-  return inst;
+  return persistent_instance(emit, tx,
+                             {{"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)}, {"WARPS", int_arg(warps)},
+                              {"LEVELS", int_arg(4)}},
+                             epi, np, ng);
 }
 
 std::string imma_header() { return stream_header() + gemv_cuda::kImmaHeader; }
@@ -656,17 +642,21 @@ struct StreamLaunch {
 // layout's grid is short (N = 4480: 2.1 waves of 2 blocks an SM). Two rows not measured.
 int default_stream_stages(int k, int /*n*/, int m) { return m == 1 && k >= 8192 ? 2 : 0; }
 
-// Whether the GPU has the copy engine's bulk copies and mbarrier transaction counts (sm_90 on):
-// the streamed layout's PTX does not compile for older GPUs, which keep the block layout. Asked
-// once, of the first device a call runs on (one GPU a process here).
-bool bulk_copies(int device_index) {
-  static const bool has = [device_index] {
+// The GPU's compute capability (major), asked once of the first device a call runs on (one GPU a
+// process here); 0 where MLX does not say.
+int compute_capability(int device_index) {
+  static const int major = [device_index] {
     const auto& info = mx::gpu::device_info(device_index);
     const auto it = info.find("compute_capability_major");
-    return it != info.end() && std::holds_alternative<size_t>(it->second) && std::get<size_t>(it->second) >= 9;
+    return it != info.end() && std::holds_alternative<size_t>(it->second) ? static_cast<int>(std::get<size_t>(it->second))
+                                                                          : 0;
   }();
-  return has;
+  return major;
 }
+
+// Whether the GPU has the copy engine's bulk copies and mbarrier transaction counts (sm_90 on):
+// the streamed layout's PTX does not compile for older GPUs, which keep the block layout.
+bool bulk_copies(int device_index) { return compute_capability(device_index) >= 9; }
 
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
@@ -710,19 +700,22 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem};
 }
 
-// The vc_qmv_stream launch of quantized_matvec_impl (its checks done): [out] or [out, normed, partials].
-std::vector<mx::array> quantized_matvec_streamed(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                                 const mx::array& biases, const std::optional<mx::array>& bias,
-                                                 const Epilogue& epi, const std::optional<Prenorm>& prenorm,
-                                                 const std::optional<mx::array>& next_norm, float norm_eps,
-                                                 int group_size, mx::Dtype out_dtype, const StreamLaunch& l,
-                                                 mx::Stream s) {
-  const int k = x.shape(-1), n = w.shape(0), m = leading_rows(x);
+// A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its
+// leading template args, `plain` / `emitting` its two sources, `rows` a tile's (one partial each when
+// emitting), `blocks` x `threads` the grid, `smem` its dynamic shared memory. [out] or [out, normed,
+// partials].
+std::vector<mx::array> launch_persistent(const CudaSource& plain, const CudaSource& emitting,
+                                         std::vector<std::pair<std::string, mx::fast::TemplateArg>> layout,
+                                         int rows, int blocks, int threads, int smem, const mx::array& x,
+                                         const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                         const std::optional<mx::array>& bias, const Epilogue& epi,
+                                         const std::optional<Prenorm>& prenorm,
+                                         const std::optional<mx::array>& next_norm, float norm_eps,
+                                         mx::Dtype out_dtype, mx::Stream s) {
+  const int n = w.shape(0);
   std::vector<mx::array> inputs = {x, w, scales, biases, bias ? *bias : scales, epi.residual ? *epi.residual : scales,
                                    prenorm ? prenorm->partials : scales};
-  std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
-      {"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
-      {"THREADS", l.threads}, {"STAGES", l.stages}};
+  auto args = std::move(layout);
   if (!next_norm) {
     args.emplace_back("EPI", epi.kind());
   }
@@ -731,18 +724,16 @@ std::vector<mx::array> quantized_matvec_streamed(const mx::array& x, const mx::a
                            {"NG", prenorm ? prenorm->groups : 1}, {"EPS_BITS", prenorm ? float_bits(norm_eps) : 0},
                            {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
                            {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TN", inputs[6].dtype()}});
-  const std::tuple<int, int, int> grid{l.blocks * l.threads, 1, 1}, block{l.threads, 1, 1};
+  const std::tuple<int, int, int> grid{blocks * threads, 1, 1}, block{threads, 1, 1};
   if (!next_norm) {
     args.emplace_back("TO", out_dtype);
-    return kernel(qmv_stream_source(), l.smem)(inputs, {out_shape(x, n)}, {out_dtype}, grid, block, args,
-                                               std::nullopt, false, s);
+    return kernel(plain, smem)(inputs, {out_shape(x, n)}, {out_dtype}, grid, block, args, std::nullopt, false, s);
   }
   inputs.push_back(*next_norm);
   args.emplace_back("TE", next_norm->dtype());
   args.emplace_back("TO", out_dtype);
-  return kernel(qmv_stream_emit_source(), l.smem)(
-      inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, n / l.rows)}, {out_dtype, mx::float32, mx::float32},
-      grid, block, args, std::nullopt, false, s);
+  return kernel(emitting, smem)(inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, n / rows)},
+                                {out_dtype, mx::float32, mx::float32}, grid, block, args, std::nullopt, false, s);
 }
 
 // ---------------------------------------------------------------- the integer-MMA layout
@@ -753,15 +744,8 @@ struct ImmaLaunch {
   int warps, blocks, smem;
 };
 
-// Whether the GPU has the integer MMA (sm_80 on). Asked once, of the first device a call runs on.
-bool integer_mma(int device_index) {
-  static const bool has = [device_index] {
-    const auto& info = mx::gpu::device_info(device_index);
-    const auto it = info.find("compute_capability_major");
-    return it != info.end() && std::holds_alternative<size_t>(it->second) && std::get<size_t>(it->second) >= 8;
-  }();
-  return has;
-}
+// Whether the GPU has the integer MMA (sm_80 on).
+bool integer_mma(int device_index) { return compute_capability(device_index) >= 8; }
 
 // The integer-MMA launch at this shape, or nothing. imma: < 0 never; 0 the default (not yet: see
 // docs/developing.md); > 0 always (refused with a reason where the kernel cannot take it). threads /
@@ -792,40 +776,6 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
                                        : std::max(1, std::min({2048 / (32 * warps), 65536 / (80 * 32 * warps),
                                                                kSmemPerSm / (smem + kStreamStaticSmem)}));
   return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem};
-}
-
-// The vc_qmv_imma launch of quantized_matvec_impl (its checks done): [out] or [out, normed, partials].
-std::vector<mx::array> quantized_matvec_imma(const mx::array& x, const mx::array& w, const mx::array& scales,
-                                             const mx::array& biases, const std::optional<mx::array>& bias,
-                                             const Epilogue& epi, const std::optional<Prenorm>& prenorm,
-                                             const std::optional<mx::array>& next_norm, float norm_eps,
-                                             mx::Dtype out_dtype, const ImmaLaunch& l, mx::Stream s) {
-  const int k = x.shape(-1), n = w.shape(0), m = leading_rows(x);
-  std::vector<mx::array> inputs = {x, w, scales, biases, bias ? *bias : scales, epi.residual ? *epi.residual : scales,
-                                   prenorm ? prenorm->partials : scales};
-  std::vector<std::pair<std::string, mx::fast::TemplateArg>> args = {
-      {"K", k}, {"N", n}, {"M", m}, {"WARPS", l.warps}, {"LEVELS", kImmaLevels}};
-  if (!next_norm) {
-    args.emplace_back("EPI", epi.kind());
-  }
-  args.insert(args.end(), {{"HAS_BIAS", bias.has_value()}, {"NORM", prenorm ? 2 : 0},
-                           {"NP", prenorm ? static_cast<int>(prenorm->partials.shape(-1)) : 0},
-                           {"NG", prenorm ? prenorm->groups : 1}, {"EPS_BITS", prenorm ? float_bits(norm_eps) : 0},
-                           {"TX", x.dtype()}, {"TS", scales.dtype()}, {"TB", bias ? bias->dtype() : scales.dtype()},
-                           {"TR", epi.residual ? epi.residual->dtype() : scales.dtype()}, {"TN", inputs[6].dtype()}});
-  const int threads = 32 * l.warps;
-  const std::tuple<int, int, int> grid{l.blocks * threads, 1, 1}, block{threads, 1, 1};
-  if (!next_norm) {
-    args.emplace_back("TO", out_dtype);
-    return kernel(qmv_imma_source(), l.smem)(inputs, {out_shape(x, n)}, {out_dtype}, grid, block, args,
-                                             std::nullopt, false, s);
-  }
-  inputs.push_back(*next_norm);
-  args.emplace_back("TE", next_norm->dtype());
-  args.emplace_back("TO", out_dtype);
-  return kernel(qmv_imma_emit_source(), l.smem)(
-      inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, n / 16)}, {out_dtype, mx::float32, mx::float32},
-      grid, block, args, std::nullopt, false, s);
 }
 
 // What quantized_matvec and quantized_matvec_emit_norm share: [out] or, with next_norm, [out,
@@ -896,15 +846,22 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                              : pick_imma(k, n, m, group_size, bits, !norm_weight, prenorm ? prenorm->groups : 1,
                                          threads, imma, blocks_per_sm, s.device.index, who);
   if (mma) {
-    return quantized_matvec_imma(x, w, scales, biases, bias, epi, prenorm, next_norm, norm_eps, out_dtype, *mma, s);
+    return launch_persistent(qmv_imma_source(), qmv_imma_emit_source(),
+                             {{"K", k}, {"N", n}, {"M", m}, {"WARPS", mma->warps}, {"LEVELS", kImmaLevels}}, 16,
+                             mma->blocks, 32 * mma->warps, mma->smem, x, w, scales, biases, bias, epi, prenorm,
+                             next_norm, norm_eps, out_dtype, s);
   }
   const auto streamed = warps > 0 ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
                                                 !norm_weight, rows_per_block, threads, stages, blocks_per_sm,
                                                 s.device.index, who);
   if (streamed) {
-    return quantized_matvec_streamed(x, w, scales, biases, bias, epi, prenorm, next_norm, norm_eps, group_size,
-                                     out_dtype, *streamed, s);
+    const StreamLaunch& l = *streamed;
+    return launch_persistent(qmv_stream_source(), qmv_stream_emit_source(),
+                             {{"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
+                              {"THREADS", l.threads}, {"STAGES", l.stages}},
+                             l.rows, l.blocks, l.threads, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
+                             norm_eps, out_dtype, s);
   }
   const Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only ? 0 : warps);
   const bool warp = l.warps > 0;

@@ -760,6 +760,31 @@ __device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, i
   __syncthreads();
 }
 
+// The end of a persistent kernel's tile (ROWS rows, `tile` of `tiles`), in warp 0: each of its SUMS =
+// ROWS x M sums totalled over the warps' partials (red: WARPS rows of `stride` floats), then stored
+// through vc_gemv::finish's epilogue, or with EMIT as vc_gemv::emit_rows (a partial a tile).
+template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TO,
+          typename TE>
+__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles, const TB* bias,
+                                           const TR* residual, TO* out, const TE* next_w, float* normed,
+                                           float* partials) {
+  constexpr int SUMS = ROWS * M;
+  if (threadIdx.x >= 32) {
+    return;
+  }
+  const int row = tile * ROWS + static_cast<int>(threadIdx.x) / M;
+  float v = 0.0f;
+  if (threadIdx.x < SUMS) {
+    for (int w = 0; w < WARPS; ++w) v += red[w * stride + threadIdx.x];
+  }
+  if constexpr (EMIT) {
+    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, bias, residual, out, N, next_w, normed,
+                                         partials, tile, tiles);
+  } else if (threadIdx.x < SUMS) {
+    vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, row, N);
+  }
+}
+
 // Tile `tile`'s weight rows, scales and biases into stage `st`: by the copy engine (bulk, thread 0
 // only), or (every pointer not 16-byte aligned) by the block's threads, word by word.
 template <int W_BYTES, int S_BYTES, int THREADS>
@@ -920,19 +945,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       reads_before_copies();
       fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, tile + STAGES * gridDim.x, true, &bars[s]);
     }
-    if (threadIdx.x < 32) {
-      const int row = tile * ROWS + static_cast<int>(threadIdx.x) / M;
-      float v = 0.0f;
-      if (threadIdx.x < SUMS) {
-        for (int w = 0; w < WARPS; ++w) v += red[i & 1][w][threadIdx.x];
-      }
-      if constexpr (EMIT) {
-        vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, bias, residual, out, N, next_w, normed,
-                                             partials, tile, TILES);
-      } else if (threadIdx.x < SUMS) {
-        vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, row, N);
-      }
-    }
+    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS > NGM ? SUMS : NGM, tile, TILES, bias,
+                                                      residual, out, next_w, normed, partials);
   }
 }
 
@@ -1056,8 +1070,8 @@ struct Item {
 };
 
 // A slab's end: the quad's lanes hold a row's levels and its share of the bias term (sum them), then
-// the warps' sums (red: [WARPS][16 M], this slab's buffer of two) go through the epilogue. acc is
-// zeroed for the next slab.
+// the warps' sums (red: [WARPS][16 M], this slab's buffer of two) go through vc_stream::store_tile.
+// acc is zeroed for the next slab.
 template <int M, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TO,
           typename TE>
 __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 * M], int slab, int g, int t,
@@ -1075,19 +1089,8 @@ __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 
     }
   }
   __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = 0.0f;
-    if (threadIdx.x < SUMS) {
-      for (int w = 0; w < WARPS; ++w) v += red[w][threadIdx.x];
-    }
-    const int out_row = slab * 16 + static_cast<int>(threadIdx.x) / M;
-    if constexpr (EMIT) {
-      vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, out_row, bias, residual, out, N, next_w, normed,
-                                           partials, slab, N / 16);
-    } else if (threadIdx.x < SUMS) {
-      vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, out_row, N);
-    }
-  }
+  vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[0][0], SUMS, slab, N / 16, bias, residual, out,
+                                                              next_w, normed, partials);
 }
 
 // out[m, row] for 16-row slabs, a persistent grid (block b: slabs b, b + grid, ...), the block's warps

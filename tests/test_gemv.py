@@ -143,14 +143,16 @@ def _stream_stages(k: int, most: int = 4) -> int:
 
 
 @needs_cuda
+@pytest.mark.parametrize("layout", ["streamed", "integer_mma"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("n,k", LLM_FULL)
-def test_streamed_layout_full_size_equals_mlx(n, k, dtype, rows):
-    """The streamed layout (bulk copies into shared memory, a persistent grid) at every LLM shape."""
+def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
+    """The persistent 4-bit layouts at every LLM shape: streamed (bulk copies into shared memory) and
+    integer MMA (x as int8 block floating point terms on the tensor cores)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
-    got = quantized_matvec(x, w, s, b, stages=_stream_stages(k))
+    got = quantized_matvec(x, w, s, b, **({"stages": _stream_stages(k)} if layout == "streamed" else {"imma": 1}))
     assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
 
 
@@ -165,18 +167,6 @@ def test_streamed_layout_refuses_what_it_cannot_take():
         quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=4)
     assert_close(quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=2),
                  reference(quantized_matvec_reference, _x((1, 15680), mx.float32), w, s, b))
-
-
-@needs_cuda
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("n,k", LLM_FULL)
-def test_integer_mma_layout_full_size_equals_mlx(n, k, dtype, rows):
-    """The integer tensor-core layout (x as int8 block floating point terms) at every LLM shape."""
-    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
-    x = _x((rows, k), dtype, seed=rows)
-    got = quantized_matvec(x, w, s, b, imma=1)
-    assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
 
 
 @needs_cuda

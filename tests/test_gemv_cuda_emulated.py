@@ -273,22 +273,22 @@ def emit_case(n, k, m, rows, threads, x_dtype=mx.float32, np_=0, ng=1, next_dtyp
     return case, ref
 
 
-def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1,
-                emit=False, x_offset=0, w_offset=0):
-    """vc_qmv_stream (or _emit): a persistent grid of `blocks` blocks walking the N / rows tiles,
-    `stages` of them in flight; the input plain or normalized by its producer (np_ partials in ng
-    groups). w_offset > 0 misaligns the weight, so the block copies tiles itself instead of the
-    copy engine's bulk copies."""
+def _persistent_case(source, layout, n, k, m, rows, blocks, threads, x_dtype, epi, bias_dtype, np_, ng, emit,
+                     x_offset, w_offset, x_scale=1.0):
+    """A persistent 4-bit kernel's launch (`source` or its _emit twin, `layout` its leading template
+    args, tiles of `rows` rows: one partial each when emitting) and MLX's product it must equal: the
+    input plain or normalized by its producer (np_ partials in ng groups), w_offset > 0 a misaligned
+    weight."""
     w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
     if np_:
         x, partials, normed = _prenormed_inputs(k, m, np_, ng, x_dtype, seed=k)
     else:
-        x = normed = _x((m, k), x_dtype)
+        x = normed = (_x((m, k), mx.float32) * x_scale).astype(x_dtype)
         partials = s
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
     residual = _x((m, n), mx.float32, seed=5) if epi == 1 or emit else s
     next_w = (1.0 + 0.2 * _x((n,), mx.float32, seed=11)) if emit else None
-    args = dict(GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages)
+    args = dict(layout)
     if not emit:
         args["EPI"] = epi
     args.update(HAS_BIAS=bias is not None, NORM=2 if np_ else 0, NP=np_, NG=ng, EPS_BITS=EPS_BITS, TX=x_dtype,
@@ -299,7 +299,7 @@ def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=
         args["TE"] = mx.float32
         inputs.append(next_w)
         outputs += [("float", (m, n)), ("float", (m, n // rows))]
-    case = Case("vc_qmv_stream_emit" if emit else "vc_qmv_stream", args, inputs, outputs, blocks, threads,
+    case = Case(source + "_emit" if emit else source, args, inputs, outputs, blocks, threads,
                 [x_offset, w_offset] + [0] * (len(inputs) - 2))
     with mx.stream(mx.cpu):
         ref = mx.quantized_matmul(normed.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
@@ -309,39 +309,24 @@ def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=
     return case, ref
 
 
+def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1,
+                emit=False, x_offset=0, w_offset=0):
+    """vc_qmv_stream (or _emit): a persistent grid of `blocks` blocks walking the N / rows tiles,
+    `stages` of them in flight; w_offset > 0 misaligns the weight, so the block copies tiles itself
+    instead of the copy engine's bulk copies."""
+    layout = dict(GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages)
+    return _persistent_case("vc_qmv_stream", layout, n, k, m, rows, blocks, threads, x_dtype, epi, bias_dtype, np_,
+                            ng, emit, x_offset, w_offset)
+
+
 def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1, emit=False,
               x_offset=0, w_offset=0, x_scale=1.0, levels=4):
     """vc_qmv_imma (or _emit): a persistent grid of `blocks` blocks walking the N / 16 slabs, `warps`
-    warps splitting each slab's groups; the input plain or normalized by its producer (np_ partials in
-    ng groups). w_offset > 0 misaligns the weight (its words then come in 4-byte loads)."""
-    w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
-    if np_:
-        x, partials, normed = _prenormed_inputs(k, m, np_, ng, x_dtype, seed=k)
-    else:
-        x = normed = (_x((m, k), mx.float32) * x_scale).astype(x_dtype)
-        partials = s
-    bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
-    residual = _x((m, n), mx.float32, seed=5) if epi == 1 or emit else s
-    next_w = (1.0 + 0.2 * _x((n,), mx.float32, seed=11)) if emit else None
-    args = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=levels)
-    if not emit:
-        args["EPI"] = epi
-    args.update(HAS_BIAS=bias is not None, NORM=2 if np_ else 0, NP=np_, NG=ng, EPS_BITS=EPS_BITS, TX=x_dtype,
-                TS=mx.bfloat16, TB=bias_dtype or mx.bfloat16, TR=residual.dtype, TN=partials.dtype, TO=mx.float32)
-    inputs = [x, w, s, b, bias if bias is not None else s, residual, partials]
-    outputs = [("float", (m, n))]
-    if emit:
-        args["TE"] = mx.float32
-        inputs.append(next_w)
-        outputs += [("float", (m, n)), ("float", (m, n // 16))]
-    case = Case("vc_qmv_imma_emit" if emit else "vc_qmv_imma", args, inputs, outputs, blocks, 32 * warps,
-                [x_offset, w_offset] + [0] * (len(inputs) - 2))
-    with mx.stream(mx.cpu):
-        ref = mx.quantized_matmul(normed.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
-        ref = _epilogue_ref(ref if bias is None else ref + bias, 1 if emit else epi, residual)
-        if emit:
-            ref = (ref, ref * next_w, mx.square(ref).reshape(m, n // 16, 16).sum(-1))
-    return case, ref
+    warps splitting each slab's groups, x in `levels` int8 terms; w_offset > 0 misaligns the weight
+    (its words then come in 4-byte loads)."""
+    layout = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=levels)
+    return _persistent_case("vc_qmv_imma", layout, n, k, m, 16, blocks, 32 * warps, x_dtype, epi, bias_dtype, np_,
+                            ng, emit, x_offset, w_offset, x_scale)
 
 
 def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0, pro=0):

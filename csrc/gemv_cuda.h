@@ -1062,13 +1062,6 @@ __device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale
   }
 }
 
-// One group's loads for a lane: words 2t, 2t + 1 of rows g and g + 8, their scales and biases.
-template <typename TS>
-struct Item {
-  uint2 wl, wh;
-  TS sl, sh, bl, bh;
-};
-
 // A slab's end: the quad's lanes hold a row's levels and its share of the bias term (sum them), then
 // the warps' sums (red: [WARPS][16 M], this slab's buffer of two) go through vc_stream::store_tile.
 // acc is zeroed for the next slab.
@@ -1110,7 +1103,6 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
   static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
   static_assert(WARPS <= K / 64, "a group at least for every warp: each meets every slab barrier");
-  constexpr int DEPTH = 4;  // groups in flight a warp
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
   static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
   __shared__ float red[2][WARPS][SUMS];
@@ -1119,35 +1111,6 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   const int g = lane >> 2, t = lane & 3;
   constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
   const bool w8 = (reinterpret_cast<size_t>(weight) & 7) == 0;
-  // The warp's work, slab by slab of the block's and group by group of the warp's (cnt a slab), goes
-  // through a ring of DEPTH items whose loads are in flight while the item DEPTH back is computed
-  // (across slab ends too: the next slab's first loads fly through its reduction).
-  const int cnt = (GROUPS - warp + WARPS - 1) / WARPS;
-  const int slabs = (SLABS - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
-  int fq = 0, fj = 0;  // the next item to fetch: the block's slab fq, the warp's group fj
-  auto fetch = [&](Item<TS>& it) {
-    if (fq < slabs) {
-      const int row = (static_cast<int>(blockIdx.x) + fq * static_cast<int>(gridDim.x)) * 16 + g;
-      const int grp = warp + fj * WARPS;
-      // words 2t, 2t + 1 of the group (two 4-byte loads where the weight is not 8-byte aligned)
-      const uint2* wl = reinterpret_cast<const uint2*>(weight + static_cast<size_t>(row) * (K / 8)) + grp * 4 + t;
-      const uint2* wh = wl + K / 16 * 8;  // row + 8
-      it.wl = w8 ? *wl : load_words(wl);
-      it.wh = w8 ? *wh : load_words(wh);
-      const size_t lo = static_cast<size_t>(row) * GROUPS + grp, hi = lo + 8 * GROUPS;
-      it.sl = scales[lo];
-      it.sh = scales[hi];
-      it.bl = biases[lo];
-      it.bh = biases[hi];
-      if (++fj == cnt) {
-        fj = 0;
-        ++fq;
-      }
-    }
-  };
-  Item<TS> ring[DEPTH];
-#pragma unroll
-  for (int u = 0; u < DEPTH; ++u) fetch(ring[u]);
   if constexpr (NORM == 2) {
     vc_stream::group_totals<NP, NG, M, THREADS>(norm_w, &red[1][0][0], SUMS, group_total);
   }
@@ -1171,41 +1134,42 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   float acc[2][M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
-  int cq = 0, cj = 0;  // the item computed: slab cq, group cj
-  while (cq < slabs) {
+  // Slab by slab, each warp's groups with four in flight (unrolled: the compiler hoists their loads).
+  // A ring of groups in flight across slab ends (the fifteenth session's second version) ran 30-45%
+  // slower on the H200: its per-group bookkeeping and the barrier inside the unrolled ring cost more
+  // than the slab ends' bubbles.
+  for (int i = 0, slab = blockIdx.x; slab < SLABS; ++i, slab += gridDim.x) {
+    const int row = slab * 16 + g;
+    const uint2* w_lo = reinterpret_cast<const uint2*>(weight + static_cast<size_t>(row) * (K / 8)) + t;
+    const uint2* w_hi = w_lo + K / 16 * 8;  // row + 8
+    const TS* s_lo = scales + static_cast<size_t>(row) * GROUPS;
+    const TS* b_lo = biases + static_cast<size_t>(row) * GROUPS;
+#pragma unroll 4
+    for (int grp = warp; grp < GROUPS; grp += WARPS) {
+      // words 2t, 2t + 1 of the group (two 4-byte loads where the weight is not 8-byte aligned)
+      const uint2 wl = w8 ? w_lo[grp * 4] : load_words(w_lo + grp * 4);
+      const uint2 wh = w8 ? w_hi[grp * 4] : load_words(w_hi + grp * 4);
+      int c[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int u = 0; u < DEPTH; ++u) {
-      if (cq < slabs) {
-        const Item<TS> it = ring[u];
-        fetch(ring[u]);
-        const int grp = warp + cj * WARPS;
-        int c[4] = {0, 0, 0, 0};
+      for (int step = 0; step < 2; ++step) {
+        const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
+        const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
+        const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
+        const unsigned int b[2] = {bt.x, bt.y};
+        mma(c, a, b);
+      }
+      const float sl = static_cast<float>(s_lo[grp]), sh = static_cast<float>(s_lo[grp + 8 * GROUPS]);
+      const float bl = static_cast<float>(b_lo[grp]), bh = static_cast<float>(b_lo[grp + 8 * GROUPS]);
 #pragma unroll
-        for (int step = 0; step < 2; ++step) {
-          const unsigned int vl = step ? it.wl.y : it.wl.x, vh = step ? it.wh.y : it.wh.x;
-          const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
-          const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
-          const unsigned int b[2] = {bt.x, bt.y};
-          mma(c, a, b);
-        }
-        const float sl = static_cast<float>(it.sl), sh = static_cast<float>(it.sh);
-        const float bl = static_cast<float>(it.bl), bh = static_cast<float>(it.bh);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float f = factors[grp * M + m] * level_weight;
-          const float xs = sums[(grp * 4 + t) * M + m];
-          acc[0][m] = fmaf(sl * f, small_int_float(c[m]), fmaf(bl, xs, acc[0][m]));
-          acc[1][m] = fmaf(sh * f, small_int_float(c[2 + m]), fmaf(bh, xs, acc[1][m]));
-        }
-        if (++cj == cnt) {  // the slab's last group of this warp: its rows' sums, then the warps'
-          const int slab = static_cast<int>(blockIdx.x) + cq * static_cast<int>(gridDim.x);
-          finish_slab<M, WARPS, EPI, HAS_BIAS, EMIT, N>(acc, red[cq & 1], slab, g, t, warp, bias, residual, out,
-                                                        next_w, normed, partials);
-          cj = 0;
-          ++cq;
-        }
+      for (int m = 0; m < M; ++m) {
+        const float f = factors[grp * M + m] * level_weight;
+        const float xs = sums[(grp * 4 + t) * M + m];
+        acc[0][m] = fmaf(sl * f, small_int_float(c[m]), fmaf(bl, xs, acc[0][m]));
+        acc[1][m] = fmaf(sh * f, small_int_float(c[2 + m]), fmaf(bh, xs, acc[1][m]));
       }
     }
+    finish_slab<M, WARPS, EPI, HAS_BIAS, EMIT, N>(acc, red[i & 1], slab, g, t, warp, bias, residual, out, next_w,
+                                                  normed, partials);
   }
 }
 

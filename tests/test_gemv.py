@@ -157,6 +157,24 @@ def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
 
 
 @needs_cuda
+@pytest.mark.parametrize("n,k,layout", [(22656, 4480, {"imma": 1}), (15680, 4480, {"imma": 1}),
+                                        (4480, 10240, {"stages": 2}), (5120, 4480, {"imma": -1, "stages": -1})])
+def test_default_layout_at_the_step_shapes(n, k, layout):
+    """One row: the default takes the integer-MMA layout at the mamba in_proj / MLP up_proj shapes,
+    the streamed one at K >= 8192 and the block layout elsewhere (the same bits as that layout asked
+    for: the three round differently), and a chosen layout is not overridden."""
+    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n)
+    x = _x((1, k), mx.float32, seed=3)
+    default = np.array(quantized_matvec(x, w, s, b))
+    np.testing.assert_array_equal(default, np.array(quantized_matvec(x, w, s, b, **layout)))
+    if "imma" in layout and layout["imma"] > 0:
+        block = np.array(quantized_matvec(x, w, s, b, imma=-1, stages=-1))
+        assert not np.array_equal(default, block)  # the default did not run the block layout
+        # stages set: the default does not take the integer-MMA layout over the caller's choice
+        np.testing.assert_array_equal(block, np.array(quantized_matvec(x, w, s, b, stages=-1)))
+
+
+@needs_cuda
 def test_streamed_layout_refuses_what_it_cannot_take():
     w, s, b = _quantized(36, 640, dtype=mx.bfloat16, seed=1)  # 36 rows: no whole tiles of 8
     x = _x((1, 640), mx.float32)

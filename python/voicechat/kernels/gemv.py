@@ -125,12 +125,12 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     formed in the same launch. (The model does not use `norm`: at the LLM's shapes on the H200 it
     cost more than the separate norm's launch saved, 8.0 against 5.5 ms of GPU time a step, as every
     row block re-reads x and the weight; it takes `Prenormed` inputs instead.) Two bfloat16
-    tensor-core variants were tried and lost on the H200; the integer one (`imma`) is opt-in while
-    it is measured; see docs/developing.md. `stages`: the streamed 4-bit layout (each
-    block keeps that many tiles of weights in flight through bulk copies into shared memory; -1
-    never, 0 where the default picks it). `imma` > 0: the integer tensor-core layout (4-bit group
-    64: 16-row slabs, x as a block floating point expansion of int8 terms); only the CUDA path
-    reads these."""
+    tensor-core variants were tried and lost on the H200; see docs/developing.md. `stages`: the
+    streamed 4-bit layout (each block keeps that many tiles of weights in flight through bulk copies
+    into shared memory; -1 never, 0 where the default picks it). `imma`: the integer tensor-core
+    layout (4-bit group 64: 16-row slabs, x as a block floating point expansion of int8 terms; -1
+    never, 0 where the default picks it: one row at the mamba in_proj and MLP up_proj shapes, > 0
+    always); only the CUDA path reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)

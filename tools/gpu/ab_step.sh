@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# On the lent H200, after tools/gpu/ab_trees.sh built the working tree into /tmp/site2 and the old
+# one (.abold) into /tmp/siteA: the compiled LLM step (profile_llm_step, full size) in alternating
+# processes, new / old / new / old ... (ROUNDS pairs, default 2), every result in $OUT/llm_<arm><i>.json
+# and one "arm i: waited min / median, pipelined" line each.
+#   export OUT; ROUNDS=2 bash tools/gpu/ab_step.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx-ab}
+for i in $(seq 1 "${ROUNDS:-2}"); do
+  for arm in new old; do
+    site=/tmp/site2; [ "$arm" = old ] && site=/tmp/siteA
+    (cd benchmarks && PYTHONPATH=$site:/tmp/site timeout "${STEP_LIMIT:-70}" python3 profile_llm_step.py --size full \
+      --compiled-only --json "$OUT/llm_$arm$i.json" >"$OUT/llm_$arm$i.log" 2>&1)
+    echo "$arm $i: $(grep -E "sync_step|pipelined" "$OUT/llm_$arm$i.log" | tr -s ' ' | paste -sd ';' -)"
+  done
+done

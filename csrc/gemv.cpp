@@ -8,6 +8,7 @@
 // CUDA: our kernels (gemv_cuda.h) through fast::cuda_kernel, activations float32 or bfloat16 at
 // the same speed, float32 accumulation. Everywhere else, and for shapes the kernels do not
 // cover, MLX's own ops (which are also the references).
+#include <deque>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -460,7 +461,8 @@ const CudaSource& argmax_finish_source() {
 const mx::fast::CustomKernelFunction& kernel(const CudaSource& src, int shared_memory = 0) {
   // One kernel function per source and dynamic shared memory size (fixed when the function is made);
   // MLX caches the compiled instances by template args.
-  static std::vector<std::tuple<const CudaSource*, int, mx::fast::CustomKernelFunction>> made;
+  // a deque: a reference handed out stays valid when a later call adds a function
+  static std::deque<std::tuple<const CudaSource*, int, mx::fast::CustomKernelFunction>> made;
   for (auto& [s, smem, fn] : made) {
     if (s == &src && smem == shared_memory) {
       return fn;

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # On the lent H200, after tools/gpu/ab_trees.sh built the working tree into /tmp/site2 and the old
 # one (.abold) into /tmp/siteA: the compiled LLM step (profile_llm_step, full size) in alternating
-# processes, new / old / new / old ... (ROUNDS pairs, default 2), every result in $OUT/llm_<arm><i>.json
+# processes, new / old / new / old ... (ROUNDS pairs, default 2; WARM=1, the default, runs both trees once
+# first, untimed and at once, for their kernel compiles), every result in $OUT/llm_<arm><i>.json
 # and one "arm i: waited min / median, pipelined" line each.
 #   export OUT; ROUNDS=2 bash tools/gpu/ab_step.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx-ab}
+if [ "${WARM:-1}" = 1 ]; then  # both trees' first processes at once, untimed: their kernel compiles
+  for site in /tmp/site2 /tmp/siteA; do
+    (cd benchmarks && PYTHONPATH=$site:/tmp/site timeout "${WARM_LIMIT:-150}" python3 profile_llm_step.py --size full \
+      --compiled-only >/dev/null 2>&1) &
+  done
+  wait
+fi
 for i in $(seq 1 "${ROUNDS:-2}"); do
   for arm in new old; do
     site=/tmp/site2; [ "$arm" = old ] && site=/tmp/siteA

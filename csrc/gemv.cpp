@@ -749,23 +749,18 @@ struct ImmaLaunch {
 // Whether the GPU has the integer MMA (sm_80 on).
 bool integer_mma(int device_index) { return compute_capability(device_index) >= 8; }
 
-// Where `imma` = 0 takes the integer-MMA layout: one row, K below the streamed layout's 8192, N wide
-// (the mamba in_proj 22656x4480, the MLP up_proj 15680x4480). Nsight Compute on the H200 (2026-12-01,
-// f32 x, the step's prenormed instances, against the block layout): 29.98 against 34.11 us and 23.33
-// against 26.14 us; at N = 4480 it lost to the streamed layout (each block expands all of x for about
-// one slab). The 131072-wide heads keep the block layout (2.4 TB/s there; this one not measured).
-bool default_imma(int k, int n, int m) { return m == 1 && k < 8192 && n >= 15680 && n <= 32768; }
-
-// The integer-MMA launch at this shape, or nothing. imma: < 0 never; 0 the default (default_imma,
-// where the GPU and the call allow it); > 0 always (refused with a reason where the kernel cannot take
-// it). threads / blocks_per_sm: overrides (0 = auto).
+// The integer-MMA launch at this shape, or nothing. imma: <= 0 never; > 0 always (refused with a
+// reason where the kernel cannot take it). threads / blocks_per_sm: overrides (0 = auto). Not the
+// default anywhere: on the H200 (2026-12-01) its kernel beat the block layout at the mamba in_proj and
+// MLP up_proj under Nsight Compute (32.6 against 34.6 us, 24.9 against 26.3; f32 x, one row), but the
+// LLM step taking it there was slower in all five alternating A/B pairs on two machines (waited 4.04 -
+// 5.51 against 3.73 - 4.01 ms); see docs/developing.md.
 std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bits, bool takes_norm,
                                     int prenorm_groups, int threads, int imma, int blocks_per_sm, int device_index,
                                     const char* who) {
-  if (imma < 0 || (imma == 0 && (threads > 0 || blocks_per_sm > 0 || !default_imma(k, n, m)))) {
-    return std::nullopt;  // a launch override is the other layouts' unless imma asks for this one
+  if (imma <= 0) {
+    return std::nullopt;
   }
-  const bool forced = imma > 0;
   // 8 warps a block, fewer where K has fewer 64-wide groups (each warp takes one at least)
   const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
@@ -780,10 +775,7 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
                     : smem + kStreamStaticSmem > kSmemPerSm     ? "x's expansion inside 227 KB of shared memory"
                                                                 : nullptr;
   if (why) {
-    if (forced) {
-      throw std::invalid_argument(std::string(who) + ": the integer-MMA layout takes " + why);
-    }
-    return std::nullopt;
+    throw std::invalid_argument(std::string(who) + ": the integer-MMA layout takes " + why);
   }
   // a persistent grid must be resident at once: 80 registers a thread (ptxas: 72-80) bound it too
   const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
@@ -856,11 +848,9 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   if (prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512) {
     threads = 32 * ((chunks + 31) / 32);
   }
-  // A chosen block shape or streamed layout (rows_per_block, stages) is not the default's to override.
-  const int imma_asked = imma == 0 && (rows_per_block > 0 || stages != 0) ? -1 : imma;
   const auto mma = warps > 0 ? std::nullopt
                              : pick_imma(k, n, m, group_size, bits, !norm_weight, prenorm ? prenorm->groups : 1,
-                                         threads, imma_asked, blocks_per_sm, s.device.index, who);
+                                         threads, imma, blocks_per_sm, s.device.index, who);
   if (mma) {
     return launch_persistent(qmv_imma_source(), qmv_imma_emit_source(),
                              {{"K", k}, {"N", n}, {"M", m}, {"WARPS", mma->warps}, {"LEVELS", kImmaLevels}}, 16,
@@ -1157,9 +1147,7 @@ void bind(py::module_& m) {
         "bulk copies into shared memory, blocks_per_sm blocks an SM): -1 never, 0 where the default picks it, "
         "> 0 always (an error where it cannot take the call). imma: the integer-MMA layout (4-bit group 64; "
         "16-row slabs on the tensor cores, x as a block floating point expansion; threads and blocks_per_sm "
-        "steer it): -1 never, 0 where the default picks it (one row, K < 8192, 15680 <= N <= 32768: the mamba "
-        "in_proj and MLP up_proj; not with rows_per_block or stages set), > 0 always (an error where it cannot "
-        "take the call).");
+        "steer it): 0 / -1 never (the default), > 0 always (an error where it cannot take the call).");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),

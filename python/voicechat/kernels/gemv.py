@@ -128,9 +128,9 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     tensor-core variants were tried and lost on the H200; see docs/developing.md. `stages`: the
     streamed 4-bit layout (each block keeps that many tiles of weights in flight through bulk copies
     into shared memory; -1 never, 0 where the default picks it). `imma`: the integer tensor-core
-    layout (4-bit group 64: 16-row slabs, x as a block floating point expansion of int8 terms; -1
-    never, 0 where the default picks it: one row at the mamba in_proj and MLP up_proj shapes, > 0
-    always); only the CUDA path reads these."""
+    layout (4-bit group 64: 16-row slabs, x as a block floating point expansion of int8 terms; > 0
+    always, never by default: its kernel is faster at two of the step's shapes but the step taking
+    it was not); only the CUDA path reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)

@@ -39,7 +39,11 @@ std::string jit_name(const CudaSource& source);
 // bytes of dynamic shared memory.
 mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory = 0);
 
-// Returns its argument, so a kernel file can write
+// CUDA text without its comments, indentation and empty lines (string and character literals kept,
+// a macro's continued lines kept whole): what register_cuda_source stores of a header and a body.
+std::string compact_kernel_text(const std::string& text);
+
+// Returns its argument (header and body compacted), so a kernel file can write
 //   static const auto& kSrc = register_cuda_source({...});
 const CudaSource& register_cuda_source(CudaSource source);
 

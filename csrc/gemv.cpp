@@ -169,6 +169,13 @@ CudaInstance dense_instance(const char* split, const char* tx, const char* tw, c
        TemplateArg{"TO", type_arg(to)}}};
 }
 
+// The headers of the kernel families: each only the parts of gemv_cuda.h its kernels use (a
+// kernel's whole text costs host time at every launch; see cuda_sources.cpp).
+std::string quant_header() {
+  return std::string(gemv_cuda::kCommonHeader) + gemv_cuda::kPairHeader + gemv_cuda::kQmvHeader;
+}
+std::string dense_header() { return std::string(gemv_cuda::kCommonHeader) + gemv_cuda::kDenseHeader; }
+
 const CudaSource& qmv_source() {
   auto inst = [](auto... args) { return qmv_instance("THREADS", args...); };
   const char* f = "float";
@@ -178,7 +185,7 @@ const CudaSource& qmv_source() {
       {"x", "weight", "scales", "biases", "bias", "residual", "norm_w"},
       {"out"},
       gemv_cuda::kQmvSource,
-      gemv_cuda::kHeader,
+      quant_header(),
       {
           // The Nemotron-H projections (N, K) and the heads, 4-bit group 64, bf16 scales (up_proj
           // 15680 x 4480 and q_proj 5120 x 4480 differ from in_proj only in N).
@@ -217,7 +224,7 @@ const CudaSource& qmv_emit_source() {
       {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "next_w"},
       {"out", "normed", "partials"},
       gemv_cuda::kQmvEmitSource,
-      gemv_cuda::kHeader,
+      quant_header(),
       {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj,
           // attention o_proj (two rows); a bfloat16 x and norm weight
@@ -267,7 +274,9 @@ CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m,
                              epi, np, ng);
 }
 
-std::string stream_header() { return std::string(gemv_cuda::kHeader) + gemv_cuda::kStreamHeader; }
+std::string stream_header() {
+  return std::string(gemv_cuda::kCommonHeader) + gemv_cuda::kPairHeader + gemv_cuda::kStreamHeader;
+}
 
 const CudaSource& qmv_stream_source() {
   const char* f = "float";
@@ -319,7 +328,7 @@ const CudaSource& qmv_warp_source() {
       {"x", "weight", "scales", "biases", "bias", "residual"},
       {"out"},
       gemv_cuda::kQmvWarpSource,
-      gemv_cuda::kHeader,
+      quant_header(),
       {
           inst(f, bf, f, 4, 64, 4480, 22656, 1, 4, 4),     // mamba in_proj
           inst(bf, bf, bf, 4, 64, 4480, 22656, 2, 4, 4),
@@ -345,7 +354,7 @@ const CudaSource& dense_warp_source() {
       {"x", "weight", "bias", "residual"},
       {"out"},
       gemv_cuda::kDenseWarpSource,
-      gemv_cuda::kHeader,
+      dense_header(),
       {
           inst(f, bf, bf, f, 1152, 1152, 2, 2, 4, false),   // TTS attention
           inst(f, bf, bf, f, 1152, 4608, 2, 4, 4, false),   // TTS mlp gate / up
@@ -368,7 +377,7 @@ const CudaSource& dense_source() {
       {"x", "weight", "bias", "residual"},
       {"out"},
       gemv_cuda::kDenseSource,
-      gemv_cuda::kHeader,
+      dense_header(),
       {
           // TTS backbone (batch 2: the two CFG rows), MoG head, codec-side projections.
           inst(f, bf, bf, f, 1152, 1152, 2, 2, 160, false),   // attention q/k/v/o
@@ -405,7 +414,7 @@ const CudaSource& dense_add_norm_source() {
       {"h", "y", "post", "pre", "weight", "bias"},
       {"out", "h_out"},
       gemv_cuda::kDenseAddNormSource,
-      block_reduce_header() + gemv_cuda::kHeader,
+      block_reduce_header() + dense_header(),
       {
           // The TTS (CFG batch 2): into gate/up (backbone and MoG) and into the next layer's q/k/v.
           inst(1152, 9216, 2, 8, 160, false, bf, bf),
@@ -437,7 +446,7 @@ const CudaSource& argmax_source() {
       {"x", "weight_a", "scales_a", "biases_a", "weight_b", "scales_b", "biases_b"},
       {"keys", "logits_a", "logits_b"},
       gemv_cuda::kArgmaxSource,
-      gemv_cuda::kHeader,
+      quant_header(),
       {inst("float", "__nv_bfloat16", "float", 1, false), inst("__nv_bfloat16", "__nv_bfloat16", "__nv_bfloat16", 1, true),
        inst("float", "__nv_bfloat16", "float", 2, true)},
   });

@@ -13,11 +13,207 @@
 
 namespace voicechat::gemv_cuda {
 
-// Device helpers shared by every kernel body below (the `header` of fast::cuda_kernel).
-// Include-guarded: a header made of it and another one's text may meet it twice.
-constexpr const char* kHeader = R"(
-#ifndef VC_GEMV_HEADER
-#define VC_GEMV_HEADER
+// Device helpers of the kernel bodies below (the `header` of fast::cuda_kernel), in include-guarded
+// parts, so that each kernel carries only what it uses: MLX-CUDA 0.32.4 spends host time on a
+// kernel's whole text at every launch (~0.2 us a KB on the H200; see cuda_sources.cpp). A header is
+// kCommonHeader, then the parts its kernel needs in this order: kPairHeader (4-bit pairs), kQmvHeader
+// (the block and warp 4- / 8-bit matvecs; needs kPairHeader), kDenseHeader (the dense matvecs).
+
+// Loads, reductions and the epilogues every matvec shares.
+constexpr const char* kCommonHeader = R"(
+#ifndef VC_GEMV_COMMON
+#define VC_GEMV_COMMON
+namespace vc_gemv {
+
+// Two bfloat16 / float16 values of a word (element 0 in the low half), or one float32.
+__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const __nv_bfloat16*) {
+  q[0] = __uint_as_float(v << 16);
+  q[1] = __uint_as_float(v & 0xFFFF0000u);
+}
+__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const __half*) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+  q[0] = f.x;
+  q[1] = f.y;
+}
+__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const float*) {
+  q[0] = __uint_as_float(v);
+}
+
+__device__ __forceinline__ unsigned int word(const uint4& v, int k) {
+  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+}
+
+// N (4 or 8) consecutive activations as float32. `vec`: the activation array is 16-byte aligned,
+// so (K being a multiple of 8) every such run can be read with one or two vector loads.
+template <int N>
+__device__ __forceinline__ void load_x(const float* p, float* out, bool vec) {
+  if (vec) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p + i);
+      out[i] = f.x;
+      out[i + 1] = f.y;
+      out[i + 2] = f.z;
+      out[i + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = p[i];
+  }
+}
+
+template <int N, typename T16>
+__device__ __forceinline__ void load_x16(const T16* p, float* out, bool vec) {
+  if (vec) {
+    unsigned int u[N / 2];
+    if constexpr (N == 8) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p);
+      u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
+    } else {
+      static_assert(N == 4, "4 or 8 values");
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      u[0] = v.x; u[1] = v.y;
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) unpack_dense(u[i], out + 2 * i, p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void load_x(const __nv_bfloat16* p, float* out, bool vec) {
+  load_x16<N>(p, out, vec);
+}
+
+template <int N>
+__device__ __forceinline__ void load_x(const __half* p, float* out, bool vec) {
+  load_x16<N>(p, out, vec);
+}
+
+template <typename T>
+__device__ __forceinline__ bool aligned16(const T* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
+}
+
+// total[o] = sum over the block's threads of vals[o], o < COUNT. part: COUNT * THREADS floats of
+// shared memory. Every thread of the block must call it (it synchronizes the block).
+template <int COUNT, int THREADS>
+__device__ __forceinline__ void block_sum(const float* vals, float* part, float* total) {
+  constexpr int WARPS = THREADS / 32;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 0; o < COUNT; ++o) part[o * THREADS + threadIdx.x] = vals[o];
+  __syncthreads();
+  for (int o = warp; o < COUNT; o += WARPS) {
+    float s = 0.0f;
+    for (int t = lane; t < THREADS; t += 32) s += part[o * THREADS + t];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    if (lane == 0) total[o] = s;
+  }
+  __syncthreads();
+}
+
+// The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
+// sum v. EPI 0: v (+ bias); 1: that + residual[m, row] (a residual stream added in the same pass);
+// 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once. Returns the value
+// stored (as float).
+template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
+__device__ __forceinline__ float finish(float v, const TB* bias, const TR* residual, TO* out, int m, int row, int n) {
+  if constexpr (HAS_BIAS) {
+    v += static_cast<float>(bias[row]);
+  }
+  if constexpr (EPI == 1) {
+    v += static_cast<float>(residual[static_cast<size_t>(m) * n + row]);
+  } else if constexpr (EPI == 2) {
+    v = fmaxf(v, 0.0f);
+    v = v * v;
+  }
+  const TO stored = static_cast<TO>(v);
+  out[static_cast<size_t>(m) * n + row] = stored;
+  return static_cast<float>(stored);
+}
+
+// out[m, row0 + r] = finish(total[r * M + m] (* row_scale[m])) for the block's rows inside [0, n):
+// the store that ends the block-layout matvec kernels.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
+__device__ __forceinline__ void store_rows(const float* total, const TB* bias, const TR* residual, TO* out,
+                                           int row0, int n, const float* row_scale = nullptr) {
+  if (threadIdx.x < ROWS * M) {
+    const int row = row0 + threadIdx.x / M;
+    const int m = threadIdx.x % M;
+    if (row < n) {
+      const float v = row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
+      finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
+    }
+  }
+}
+
+// The warp layout's end: each of acc's ROWS * M sums over the warp's 32 lanes (butterfly, so every
+// lane holds every total), then lane r * M + m stores finish(sum) at out[m, row0 + r] for rows
+// inside [0, n). No shared memory, no block barrier.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
+__device__ __forceinline__ void warp_store(float (&acc)[ROWS][M], const TB* bias, const TR* residual, TO* out,
+                                           int row0, int n, int lane) {
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = acc[r][m];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      const int row = row0 + r;
+      if (lane == r * M + m && row < n) {
+        finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
+      }
+    }
+  }
+}
+
+// (value, index) as one integer whose order is mx.argmax's: a larger value wins, equal values go
+// to the smaller index. The value's bits are made monotonic (flip all bits of negatives, the sign
+// bit of positives); -0 counts as +0; every NaN counts as larger than +inf, so the first NaN wins
+// (what mx.argmax does). 0 is below every key: the empty value.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
+  unsigned int b = __float_as_uint(v);
+  if (v != v) {
+    b = 0x7FFFFFFFu;
+  } else if (v == 0.0f) {
+    b = 0u;
+  }
+  const unsigned int ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned long long>(~static_cast<unsigned int>(index));
+}
+
+// The end of an emitting matvec's row group, in the first warp (all 32 lanes call it): lane t with
+// `valid` stores finish(v) for row `row`, input row t % M, and the next norm's input normed = stored *
+// next_w[row]; partials[m * np + p] gets the sum of stored^2 over the group's rows.
+template <int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO, typename TE>
+__device__ __forceinline__ void emit_rows(float v, bool valid, int row, const TB* bias, const TR* residual, TO* out,
+                                          int n, const TE* next_w, float* normed, float* partials, int p, int np) {
+  const int m = static_cast<int>(threadIdx.x) % M;
+  float sq = 0.0f;
+  if (valid) {
+    const float stored = finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
+    normed[static_cast<size_t>(m) * n + row] = stored * static_cast<float>(next_w[row]);
+    sq = stored * stored;
+  }
+#pragma unroll
+  for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+  if (threadIdx.x < M) partials[static_cast<size_t>(threadIdx.x) * np + p] = sq;
+}
+
+}  // namespace vc_gemv
+#endif
+)";
+
+// Exact floats from packed fields, and the 4-bit pair form.
+constexpr const char* kPairHeader = R"(
+#ifndef VC_GEMV_PAIR
+#define VC_GEMV_PAIR
 namespace vc_gemv {
 
 // The unsigned field of v at bits [SHIFT, SHIFT + WIDTH) (SHIFT + WIDTH <= 23) as an exact float.
@@ -93,77 +289,15 @@ __device__ __forceinline__ void pair_fma(unsigned int v, const float (*xh)[4], c
   }
 }
 
-// Two bfloat16 / float16 values of a word (element 0 in the low half), or one float32.
-__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const __nv_bfloat16*) {
-  q[0] = __uint_as_float(v << 16);
-  q[1] = __uint_as_float(v & 0xFFFF0000u);
-}
-__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const __half*) {
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
-  q[0] = f.x;
-  q[1] = f.y;
-}
-__device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const float*) {
-  q[0] = __uint_as_float(v);
-}
+}  // namespace vc_gemv
+#endif
+)";
 
-__device__ __forceinline__ unsigned int word(const uint4& v, int k) {
-  return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-}
-
-// N (4 or 8) consecutive activations as float32. `vec`: the activation array is 16-byte aligned,
-// so (K being a multiple of 8) every such run can be read with one or two vector loads.
-template <int N>
-__device__ __forceinline__ void load_x(const float* p, float* out, bool vec) {
-  if (vec) {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) {
-      const float4 f = *reinterpret_cast<const float4*>(p + i);
-      out[i] = f.x;
-      out[i + 1] = f.y;
-      out[i + 2] = f.z;
-      out[i + 3] = f.w;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = p[i];
-  }
-}
-
-template <int N, typename T16>
-__device__ __forceinline__ void load_x16(const T16* p, float* out, bool vec) {
-  if (vec) {
-    unsigned int u[N / 2];
-    if constexpr (N == 8) {
-      const uint4 v = *reinterpret_cast<const uint4*>(p);
-      u[0] = v.x; u[1] = v.y; u[2] = v.z; u[3] = v.w;
-    } else {
-      static_assert(N == 4, "4 or 8 values");
-      const uint2 v = *reinterpret_cast<const uint2*>(p);
-      u[0] = v.x; u[1] = v.y;
-    }
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) unpack_dense(u[i], out + 2 * i, p);
-  } else {
-#pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = static_cast<float>(p[i]);
-  }
-}
-
-template <int N>
-__device__ __forceinline__ void load_x(const __nv_bfloat16* p, float* out, bool vec) {
-  load_x16<N>(p, out, vec);
-}
-
-template <int N>
-__device__ __forceinline__ void load_x(const __half* p, float* out, bool vec) {
-  load_x16<N>(p, out, vec);
-}
-
-template <typename T>
-__device__ __forceinline__ bool aligned16(const T* p) {
-  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
-}
+// The block and warp layouts' quantized accumulation, and the block layout's matvec whole.
+constexpr const char* kQmvHeader = R"(
+#ifndef VC_GEMV_QMV
+#define VC_GEMV_QMV
+namespace vc_gemv {
 
 // One step's loads for ROWS weight rows: a 16-byte chunk of each, and its group's scale and bias.
 template <int ROWS>
@@ -319,186 +453,6 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
   }
 }
 
-// gelu with the tanh approximation, as mlx.nn.gelu_approx.
-__device__ __forceinline__ float gelu_tanh(float v) {
-  return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * (v * v * v))));
-}
-
-// acc[r][m] = sum_k x[m, k] * w[row0 + r, k] over this thread's chunks, w dense [n_rows, K]
-// (bfloat16, float16 or float32; K a multiple of 8). The next step's loads are issued before this
-// step's math. PRO 1 (a gated-GELU input): x is [M, 2K] and the product's input is
-// gelu_tanh(x[m, k]) * x[m, K + k], formed as it is loaded (the gate / up halves of one GEMV's output).
-template <int K, int M, int ROWS, int THREADS, int PRO, typename TX, typename TW>
-__device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, int row0, int n_rows,
-                                                 float (&acc)[ROWS][M], int lane) {
-  constexpr int XS = PRO == 1 ? 2 * K : K;  // x's row stride
-  constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));  // values per 16-byte chunk
-  constexpr int VPW = CHUNK / 4;                            // values per word
-  constexpr int CHUNKS = K / CHUNK;
-  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
-  static_assert(K % 8 == 0, "K is a multiple of 8");
-  const bool vec = aligned16(x);
-  const uint4* w4 = reinterpret_cast<const uint4*>(weight);
-  int rows[ROWS];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    rows[r] = min(row0 + r, n_rows - 1);
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-  }
-  uint4 wv[ROWS] = {};
-  if (lane < CHUNKS) {
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) wv[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + lane);
-  }
-#pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = it * THREADS + lane;
-    uint4 next[ROWS] = {};
-    if (it + 1 < ITERS && c + THREADS < CHUNKS) {  // the next step's loads in flight during this step's math
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) next[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c + THREADS);
-    }
-    if (c < CHUNKS) {
-      float xv[M][CHUNK];
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        load_x<CHUNK>(x + static_cast<size_t>(m) * XS + c * CHUNK, xv[m], vec);
-        if constexpr (PRO == 1) {
-          float up[CHUNK];
-          load_x<CHUNK>(x + static_cast<size_t>(m) * XS + K + c * CHUNK, up, vec);
-#pragma unroll
-          for (int j = 0; j < CHUNK; ++j) xv[m][j] = gelu_tanh(xv[m][j]) * up[j];
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float q[VPW];
-          unpack_dense(word(wv[r], k), q, weight);
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-#pragma unroll
-            for (int j = 0; j < VPW; ++j) acc[r][m] = fmaf(q[j], xv[m][k * VPW + j], acc[r][m]);
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) wv[r] = next[r];
-  }
-}
-
-// total[o] = sum over the block's threads of vals[o], o < COUNT. part: COUNT * THREADS floats of
-// shared memory. Every thread of the block must call it (it synchronizes the block).
-template <int COUNT, int THREADS>
-__device__ __forceinline__ void block_sum(const float* vals, float* part, float* total) {
-  constexpr int WARPS = THREADS / 32;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 0; o < COUNT; ++o) part[o * THREADS + threadIdx.x] = vals[o];
-  __syncthreads();
-  for (int o = warp; o < COUNT; o += WARPS) {
-    float s = 0.0f;
-    for (int t = lane; t < THREADS; t += 32) s += part[o * THREADS + t];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0) total[o] = s;
-  }
-  __syncthreads();
-}
-
-// The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
-// sum v. EPI 0: v (+ bias); 1: that + residual[m, row] (a residual stream added in the same pass);
-// 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once. Returns the value
-// stored (as float).
-template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
-__device__ __forceinline__ float finish(float v, const TB* bias, const TR* residual, TO* out, int m, int row, int n) {
-  if constexpr (HAS_BIAS) {
-    v += static_cast<float>(bias[row]);
-  }
-  if constexpr (EPI == 1) {
-    v += static_cast<float>(residual[static_cast<size_t>(m) * n + row]);
-  } else if constexpr (EPI == 2) {
-    v = fmaxf(v, 0.0f);
-    v = v * v;
-  }
-  const TO stored = static_cast<TO>(v);
-  out[static_cast<size_t>(m) * n + row] = stored;
-  return static_cast<float>(stored);
-}
-
-// out[m, row0 + r] = finish(total[r * M + m] (* row_scale[m])) for the block's rows inside [0, n):
-// the store that ends the block-layout matvec kernels.
-template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
-__device__ __forceinline__ void store_rows(const float* total, const TB* bias, const TR* residual, TO* out,
-                                           int row0, int n, const float* row_scale = nullptr) {
-  if (threadIdx.x < ROWS * M) {
-    const int row = row0 + threadIdx.x / M;
-    const int m = threadIdx.x % M;
-    if (row < n) {
-      const float v = row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
-      finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
-    }
-  }
-}
-
-// The warp layout's end: each of acc's ROWS * M sums over the warp's 32 lanes (butterfly, so every
-// lane holds every total), then lane r * M + m stores finish(sum) at out[m, row0 + r] for rows
-// inside [0, n). No shared memory, no block barrier.
-template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
-__device__ __forceinline__ void warp_store(float (&acc)[ROWS][M], const TB* bias, const TR* residual, TO* out,
-                                           int row0, int n, int lane) {
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[r][m];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      const int row = row0 + r;
-      if (lane == r * M + m && row < n) {
-        finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
-      }
-    }
-  }
-}
-
-// (value, index) as one integer whose order is mx.argmax's: a larger value wins, equal values go
-// to the smaller index. The value's bits are made monotonic (flip all bits of negatives, the sign
-// bit of positives); -0 counts as +0; every NaN counts as larger than +inf, so the first NaN wins
-// (what mx.argmax does). 0 is below every key: the empty value.
-__device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
-  unsigned int b = __float_as_uint(v);
-  if (v != v) {
-    b = 0x7FFFFFFFu;
-  } else if (v == 0.0f) {
-    b = 0u;
-  }
-  const unsigned int ordered = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned long long>(~static_cast<unsigned int>(index));
-}
-
-// The end of an emitting matvec's row group, in the first warp (all 32 lanes call it): lane t with
-// `valid` stores finish(v) for row `row`, input row t % M, and the next norm's input normed = stored *
-// next_w[row]; partials[m * np + p] gets the sum of stored^2 over the group's rows.
-template <int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO, typename TE>
-__device__ __forceinline__ void emit_rows(float v, bool valid, int row, const TB* bias, const TR* residual, TO* out,
-                                          int n, const TE* next_w, float* normed, float* partials, int p, int np) {
-  const int m = static_cast<int>(threadIdx.x) % M;
-  float sq = 0.0f;
-  if (valid) {
-    const float stored = finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
-    normed[static_cast<size_t>(m) * n + row] = stored * static_cast<float>(next_w[row]);
-    sq = stored * stored;
-  }
-#pragma unroll
-  for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-  if (threadIdx.x < M) partials[static_cast<size_t>(threadIdx.x) * np + p] = sq;
-}
-
 // The block-layout quantized matvec, whole: block b computes rows [b * ROWS, b * ROWS + ROWS).
 //
 // NORM 0: x is the product's input. NORM 1: rms_norm(x) * norm_w is (see qmv_accumulate; eps).
@@ -625,6 +579,88 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
 #endif
 )";
 
+// The dense (bfloat16 / float16 / float32 weight) accumulation.
+constexpr const char* kDenseHeader = R"(
+#ifndef VC_GEMV_DENSE
+#define VC_GEMV_DENSE
+namespace vc_gemv {
+
+// gelu with the tanh approximation, as mlx.nn.gelu_approx.
+__device__ __forceinline__ float gelu_tanh(float v) {
+  return 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * (v * v * v))));
+}
+
+// acc[r][m] = sum_k x[m, k] * w[row0 + r, k] over this thread's chunks, w dense [n_rows, K]
+// (bfloat16, float16 or float32; K a multiple of 8). The next step's loads are issued before this
+// step's math. PRO 1 (a gated-GELU input): x is [M, 2K] and the product's input is
+// gelu_tanh(x[m, k]) * x[m, K + k], formed as it is loaded (the gate / up halves of one GEMV's output).
+template <int K, int M, int ROWS, int THREADS, int PRO, typename TX, typename TW>
+__device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, int row0, int n_rows,
+                                                 float (&acc)[ROWS][M], int lane) {
+  constexpr int XS = PRO == 1 ? 2 * K : K;  // x's row stride
+  constexpr int CHUNK = 16 / static_cast<int>(sizeof(TW));  // values per 16-byte chunk
+  constexpr int VPW = CHUNK / 4;                            // values per word
+  constexpr int CHUNKS = K / CHUNK;
+  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
+  static_assert(K % 8 == 0, "K is a multiple of 8");
+  const bool vec = aligned16(x);
+  const uint4* w4 = reinterpret_cast<const uint4*>(weight);
+  int rows[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = min(row0 + r, n_rows - 1);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+  }
+  uint4 wv[ROWS] = {};
+  if (lane < CHUNKS) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wv[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + lane);
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * THREADS + lane;
+    uint4 next[ROWS] = {};
+    if (it + 1 < ITERS && c + THREADS < CHUNKS) {  // the next step's loads in flight during this step's math
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) next[r] = __ldcs(w4 + static_cast<size_t>(rows[r]) * CHUNKS + c + THREADS);
+    }
+    if (c < CHUNKS) {
+      float xv[M][CHUNK];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        load_x<CHUNK>(x + static_cast<size_t>(m) * XS + c * CHUNK, xv[m], vec);
+        if constexpr (PRO == 1) {
+          float up[CHUNK];
+          load_x<CHUNK>(x + static_cast<size_t>(m) * XS + K + c * CHUNK, up, vec);
+#pragma unroll
+          for (int j = 0; j < CHUNK; ++j) xv[m][j] = gelu_tanh(xv[m][j]) * up[j];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float q[VPW];
+          unpack_dense(word(wv[r], k), q, weight);
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int j = 0; j < VPW; ++j) acc[r][m] = fmaf(q[j], xv[m][k * VPW + j], acc[r][m]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wv[r] = next[r];
+  }
+}
+
+}  // namespace vc_gemv
+#endif
+)";
+
+
 // y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM 1: x is
 // rms_norm(x) * norm_w first (eps from EPS_BITS), formed on the fly (see qmv_accumulate); NORM 2: x
 // was normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).
@@ -656,7 +692,7 @@ constexpr const char* kQmvEmitSource = R"(
 // memory (an mbarrier a stage counts their bytes), so the bytes in flight do not cost registers;
 // every thread keeps its chunks of x in registers for all tiles (loaded once, already split into
 // the pair form of vc_gemv::pair_word, the input norm's scale folded in), and reads each tile's
-// weights from shared memory. Include-guarded; it needs kHeader before it.
+// weights from shared memory. Include-guarded; it needs kCommonHeader and kPairHeader before it.
 constexpr const char* kStreamHeader = R"(
 #ifndef VC_STREAM_HEADER
 #define VC_STREAM_HEADER
@@ -1240,7 +1276,7 @@ constexpr const char* kDenseSource = R"(
 // rows of K floats) in shared memory from h and y (K floats each: small beside its weight rows), then
 // runs the block-layout product over it. eps from EPS_BITS (float bits).
 // Template args: K, N, M, ROWS, THREADS, HAS_BIAS, SEAM, EPS_BITS, TW, TB, TO (h, y, post, pre: float).
-// Its header is block_reduce_header() + kHeader.
+// Its header is block_reduce_header() + dense_header().
 constexpr const char* kDenseAddNormSource = R"(
   __shared__ __align__(16) float xs[M * K];
   __shared__ float red[THREADS / 32];

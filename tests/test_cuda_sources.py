@@ -99,3 +99,61 @@ def test_the_kernel_cache_is_persistent_unless_set(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe], env={**env, "MLX_PTX_CACHE_DIR": "/x/y"},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "/x/y"
+
+
+def test_compact_kernel_text_drops_comments_and_indentation_only():
+    """What register_cuda_source keeps of a kernel's text (MLX-CUDA spends host time on the whole text
+    at every launch): no comments, indentation or empty lines; literals as they are (a '//' or an
+    apostrophe inside one is no comment), a macro's continued lines whole, a '//' comment continued by
+    a trailing backslash gone with its next line, as the preprocessor splices it."""
+    text = ('  a = "//x \\" y"; // c\n\n'
+            "  b = '/'; c = '\\''; /* d\n  e */ f;\n"
+            "#define M(x) x \\\n\n"
+            "  y\n"
+            "// z \\\n  w\n"
+            "\tq;   \n")
+    assert ext.compact_kernel_text(text) == ('a = "//x \\" y";\n'
+                                             "b = '/'; c = '\\'';   f;\n"
+                                             "#define M(x) x \\\n\n"
+                                             "y\n"
+                                             "q;\n")
+    with pytest.raises(ValueError, match="unterminated"):
+        ext.compact_kernel_text("a /* b")
+    with pytest.raises(ValueError, match="unterminated"):
+        ext.compact_kernel_text('a = "b\n";')
+
+
+def test_compact_kernel_text_keeps_the_preprocessors_tokens(tmp_path):
+    """The compacted text is the same token stream as the text with its comments removed by the C
+    preprocessor (gcc -fpreprocessed), on this file's own kernel-like sample."""
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("no C compiler")
+    sample = ("#ifndef G\n#define G\n// a helper, with a 'quote' in its comment\n"
+              "template <int N>  /* N: the width */\n__device__ float f(const float* p) {\n"
+              "  float s = 0.0f;  // the sum\n#pragma unroll\n  for (int i = 0; i < N; ++i) s += p[i];\n"
+              '  static_assert(N > 0, "a block\'s // width");\n  return s;\n}\n#endif\n')
+
+    def tokens(text: str) -> list[str]:
+        src = tmp_path / "t.c"
+        src.write_text(text)
+        out = subprocess.run([gcc, "-fpreprocessed", "-dD", "-E", "-P", "-x", "c", str(src)],
+                             capture_output=True, text=True, check=True).stdout
+        return out.split()
+
+    compact = ext.compact_kernel_text(sample)
+    assert "//" not in compact.replace('"a block\'s // width"', "")
+    assert tokens(compact) == tokens(sample)
+
+
+def test_registered_kernels_are_compact_and_carry_only_their_parts():
+    for src in SOURCES:
+        for part in ("header", "source"):
+            assert ext.compact_kernel_text(src[part]) == src[part], f"{src['name']}: {part} not compacted"
+    by_name = {s["name"]: s["header"] for s in SOURCES}
+    for name in ("vc_dense_mv", "vc_dense_mv_warp", "vc_dense_add_norm"):
+        assert "dense_accumulate" in by_name[name] and "qmv_accumulate" not in by_name[name], name
+    for name in ("vc_qmv", "vc_qmv_emit", "vc_qmv_warp", "vc_two_head_argmax"):
+        assert "qmv_accumulate" in by_name[name] and "dense_accumulate" not in by_name[name], name
+    for name in ("vc_qmv_stream", "vc_qmv_imma"):
+        assert "qmv_accumulate" not in by_name[name] and "dense_accumulate" not in by_name[name], name

@@ -660,7 +660,6 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
 #endif
 )";
 
-
 // y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM 1: x is
 // rms_norm(x) * norm_w first (eps from EPS_BITS), formed on the fly (see qmv_accumulate); NORM 2: x
 // was normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).

@@ -70,7 +70,7 @@ def main() -> None:
     extra = [mx.zeros((N,)) for _ in range(7)]
     mx.eval(x, *extra)
     cases = {"native cumsum": native}
-    for kb in (1, 64):
+    for kb in (1, 16, 64):
         for inputs in (1, 8):
             cases[f"custom {kb} KB header, {inputs} inputs"] = custom(kb, inputs)
     results = {}

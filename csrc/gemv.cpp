@@ -762,8 +762,8 @@ bool integer_mma(int device_index) { return compute_capability(device_index) >= 
 // reason where the kernel cannot take it). threads / blocks_per_sm: overrides (0 = auto). Not the
 // default anywhere: on the H200 (2026-12-01) its kernel beat the block layout at the mamba in_proj and
 // MLP up_proj under Nsight Compute (32.6 against 34.6 us, 24.9 against 26.3; f32 x, one row), but the
-// LLM step taking it there was slower in all five alternating A/B pairs on two machines (waited 4.04 -
-// 5.51 against 3.73 - 4.01 ms); see docs/developing.md.
+// LLM step taking it there was slower in every alternating A/B run on two machines (waited 4.04 - 6.29
+// against 3.73 - 5.09 ms), likely for its longer text (see cuda_sources.cpp); docs/developing.md.
 std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bits, bool takes_norm,
                                     int prenorm_groups, int threads, int imma, int blocks_per_sm, int device_index,
                                     const char* who) {

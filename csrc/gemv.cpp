@@ -275,7 +275,8 @@ CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m,
 }
 
 std::string stream_header() {
-  return std::string(gemv_cuda::kCommonHeader) + gemv_cuda::kPairHeader + gemv_cuda::kStreamHeader;
+  return std::string(gemv_cuda::kCommonHeader) + gemv_cuda::kPairHeader + gemv_cuda::kPersistentHeader +
+         gemv_cuda::kStreamHeader;
 }
 
 const CudaSource& qmv_stream_source() {
@@ -595,7 +596,9 @@ CudaInstance qmv_imma_instance(bool emit, const char* tx, int k, int n, int m, i
                              epi, np, ng);
 }
 
-std::string imma_header() { return stream_header() + gemv_cuda::kImmaHeader; }
+std::string imma_header() {
+  return std::string(gemv_cuda::kCommonHeader) + gemv_cuda::kPersistentHeader + gemv_cuda::kImmaHeader;
+}
 
 const CudaSource& qmv_imma_source() {
   const char* f = "float";

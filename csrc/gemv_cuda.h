@@ -682,6 +682,83 @@ constexpr const char* kQmvEmitSource = R"(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials);
 )";
 
+// What the two persistent 4-bit layouts (vc_qmv_stream, vc_qmv_imma) share: their dynamic shared
+// memory, the group totals of a producer's norm, a tile's end. Include-guarded; it needs
+// kCommonHeader before it.
+constexpr const char* kPersistentHeader = R"(
+#ifndef VC_PERSISTENT_HEADER
+#define VC_PERSISTENT_HEADER
+// The kernel body's dynamic shared memory (the emulation has no `extern __shared__`).
+#ifdef __CUDA_ARCH__
+#define VC_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
+#else
+#define VC_DYNAMIC_SMEM(name) unsigned char* name = cuda_emu::dynamic_smem()
+#endif
+
+namespace vc_stream {
+
+// NORM 2's group totals: group_total[o * M + m] = the sum of input row m's partials in group o (NP
+// partials a row in NG groups of NP / NG), summed by the block. scratch: WARPS rows of `stride`
+// floats (stride >= NG * M). Ends with a block barrier.
+template <int NP, int NG, int M, int THREADS, typename TN>
+__device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, int stride, float* group_total) {
+  constexpr int NGM = NG * M;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float gs[NGM];
+#pragma unroll
+  for (int o = 0; o < NGM; ++o) gs[o] = 0.0f;
+  for (int i = threadIdx.x; i < NP; i += THREADS) {
+    const int g = i / (NP / NG);
+#pragma unroll
+    for (int o = 0; o < NG; ++o) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int o = 0; o < NGM; ++o) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) gs[o] += __shfl_xor_sync(0xffffffffu, gs[o], off);
+    if (lane == 0) scratch[warp * stride + o] = gs[o];
+  }
+  __syncthreads();
+  if (threadIdx.x < NGM) {
+    float t = 0.0f;
+    for (int w = 0; w < THREADS / 32; ++w) t += scratch[w * stride + threadIdx.x];
+    group_total[threadIdx.x] = t;
+  }
+  __syncthreads();
+}
+
+// The end of a persistent kernel's tile (ROWS rows, `tile` of `tiles`), in warp 0: each of its SUMS =
+// ROWS x M sums totalled over the warps' partials (red: WARPS rows of `stride` floats), then stored
+// through vc_gemv::finish's epilogue, or with EMIT as vc_gemv::emit_rows (a partial a tile).
+template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TO,
+          typename TE>
+__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles, const TB* bias,
+                                           const TR* residual, TO* out, const TE* next_w, float* normed,
+                                           float* partials) {
+  constexpr int SUMS = ROWS * M;
+  if (threadIdx.x >= 32) {
+    return;
+  }
+  const int row = tile * ROWS + static_cast<int>(threadIdx.x) / M;
+  float v = 0.0f;
+  if (threadIdx.x < SUMS) {
+    for (int w = 0; w < WARPS; ++w) v += red[w * stride + threadIdx.x];
+  }
+  if constexpr (EMIT) {
+    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, bias, residual, out, N, next_w, normed,
+                                         partials, tile, tiles);
+  } else if (threadIdx.x < SUMS) {
+    vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, row, N);
+  }
+}
+
+}  // namespace vc_stream
+#endif
+)";
+
 // The streamed 4-bit matvec (vc_qmv_stream): the block layout's math with the weight bytes moved
 // by the copy engine instead of the threads' loads. The twelfth session's profile of the block
 // layout at the N = 4480 shapes: 2 blocks an SM, each thread one round trip to memory, then its
@@ -691,17 +768,11 @@ constexpr const char* kQmvEmitSource = R"(
 // memory (an mbarrier a stage counts their bytes), so the bytes in flight do not cost registers;
 // every thread keeps its chunks of x in registers for all tiles (loaded once, already split into
 // the pair form of vc_gemv::pair_word, the input norm's scale folded in), and reads each tile's
-// weights from shared memory. Include-guarded; it needs kCommonHeader and kPairHeader before it.
+// weights from shared memory. Include-guarded; it needs kCommonHeader, kPairHeader and
+// kPersistentHeader before it.
 constexpr const char* kStreamHeader = R"(
 #ifndef VC_STREAM_HEADER
 #define VC_STREAM_HEADER
-// The kernel body's dynamic shared memory (the emulation has no `extern __shared__`).
-#ifdef __CUDA_ARCH__
-#define VC_DYNAMIC_SMEM(name) extern __shared__ __align__(128) unsigned char name[]
-#else
-#define VC_DYNAMIC_SMEM(name) unsigned char* name = cuda_emu::dynamic_smem()
-#endif
-
 namespace vc_stream {
 
 #ifdef __CUDA_ARCH__
@@ -759,64 +830,6 @@ __device__ __forceinline__ float fold_sums(float* v, int lane) {
   } else {
     v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
     return fold_sums<1, O / 2>(v, lane);
-  }
-}
-
-// NORM 2's group totals: group_total[o * M + m] = the sum of input row m's partials in group o (NP
-// partials a row in NG groups of NP / NG), summed by the block. scratch: WARPS rows of `stride`
-// floats (stride >= NG * M). Ends with a block barrier.
-template <int NP, int NG, int M, int THREADS, typename TN>
-__device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, int stride, float* group_total) {
-  constexpr int NGM = NG * M;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float gs[NGM];
-#pragma unroll
-  for (int o = 0; o < NGM; ++o) gs[o] = 0.0f;
-  for (int i = threadIdx.x; i < NP; i += THREADS) {
-    const int g = i / (NP / NG);
-#pragma unroll
-    for (int o = 0; o < NG; ++o) {
-#pragma unroll
-      for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
-    }
-  }
-#pragma unroll
-  for (int o = 0; o < NGM; ++o) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) gs[o] += __shfl_xor_sync(0xffffffffu, gs[o], off);
-    if (lane == 0) scratch[warp * stride + o] = gs[o];
-  }
-  __syncthreads();
-  if (threadIdx.x < NGM) {
-    float t = 0.0f;
-    for (int w = 0; w < THREADS / 32; ++w) t += scratch[w * stride + threadIdx.x];
-    group_total[threadIdx.x] = t;
-  }
-  __syncthreads();
-}
-
-// The end of a persistent kernel's tile (ROWS rows, `tile` of `tiles`), in warp 0: each of its SUMS =
-// ROWS x M sums totalled over the warps' partials (red: WARPS rows of `stride` floats), then stored
-// through vc_gemv::finish's epilogue, or with EMIT as vc_gemv::emit_rows (a partial a tile).
-template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TO,
-          typename TE>
-__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles, const TB* bias,
-                                           const TR* residual, TO* out, const TE* next_w, float* normed,
-                                           float* partials) {
-  constexpr int SUMS = ROWS * M;
-  if (threadIdx.x >= 32) {
-    return;
-  }
-  const int row = tile * ROWS + static_cast<int>(threadIdx.x) / M;
-  float v = 0.0f;
-  if (threadIdx.x < SUMS) {
-    for (int w = 0; w < WARPS; ++w) v += red[w * stride + threadIdx.x];
-  }
-  if constexpr (EMIT) {
-    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, bias, residual, out, N, next_w, normed,
-                                         partials, tile, tiles);
-  } else if (threadIdx.x < SUMS) {
-    vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, row, N);
   }
 }
 

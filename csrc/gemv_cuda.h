@@ -1150,7 +1150,7 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   constexpr int SUMS = 16 * M;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
   static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
-  static_assert(WARPS <= K / 64, "a group at least for every warp: each meets every slab barrier");
+  static_assert(WARPS <= K / 64, "a group at least for every warp: a warp without one would idle");
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
   static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
   __shared__ float red[2][WARPS][SUMS];

@@ -8,18 +8,19 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx-ab}
+# step SITE LIMIT [ARGS]: one profile_llm_step process on the tree installed in SITE
+step() {
+  (cd benchmarks && PYTHONPATH=$1:/tmp/site timeout "$2" python3 profile_llm_step.py --size full --compiled-only "${@:3}")
+}
 if [ "${WARM:-1}" = 1 ]; then  # both trees' first processes at once, untimed: their kernel compiles
-  for site in /tmp/site2 /tmp/siteA; do
-    (cd benchmarks && PYTHONPATH=$site:/tmp/site timeout "${WARM_LIMIT:-150}" python3 profile_llm_step.py --size full \
-      --compiled-only >/dev/null 2>&1) &
-  done
+  step /tmp/site2 "${WARM_LIMIT:-150}" >/dev/null 2>&1 &
+  step /tmp/siteA "${WARM_LIMIT:-150}" >/dev/null 2>&1 &
   wait
 fi
 for i in $(seq 1 "${ROUNDS:-2}"); do
   for arm in new old; do
     site=/tmp/site2; [ "$arm" = old ] && site=/tmp/siteA
-    (cd benchmarks && PYTHONPATH=$site:/tmp/site timeout "${STEP_LIMIT:-70}" python3 profile_llm_step.py --size full \
-      --compiled-only --json "$OUT/llm_$arm$i.json" >"$OUT/llm_$arm$i.log" 2>&1)
+    step "$site" "${STEP_LIMIT:-70}" --json "$OUT/llm_$arm$i.json" >"$OUT/llm_$arm$i.log" 2>&1
     echo "$arm $i: $(grep -E "sync_step|pipelined" "$OUT/llm_$arm$i.log" | tr -s ' ' | paste -sd ';' -)"
   done
 done

@@ -3,11 +3,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <cctype>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <sstream>
 #include <mutex>
 #include <stdexcept>
 #include <string_view>
@@ -73,9 +79,8 @@ std::string compact_kernel_text(const std::string& text) {
 }
 
 const CudaSource& register_cuda_source(CudaSource source) {
-  // MLX-CUDA 0.32.4 spends host time on a custom kernel's whole text at every launch: on the H200
-  // ~0.2 us a KB (tools/gpu/launch_cost.py: 2.5 us a launch at 1 KB of header, 15.4 us at 64 KB,
-  // compiled or not), and the GEMV headers were 26-51 KB, a third of it comments.
+  // Compact texts compile sooner and, where they go inline (see launch_text), cost less at every
+  // launch: MLX-CUDA hashes the whole text then (~0.2 us a KB on the H200).
   source.header = compact_kernel_text(source.header);
   source.source = compact_kernel_text(source.source);
   storage().push_back(std::move(source));
@@ -102,9 +107,72 @@ std::string jit_name(const CudaSource& source) {
   return source.name + "_" + std::string(hex, 12);
 }
 
+namespace {
+std::string file_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return {};
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// `path` holding exactly `text`: left as it is when it does, else written whole under a name of this
+// process's and renamed over it (processes racing write the same bytes; none reads a torn file).
+// Throws when it cannot.
+void ensure_file_text(const std::filesystem::path& path, const std::string& text) {
+  if (std::filesystem::is_regular_file(path) && file_text(path) == text) return;
+  std::filesystem::create_directories(path.parent_path());
+  auto scratch = path;
+  scratch += "." + std::to_string(::getpid()) + ".tmp";
+  {
+    std::ofstream out(scratch, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + scratch.string());
+  }
+  std::filesystem::rename(scratch, path);
+  if (file_text(path) != text) throw std::runtime_error("cannot read back " + path.string());
+}
+
+std::string include_line(const std::filesystem::path& path) { return "#include \"" + path.string() + "\"\n"; }
+}  // namespace
+
+KernelText launch_text(const CudaSource& source, const std::string& folder) {
+  KernelText inline_text{source.header, source.source, false};
+  // A path an #include line cannot carry as it is, or none: the texts go inline.
+  if (folder.empty() || folder.find_first_of("\"\\\n") != std::string::npos) return inline_text;
+  const std::string name = jit_name(source);  // hashes both texts: a file's name is its content's
+  std::filesystem::path header_file, body_file;
+  try {
+    const auto dir = std::filesystem::absolute(folder);  // NVRTC resolves a relative one from the cwd
+    header_file = dir / (name + ".cuh");
+    body_file = dir / (name + ".body.cuh");
+    ensure_file_text(header_file, source.header);
+    ensure_file_text(body_file, source.source);
+  } catch (const std::exception&) {
+    return inline_text;  // an unwritable folder costs launch time, never a kernel
+  }
+  KernelText text{include_line(header_file), include_line(body_file), true};
+  // MLX passes an input's shape, strides or ndim only where the body it is given names them.
+  std::string named;
+  for (const auto& input : source.input_names) {
+    for (const char* what : {"_shape", "_strides", "_ndim"}) {
+      if (source.source.find(input + what) != std::string::npos) named += " " + input + what;
+    }
+  }
+  if (!named.empty()) text.body += "//" + named + "\n";
+  return text;
+}
+
+std::string kernel_text_folder() {
+  const char* folder = std::getenv("VOICECHAT_KERNEL_TEXT_DIR");
+  return folder == nullptr ? std::string() : std::string(folder);
+}
+
 mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory) {
-  return mlx::core::fast::cuda_kernel(jit_name(source), source.input_names, source.output_names, source.source,
-                                      source.header, true, shared_memory);
+  const KernelText text = launch_text(source, kernel_text_folder());
+  return mlx::core::fast::cuda_kernel(jit_name(source), source.input_names, source.output_names, text.body,
+                                      text.header, true, shared_memory);
 }
 
 bool cuda_build() { return std::string_view(VC_BACKEND) == "cuda"; }
@@ -200,6 +268,23 @@ void bind(py::module_& m) {
     }
     return out;
   }, "The CUDA kernel sources this extension JITs, with their instances (for compile checks).");
+  m.def(
+      "launch_text",
+      [](const py::dict& source, const std::string& folder) {
+        CudaSource src;
+        src.name = source["name"].cast<std::string>();
+        src.input_names = source["input_names"].cast<std::vector<std::string>>();
+        src.output_names = source["output_names"].cast<std::vector<std::string>>();
+        src.source = source["source"].cast<std::string>();
+        src.header = source["header"].cast<std::string>();
+        const KernelText text = launch_text(src, folder);
+        return py::make_tuple(text.header, text.body, text.included);
+      },
+      py::arg("source"), py::arg("folder"),
+      "(header, body, included): the texts a kernel (a dict as cuda_sources() lists them) is handed to MLX as, "
+      "with `folder` as VOICECHAT_KERNEL_TEXT_DIR: #include lines of files written there, or the texts "
+      "themselves where the folder is empty or unusable.");
+  m.def("kernel_text_folder", &kernel_text_folder, "VOICECHAT_KERNEL_TEXT_DIR as the extension reads it.");
   m.def("compact_kernel_text", &compact_kernel_text, py::arg("text"),
         "A kernel's text as registered: comments dropped, lines trimmed, empty lines dropped (what MLX-CUDA "
         "handles at every launch).");

@@ -35,8 +35,23 @@ struct CudaSource {
 // reuse its old name, or a cache from an older voicechat would run the old code.
 std::string jit_name(const CudaSource& source);
 
+// The header and body a kernel is handed to MLX as. MLX-CUDA 0.32.4 hashes a custom kernel's whole
+// text at every launch (std::hash in CustomKernel::eval_gpu, to name its module): ~0.2 us of host
+// time a KB on the H200, paid ~300 times a frame. So the texts are written to files in `folder`,
+// named by jit_name (which hashes them), and MLX gets two #include lines (the body's inside the
+// kernel) of ~100 bytes. An empty or unusable folder: the texts themselves (included = false).
+struct KernelText {
+  std::string header;
+  std::string body;
+  bool included;
+};
+KernelText launch_text(const CudaSource& source, const std::string& folder);
+
+// VOICECHAT_KERNEL_TEXT_DIR (voicechat's __init__ sets it beside the PTX cache; empty: inline).
+std::string kernel_text_folder();
+
 // mlx::core::fast::cuda_kernel for `source`, under jit_name(source), launched with `shared_memory`
-// bytes of dynamic shared memory.
+// bytes of dynamic shared memory; its texts as launch_text(source, kernel_text_folder()) gives them.
 mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory = 0);
 
 // CUDA text without its comments, indentation and empty lines (string and character literals kept,

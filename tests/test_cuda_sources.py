@@ -114,6 +114,20 @@ def test_the_kernel_cache_is_persistent_unless_set(tmp_path):
     assert out == "/x/y"
 
 
+def test_kernel_texts_are_kept_beside_the_kernel_cache_unless_set(tmp_path):
+    import os
+    import sys
+
+    probe = "import voicechat; from voicechat.kernels import ext; print(ext.kernel_text_folder())"
+    env = {k: v for k, v in os.environ.items() if k != "VOICECHAT_KERNEL_TEXT_DIR"}
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "XDG_CACHE_HOME": str(tmp_path)},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == str(tmp_path / "voicechat" / "kernel-text")
+    out = subprocess.run([sys.executable, "-c", probe], env={**env, "VOICECHAT_KERNEL_TEXT_DIR": ""},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == ""
+
+
 def test_compact_kernel_text_drops_comments_and_indentation_only():
     """What register_cuda_source keeps of a kernel's text (MLX-CUDA spends host time on the whole text
     at every launch): no comments, indentation or empty lines; literals as they are (a '//' or an
@@ -170,3 +184,62 @@ def test_registered_kernels_are_compact_and_carry_only_their_parts():
         assert "qmv_accumulate" in by_name[name] and "dense_accumulate" not in by_name[name], name
     for name in ("vc_qmv_stream", "vc_qmv_imma"):
         assert "qmv_accumulate" not in by_name[name] and "dense_accumulate" not in by_name[name], name
+
+
+def test_kernels_reach_mlx_as_include_lines_of_their_registered_text(tmp_path):
+    """MLX-CUDA hashes a kernel's whole text at every launch: each kernel is handed over as two short
+    #include lines of files that hold exactly its registered header and body, named by its jit name."""
+    for src in SOURCES:
+        header, body, included = ext.launch_text(src, str(tmp_path))
+        assert included, src["name"]
+        assert header == f'#include "{tmp_path}/{src["jit_name"]}.cuh"\n'
+        assert body == f'#include "{tmp_path}/{src["jit_name"]}.body.cuh"\n'
+        assert (tmp_path / f"{src['jit_name']}.cuh").read_text() == src["header"]
+        assert (tmp_path / f"{src['jit_name']}.body.cuh").read_text() == src["source"]
+
+
+def test_included_texts_are_rewritten_when_a_file_differs(tmp_path):
+    src = SOURCES[0]
+    ext.launch_text(src, str(tmp_path))
+    kept = tmp_path / f"{src['jit_name']}.cuh"
+    kept.write_text("garbage")  # a torn or edited file
+    ext.launch_text(src, str(tmp_path))
+    assert kept.read_text() == src["header"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept.name, f"{src['jit_name']}.body.cuh"])
+
+
+def test_texts_go_inline_where_no_folder_serves(tmp_path, monkeypatch):
+    src = SOURCES[0]
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    for folder in ("", str(blocked / "sub"), str(tmp_path / 'a"quote')):
+        assert ext.launch_text(src, folder) == (src["header"], src["source"], False), folder
+    monkeypatch.chdir(tmp_path)  # a relative folder: NVRTC would resolve it from its own cwd
+    header, _, included = ext.launch_text(src, "rel")
+    assert included and header == f'#include "{tmp_path}/rel/{src["jit_name"]}.cuh"\n'
+
+
+def test_an_included_body_still_names_the_shapes_it_reads(tmp_path):
+    """MLX passes an input's shape / strides / ndim only where the body it sees names them."""
+    qmv = next(s for s in SOURCES if s["name"] == "vc_qmv")  # inputs x, weight, ...
+    src = dict(qmv, source="int n = x_shape[0] + weight_ndim + out_shape;\n")
+    _, body, included = ext.launch_text(src, str(tmp_path))
+    assert included and body.splitlines()[1] == "// x_shape weight_ndim"
+
+
+@pytest.mark.parametrize("name", ["vc_qmv", "vc_dense_mv", "vc_mamba_conv_scan_step", "vc_qmv_stream"])
+def test_the_included_form_compiles_to_the_same_ptx(name, tmp_path):
+    """What MLX compiles from the include lines is what it compiled from the texts (nvcc's PTX equal)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    src = next(s for s in SOURCES if s["name"] == name)
+    header, body, _ = ext.launch_text(src, str(tmp_path / "text"))
+    ptx = []
+    for form, text in (("inline", src), ("included", dict(src, header=header, source=body))):
+        cu = tmp_path / f"{form}.cu"
+        cu.write_text(wrap(text, src["instances"][:1]))
+        subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-I", str(STUB), "-ptx", "-o", str(tmp_path / f"{form}.ptx"),
+                        str(cu)], check=True, capture_output=True)
+        ptx.append((tmp_path / f"{form}.ptx").read_text())
+    assert ".entry" in ptx[0] and ptx[0] == ptx[1]

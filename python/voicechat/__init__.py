@@ -15,7 +15,12 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 def _persistent_kernel_cache() -> None:
     """Keep MLX-CUDA's compiled kernels across reboots (its default is the temp dir): a full-size
     first run compiles minutes of kernels. Per MLX version, as MLX keys its own kernels by name
-    only (ours carry a hash of their source in the name). An explicit MLX_PTX_CACHE_DIR wins."""
+    only (ours carry a hash of their source in the name). An explicit MLX_PTX_CACHE_DIR wins.
+
+    Beside it, the folder our kernels' texts are #included from (VOICECHAT_KERNEL_TEXT_DIR; set it
+    empty to hand MLX the texts themselves, which costs host time at every launch)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    os.environ.setdefault("VOICECHAT_KERNEL_TEXT_DIR", os.path.join(root, "voicechat", "kernel-text"))
     if "MLX_PTX_CACHE_DIR" in os.environ:
         return
     from importlib.metadata import PackageNotFoundError, version
@@ -24,7 +29,6 @@ def _persistent_kernel_cache() -> None:
         mlx_version = version("mlx")
     except PackageNotFoundError:
         return
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ["MLX_PTX_CACHE_DIR"] = os.path.join(root, "voicechat", f"mlx-{mlx_version}", "ptx")
 
 

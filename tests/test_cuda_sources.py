@@ -243,3 +243,39 @@ def test_the_included_form_compiles_to_the_same_ptx(name, tmp_path):
                         str(cu)], check=True, capture_output=True)
         ptx.append((tmp_path / f"{form}.ptx").read_text())
     assert ".entry" in ptx[0] and ptx[0] == ptx[1]
+
+
+_RUN_ONE_KERNEL = """
+import json, sys
+import mlx.core as mx
+from voicechat.kernels.gemv import on_cuda_gpu, quantized_matvec
+if not on_cuda_gpu():
+    print(json.dumps(None)); sys.exit()
+mx.random.seed(3)
+w = mx.random.normal((300, 640)) * 0.05
+wq, s, b = mx.quantize(w, group_size=64, bits=4)
+x = mx.random.normal((1, 640))
+print(json.dumps(quantized_matvec(x, wq, s, b).tolist()))
+"""
+
+
+def test_a_kernel_gives_the_same_result_included_or_inline(tmp_path):
+    """On a CUDA GPU (elsewhere the CPU path runs and this skips): in fresh processes, a kernel
+    handed to MLX as include lines writes its texts to the folder and gives exactly what the inline
+    texts give."""
+    import json
+    import os
+    import sys
+
+    def run(folder: str):
+        env = {**os.environ, "VOICECHAT_KERNEL_TEXT_DIR": folder, "MLX_PTX_CACHE_DIR": str(tmp_path / "ptx")}
+        out = subprocess.run([sys.executable, "-c", _RUN_ONE_KERNEL], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        return json.loads(out)
+
+    included = run(str(tmp_path / "text"))
+    if included is None:
+        pytest.skip("no CUDA GPU")
+    qmv = next(s for s in SOURCES if s["name"] == "vc_qmv")
+    assert (tmp_path / "text" / f"{qmv['jit_name']}.body.cuh").read_text() == qmv["source"]
+    assert run("") == included

@@ -17,8 +17,12 @@ for arm in "$@"; do
   env "${settings[@]}" timeout -s INT -k 15 "${AB_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider \
     benchmarks/bench_e2e.py --benchmark-enable --benchmark-json="$OUT/e2e_$tag.json" \
     --benchmark-columns=min,median,rounds 2>&1 | grep -E "test_generate|passed|failed|Error" | tail -5
-  python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['benchmarks'][0]['extra_info']; \
+  if [ -s "$OUT/e2e_$tag.json" ]; then  # empty where the run was cut by AB_LIMIT
+    python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['benchmarks'][0]['extra_info']; \
 print({k: round(b[k], 2) for k in ('ms_per_frame', 'timeline_ms_per_frame', 'rtf')})" "$OUT/e2e_$tag.json"
+  else
+    echo "$arm: no result (cut at AB_LIMIT=${AB_LIMIT:-240} s?)"
+  fi
   if [ "${AB_LLM:-0}" = 1 ]; then
     (cd benchmarks && env "${settings[@]}" timeout 150 python3 profile_llm_step.py --size "$VOICECHAT_BENCH_SIZE" --compiled-only \
       --json "$OUT/llm_$tag.json" 2>&1 | tail -7)

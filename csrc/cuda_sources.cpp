@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
 #include <cstdint>
 #include <cstdio>
@@ -116,21 +117,26 @@ std::string file_text(const std::filesystem::path& path) {
   return text.str();
 }
 
-// `path` holding exactly `text`: left as it is when it does, else written whole under a name of this
-// process's and renamed over it (processes racing write the same bytes; none reads a torn file).
+// `path` holding exactly `text`: left as it is when it does, else written whole under a scratch name
+// and renamed over it (processes racing write the same bytes; none reads a torn file).
 // Throws when it cannot.
 void ensure_file_text(const std::filesystem::path& path, const std::string& text) {
   if (std::filesystem::is_regular_file(path) && file_text(path) == text) return;
   std::filesystem::create_directories(path.parent_path());
+  static std::atomic<unsigned> written{0};  // with the pid: a scratch name no other writer has
   auto scratch = path;
-  scratch += "." + std::to_string(::getpid()) + ".tmp";
-  {
+  scratch += "." + std::to_string(::getpid()) + "." + std::to_string(written++) + ".tmp";
+  try {
     std::ofstream out(scratch, std::ios::binary | std::ios::trunc);
     out << text;
     out.close();
     if (!out) throw std::runtime_error("cannot write " + scratch.string());
+    std::filesystem::rename(scratch, path);
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove(scratch, ignored);  // no partial file left behind
+    throw;
   }
-  std::filesystem::rename(scratch, path);
   if (file_text(path) != text) throw std::runtime_error("cannot read back " + path.string());
 }
 

@@ -214,6 +214,9 @@ def test_texts_go_inline_where_no_folder_serves(tmp_path, monkeypatch):
     blocked.write_text("")
     for folder in ("", str(blocked / "sub"), str(tmp_path / 'a"quote')):
         assert ext.launch_text(src, folder) == (src["header"], src["source"], False), folder
+    (tmp_path / "held" / f"{src['jit_name']}.cuh").mkdir(parents=True)  # a file that cannot be replaced
+    assert ext.launch_text(src, str(tmp_path / "held")) == (src["header"], src["source"], False)
+    assert [p.name for p in (tmp_path / "held").iterdir()] == [f"{src['jit_name']}.cuh"]  # no scratch left
     monkeypatch.chdir(tmp_path)  # a relative folder: NVRTC would resolve it from its own cwd
     header, _, included = ext.launch_text(src, "rel")
     assert included and header == f'#include "{tmp_path}/rel/{src["jit_name"]}.cuh"\n'

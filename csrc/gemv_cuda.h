@@ -117,17 +117,52 @@ __device__ __forceinline__ void block_sum(const float* vals, float* part, float*
   __syncthreads();
 }
 
-// The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
-// sum v. EPI 0: v (+ bias); 1: that + residual[m, row] (a residual stream added in the same pass);
-// 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once. Returns the value
-// stored (as float).
-template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
-__device__ __forceinline__ float finish(float v, const TB* bias, const TR* residual, TO* out, int m, int row, int n) {
+// What an output's epilogue reads besides its sum: bias[row], residual[m, row], and the next norm's
+// weight next_w[row] (an emitting matvec). The block-walking kernels load it before their product:
+// loaded after the block's last barrier, it is one more trip to memory on every block's path.
+struct Tail {
+  float bias, residual, next_w;
+};
+
+template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TE = float>
+__device__ __forceinline__ Tail load_tail(const TB* bias, const TR* residual, int m, int row, int n,
+                                          const TE* next_w = nullptr) {
+  Tail t{0.0f, 0.0f, 0.0f};
   if constexpr (HAS_BIAS) {
-    v += static_cast<float>(bias[row]);
+    t.bias = static_cast<float>(bias[row]);
   }
   if constexpr (EPI == 1) {
-    v += static_cast<float>(residual[static_cast<size_t>(m) * n + row]);
+    t.residual = static_cast<float>(residual[static_cast<size_t>(m) * n + row]);
+  }
+  if (next_w != nullptr) {
+    t.next_w = static_cast<float>(next_w[row]);
+  }
+  return t;
+}
+
+// The Tail of the output this thread stores when a block's first ROWS * M threads store rows row0,
+// row0 + 1, ... (thread i: row row0 + i / M, input row i % M); zeros for the others and past n.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TE = float>
+__device__ __forceinline__ Tail row_tail(const TB* bias, const TR* residual, int row0, int n,
+                                         const TE* next_w = nullptr) {
+  const int row = row0 + static_cast<int>(threadIdx.x) / M;
+  if (threadIdx.x < ROWS * M && row < n) {
+    return load_tail<EPI, HAS_BIAS>(bias, residual, static_cast<int>(threadIdx.x) % M, row, n, next_w);
+  }
+  return Tail{0.0f, 0.0f, 0.0f};
+}
+
+// The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
+// sum v and its Tail. EPI 0: v (+ bias); 1: that + residual[m, row] (a residual stream added in the
+// same pass); 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once. Returns
+// the value stored (as float).
+template <int EPI, bool HAS_BIAS, typename TO>
+__device__ __forceinline__ float finish(float v, const Tail& t, TO* out, int m, int row, int n) {
+  if constexpr (HAS_BIAS) {
+    v += t.bias;
+  }
+  if constexpr (EPI == 1) {
+    v += t.residual;
   } else if constexpr (EPI == 2) {
     v = fmaxf(v, 0.0f);
     v = v * v;
@@ -137,17 +172,24 @@ __device__ __forceinline__ float finish(float v, const TB* bias, const TR* resid
   return static_cast<float>(stored);
 }
 
+// The same with the Tail loaded now (where no barrier lies between the loads and the product's end).
+template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
+__device__ __forceinline__ float finish(float v, const TB* bias, const TR* residual, TO* out, int m, int row, int n) {
+  return finish<EPI, HAS_BIAS>(v, load_tail<EPI, HAS_BIAS>(bias, residual, m, row, n), out, m, row, n);
+}
+
 // out[m, row0 + r] = finish(total[r * M + m] (* row_scale[m])) for the block's rows inside [0, n):
-// the store that ends the block-layout matvec kernels.
-template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
-__device__ __forceinline__ void store_rows(const float* total, const TB* bias, const TR* residual, TO* out,
-                                           int row0, int n, const float* row_scale = nullptr) {
+// the store that ends the block-layout matvec kernels. tail: this thread's (row_tail, loaded before
+// the product).
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TO>
+__device__ __forceinline__ void store_rows(const float* total, const Tail& tail, TO* out, int row0, int n,
+                                           const float* row_scale = nullptr) {
   if (threadIdx.x < ROWS * M) {
     const int row = row0 + threadIdx.x / M;
     const int m = threadIdx.x % M;
     if (row < n) {
       const float v = row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
-      finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
+      finish<EPI, HAS_BIAS>(v, tail, out, m, row, n);
     }
   }
 }
@@ -190,15 +232,16 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
 
 // The end of an emitting matvec's row group, in the first warp (all 32 lanes call it): lane t with
 // `valid` stores finish(v) for row `row`, input row t % M, and the next norm's input normed = stored *
-// next_w[row]; partials[m * np + p] gets the sum of stored^2 over the group's rows.
-template <int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO, typename TE>
-__device__ __forceinline__ void emit_rows(float v, bool valid, int row, const TB* bias, const TR* residual, TO* out,
-                                          int n, const TE* next_w, float* normed, float* partials, int p, int np) {
+// next_w[row] (tail: the lane's, with next_w); partials[m * np + p] gets the sum of stored^2 over the
+// group's rows.
+template <int M, int EPI, bool HAS_BIAS, typename TO>
+__device__ __forceinline__ void emit_rows(float v, bool valid, int row, const Tail& tail, TO* out, int n, float* normed,
+                                          float* partials, int p, int np) {
   const int m = static_cast<int>(threadIdx.x) % M;
   float sq = 0.0f;
   if (valid) {
-    const float stored = finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
-    normed[static_cast<size_t>(m) * n + row] = stored * static_cast<float>(next_w[row]);
+    const float stored = finish<EPI, HAS_BIAS>(v, tail, out, m, row, n);
+    normed[static_cast<size_t>(m) * n + row] = stored * tail.next_w;
     sq = stored * stored;
   }
 #pragma unroll
@@ -316,6 +359,13 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
     st.scale[r] = static_cast<float>(scales[static_cast<size_t>(rows[r]) * GROUPS + g]);
     st.bias[r] = static_cast<float>(biases[static_cast<size_t>(rows[r]) * GROUPS + g]);
   }
+  // ptxas issues the scale and bias loads just before their use, after the chunk's math: a second
+  // trip to memory a block. Tying the first weight word to them (through a zero it cannot see: no
+  // user-space address reaches bit 63) makes it issue them with the weights.
+  unsigned int tie = 0u;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) tie |= __float_as_uint(st.scale[r]) | __float_as_uint(st.bias[r]);
+  st.w[0].x ^= tie & static_cast<unsigned int>(reinterpret_cast<unsigned long long>(w4) >> 63);
 }
 
 // acc[r][m] = sum_k x[m, k] * (scale * q[row0 + r, k] + bias) over this thread's chunks, for the
@@ -488,6 +538,7 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
   __shared__ float group_total[GROUPS ? NG * M : 1];
   __shared__ float inv_rms[M];
   const int row0 = blockIdx.x * ROWS;
+  const Tail tail = row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
   float pv[M][PER];  // this thread's partials (NORM 2), loaded now, read after the product
   if constexpr (NORM == 2) {
 #pragma unroll
@@ -567,11 +618,10 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
       const int m = static_cast<int>(threadIdx.x) % M;
       const bool valid = threadIdx.x < ROWS * M && row < N;
       const float v = !valid ? 0.0f : row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
-      emit_rows<M, EPI, HAS_BIAS>(v, valid, row, bias, residual, out, N, next_w, normed, partials, blockIdx.x,
-                                  (N + ROWS - 1) / ROWS);
+      emit_rows<M, EPI, HAS_BIAS>(v, valid, row, tail, out, N, normed, partials, blockIdx.x, (N + ROWS - 1) / ROWS);
     }
   } else {
-    store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N, row_scale);
+    store_rows<ROWS, M, EPI, HAS_BIAS>(total, tail, out, row0, N, row_scale);
   }
 }
 
@@ -732,12 +782,11 @@ __device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, i
 
 // The end of a persistent kernel's tile (ROWS rows, `tile` of `tiles`), in warp 0: each of its SUMS =
 // ROWS x M sums totalled over the warps' partials (red: WARPS rows of `stride` floats), then stored
-// through vc_gemv::finish's epilogue, or with EMIT as vc_gemv::emit_rows (a partial a tile).
-template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TO,
-          typename TE>
-__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles, const TB* bias,
-                                           const TR* residual, TO* out, const TE* next_w, float* normed,
-                                           float* partials) {
+// through vc_gemv::finish's epilogue, or with EMIT as vc_gemv::emit_rows (a partial a tile). tail:
+// the thread's vc_gemv::row_tail for the tile, loaded before its product.
+template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO>
+__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles,
+                                           const vc_gemv::Tail& tail, TO* out, float* normed, float* partials) {
   constexpr int SUMS = ROWS * M;
   if (threadIdx.x >= 32) {
     return;
@@ -748,10 +797,9 @@ __device__ __forceinline__ void store_tile(const float* red, int stride, int til
     for (int w = 0; w < WARPS; ++w) v += red[w * stride + threadIdx.x];
   }
   if constexpr (EMIT) {
-    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, bias, residual, out, N, next_w, normed,
-                                         partials, tile, tiles);
+    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, tail, out, N, normed, partials, tile, tiles);
   } else if (threadIdx.x < SUMS) {
-    vc_gemv::finish<EPI, HAS_BIAS>(v, bias, residual, out, static_cast<int>(threadIdx.x) % M, row, N);
+    vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, static_cast<int>(threadIdx.x) % M, row, N);
   }
 }
 
@@ -938,6 +986,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   for (int i = 0; i < tiles; ++i) {
     const int tile = blockIdx.x + i * gridDim.x;
     const int s = i % STAGES;
+    const vc_gemv::Tail tail =
+        vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
     unsigned char* st = smem + s * STAGE;
     if (bulk) {
       bar_wait(&bars[s], (i / STAGES) & 1);
@@ -993,8 +1043,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       reads_before_copies();
       fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, tile + STAGES * gridDim.x, true, &bars[s]);
     }
-    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS > NGM ? SUMS : NGM, tile, TILES, bias,
-                                                      residual, out, next_w, normed, partials);
+    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS > NGM ? SUMS : NGM, tile, TILES, tail,
+                                                      out, normed, partials);
   }
 }
 
@@ -1112,12 +1162,11 @@ __device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale
 
 // A slab's end: the quad's lanes hold a row's levels and its share of the bias term (sum them), then
 // the warps' sums (red: [WARPS][16 M], this slab's buffer of two) go through vc_stream::store_tile.
-// acc is zeroed for the next slab.
-template <int M, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TO,
-          typename TE>
+// acc is zeroed for the next slab. tail: the thread's row_tail for the slab.
+template <int M, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO>
 __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 * M], int slab, int g, int t,
-                                            int warp, const TB* bias, const TR* residual, TO* out, const TE* next_w,
-                                            float* normed, float* partials) {
+                                            int warp, const vc_gemv::Tail& tail, TO* out, float* normed,
+                                            float* partials) {
   constexpr int SUMS = 16 * M;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -1130,8 +1179,8 @@ __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 
     }
   }
   __syncthreads();
-  vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[0][0], SUMS, slab, N / 16, bias, residual, out,
-                                                              next_w, normed, partials);
+  vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[0][0], SUMS, slab, N / 16, tail, out, normed,
+                                                              partials);
 }
 
 // out[m, row] for 16-row slabs, a persistent grid (block b: slabs b, b + grid, ...), the block's warps
@@ -1187,6 +1236,8 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   // slower on the H200: its per-group bookkeeping and the barrier inside the unrolled ring cost more
   // than the slab ends' bubbles.
   for (int i = 0, slab = blockIdx.x; slab < SLABS; ++i, slab += gridDim.x) {
+    const vc_gemv::Tail tail =
+        vc_gemv::row_tail<16, M, EPI, HAS_BIAS>(bias, residual, slab * 16, N, EMIT ? next_w : nullptr);
     const int row = slab * 16 + g;
     const uint2* w_lo = reinterpret_cast<const uint2*>(weight + static_cast<size_t>(row) * (K / 8)) + t;
     const uint2* w_hi = w_lo + K / 16 * 8;  // row + 8
@@ -1216,8 +1267,7 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
         acc[1][m] = fmaf(sh * f, small_int_float(c[2 + m]), fmaf(bh, xs, acc[1][m]));
       }
     }
-    finish_slab<M, WARPS, EPI, HAS_BIAS, EMIT, N>(acc, red[i & 1], slab, g, t, warp, bias, residual, out, next_w,
-                                                  normed, partials);
+    finish_slab<M, WARPS, EPI, HAS_BIAS, EMIT, N>(acc, red[i & 1], slab, g, t, warp, tail, out, normed, partials);
   }
 }
 
@@ -1274,10 +1324,11 @@ constexpr const char* kDenseSource = R"(
   __shared__ float part[ROWS * M * THREADS];
   __shared__ float total[ROWS * M];
   const int row0 = blockIdx.x * ROWS;
+  const vc_gemv::Tail tail = vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N);
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS, PRO>(x, weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, bias, residual, out, row0, N);
+  vc_gemv::store_rows<ROWS, M, EPI, HAS_BIAS>(total, tail, out, row0, N);
 )";
 
 // The sandwich-norm seam feeding a dense matvec, in one launch (the TTS's Gemma blocks):
@@ -1320,10 +1371,11 @@ constexpr const char* kDenseAddNormSource = R"(
   }
   __syncthreads();
   const int row0 = blockIdx.x * ROWS;
+  const vc_gemv::Tail tail = vc_gemv::row_tail<ROWS, M, 0, HAS_BIAS>(bias, bias, row0, N);
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS, 0>(static_cast<const float*>(xs), weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  vc_gemv::store_rows<ROWS, M, 0, HAS_BIAS>(total, bias, bias, out, row0, N);
+  vc_gemv::store_rows<ROWS, M, 0, HAS_BIAS>(total, tail, out, row0, N);
 )";
 
 // The warp layout of kQmvSource: block b's warp w computes rows (b * WARPS + w) * ROWS .. + ROWS on

@@ -33,7 +33,7 @@ PY
 probe=/tmp/qmv_ncu_probe.py filter="regex:vc_qmv"  # vc_qmv_stream too
 [ "${PROBE:-}" = step ] && probe=tools/gpu/qmv_step_probe.py filter="regex:qmv"
 # NCU_CLOCK=none: the GPU's own clocks (ncu locks them at base by default: comparable run to run, but
-# an instruction-bound kernel reads ~25% slower there than it runs)
+# the step's GEMVs read 16-23% longer there than they run: eighteenth session)
 timeout -s INT "${NCU_LIMIT:-120}" "$NCU" --target-processes all -k "$filter" --clock-control "${NCU_CLOCK:-base}" \
   --metrics gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size \
   --csv --page raw python3 "$probe" > "$OUT/qmv_ncu_$TAG.csv" 2> "$OUT/qmv_ncu_$TAG.err"

@@ -1,7 +1,8 @@
-"""Why the windowed codec decode's peak memory grows with the answer on CUDA (test_codec's two peak
-tests fail on the H200, pass on the CPU): the peak over the tiny checkpoint's decode at 64 and 320
-code frames, as decode() runs it and with one change each (every window waited for; each kept piece
-copied out of its window's buffer; a synchronize before the peak is read).
+"""The windowed codec decode's peak memory on its own, in a fresh process (test_codec's two peak tests
+fail on the H200 inside the suite's process, pass on the CPU): the peak over the tiny checkpoint's
+decode at 64 and 320 code frames, as decode() runs it and with one change each (every window waited
+for; each kept piece copied out of its window's buffer), read before and after a synchronize. On the
+H200 (eighteenth session) it did not grow with the answer here: 31.0 / 34.5 MB.
 
     PYTHONPATH=python python tools/gpu/codec_peak_probe.py
 """

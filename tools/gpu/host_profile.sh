@@ -9,8 +9,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site2:/tmp/site} MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx-ab} PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .whl/py_spy-*.whl >/dev/null 2>&1
 SPY=/tmp/pyspy/bin/py-spy
-# profile: NAME FILTER COMMAND...  (the first run of a step compiles its kernels: it is in the
-# profile too, but outside FILTER's frames only where the compile happens at the first call)
+# profile: NAME FILTER COMMAND... Kernels compiled at a step's first call land inside FILTER's frames
+# too: run this after something that filled MLX_PTX_CACHE_DIR with the full-size kernels (ab_step.sh,
+# bench_e2e), or the cold compiles swamp the launches.
 profile() {
   local name=$1 needle=$2; shift 2
   (cd benchmarks && timeout "${HOST_LIMIT:-150}" "$SPY" record --native --rate "${RATE:-1000}" --format raw \

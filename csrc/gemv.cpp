@@ -587,12 +587,16 @@ mx::array apply_prenorm(const mx::array& x, const Prenorm& p, float eps, mx::Str
   return mx::astype(mx::reshape(scaled, x.shape(), s), x.dtype(), s);
 }
 
-// vc_qmv_imma's instances, LEVELS 4 (see persistent_instance).
+// Groups a vc_qmv_imma warp has in flight by default (a batch's loads are issued before its MMAs):
+// ptxas fits the step's instances in 56-72 registers at 4, 78-94 at 5 (pick_imma's grid assumes 80).
+constexpr int kImmaInflight = 4;
+
+// vc_qmv_imma's instances, LEVELS 4, INFLIGHT the default's (see persistent_instance).
 CudaInstance qmv_imma_instance(bool emit, const char* tx, int k, int n, int m, int warps, int epi = 0, int np = 0,
                                int ng = 1) {
   return persistent_instance(emit, tx,
                              {{"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)}, {"WARPS", int_arg(warps)},
-                              {"LEVELS", int_arg(4)}},
+                              {"LEVELS", int_arg(4)}, {"INFLIGHT", int_arg(kImmaInflight)}},
                              epi, np, ng);
 }
 
@@ -755,14 +759,15 @@ std::vector<mx::array> launch_persistent(const CudaSource& plain, const CudaSour
 constexpr int kImmaLevels = 4;  // x's block floating point terms: 6 + 7 + 7 + 7 bits below a group's largest
 
 struct ImmaLaunch {
-  int warps, blocks, smem;
+  int warps, blocks, smem, inflight;
 };
 
 // Whether the GPU has the integer MMA (sm_80 on).
 bool integer_mma(int device_index) { return compute_capability(device_index) >= 8; }
 
 // The integer-MMA launch at this shape, or nothing. imma: <= 0 never; > 0 always (refused with a
-// reason where the kernel cannot take it). threads / blocks_per_sm: overrides (0 = auto). Not the
+// reason where the kernel cannot take it), 1 with kImmaInflight groups in flight a warp, more: that
+// many (up to 16). threads / blocks_per_sm: overrides (0 = auto). Not the
 // default anywhere: on the H200 (2026-12-01) its kernel beat the block layout at the mamba in_proj and
 // MLP up_proj under Nsight Compute (32.6 against 34.6 us, 24.9 against 26.3; f32 x, one row), but the
 // LLM step taking it there was slower in every alternating A/B run on two machines (waited 4.04 - 6.29
@@ -785,6 +790,7 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
                     : threads % 32 != 0 || warps < 1 || warps > 32 || warps > k / 64
                         ? "threads a multiple of 32 up to 1024, a 64-wide group at least a warp"
                     : smem + kStreamStaticSmem > kSmemPerSm     ? "x's expansion inside 227 KB of shared memory"
+                    : imma > 16                                 ? "at most 16 groups in flight a warp"
                                                                 : nullptr;
   if (why) {
     throw std::invalid_argument(std::string(who) + ": the integer-MMA layout takes " + why);
@@ -793,7 +799,7 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
   const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
                                        : std::max(1, std::min({2048 / (32 * warps), 65536 / (80 * 32 * warps),
                                                                kSmemPerSm / (smem + kStreamStaticSmem)}));
-  return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem};
+  return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem, imma > 1 ? imma : kImmaInflight};
 }
 
 // What quantized_matvec and quantized_matvec_emit_norm share: [out] or, with next_norm, [out,
@@ -865,7 +871,9 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                                          threads, imma, blocks_per_sm, s.device.index, who);
   if (mma) {
     return launch_persistent(qmv_imma_source(), qmv_imma_emit_source(),
-                             {{"K", k}, {"N", n}, {"M", m}, {"WARPS", mma->warps}, {"LEVELS", kImmaLevels}}, 16,
+                             {{"K", k}, {"N", n}, {"M", m}, {"WARPS", mma->warps}, {"LEVELS", kImmaLevels},
+                              {"INFLIGHT", mma->inflight}},
+                             16,
                              mma->blocks, 32 * mma->warps, mma->smem, x, w, scales, biases, bias, epi, prenorm,
                              next_norm, norm_eps, out_dtype, s);
   }
@@ -1159,7 +1167,8 @@ void bind(py::module_& m) {
         "bulk copies into shared memory, blocks_per_sm blocks an SM): -1 never, 0 where the default picks it, "
         "> 0 always (an error where it cannot take the call). imma: the integer-MMA layout (4-bit group 64; "
         "16-row slabs on the tensor cores, x as a block floating point expansion; threads and blocks_per_sm "
-        "steer it): 0 / -1 never (the default), > 0 always (an error where it cannot take the call).");
+        "steer it): 0 / -1 never (the default), > 0 always (an error where it cannot take the call); 1 with the "
+        "default number of 64-wide groups in flight a warp, 2-16 that many.");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),

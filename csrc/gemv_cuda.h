@@ -1196,11 +1196,11 @@ __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 
 }
 
 // out[m, row] for 16-row slabs, a persistent grid (block b: slabs b, b + grid, ...), the block's warps
-// splitting each slab's groups (warp w: w, w + WARPS, ...); NORM 0 / 2, the epilogue of
+// splitting each slab's groups (warp w: w, w + WARPS, ..., up to INFLIGHT of them in flight); NORM 0 / 2, the epilogue of
 // vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The dynamic shared memory holds the
 // expansion (Layout::BYTES).
-template <int K, int N, int M, int WARPS, int LEVELS, int EPI, bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT,
-          typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
+template <int K, int N, int M, int WARPS, int LEVELS, int INFLIGHT, int EPI, bool HAS_BIAS, int NORM, int NP, int NG,
+          bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight, const TS* scales, const TS* biases,
                                          const TB* bias, const TR* residual, const TN* norm_w, float eps, TO* out,
                                          const TE* next_w, float* normed, float* partials, unsigned char* smem) {
@@ -1212,6 +1212,7 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
   static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
   static_assert(WARPS <= K / 64, "a group at least for every warp: a warp without one would idle");
+  static_assert(INFLIGHT >= 1, "a group at least in flight a warp");
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
   static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
   __shared__ float red[2][WARPS][SUMS];
@@ -1242,12 +1243,19 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   float acc[2][M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
-  // Slab by slab, each warp's groups with four in flight (unrolled: the compiler hoists their loads).
-  // A ring of groups in flight across slab ends (the fifteenth session's second version) ran 30-45%
-  // slower on the H200: its per-group bookkeeping and the barrier inside the unrolled ring cost more
-  // than the slab ends' bubbles. The weight's alignment is a template of the walk, chosen once: with
-  // the choice inside the loop the compiler made every 8-byte load two 4-byte ones (the in_proj
-  // instance: 1480 SASS instructions against 1032).
+  // Slab by slab, each warp's groups in batches of BATCH (its share split evenly, INFLIGHT at most): a
+  // batch's weight words and scales are all loaded first, into registers, and its MMAs run after, so
+  // BATCH groups are in flight a warp. With one loop that loaded each group just before its MMAs
+  // (unrolled four), ptxas issued each group's loads right before that group's MMAs: one or two in
+  // flight. The last batch's spare slots load the warp's last group again (clamped, not predicated:
+  // an `if` around the loads kept them from being hoisted) and skip its math. A ring of groups in
+  // flight across slab ends (the fifteenth session's second version) ran 30-45% slower on the H200:
+  // its per-group bookkeeping and the barrier inside the unrolled ring cost more than the slab ends'
+  // bubbles. The weight's alignment is a template of the walk, chosen once: with the choice inside
+  // the loop the compiler made every 8-byte load two 4-byte ones.
+  constexpr int PER_WARP = (GROUPS + WARPS - 1) / WARPS;
+  constexpr int BATCHES = (PER_WARP + INFLIGHT - 1) / INFLIGHT;
+  constexpr int BATCH = (PER_WARP + BATCHES - 1) / BATCHES;
   auto slabs = [&](auto words) {
     for (int i = 0, slab = blockIdx.x; slab < SLABS; ++i, slab += gridDim.x) {
       const vc_gemv::Tail tail =
@@ -1257,28 +1265,53 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
       const uint2* w_hi = w_lo + K / 16 * 8;  // row + 8
       const TS* s_lo = scales + static_cast<size_t>(row) * GROUPS;
       const TS* b_lo = biases + static_cast<size_t>(row) * GROUPS;
-#pragma unroll 4
-      for (int grp = warp; grp < GROUPS; grp += WARPS) {
-        // words 2t, 2t + 1 of the group
-        const uint2 wl = decltype(words)::load(w_lo + grp * 4);
-        const uint2 wh = decltype(words)::load(w_hi + grp * 4);
-        int c[4] = {0, 0, 0, 0};
+      for (int first = warp; first < GROUPS; first += BATCH * WARPS) {
+        uint2 wl[BATCH], wh[BATCH];  // words 2t, 2t + 1 of the group, rows g and g + 8
+        TS sl[BATCH], sh[BATCH], bl[BATCH], bh[BATCH];
 #pragma unroll
-        for (int step = 0; step < 2; ++step) {
-          const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
-          const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
-          const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
-          const unsigned int b[2] = {bt.x, bt.y};
-          mma(c, a, b);
+        for (int j = 0; j < BATCH; ++j) {
+          const int grp = min(first + j * WARPS, GROUPS - 1);
+          wl[j] = decltype(words)::load(w_lo + grp * 4);
+          wh[j] = decltype(words)::load(w_hi + grp * 4);
+          sl[j] = s_lo[grp];
+          sh[j] = s_lo[grp + 8 * GROUPS];
+          bl[j] = b_lo[grp];
+          bh[j] = b_lo[grp + 8 * GROUPS];
         }
-        const float sl = static_cast<float>(s_lo[grp]), sh = static_cast<float>(s_lo[grp + 8 * GROUPS]);
-        const float bl = static_cast<float>(b_lo[grp]), bh = static_cast<float>(b_lo[grp + 8 * GROUPS]);
+        // ptxas still sank each group's loads down to its MMAs: the batch's first MMA now reads every
+        // load of the batch (through a zero it cannot see: no user-space address reaches bit 63)
+        unsigned int tie = 0u;
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float f = factors[grp * M + m] * level_weight;
-          const float xs = sums[(grp * 4 + t) * M + m];
-          acc[0][m] = fmaf(sl * f, small_int_float(c[m]), fmaf(bl, xs, acc[0][m]));
-          acc[1][m] = fmaf(sh * f, small_int_float(c[2 + m]), fmaf(bh, xs, acc[1][m]));
+        for (int j = 0; j < BATCH; ++j) {
+          tie |= wl[j].x | wl[j].y | wh[j].x | wh[j].y | __float_as_uint(static_cast<float>(sl[j])) |
+                 __float_as_uint(static_cast<float>(sh[j])) | __float_as_uint(static_cast<float>(bl[j])) |
+                 __float_as_uint(static_cast<float>(bh[j]));
+        }
+        wl[0].x ^= tie & static_cast<unsigned int>(reinterpret_cast<unsigned long long>(weight) >> 63);
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          // a spare slot runs its MMAs on the clamped group and adds nothing: a branch here let the
+          // compiler sink the batch's loads into it, back next to their MMAs
+          const bool live = first + j * WARPS < GROUPS;
+          const int grp = min(first + j * WARPS, GROUPS - 1);
+          int c[4] = {0, 0, 0, 0};
+#pragma unroll
+          for (int step = 0; step < 2; ++step) {
+            const unsigned int vl = step ? wl[j].y : wl[j].x, vh = step ? wh[j].y : wh[j].x;
+            const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
+            const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
+            const unsigned int b[2] = {bt.x, bt.y};
+            mma(c, a, b);
+          }
+          const float s0 = live ? static_cast<float>(sl[j]) : 0.0f, s1 = live ? static_cast<float>(sh[j]) : 0.0f;
+          const float b0 = live ? static_cast<float>(bl[j]) : 0.0f, b1 = live ? static_cast<float>(bh[j]) : 0.0f;
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            const float f = factors[grp * M + m] * level_weight;
+            const float xs = sums[(grp * 4 + t) * M + m];
+            acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
+            acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
+          }
         }
       }
       finish_slab<M, WARPS, EPI, HAS_BIAS, EMIT, N>(acc, red[i & 1], slab, g, t, warp, tail, out, normed, partials);
@@ -1296,22 +1329,23 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
 )";
 
 // y = the 4-bit matvec (group 64) through vc_imma::qmv_imma: NORM 0 or 2, EPI, HAS_BIAS. Template args:
-// K, N, M, WARPS, LEVELS, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TO.
+// K, N, M, WARPS, LEVELS, INFLIGHT, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN,
+// TO.
 constexpr const char* kQmvImmaSource = R"(
   VC_DYNAMIC_SMEM(vc_expansion);
   const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, INFLIGHT, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_expansion);
 )";
 
 // kQmvImmaSource with EMIT (out = product + residual, normed = out * next_w, a partial sum of out^2 a
-// 16-row slab). Template args: K, N, M, WARPS, LEVELS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the
+// 16-row slab). Template args: K, N, M, WARPS, LEVELS, INFLIGHT, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the
 // dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvImmaEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_expansion);
   const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, INFLIGHT, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_expansion);
 )";
 

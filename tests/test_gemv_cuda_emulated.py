@@ -320,11 +320,11 @@ def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=
 
 
 def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1, emit=False,
-              x_offset=0, w_offset=0, x_scale=1.0, levels=4):
+              x_offset=0, w_offset=0, x_scale=1.0, levels=4, inflight=4):
     """vc_qmv_imma (or _emit): a persistent grid of `blocks` blocks walking the N / 16 slabs, `warps`
-    warps splitting each slab's groups, x in `levels` int8 terms; w_offset > 0 misaligns the weight
-    (its words then come in 4-byte loads)."""
-    layout = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=levels)
+    warps splitting each slab's groups in batches of at most `inflight`, x in `levels` int8 terms;
+    w_offset > 0 misaligns the weight (its words then come in 4-byte loads)."""
+    layout = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=levels, INFLIGHT=inflight)
     return _persistent_case("vc_qmv_imma", layout, n, k, m, 16, blocks, 32 * warps, x_dtype, epi, bias_dtype, np_,
                             ng, emit, x_offset, w_offset, x_scale)
 
@@ -732,15 +732,17 @@ def emulated(tmp_path_factory):
         "stream_emit_m2": stream_case(24, 640, 2, 4, 32, 4, 5, emit=True),
         # the integer-MMA layout: slabs wrapping round a grid of 3 (uneven groups a warp), two rows of
         # unaligned bfloat16 x with a residual, a misaligned weight with a bias and squared ReLU, tiny
-        # and huge x (the expansion's exponents), a group-normalized input, emitting
+        # and huge x (the expansion's exponents), a group-normalized input, emitting; batches of
+        # groups in flight with spare slots (7 groups a warp in 4 batches of 2, 8 in 3 of 3), one at a time
         "imma_q4": imma_case(64, 640, 1, 3, 3),
+        "imma_batches": imma_case(32, 1280, 1, 3, 2, inflight=2),
         "imma_three_levels": imma_case(32, 640, 2, 4, 1, levels=3),
         "imma_m2_bf16": imma_case(32, 1024, 2, 2, 1, mx.bfloat16, epi=1, x_offset=1),
         "imma_own_words": imma_case(48, 512, 1, 4, 2, epi=2, bias_dtype=mx.float32, w_offset=1),
         "imma_tiny_x": imma_case(16, 256, 2, 2, 1, x_scale=1e-30),
-        "imma_huge_x": imma_case(16, 256, 1, 1, 1, x_scale=1e30),
+        "imma_huge_x": imma_case(16, 256, 1, 1, 1, x_scale=1e30, inflight=1),
         "imma_prenormed_groups": imma_case(32, 1024, 2, 2, 2, np_=8, ng=4),
-        "imma_emit_prenormed": imma_case(48, 2048, 1, 4, 2, np_=16, ng=8, emit=True),
+        "imma_emit_prenormed": imma_case(48, 2048, 1, 4, 2, np_=16, ng=8, emit=True, inflight=3),
         "emit_m2": emit_case(37, 640, 2, 4, 32),
         "emit_tail": emit_case(10, 4480, 1, 8, 160),
         "emit_prenormed_groups": emit_case(16, 1280, 1, 8, 32, np_=20, ng=4),
@@ -851,7 +853,7 @@ def test_streamed_matvec_kernels_emulated(emulated, name):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
 
 
-@pytest.mark.parametrize("name", ["imma_q4", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
+@pytest.mark.parametrize("name", ["imma_q4", "imma_batches", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
                                   "imma_prenormed_groups", "imma_emit_prenormed"])
 def test_integer_mma_matvec_kernels_emulated(emulated, name):
     """vc_qmv_imma equals MLX's product (and, emitting, the next norm's input and a partial sum of

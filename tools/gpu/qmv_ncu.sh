@@ -49,9 +49,9 @@ best, extra = {}, {}
 for r in rows[2:]:  # rows[1]: the units (ns)
     m = re.search(r"vc_qmv(_warp|_emit)?_[0-9a-f]+_4_64_(\d+)_(\d+)_1_(\d+)_(\d+)", r[name])
     st = re.search(r"vc_qmv_stream(_emit)?_[0-9a-f]+_64_(\d+)_(\d+)_1_(\d+)_(\d+)_(\d+)", r[name])
-    im = re.search(r"vc_qmv_imma(_emit)?_[0-9a-f]+_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)", r[name])
-    if im:  # the integer-MMA layout: its warps and grid in the layout's name, the levels as "split"
-        key = (int(im.group(3)), int(im.group(2)), f"imma{im.group(5)}x{r[grid]}", int(im.group(4)),
+    im = re.search(r"vc_qmv_imma(_emit)?_[0-9a-f]+_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)", r[name])
+    if im:  # the integer-MMA layout: "imma{warps}i{groups in flight}x{grid}", the levels as "split"
+        key = (int(im.group(3)), int(im.group(2)), f"imma{im.group(5)}i{im.group(7)}x{r[grid]}", int(im.group(4)),
                int(im.group(6)))
     elif st:  # the streamed layout: its stages and grid (blocks) in the layout's name
         key = (int(st.group(3)), int(st.group(2)), f"stream{st.group(6)}x{r[grid]}", int(st.group(4)),

@@ -130,7 +130,8 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     into shared memory; -1 never, 0 where the default picks it). `imma`: the integer tensor-core
     layout (4-bit group 64: 16-row slabs, x as a block floating point expansion of int8 terms; > 0
     always, never by default: its kernel is faster at two of the step's shapes but the step taking
-    it was not); only the CUDA path reads these."""
+    it was not; 2-16: that many 64-wide groups in flight a warp instead of the default's); only the
+    CUDA path reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)

@@ -187,6 +187,17 @@ def test_streamed_layout_refuses_what_it_cannot_take():
 
 
 @needs_cuda
+@pytest.mark.parametrize("inflight", [2, 5, 16])
+def test_integer_mma_groups_in_flight_change_no_bit(inflight):
+    """imma > 1: that many 64-wide groups in flight a warp (loaded before their MMAs) instead of the
+    default's. Each warp still adds its groups in the same order, so the bits are the default's."""
+    w, s, b = _quantized(4480, 10240, dtype=mx.bfloat16, seed=7)
+    x = _x((1, 10240), mx.float32, seed=2)
+    np.testing.assert_array_equal(np.array(quantized_matvec(x, w, s, b, imma=inflight)),
+                                  np.array(quantized_matvec(x, w, s, b, imma=1)))
+
+
+@needs_cuda
 def test_integer_mma_layout_refuses_what_it_cannot_take():
     w, s, b = _quantized(40, 640, dtype=mx.bfloat16, seed=1)  # 40 rows: no whole slabs of 16
     with pytest.raises(ValueError, match="integer-MMA layout takes K a multiple of 64, N of 16"):
@@ -194,6 +205,9 @@ def test_integer_mma_layout_refuses_what_it_cannot_take():
     w, s, b = _quantized(48, 640, bits=4, group=32, dtype=mx.bfloat16, seed=1)
     with pytest.raises(ValueError, match="groups of 64"):
         quantized_matvec(_x((1, 640), mx.float32), w, s, b, 32, 4, imma=1)
+    w, s, b = _quantized(48, 640, dtype=mx.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="at most 16 groups in flight"):
+        quantized_matvec(_x((1, 640), mx.float32), w, s, b, imma=17)
 
 
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])

@@ -276,6 +276,14 @@ def _fresh_peak():
     mx.reset_peak_memory()
 
 
+# How much more than 4 windows' peak 20 may take beyond their output. On CUDA a window's buffers are
+# freed by a completion callback on the driver's thread, which can trail the wait while the next
+# windows are dispatched: on the H200, beside three other test processes, 20 windows read 1.78x the
+# peak of 4 (alone, in a fresh process: 34.5 against 31.0 MB). Every window held would be 20 windows' activations
+# against 4's.
+PEAK_GROWTH = 1.5 if mx.default_device() == mx.cpu else 2.5
+
+
 def test_windowed_decode_peak_does_not_grow_with_the_answer(codec):
     # Windows are waited for as they go: 20 windows hold no more than 4 do, beyond the output
     # itself (the pieces and their concatenation). On CUDA, dispatching every window without
@@ -289,7 +297,7 @@ def test_windowed_decode_peak_does_not_grow_with_the_answer(codec):
         wave = codec.decode(codes, chunk_frames=16)
         mx.eval(wave)
         peaks[frames], outputs[frames] = mx.get_peak_memory() - base, wave.nbytes
-    assert peaks[320] - 2 * outputs[320] < 1.5 * peaks[64], (peaks, outputs)
+    assert peaks[320] - 2 * outputs[320] < PEAK_GROWTH * peaks[64], (peaks, outputs)
 
 
 def test_windowed_decode_holds_a_window_of_activations_not_the_whole_answer(codec):

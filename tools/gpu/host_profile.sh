@@ -14,7 +14,7 @@ SPY=/tmp/pyspy/bin/py-spy
 # bench_e2e), or the cold compiles swamp the launches.
 profile() {
   local name=$1 needle=$2; shift 2
-  (cd benchmarks && timeout "${HOST_LIMIT:-150}" "$SPY" record --native --rate "${RATE:-1000}" --format raw \
+  (cd benchmarks && timeout "${HOST_LIMIT:-150}" "$SPY" record --native ${SPY_ARGS:-} --rate "${RATE:-1000}" --format raw \
      -o "$OUT/host_$name.txt" -- ${PY:-python3} "$@" >"$OUT/host_$name.log" 2>&1)
   python3 tools/gpu/host_profile.py "$OUT/host_$name.txt" "$needle" "${TOP:-40}" | tee "$OUT/host_$name.summary"
 }

@@ -279,8 +279,8 @@ def _fresh_peak():
 # How much more than 4 windows' peak 20 may take beyond their output. On CUDA a window's buffers are
 # freed by a completion callback on the driver's thread, which can trail the wait while the next
 # windows are dispatched: on the H200, beside three other test processes, 20 windows read 1.78x the
-# peak of 4 (alone, in a fresh process: 34.5 against 31.0 MB). Every window held would be 20 windows' activations
-# against 4's.
+# peak of 4 (alone, in a fresh process: 34.5 against 31.0 MB). Every window held would be 20
+# windows' activations against 4's.
 PEAK_GROWTH = 1.5 if mx.default_device() == mx.cpu else 2.5
 
 

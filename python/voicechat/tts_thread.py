@@ -13,13 +13,13 @@ used by one thread at a time, and what the worker carries is evaluated before it
 ends. What a compiled step closes over must be evaluated (a lazy array there would be recomputed at
 every call, on the stream of the thread that made it): `voicechat.load` evaluates everything.
 
-Off by default (`VoiceChat.tts_thread`), experimental: MLX 0.32.4's CUDA backend is not safe with
-two threads evaluating at once. Its JIT module cache (`cu::get_jit_module`) is a process-wide map
-looked up and filled without a lock on every kernel launch a thread encodes, and the GPU test run
-of 2026-12-01 segfaulted with both threads in `mx.async_eval` (the system-prompt test: a new prompt
-length, so new kernels compiled mid-loop). Serializing the evaluations would serialize the host
-work this thread exists to overlap. Measured before that (full size, 5 s input, H200): 6.2 - 7.4
-ms a frame with the worker against 8.9 ms without.
+Off by default (`VoiceChat.tts_thread`), experimental: the GPU test run of 2026-12-01 segfaulted
+with both threads in `mx.async_eval` (the system-prompt test: a new prompt length, so new kernels
+compiled mid-loop), and the cause is not known. It is not MLX 0.32.4's JIT module cache: its
+`cu::get_jit_module` takes a reader-writer lock and compiles under the writer's (disassembly,
+2026-12-02). Serializing the evaluations would serialize the host work this thread exists to
+overlap. Measured before that (full size, 5 s input, H200): 6.2 - 7.4 ms a frame with the worker
+against 8.9 ms without.
 """
 
 from __future__ import annotations

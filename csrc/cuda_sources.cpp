@@ -20,6 +20,7 @@
 #include <string_view>
 
 #include "mlx/mlx.h"
+#include "own_launch.h"
 #include "registry.h"
 
 namespace py = pybind11;
@@ -176,6 +177,7 @@ std::string kernel_text_folder() {
 }
 
 mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory) {
+  if (own_launch_wanted() && own_launch_built()) return make_own_kernel(source, shared_memory);
   const KernelText text = launch_text(source, kernel_text_folder());
   return mlx::core::fast::cuda_kernel(jit_name(source), source.input_names, source.output_names, text.body,
                                       text.header, true, shared_memory);

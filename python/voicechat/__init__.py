@@ -17,10 +17,14 @@ def _persistent_kernel_cache() -> None:
     first run compiles minutes of kernels. Per MLX version, as MLX keys its own kernels by name
     only (ours carry a hash of their source in the name). An explicit MLX_PTX_CACHE_DIR wins.
 
-    Beside it, the folder our kernels' texts are #included from (VOICECHAT_KERNEL_TEXT_DIR; set it
-    empty to hand MLX the texts themselves, which costs host time at every launch)."""
+    MLX-CUDA 0.32.4 keeps none of our kernels there (it asks for no disk cache for custom kernels):
+    beside it, the folder our kernels' texts are #included from (VOICECHAT_KERNEL_TEXT_DIR; set it
+    empty to hand MLX the texts themselves, which costs host time at every launch), and the cubins
+    of our own launch (VOICECHAT_CUBIN_DIR; csrc/own_launch.h)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("VOICECHAT_KERNEL_TEXT_DIR", os.path.join(root, "voicechat", "kernel-text"))
+    # our own launch's cubins (VOICECHAT_OWN_LAUNCH=1, experimental), each file beside its text
+    os.environ.setdefault("VOICECHAT_CUBIN_DIR", os.path.join(root, "voicechat", "cubin"))
     if "MLX_PTX_CACHE_DIR" in os.environ:
         return
     from importlib.metadata import PackageNotFoundError, version

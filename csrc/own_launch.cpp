@@ -1,0 +1,456 @@
+#include "own_launch.h"
+
+#include <dlfcn.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <variant>
+
+#include "mlx/mlx.h"
+#include "registry.h"
+
+#ifdef VC_OWN_LAUNCH
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+#include "mlx/primitives.h"
+#endif
+
+namespace py = pybind11;
+namespace mx = mlx::core;
+
+namespace voicechat {
+
+std::string cuda_type_name(mx::Dtype t) {
+  if (t == mx::float32) return "float";
+  if (t == mx::bfloat16) return "__nv_bfloat16";
+  if (t == mx::float16) return "__half";
+  if (t == mx::int32) return "int32_t";
+  if (t == mx::uint32) return "uint32_t";
+  if (t == mx::int64) return "int64_t";
+  if (t == mx::uint64) return "uint64_t";
+  if (t == mx::int16) return "int16_t";
+  if (t == mx::uint16) return "uint16_t";
+  if (t == mx::int8) return "int8_t";
+  if (t == mx::uint8) return "uint8_t";
+  if (t == mx::bool_) return "bool";
+  throw std::invalid_argument("own launch: no CUDA type for this dtype");
+}
+
+std::string template_arg_text(const mx::fast::TemplateArg& arg) {
+  if (const int* i = std::get_if<int>(&arg)) return "int:" + std::to_string(*i);
+  if (const bool* b = std::get_if<bool>(&arg)) return *b ? "bool:true" : "bool:false";
+  return "type:" + cuda_type_name(std::get<mx::Dtype>(arg));
+}
+
+namespace {
+
+// What our kernels may rely on of MLX's JIT prelude (tests/data/cuda_stub says the same to nvcc).
+constexpr const char* kPrelude = R"(#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/cstdint>
+#include <cuda/std/limits>
+#include <cooperative_groups.h>
+using cuda::std::int32_t;
+using cuda::std::int64_t;
+using cuda::std::uint32_t;
+using cuda::std::uint8_t;
+)";
+
+std::string template_line(const std::string& name, const std::string& value) {
+  const auto colon = value.find(':');
+  const std::string kind = value.substr(0, colon), v = value.substr(colon + 1);
+  if (kind == "int") return "  constexpr int " + name + " = " + v + ";\n";
+  if (kind == "bool") return "  constexpr bool " + name + " = " + v + ";\n";
+  if (kind == "type") return "  using " + name + " = " + v + ";\n";
+  throw std::invalid_argument("own launch: template arg " + name + " = " + value);
+}
+
+std::uint64_t fnv1a(const std::string& text, std::uint64_t h) {
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+std::uint64_t fnv1(const std::string& text, std::uint64_t h) {
+  for (unsigned char c : text) h = (h * 1099511628211ULL) ^ c;
+  return h;
+}
+
+constexpr const char* kCacheMagic = "voicechat-cubin 1\n";
+
+}  // namespace
+
+std::string own_kernel_text(const CudaSource& source, const CudaInstance& instance, const std::string& arch) {
+  if (instance.input_types.size() != source.input_names.size() ||
+      instance.output_types.size() != source.output_names.size()) {
+    throw std::invalid_argument(source.name + ": an instance's types do not match its inputs and outputs");
+  }
+  std::string params;
+  for (size_t i = 0; i < source.input_names.size(); ++i) {
+    params += (params.empty() ? "    const " : ",\n    const ") + instance.input_types[i] + "* " + source.input_names[i];
+  }
+  for (size_t i = 0; i < source.output_names.size(); ++i) {
+    params += (params.empty() ? "    " : ",\n    ") + instance.output_types[i] + "* " + source.output_names[i];
+  }
+  std::string consts;
+  for (const auto& [name, value] : instance.template_args) consts += template_line(name, value);
+  return "// " + arch + "\n" + kPrelude + source.header +
+         "\nnamespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n\nextern \"C\" __global__ void vc_kernel(\n" +
+         params + ") {\n" + consts + source.source + "\n}\n\n}  // namespace mlx::core::cu\n";
+}
+
+std::string own_kernel_file_name(const std::string& text) {
+  char hex[33];
+  std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(fnv1a(text, 1469598103934665603ULL)),
+                static_cast<unsigned long long>(fnv1(text, 14695981039346656037ULL)));
+  return std::string("vc_") + hex;
+}
+
+bool read_cached_cubin(const std::string& path, const std::string& text, std::string& cubin) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string head = kCacheMagic + std::to_string(text.size()) + "\n";
+  if (data.compare(0, head.size(), head) != 0 || data.size() <= head.size() + text.size() ||
+      data.compare(head.size(), text.size(), text) != 0) {
+    return false;
+  }
+  cubin = data.substr(head.size() + text.size());
+  return true;
+}
+
+void write_cached_cubin(const std::string& path, const std::string& text, const std::string& cubin) {
+  static std::atomic<int> counter{0};
+  const std::filesystem::path target(path);
+  std::filesystem::create_directories(target.parent_path());
+  const auto scratch = target.string() + ".tmp" + std::to_string(getpid()) + "_" + std::to_string(counter++);
+  try {
+    std::ofstream out(scratch, std::ios::binary | std::ios::trunc);
+    out << kCacheMagic << text.size() << "\n" << text << cubin;
+    out.close();
+    if (!out) throw std::runtime_error("cannot write " + scratch);
+    std::filesystem::rename(scratch, target);
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove(scratch, ignored);  // no partial file left behind
+    throw;
+  }
+}
+
+namespace {
+
+// NVRTC's entry points, looked up by name (no build-time dependency on its header or library).
+struct Nvrtc {
+  using Program = void*;
+  int (*create)(Program*, const char*, const char*, int, const char* const*, const char* const*);
+  int (*compile)(Program, int, const char* const*);
+  int (*log_size)(Program, size_t*);
+  int (*log)(Program, char*);
+  int (*cubin_size)(Program, size_t*);
+  int (*cubin)(Program, char*);
+  int (*destroy)(Program*);
+  const char* (*error)(int);
+};
+
+void* open_library(const char* env, std::initializer_list<const char*> sonames) {
+  if (const char* path = std::getenv(env); path != nullptr && *path) {
+    if (void* h = dlopen(path, RTLD_NOW | RTLD_LOCAL)) return h;
+    throw std::runtime_error(std::string(env) + "=" + path + " cannot be loaded: " + dlerror());
+  }
+  for (const char* name : sonames) {  // the copy libmlx loaded, then any on the search path
+    if (void* h = dlopen(name, RTLD_NOW | RTLD_NOLOAD)) return h;
+  }
+  for (const char* name : sonames) {
+    if (void* h = dlopen(name, RTLD_NOW | RTLD_LOCAL)) return h;
+  }
+  return nullptr;
+}
+
+template <typename F>
+void find(void* lib, const char* name, F& fn) {
+  fn = reinterpret_cast<F>(dlsym(lib, name));
+  if (fn == nullptr) throw std::runtime_error(std::string("own launch: no ") + name + " in NVRTC");
+}
+
+const Nvrtc& nvrtc() {
+  static const Nvrtc api = [] {
+    void* lib = open_library("VOICECHAT_NVRTC", {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"});
+    if (lib == nullptr) throw std::runtime_error("own launch: NVRTC (libnvrtc.so) cannot be loaded");
+    Nvrtc a{};
+    find(lib, "nvrtcCreateProgram", a.create);
+    find(lib, "nvrtcCompileProgram", a.compile);
+    find(lib, "nvrtcGetProgramLogSize", a.log_size);
+    find(lib, "nvrtcGetProgramLog", a.log);
+    find(lib, "nvrtcGetCUBINSize", a.cubin_size);
+    find(lib, "nvrtcGetCUBIN", a.cubin);
+    find(lib, "nvrtcDestroyProgram", a.destroy);
+    find(lib, "nvrtcGetErrorString", a.error);
+    return a;
+  }();
+  return api;
+}
+
+}  // namespace
+
+std::string nvrtc_cubin(const std::string& text, const std::string& arch, const std::vector<std::string>& include_dirs) {
+  const Nvrtc& api = nvrtc();
+  auto check = [&api](int rc, const char* what) {
+    if (rc != 0) throw std::runtime_error(std::string("own launch: ") + what + ": " + api.error(rc));
+  };
+  Nvrtc::Program prog = nullptr;
+  check(api.create(&prog, text.c_str(), "vc_kernel.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
+  std::unique_ptr<Nvrtc::Program, void (*)(Nvrtc::Program*)> owner(&prog, [](Nvrtc::Program* p) { nvrtc().destroy(p); });
+  std::vector<std::string> options = {"--gpu-architecture=" + arch};
+  for (const auto& dir : include_dirs) options.push_back("--include-path=" + dir);
+  std::vector<const char*> argv;
+  for (const auto& o : options) argv.push_back(o.c_str());
+  if (api.compile(prog, static_cast<int>(argv.size()), argv.data()) != 0) {
+    size_t size = 0;
+    api.log_size(prog, &size);
+    std::string log(size, '\0');
+    if (size) api.log(prog, log.data());
+    throw std::runtime_error("own launch: NVRTC did not compile the kernel:\n" + log);
+  }
+  size_t size = 0;
+  check(api.cubin_size(prog, &size), "nvrtcGetCUBINSize");
+  std::string cubin(size, '\0');
+  check(api.cubin(prog, cubin.data()), "nvrtcGetCUBIN");
+  return cubin;
+}
+
+std::vector<std::string> cuda_include_dirs() {
+  std::string home = "/usr/local/cuda";
+  for (const char* env : {"CUDA_HOME", "CUDA_PATH"}) {
+    if (const char* v = std::getenv(env); v != nullptr && *v) {
+      home = v;
+      break;
+    }
+  }
+  std::vector<std::string> dirs;
+  for (const auto& dir : {home + "/include", home + "/include/cccl"}) {
+    if (std::filesystem::is_directory(dir)) dirs.push_back(dir);
+  }
+  return dirs;
+}
+
+std::string cubin_folder() {
+  const char* folder = std::getenv("VOICECHAT_CUBIN_DIR");
+  return folder == nullptr ? std::string() : std::string(folder);
+}
+
+bool own_launch_built() {
+#ifdef VC_OWN_LAUNCH
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool own_launch_wanted() {
+  const char* v = std::getenv("VOICECHAT_OWN_LAUNCH");
+  return v != nullptr && *v && std::string(v) != "0";
+}
+
+#ifdef VC_OWN_LAUNCH
+namespace {
+
+// The driver API, looked up in the libcuda that libmlx loaded.
+struct Driver {
+  int (*load)(CUmodule*, const void*);
+  int (*function)(CUfunction*, CUmodule, const char*);
+  int (*attribute)(CUfunction, int, int);
+};
+
+const Driver& driver() {
+  static const Driver api = [] {
+    void* lib = open_library("VOICECHAT_LIBCUDA", {"libcuda.so.1", "libcuda.so"});
+    if (lib == nullptr) throw std::runtime_error("own launch: libcuda cannot be loaded");
+    Driver d{};
+    d.load = reinterpret_cast<decltype(d.load)>(dlsym(lib, "cuModuleLoadData"));
+    d.function = reinterpret_cast<decltype(d.function)>(dlsym(lib, "cuModuleGetFunction"));
+    d.attribute = reinterpret_cast<decltype(d.attribute)>(dlsym(lib, "cuFuncSetAttribute"));
+    if (!d.load || !d.function || !d.attribute) throw std::runtime_error("own launch: libcuda lacks an entry point");
+    return d;
+  }();
+  return api;
+}
+
+// One kernel launch: its inputs' and outputs' device pointers as the kernel's arguments, added to
+// the stream's command encoder as MLX adds its own kernels. Inputs must be row-contiguous (MLX's
+// custom kernels copy others; this launch refuses them).
+class OwnKernel : public mx::Primitive {
+ public:
+  OwnKernel(mx::Stream s, CUfunction fn, const std::string* name, dim3 grid, dim3 block, int smem)
+      : mx::Primitive(s), fn_(fn), name_(name), grid_(grid), block_(block), smem_(smem) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(*name_ + ": our own kernel launch runs on a CUDA stream only");
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    std::vector<void*> pointers;
+    pointers.reserve(inputs.size() + outputs.size());
+    for (const auto& in : inputs) {
+      if (!in.flags().row_contiguous) {
+        throw std::runtime_error(*name_ + ": our own kernel launch takes row-contiguous inputs only");
+      }
+      pointers.push_back(mx::gpu_ptr<void>(in));
+      encoder.set_input_array(in);
+    }
+    for (auto& out : outputs) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      pointers.push_back(mx::gpu_ptr<void>(out));
+      encoder.set_output_array(out);
+    }
+    std::vector<void*> params(pointers.size());
+    for (size_t i = 0; i < pointers.size(); ++i) params[i] = &pointers[i];
+    encoder.add_kernel_node_raw(fn_, grid_, block_, dim3(1, 1, 1), static_cast<uint32_t>(smem_), params.data());
+  }
+
+  const char* name() const override { return "VoicechatKernel"; }
+
+ private:
+  CUfunction fn_;
+  const std::string* name_;  // the source's name, alive for the process (the registry holds it)
+  dim3 grid_, block_;
+  int smem_;
+};
+
+// The instance's kernel: from this process's table, else the cubin cache, else NVRTC (and into the
+// cache). Modules stay loaded for the process.
+CUfunction instance_function(const CudaSource& source, const CudaInstance& instance, int smem, const mx::Stream& s) {
+  static std::mutex lock;
+  static auto* loaded = new std::map<std::string, CUfunction>();  // never freed: outlives the runtime
+  // keyed by what tells instances apart (not by the text, which would be built at every launch)
+  std::string key = source.name + "|" + std::to_string(s.device.index) + "|" + std::to_string(smem);
+  for (const auto& t : instance.input_types) key += "|" + t;
+  for (const auto& t : instance.output_types) key += "|" + t;
+  for (const auto& [name, value] : instance.template_args) key += "|" + name + "=" + value;
+  std::lock_guard<std::mutex> guard(lock);
+  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
+  auto& device = mx::cu::device(s.device);
+  const std::string arch =
+      "sm_" + std::to_string(device.compute_capability_major()) + std::to_string(device.compute_capability_minor());
+  const std::string text = own_kernel_text(source, instance, arch);
+  std::string cubin;
+  const std::string folder = cubin_folder();
+  const std::string path = folder.empty() ? std::string() : folder + "/" + own_kernel_file_name(text) + ".cubin";
+  if (path.empty() || !read_cached_cubin(path, text, cubin)) {
+    cubin = nvrtc_cubin(text, arch, cuda_include_dirs());
+    if (!path.empty()) {
+      try {
+        write_cached_cubin(path, text, cubin);
+      } catch (const std::exception&) {
+        // an unwritable cache costs the next process a compile, never this launch
+      }
+    }
+  }
+  device.make_current();
+  CUmodule module = nullptr;
+  CUfunction fn = nullptr;
+  const Driver& api = driver();
+  if (api.load(&module, cubin.data()) != 0 || api.function(&fn, module, "vc_kernel") != 0) {
+    throw std::runtime_error(source.name + ": the compiled kernel did not load");
+  }
+  if (smem > 48 * 1024 && api.attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem) != 0) {
+    throw std::runtime_error(source.name + ": " + std::to_string(smem) + " bytes of dynamic shared memory refused");
+  }
+  loaded->emplace(key, fn);
+  return fn;
+}
+
+}  // namespace
+
+mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int shared_memory) {
+  const CudaSource* src = &source;  // registered sources live for the process
+  return [src, shared_memory](const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& output_shapes,
+                              const std::vector<mx::Dtype>& output_dtypes, std::tuple<int, int, int> grid,
+                              std::tuple<int, int, int> threadgroup,
+                              std::vector<std::pair<std::string, mx::fast::TemplateArg>> template_args,
+                              std::optional<float> init_value, bool, mx::StreamOrDevice s_) {
+    if (init_value) throw std::invalid_argument(src->name + ": our own kernel launch takes no init_value");
+    const auto s = mx::to_stream(s_);
+    CudaInstance instance;
+    for (const auto& in : inputs) instance.input_types.push_back(cuda_type_name(in.dtype()));
+    for (const auto& t : output_dtypes) instance.output_types.push_back(cuda_type_name(t));
+    for (const auto& [name, value] : template_args) instance.template_args.emplace_back(name, template_arg_text(value));
+    CUfunction fn = instance_function(*src, instance, shared_memory, s);
+    const auto [gx, gy, gz] = grid;
+    const auto [tx, ty, tz] = threadgroup;
+    // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
+    const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
+    return mx::array::make_arrays(output_shapes, output_dtypes,
+                                  std::make_shared<OwnKernel>(s, fn, &src->name, blocks, block, shared_memory), inputs);
+  };
+}
+#else
+mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int) {
+  throw std::runtime_error(source.name + ": this build has no own kernel launch (a CUDA build with CUDA's headers)");
+}
+#endif
+
+namespace {
+const CudaSource& registered(const std::string& name) {
+  for (const auto& src : cuda_sources()) {
+    if (src.name == name) return src;
+  }
+  throw std::invalid_argument("no registered CUDA source named " + name);
+}
+
+void bind(py::module_& m) {
+  m.def(
+      "own_kernel_text",
+      [](const std::string& name, int instance, const std::string& arch) {
+        const CudaSource& src = registered(name);
+        if (instance < 0 || instance >= static_cast<int>(src.instances.size())) {
+          throw std::invalid_argument(name + " has no instance " + std::to_string(instance));
+        }
+        return own_kernel_text(src, src.instances[instance], arch);
+      },
+      py::arg("name"), py::arg("instance"), py::arg("arch") = "sm_90",
+      "The translation unit our own launch compiles for a registered source's instance (extern \"C\" "
+      "vc_kernel).");
+  m.def("own_kernel_file_name", &own_kernel_file_name, py::arg("text"),
+        "The cubin cache's file name (without .cubin) for a kernel text.");
+  m.def(
+      "write_cached_cubin",
+      [](const std::string& path, const std::string& text, const py::bytes& cubin) {
+        write_cached_cubin(path, text, cubin);
+      },
+      py::arg("path"), py::arg("text"), py::arg("cubin"), "Keep a cubin on disk beside its text.");
+  m.def(
+      "read_cached_cubin",
+      [](const std::string& path, const std::string& text) -> py::object {
+        std::string cubin;
+        if (!read_cached_cubin(path, text, cubin)) return py::none();
+        return py::bytes(cubin);
+      },
+      py::arg("path"), py::arg("text"), "The cubin kept for `text` at `path`, or None.");
+  m.def(
+      "nvrtc_cubin",
+      [](const std::string& text, const std::string& arch, const std::vector<std::string>& include_dirs) {
+        return py::bytes(nvrtc_cubin(text, arch, include_dirs));
+      },
+      py::arg("text"), py::arg("arch") = "sm_90", py::arg("include_dirs") = cuda_include_dirs(),
+      "`text` compiled by NVRTC (VOICECHAT_NVRTC names the library, else the loaded / system one).");
+  m.def("cuda_include_dirs", &cuda_include_dirs, "The folders NVRTC searches for CUDA's headers.");
+  m.def("own_launch", [] { return py::make_tuple(own_launch_built(), own_launch_wanted()); },
+        "(built, wanted): whether this build can launch our kernels itself, and VOICECHAT_OWN_LAUNCH.");
+}
+}  // namespace
+VC_REGISTER(bind);
+
+}  // namespace voicechat

@@ -1,0 +1,64 @@
+// Our own launches of our CUDA kernels (experimental, VOICECHAT_OWN_LAUNCH=1): compiled by NVRTC
+// here and kept on disk as cubins, then added to MLX's command encoder by a primitive of ours.
+//
+// Why: MLX-CUDA 0.32.4 keeps no custom kernel in its PTX cache (CustomKernel::eval_gpu asks
+// get_jit_module for no disk cache), so every process compiled all of ours again (the LLM step's
+// first 40 steps: 21-27 s a process on the H200), and every launch hashed the kernel's text.
+// The pieces that need no GPU (the text NVRTC compiles, the cache file, the NVRTC call itself)
+// build everywhere and are tested on the CPU; the launch builds only against mlx-cuda with CUDA's
+// headers (VC_OWN_LAUNCH).
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda_sources.h"
+
+namespace voicechat {
+
+// The CUDA C++ type of an MLX dtype in a kernel's signature ("float", "__nv_bfloat16", ...).
+std::string cuda_type_name(mlx::core::Dtype t);
+
+// A template argument as MLX writes it: "int:4", "bool:true", "type:float".
+std::string template_arg_text(const mlx::core::fast::TemplateArg& arg);
+
+// The whole translation unit NVRTC compiles for one instance: the prelude our kernels rely on
+// (the same as the nvcc check's stand-in for MLX's), the source's header, and
+// `extern "C" __global__ void vc_kernel(inputs..., outputs...)` with the template args as constexpr
+// / using lines before the body, as MLX writes its kernels. The first line names the target
+// (`// sm_90`), so that one text is one cubin.
+std::string own_kernel_text(const CudaSource& source, const CudaInstance& instance, const std::string& arch);
+
+// The cache file's name for a text: "vc_" and 32 hex digits of two 64-bit hashes of it.
+std::string own_kernel_file_name(const std::string& text);
+
+// A cubin kept on disk beside the text it was compiled from: the file holds both, and a file whose
+// text differs from `text` (a hash collision, another NVRTC) or that is cut short reads as a miss.
+// Writes go to a temporary name first and are renamed over, so a reader never sees half a file.
+bool read_cached_cubin(const std::string& path, const std::string& text, std::string& cubin);
+void write_cached_cubin(const std::string& path, const std::string& text, const std::string& cubin);
+
+// NVRTC, found in the process (libmlx loads it) or by its soname: `text` compiled for `arch`
+// ("sm_90") with `include_dirs`; throws with NVRTC's log when it does not compile, or when no
+// NVRTC can be loaded.
+std::string nvrtc_cubin(const std::string& text, const std::string& arch, const std::vector<std::string>& include_dirs);
+
+// The folders NVRTC searches for CUDA's headers: $CUDA_HOME or $CUDA_PATH, else /usr/local/cuda,
+// each's include/ and include/cccl where they exist.
+std::vector<std::string> cuda_include_dirs();
+
+// VOICECHAT_CUBIN_DIR (voicechat's __init__ sets it beside the kernel texts; empty: no disk cache).
+std::string cubin_folder();
+
+// Whether this build has the launch (a CUDA build with CUDA's headers), and whether it is asked for
+// (VOICECHAT_OWN_LAUNCH=1).
+bool own_launch_built();
+bool own_launch_wanted();
+
+// A CustomKernelFunction with fast::cuda_kernel's arguments that compiles (or reads from the cubin
+// cache) each instance once a process and launches it through our primitive. Where the launch is
+// not built: throws.
+mlx::core::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int shared_memory);
+
+}  // namespace voicechat

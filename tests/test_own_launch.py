@@ -1,0 +1,176 @@
+"""Our own kernel launch (experimental, VOICECHAT_OWN_LAUNCH=1; csrc/own_launch.h): the text NVRTC
+compiles for each registered instance, the cubin cache on disk, NVRTC itself where a library is
+there, and on a CUDA GPU the launch against MLX's own path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from voicechat.kernels import ext
+from voicechat.kernels.gemv import on_cuda_gpu
+
+SOURCES = ext.cuda_sources()
+ON_CUDA = on_cuda_gpu()
+
+
+def _instance_kernel(src: dict, inst: dict) -> str:
+    """The kernel part of an instance's text as test_cuda_sources' nvcc check writes it (MLX's
+    layout), under our name."""
+    params = [f"    const {t}* {n}" for t, n in zip(inst["input_types"], src["input_names"])]
+    params += [f"    {t}* {n}" for t, n in zip(inst["output_types"], src["output_names"])]
+    consts = []
+    for arg, value in inst["template_args"]:
+        kind, _, v = value.partition(":")
+        consts.append({"int": f"  constexpr int {arg} = {v};", "bool": f"  constexpr bool {arg} = {v};",
+                       "type": f"  using {arg} = {v};"}[kind])
+    return ('extern "C" __global__ void vc_kernel(\n' + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n"
+            + src["source"] + "\n}\n")
+
+
+def test_every_instance_text_is_the_header_and_the_kernel_as_mlx_writes_it():
+    for src in SOURCES:
+        for k, inst in enumerate(src["instances"]):
+            text = ext.own_kernel_text(src["name"], k, "sm_90")
+            assert text.startswith("// sm_90\n"), src["name"]
+            assert src["header"] in text and _instance_kernel(src, inst) in text, (src["name"], k)
+            assert text.index(src["header"]) < text.index("vc_kernel("), src["name"]
+
+
+def test_instance_texts_and_file_names_tell_instances_and_targets_apart():
+    src = next(s for s in SOURCES if len(s["instances"]) >= 2)
+    a, b = (ext.own_kernel_text(src["name"], k) for k in (0, 1))
+    assert a != b and ext.own_kernel_file_name(a) != ext.own_kernel_file_name(b)
+    assert ext.own_kernel_file_name(a) == ext.own_kernel_file_name(ext.own_kernel_text(src["name"], 0))
+    assert ext.own_kernel_text(src["name"], 0, "sm_100") != a
+    name = ext.own_kernel_file_name(a)
+    assert name.startswith("vc_") and len(name) == 35 and all(c in "0123456789abcdef" for c in name[3:])
+    with pytest.raises(ValueError, match="no instance"):
+        ext.own_kernel_text(src["name"], len(src["instances"]))
+
+
+@pytest.mark.parametrize("name", ["vc_qmv_imma", "vc_rvq_step"])
+def test_an_instance_text_compiles_with_nvcc(name, tmp_path):
+    """The whole translation unit, prelude included, as NVRTC gets it (nvcc here, for sm_90)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    cu = tmp_path / "vc_kernel.cu"
+    cu.write_text(ext.own_kernel_text(name, 0, "sm_90"))
+    proc = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-cubin", "-o", str(tmp_path / "k.cubin"), str(cu)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert b"vc_kernel" in (tmp_path / "k.cubin").read_bytes()
+
+
+def test_cached_cubin_reads_back_only_for_its_own_text(tmp_path):
+    path = str(tmp_path / "cubin" / "k.cubin")  # the folder is made on the first write
+    text, cubin = "// sm_90\nkernel text\n", b"\x7fELF\x00\x01binary\xff"
+    assert ext.read_cached_cubin(path, text) is None
+    ext.write_cached_cubin(path, text, cubin)
+    assert ext.read_cached_cubin(path, text) == cubin
+    assert ext.read_cached_cubin(path, text + " ") is None  # another text under the same name
+    assert ext.read_cached_cubin(path, "// sm_90\nkernel text") is None
+    assert sorted(p.name for p in (tmp_path / "cubin").iterdir()) == ["k.cubin"]  # no temporary left
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[: len(data) - len(cubin)])  # the cubin cut off
+    assert ext.read_cached_cubin(path, text) is None
+    ext.write_cached_cubin(path, text, cubin + b"2")  # rewritten whole
+    assert ext.read_cached_cubin(path, text) == cubin + b"2"
+
+
+def test_cached_cubin_in_an_unwritable_place_raises_and_leaves_nothing(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(Exception):
+        ext.write_cached_cubin(str(blocker / "k.cubin"), "t", b"c")
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
+def _nvrtc_or_skip() -> None:
+    try:
+        ext.nvrtc_cubin("extern \"C\" __global__ void vc_kernel() {}\n", "sm_90", [])
+    except RuntimeError as e:
+        if "cannot be loaded" in str(e):
+            pytest.skip("no NVRTC here (VOICECHAT_NVRTC names one)")
+        raise
+
+
+def test_nvrtc_compiles_an_instance_text_to_a_cubin_and_reports_errors():
+    _nvrtc_or_skip()
+    cubin = ext.nvrtc_cubin(ext.own_kernel_text("vc_rvq_step", 0, "sm_90"), "sm_90", ext.cuda_include_dirs())
+    assert cubin[:4] == b"\x7fELF" and b"vc_kernel" in cubin
+    with pytest.raises(RuntimeError, match="did not compile"):
+        ext.nvrtc_cubin('extern "C" __global__ void vc_kernel() { undeclared_name(); }\n', "sm_90", [])
+
+
+def test_the_launch_is_built_only_against_mlx_cuda():
+    built, wanted = ext.own_launch()
+    assert wanted == (os.environ.get("VOICECHAT_OWN_LAUNCH", "") not in ("", "0"))
+    if ext.build_info()["backend"] != "cuda":
+        assert not built
+
+
+# On a CUDA GPU: a fresh process (a kernel's launch path is chosen when it is first made) runs the
+# same products through MLX's custom kernels and through ours, then ours again from the cache.
+PROBE = r"""
+import json, sys
+import mlx.core as mx
+import numpy as np
+from voicechat.kernels import ext
+from voicechat.kernels.gemv import quantized_matvec, quantized_matvec_emit_norm, dense_matvec
+
+def q4(n, k, seed):
+    w = mx.random.normal((n, k), key=mx.random.key(seed)) * k ** -0.5
+    w, s, b = mx.quantize(w, group_size=64, bits=4)
+    return w, s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+
+out = {}
+x = mx.random.normal((1, 4480), key=mx.random.key(1))
+w, s, b = q4(22656, 4480, 2)
+out["block"] = quantized_matvec(x, w, s, b)
+out["imma"] = quantized_matvec(x, w, s, b, imma=1)
+w2, s2, b2 = q4(4480, 10240, 3)
+x2 = mx.random.normal((1, 10240), key=mx.random.key(4))
+r = mx.random.normal((1, 4480), key=mx.random.key(5))
+y, pre = quantized_matvec_emit_norm(x2, w2, s2, b2, r, mx.ones((4480,)), stages=2)
+out["stream_emit"], out["prenormed"] = y, pre.resolve()
+d = (mx.random.normal((1152, 4608), key=mx.random.key(6)) * 0.02).astype(mx.bfloat16)
+out["dense"] = dense_matvec(mx.random.normal((2, 4608), key=mx.random.key(7)), d)
+mx.eval(out)
+np.savez(sys.argv[1], **{k: np.array(v.astype(mx.float32)) for k, v in out.items()})
+print(json.dumps({"own_launch": list(ext.own_launch())}))
+"""
+
+
+def _probe(tmp_path: Path, tag: str, own: bool) -> tuple[dict, dict]:
+    env = dict(os.environ, VOICECHAT_OWN_LAUNCH="1" if own else "0", VOICECHAT_CUBIN_DIR=str(tmp_path / "cubin"))
+    npz = tmp_path / f"{tag}.npz"
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(npz)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), dict(np.load(npz))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="our own launch runs on a CUDA GPU")
+def test_own_launch_equals_mlx_custom_kernels_and_reads_its_cache_back(tmp_path):
+    info, theirs = _probe(tmp_path, "mlx", own=False)
+    if not ext.own_launch()[0]:
+        pytest.skip("this CUDA build has no own launch (no CUDA toolkit headers at build time)")
+    assert info["own_launch"] == [True, False]
+    info, ours = _probe(tmp_path, "own", own=True)
+    assert info["own_launch"] == [True, True]
+    cached = sorted(p.name for p in (tmp_path / "cubin").iterdir())
+    assert cached and all(name.startswith("vc_") and name.endswith(".cubin") for name in cached)
+    _, again = _probe(tmp_path, "again", own=True)
+    assert sorted(p.name for p in (tmp_path / "cubin").iterdir()) == cached  # read back, not compiled anew
+    for name, want in theirs.items():
+        np.testing.assert_allclose(ours[name], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
+        np.testing.assert_array_equal(again[name], ours[name], err_msg=name)

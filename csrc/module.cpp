@@ -45,6 +45,11 @@ py::dict build_info() {
   info["backend"] = VC_BACKEND;
   info["compiler"] = __VERSION__;
   info["kernels"] = registrars().size();
+#ifdef VC_OWN_LAUNCH
+  info["own_launch"] = true;  // csrc/own_launch.h: VOICECHAT_OWN_LAUNCH=1 picks it
+#else
+  info["own_launch"] = false;
+#endif
   return info;
 }
 

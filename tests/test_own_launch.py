@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_cuda_sources import kernel
 from voicechat.kernels import ext
 from voicechat.kernels.gemv import on_cuda_gpu
 
@@ -23,16 +24,8 @@ ON_CUDA = on_cuda_gpu()
 
 def _instance_kernel(src: dict, inst: dict) -> str:
     """The kernel part of an instance's text as test_cuda_sources' nvcc check writes it (MLX's
-    layout), under our name."""
-    params = [f"    const {t}* {n}" for t, n in zip(inst["input_types"], src["input_names"])]
-    params += [f"    {t}* {n}" for t, n in zip(inst["output_types"], src["output_names"])]
-    consts = []
-    for arg, value in inst["template_args"]:
-        kind, _, v = value.partition(":")
-        consts.append({"int": f"  constexpr int {arg} = {v};", "bool": f"  constexpr bool {arg} = {v};",
-                       "type": f"  using {arg} = {v};"}[kind])
-    return ('extern "C" __global__ void vc_kernel(\n' + ",\n".join(params) + ") {\n" + "\n".join(consts) + "\n"
-            + src["source"] + "\n}\n")
+    layout), as our unmangled vc_kernel."""
+    return 'extern "C" ' + kernel(src, inst, "vc_kernel")
 
 
 def test_every_instance_text_is_the_header_and_the_kernel_as_mlx_writes_it():
@@ -114,6 +107,7 @@ def test_nvrtc_compiles_an_instance_text_to_a_cubin_and_reports_errors():
 def test_the_launch_is_built_only_against_mlx_cuda():
     built, wanted = ext.own_launch()
     assert wanted == (os.environ.get("VOICECHAT_OWN_LAUNCH", "") not in ("", "0"))
+    assert built == ext.build_info()["own_launch"]
     if ext.build_info()["backend"] != "cuda":
         assert not built
 

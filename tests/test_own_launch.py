@@ -4,6 +4,7 @@ there, and on a CUDA GPU the launch against MLX's own path."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -61,6 +62,31 @@ def test_an_instance_text_compiles_with_nvcc(name, tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert b"vc_kernel" in (tmp_path / "k.cubin").read_bytes()
+
+
+def _cuda_include() -> str | None:
+    homes = [os.environ.get("CUDA_HOME"), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"))]
+    return next((f"{h}/include" for h in homes if h and os.path.exists(f"{h}/include/cuda.h")), None)
+
+
+def test_the_launch_compiles_against_mlx_cuda_headers():
+    """The launch itself (VC_OWN_LAUNCH) builds only against mlx-cuda, so a CPU build never compiles
+    it: checked here against this mlx's headers (the same in its CUDA wheel) and CUDA's."""
+    cuda = _cuda_include()
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if cuda is None or compiler is None:
+        pytest.skip("no CUDA headers or no C++ compiler here")
+    import mlx.core as mx
+    import pybind11
+    import sysconfig
+
+    csrc = Path(__file__).parents[1] / "csrc"
+    mlx_include = Path(mx.__file__).parent / "include"
+    cmd = [compiler, "-std=c++20", "-fsyntax-only", "-DVC_OWN_LAUNCH=1", '-DVC_BACKEND="cuda"', f"-I{mlx_include}",
+           f"-I{csrc}", f"-I{csrc / 'compat'}", f"-I{cuda}", f"-I{pybind11.get_include()}",
+           f"-I{sysconfig.get_paths()['include']}", str(csrc / "own_launch.cpp")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_cached_cubin_reads_back_only_for_its_own_text(tmp_path):

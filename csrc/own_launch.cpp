@@ -311,6 +311,9 @@ class OwnKernel : public mx::Primitive {
       encoder.set_input_array(in);
     }
     for (auto& out : outputs) {
+      // MLX's own launches take stream-ordered device memory (cu::malloc_async), which libmlx does
+      // not export; its allocator's malloc gives managed memory (CudaAllocator::malloc is
+      // malloc_async(size, -1, nullptr) in 0.32.4's disassembly). To be measured on the GPU.
       out.set_data(mx::allocator::malloc(out.nbytes()));
       pointers.push_back(mx::gpu_ptr<void>(out));
       encoder.set_output_array(out);

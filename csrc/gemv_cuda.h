@@ -1196,9 +1196,9 @@ __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 
 }
 
 // out[m, row] for 16-row slabs, a persistent grid (block b: slabs b, b + grid, ...), the block's warps
-// splitting each slab's groups (warp w: w, w + WARPS, ..., up to INFLIGHT of them in flight); NORM 0 / 2, the epilogue of
-// vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The dynamic shared memory holds the
-// expansion (Layout::BYTES).
+// splitting each slab's groups (warp w: w, w + WARPS, ..., up to INFLIGHT of them in flight); NORM 0
+// / 2, the epilogue of vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The dynamic
+// shared memory holds the expansion (Layout::BYTES).
 template <int K, int N, int M, int WARPS, int LEVELS, int INFLIGHT, int EPI, bool HAS_BIAS, int NORM, int NP, int NG,
           bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight, const TS* scales, const TS* biases,
@@ -1248,7 +1248,7 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   // BATCH groups are in flight a warp. With one loop that loaded each group just before its MMAs
   // (unrolled four), ptxas issued each group's loads right before that group's MMAs: one or two in
   // flight. The last batch's spare slots load the warp's last group again (clamped, not predicated:
-  // an `if` around the loads kept them from being hoisted) and skip its math. A ring of groups in
+  // an `if` around the loads kept them from being hoisted) and add nothing. A ring of groups in
   // flight across slab ends (the fifteenth session's second version) ran 30-45% slower on the H200:
   // its per-group bookkeeping and the barrier inside the unrolled ring cost more than the slab ends'
   // bubbles. The weight's alignment is a template of the walk, chosen once: with the choice inside

@@ -63,7 +63,7 @@ def test_converting_twice_changes_nothing(tiny_checkpoint):
 def _allocated(arrays) -> int:
     """The active memory that fresh copies of `arrays` take: what they hold in this backend's
     allocator (MLX-CUDA rounds a buffer up to a power of two below 16 KB and to 16 KB pages above,
-    ~1.8 MB over the tiny checkpoint's nbytes there; the CPU's does not)."""
+    ~1.8 MB over the tiny checkpoint's nbytes there; the CPU's ~1%)."""
     before = mx.get_active_memory()
     copies = [mx.multiply(a, 1) for a in arrays]
     mx.eval(copies)

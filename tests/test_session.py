@@ -1,5 +1,6 @@
 """The offline timeline end to end on tiny synthetic checkpoints and a real spoken WAV."""
 
+import os
 import threading
 import time
 
@@ -149,10 +150,13 @@ def _tts_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "voicechat-tts"]
 
 
-# Two threads evaluating at once segfaulted MLX 0.32.4's CUDA backend (its JIT module cache has no
-# lock; tts_thread.py): the experimental worker is tested where that cannot happen.
-not_on_cuda = pytest.mark.skipif(on_cuda_gpu(), reason="MLX 0.32.4's CUDA backend is not safe with two "
-                                 "threads evaluating at once (the TTS worker is experimental)")
+# Two threads evaluating at once segfaulted MLX 0.32.4's CUDA backend once, for a reason not yet
+# known (tts_thread.py; its JIT module cache is locked): the experimental worker is tested where
+# that cannot happen, and on a CUDA GPU when asked (VOICECHAT_TEST_TTS_THREAD=1, as
+# tools/gpu/tts_thread_retest.sh does).
+not_on_cuda = pytest.mark.skipif(on_cuda_gpu() and os.environ.get("VOICECHAT_TEST_TTS_THREAD") != "1",
+                                 reason="MLX 0.32.4's CUDA backend segfaulted once with two threads evaluating "
+                                 "(the TTS worker is experimental; VOICECHAT_TEST_TTS_THREAD=1 runs it)")
 
 
 @not_on_cuda

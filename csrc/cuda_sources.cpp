@@ -109,7 +109,6 @@ std::string jit_name(const CudaSource& source) {
   return source.name + "_" + std::string(hex, 12);
 }
 
-namespace {
 std::string file_text(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return {};
@@ -118,18 +117,14 @@ std::string file_text(const std::filesystem::path& path) {
   return text.str();
 }
 
-// `path` holding exactly `text`: left as it is when it does, else written whole under a scratch name
-// and renamed over it (processes racing write the same bytes; none reads a torn file).
-// Throws when it cannot.
-void ensure_file_text(const std::filesystem::path& path, const std::string& text) {
-  if (std::filesystem::is_regular_file(path) && file_text(path) == text) return;
+void write_file_whole(const std::filesystem::path& path, const std::string& bytes) {
   std::filesystem::create_directories(path.parent_path());
   static std::atomic<unsigned> written{0};  // with the pid: a scratch name no other writer has
   auto scratch = path;
   scratch += "." + std::to_string(::getpid()) + "." + std::to_string(written++) + ".tmp";
   try {
     std::ofstream out(scratch, std::ios::binary | std::ios::trunc);
-    out << text;
+    out << bytes;
     out.close();
     if (!out) throw std::runtime_error("cannot write " + scratch.string());
     std::filesystem::rename(scratch, path);
@@ -138,6 +133,14 @@ void ensure_file_text(const std::filesystem::path& path, const std::string& text
     std::filesystem::remove(scratch, ignored);  // no partial file left behind
     throw;
   }
+}
+
+namespace {
+// `path` holding exactly `text`: left as it is when it does, else written whole (processes racing
+// write the same bytes; none reads a torn file). Throws when it cannot.
+void ensure_file_text(const std::filesystem::path& path, const std::string& text) {
+  if (std::filesystem::is_regular_file(path) && file_text(path) == text) return;
+  write_file_whole(path, text);
   if (file_text(path) != text) throw std::runtime_error("cannot read back " + path.string());
 }
 

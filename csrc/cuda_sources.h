@@ -3,6 +3,7 @@
 #pragma once
 
 #include <deque>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,13 @@ struct KernelText {
   bool included;
 };
 KernelText launch_text(const CudaSource& source, const std::string& folder);
+
+// A file's bytes (empty where it cannot be read).
+std::string file_text(const std::filesystem::path& path);
+
+// `bytes` written to a scratch name beside `path` and renamed over it (its folder made first), so a
+// reader never sees half a file; the scratch file is removed on failure, which throws.
+void write_file_whole(const std::filesystem::path& path, const std::string& bytes);
 
 // VOICECHAT_KERNEL_TEXT_DIR (voicechat's __init__ sets it beside the PTX cache; empty: inline).
 std::string kernel_text_folder();

@@ -3,15 +3,11 @@
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -119,9 +115,7 @@ std::string own_kernel_file_name(const std::string& text) {
 }
 
 bool read_cached_cubin(const std::string& path, const std::string& text, std::string& cubin) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string data = file_text(path);
   const std::string head = kCacheMagic + std::to_string(text.size()) + "\n";
   if (data.compare(0, head.size(), head) != 0 || data.size() <= head.size() + text.size() ||
       data.compare(head.size(), text.size(), text) != 0) {
@@ -132,21 +126,7 @@ bool read_cached_cubin(const std::string& path, const std::string& text, std::st
 }
 
 void write_cached_cubin(const std::string& path, const std::string& text, const std::string& cubin) {
-  static std::atomic<int> counter{0};
-  const std::filesystem::path target(path);
-  std::filesystem::create_directories(target.parent_path());
-  const auto scratch = target.string() + ".tmp" + std::to_string(getpid()) + "_" + std::to_string(counter++);
-  try {
-    std::ofstream out(scratch, std::ios::binary | std::ios::trunc);
-    out << kCacheMagic << text.size() << "\n" << text << cubin;
-    out.close();
-    if (!out) throw std::runtime_error("cannot write " + scratch);
-    std::filesystem::rename(scratch, target);
-  } catch (...) {
-    std::error_code ignored;
-    std::filesystem::remove(scratch, ignored);  // no partial file left behind
-    throw;
-  }
+  write_file_whole(path, kCacheMagic + std::to_string(text.size()) + "\n" + text + cubin);
 }
 
 namespace {

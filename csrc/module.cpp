@@ -8,6 +8,7 @@
 #include "mlx/mlx.h"
 #include "mlx/version.h"
 #include "mlx_caster.h"
+#include "own_launch.h"
 #include "registry.h"
 
 namespace py = pybind11;
@@ -45,11 +46,7 @@ py::dict build_info() {
   info["backend"] = VC_BACKEND;
   info["compiler"] = __VERSION__;
   info["kernels"] = registrars().size();
-#ifdef VC_OWN_LAUNCH
-  info["own_launch"] = true;  // csrc/own_launch.h: VOICECHAT_OWN_LAUNCH=1 picks it
-#else
-  info["own_launch"] = false;
-#endif
+  info["own_launch"] = own_launch_built();  // csrc/own_launch.h: VOICECHAT_OWN_LAUNCH=1 picks it
   return info;
 }
 

@@ -97,6 +97,13 @@ __device__ __forceinline__ bool aligned16(const T* p) {
   return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull;
 }
 
+// `word` made to depend on `loaded` through a zero ptxas cannot see (no user-space address reaches
+// bit 63 of `p`): the loads behind `loaded` are then issued before `word`'s first use, where ptxas
+// would otherwise sink each one down to its own use.
+__device__ __forceinline__ unsigned int tied(unsigned int word, unsigned int loaded, const void* p) {
+  return word ^ (loaded & static_cast<unsigned int>(reinterpret_cast<unsigned long long>(p) >> 63));
+}
+
 // total[o] = sum over the block's threads of vals[o], o < COUNT. part: COUNT * THREADS floats of
 // shared memory. Every thread of the block must call it (it synchronizes the block).
 template <int COUNT, int THREADS>
@@ -360,12 +367,11 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
     st.bias[r] = static_cast<float>(biases[static_cast<size_t>(rows[r]) * GROUPS + g]);
   }
   // ptxas issues the scale and bias loads just before their use, after the chunk's math: a second
-  // trip to memory a block. Tying the first weight word to them (through a zero it cannot see: no
-  // user-space address reaches bit 63) makes it issue them with the weights.
-  unsigned int tie = 0u;
+  // trip to memory a block. Tied to the first weight word, they issue with the weights.
+  unsigned int loaded = 0u;
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) tie |= __float_as_uint(st.scale[r]) | __float_as_uint(st.bias[r]);
-  st.w[0].x ^= tie & static_cast<unsigned int>(reinterpret_cast<unsigned long long>(w4) >> 63);
+  for (int r = 0; r < ROWS; ++r) loaded |= __float_as_uint(st.scale[r]) | __float_as_uint(st.bias[r]);
+  st.w[0].x = tied(st.w[0].x, loaded, w4);
 }
 
 // acc[r][m] = sum_k x[m, k] * (scale * q[row0 + r, k] + bias) over this thread's chunks, for the
@@ -1279,15 +1285,15 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
           bh[j] = b_lo[grp + 8 * GROUPS];
         }
         // ptxas still sank each group's loads down to its MMAs: the batch's first MMA now reads every
-        // load of the batch (through a zero it cannot see: no user-space address reaches bit 63)
-        unsigned int tie = 0u;
+        // load of the batch
+        unsigned int loaded = 0u;
 #pragma unroll
         for (int j = 0; j < BATCH; ++j) {
-          tie |= wl[j].x | wl[j].y | wh[j].x | wh[j].y | __float_as_uint(static_cast<float>(sl[j])) |
-                 __float_as_uint(static_cast<float>(sh[j])) | __float_as_uint(static_cast<float>(bl[j])) |
-                 __float_as_uint(static_cast<float>(bh[j]));
+          loaded |= wl[j].x | wl[j].y | wh[j].x | wh[j].y | __float_as_uint(static_cast<float>(sl[j])) |
+                    __float_as_uint(static_cast<float>(sh[j])) | __float_as_uint(static_cast<float>(bl[j])) |
+                    __float_as_uint(static_cast<float>(bh[j]));
         }
-        wl[0].x ^= tie & static_cast<unsigned int>(reinterpret_cast<unsigned long long>(weight) >> 63);
+        wl[0].x = vc_gemv::tied(wl[0].x, loaded, weight);
 #pragma unroll
         for (int j = 0; j < BATCH; ++j) {
           // a spare slot runs its MMAs on the clamped group and adds nothing: a branch here let the

@@ -43,16 +43,22 @@ def _stats(samples: list[float]) -> dict:
     return {"min_ms": 1e3 * min(samples), "median_ms": 1e3 * statistics.median(samples), "rounds": len(samples)}
 
 
-def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False, context: int = CONTEXT) -> dict:
+def prime(lm, context: int, frames: int):
+    """(audio [1, context + frames, hidden], the cache after a `context`-position prefix of pad ids,
+    the prefix's text and function ids [1, 1] int32), all evaluated."""
     h = lm.llm.config.hidden_size
-    context = max(context, 1)  # the prefix call takes at least one position
-    audio = mx.random.normal((1, context + chain + 1, h), key=mx.random.key(0))
+    audio = mx.random.normal((1, context + frames, h), key=mx.random.key(0))
     pad = mx.full((1, context), PAD, dtype=mx.int32)
     primed = lm.make_cache()
     first = lm.step(lm.fused_input(pad, audio[:, :context], pad), primed)
     mx.eval(audio, first.text_ids, first.function_ids, primed.state)
+    return audio, primed, first.text_ids[:, None].astype(mx.int32), first.function_ids[:, None].astype(mx.int32)
+
+
+def profile(lm, rounds: int = 20, chain: int = 40, compiled: bool = False, context: int = CONTEXT) -> dict:
+    context = max(context, 1)  # the prefix call takes at least one position
+    audio, primed, text, function = prime(lm, context, chain + 1)
     frame = audio[:, context : context + 1]
-    text, function = first.text_ids[:, None].astype(mx.int32), first.function_ids[:, None].astype(mx.int32)
 
     def step(t, f, audio_frame, cache):
         if compiled:

@@ -15,7 +15,7 @@ import time
 import mlx.core as mx
 
 sys.path.insert(0, ".")
-from profile_llm_step import CONTEXT, PAD, _lm  # noqa: E402
+from profile_llm_step import CONTEXT, _lm, prime  # noqa: E402
 
 
 def _chain(lm, primed, audio, text, function, steps: int) -> float:
@@ -47,13 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     args = parser.parse_args()
     lm = _lm(args.size)
-    h = lm.llm.config.hidden_size
-    audio = mx.random.normal((1, CONTEXT + 65, h), key=mx.random.key(0))
-    pad = mx.full((1, CONTEXT), PAD, dtype=mx.int32)
-    primed = lm.make_cache()
-    first = lm.step(lm.fused_input(pad, audio[:, :CONTEXT], pad), primed)
-    mx.eval(audio, first.text_ids, first.function_ids, primed.state)
-    text, function = first.text_ids[:, None].astype(mx.int32), first.function_ids[:, None].astype(mx.int32)
+    audio, primed, text, function = prime(lm, CONTEXT, 65)
     warm = warm_up(lm, primed, audio, text, function, 40)
     print(f"warm-up chain: {1e3 * warm:.2f} ms a step", flush=True)
     print(f"steady chain: {1e3 * steady_chain(lm, primed, audio, text, function, args.steps):.3f} ms a step",

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <variant>
@@ -424,11 +425,12 @@ void bind(py::module_& m) {
       py::arg("path"), py::arg("text"), "The cubin kept for `text` at `path`, or None.");
   m.def(
       "nvrtc_cubin",
-      [](const std::string& text, const std::string& arch, const std::vector<std::string>& include_dirs) {
-        return py::bytes(nvrtc_cubin(text, arch, include_dirs));
+      [](const std::string& text, const std::string& arch, const std::optional<std::vector<std::string>>& dirs) {
+        return py::bytes(nvrtc_cubin(text, arch, dirs ? *dirs : cuda_include_dirs()));
       },
-      py::arg("text"), py::arg("arch") = "sm_90", py::arg("include_dirs") = cuda_include_dirs(),
-      "`text` compiled by NVRTC (VOICECHAT_NVRTC names the library, else the loaded / system one).");
+      py::arg("text"), py::arg("arch") = "sm_90", py::arg("include_dirs") = py::none(),
+      "`text` compiled by NVRTC (VOICECHAT_NVRTC names the library, else the loaded / system one); "
+      "include_dirs: cuda_include_dirs() when None.");
   m.def("cuda_include_dirs", &cuda_include_dirs, "The folders NVRTC searches for CUDA's headers.");
   m.def("own_launch", [] { return py::make_tuple(own_launch_built(), own_launch_wanted()); },
         "(built, wanted): whether this build can launch our kernels itself, and VOICECHAT_OWN_LAUNCH.");

@@ -46,7 +46,7 @@ py::dict build_info() {
   info["backend"] = VC_BACKEND;
   info["compiler"] = __VERSION__;
   info["kernels"] = registrars().size();
-  info["own_launch"] = own_launch_built();  // csrc/own_launch.h: VOICECHAT_OWN_LAUNCH=1 picks it
+  info["own_launch"] = own_launch_built();  // csrc/own_launch.h: used unless VOICECHAT_OWN_LAUNCH=0
   return info;
 }
 

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -108,6 +109,37 @@ std::string own_kernel_text(const CudaSource& source, const CudaInstance& instan
          params + ") {\n" + consts + source.source + "\n}\n\n}  // namespace mlx::core::cu\n";
 }
 
+std::string strided_copy_text(const std::string& arch) {
+  return "// " + arch + "\n" + R"(#include <cuda/std/cstdint>
+struct VcLayout {
+  int ndim;
+  long long shape[)" + std::to_string(kCopyMaxDims) + R"(];
+  long long strides[)" + std::to_string(kCopyMaxDims) + R"(];
+};
+// element i of a strided view (strides in elements, any sign, 0 for a broadcast axis) to element i
+// of its row-contiguous copy
+extern "C" __global__ void vc_kernel(const unsigned char* src, unsigned char* dst, VcLayout layout, int bytes,
+                                     long long n) {
+  const long long step = (long long)gridDim.x * blockDim.x;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {
+    long long rest = i, at = 0;
+    for (int d = layout.ndim - 1; d >= 0; --d) {
+      at += (rest % layout.shape[d]) * layout.strides[d];
+      rest /= layout.shape[d];
+    }
+    const unsigned char* from = src + at * bytes;
+    unsigned char* to = dst + i * bytes;
+    switch (bytes) {
+      case 2: *(cuda::std::uint16_t*)to = *(const cuda::std::uint16_t*)from; break;
+      case 4: *(cuda::std::uint32_t*)to = *(const cuda::std::uint32_t*)from; break;
+      case 8: *(cuda::std::uint64_t*)to = *(const cuda::std::uint64_t*)from; break;
+      default: for (int b = 0; b < bytes; ++b) to[b] = from[b];
+    }
+  }
+}
+)";
+}
+
 std::string own_kernel_file_name(const std::string& text) {
   char hex[33];
   std::snprintf(hex, sizeof(hex), "%016llx%016llx", static_cast<unsigned long long>(fnv1a(text, 1469598103934665603ULL)),
@@ -193,7 +225,8 @@ std::string nvrtc_cubin(const std::string& text, const std::string& arch, const 
   Nvrtc::Program prog = nullptr;
   check(api.create(&prog, text.c_str(), "vc_kernel.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
   std::unique_ptr<Nvrtc::Program, void (*)(Nvrtc::Program*)> owner(&prog, [](Nvrtc::Program* p) { nvrtc().destroy(p); });
-  std::vector<std::string> options = {"--gpu-architecture=" + arch};
+  // -default-device: MLX compiles the same way (an unannotated lambda or helper is device code)
+  std::vector<std::string> options = {"--gpu-architecture=" + arch, "-default-device"};
   for (const auto& dir : include_dirs) options.push_back("--include-path=" + dir);
   std::vector<const char*> argv;
   for (const auto& o : options) argv.push_back(o.c_str());
@@ -240,8 +273,9 @@ bool own_launch_built() {
 }
 
 bool own_launch_wanted() {
+  // on unless VOICECHAT_OWN_LAUNCH=0 (MLX's custom-kernel launch, which compiles ours in every process)
   const char* v = std::getenv("VOICECHAT_OWN_LAUNCH");
-  return v != nullptr && *v && std::string(v) != "0";
+  return v == nullptr || std::string(v) != "0";
 }
 
 #ifdef VC_OWN_LAUNCH
@@ -268,67 +302,20 @@ const Driver& driver() {
   return api;
 }
 
-// One kernel launch: its inputs' and outputs' device pointers as the kernel's arguments, added to
-// the stream's command encoder as MLX adds its own kernels. Inputs must be row-contiguous (MLX's
-// custom kernels copy others; this launch refuses them).
-class OwnKernel : public mx::Primitive {
- public:
-  OwnKernel(mx::Stream s, CUfunction fn, const std::string* name, dim3 grid, dim3 block, int smem)
-      : mx::Primitive(s), fn_(fn), name_(name), grid_(grid), block_(block), smem_(smem) {}
-
-  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error(*name_ + ": our own kernel launch runs on a CUDA stream only");
-  }
-
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = mx::cu::get_command_encoder(stream());
-    std::vector<void*> pointers;
-    pointers.reserve(inputs.size() + outputs.size());
-    for (const auto& in : inputs) {
-      if (!in.flags().row_contiguous) {
-        throw std::runtime_error(*name_ + ": our own kernel launch takes row-contiguous inputs only");
-      }
-      pointers.push_back(mx::gpu_ptr<void>(in));
-      encoder.set_input_array(in);
-    }
-    for (auto& out : outputs) {
-      // MLX's own launches take stream-ordered device memory (cu::malloc_async), which libmlx does
-      // not export; its allocator's malloc gives managed memory (CudaAllocator::malloc is
-      // malloc_async(size, -1, nullptr) in 0.32.4's disassembly). To be measured on the GPU.
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      pointers.push_back(mx::gpu_ptr<void>(out));
-      encoder.set_output_array(out);
-    }
-    std::vector<void*> params(pointers.size());
-    for (size_t i = 0; i < pointers.size(); ++i) params[i] = &pointers[i];
-    encoder.add_kernel_node_raw(fn_, grid_, block_, dim3(1, 1, 1), static_cast<uint32_t>(smem_), params.data());
-  }
-
-  const char* name() const override { return "VoicechatKernel"; }
-
- private:
-  CUfunction fn_;
-  const std::string* name_;  // the source's name, alive for the process (the registry holds it)
-  dim3 grid_, block_;
-  int smem_;
-};
-
-// The instance's kernel: from this process's table, else the cubin cache, else NVRTC (and into the
-// cache). Modules stay loaded for the process.
-CUfunction instance_function(const CudaSource& source, const CudaInstance& instance, int smem, const mx::Stream& s) {
+// A kernel by `key` (what tells it apart: device, types, args, shared memory): from this process's
+// table, else the cubin cache, else NVRTC (and into the cache). Modules stay loaded for the process.
+// `text_for(arch)` writes the text, called only on a miss (not at every launch).
+template <typename TextFor>
+CUfunction loaded_function(const std::string& key, const std::string& what, int smem, const mx::Stream& s,
+                           TextFor text_for) {
   static std::mutex lock;
   static auto* loaded = new std::map<std::string, CUfunction>();  // never freed: outlives the runtime
-  // keyed by what tells instances apart (not by the text, which would be built at every launch)
-  std::string key = source.name + "|" + std::to_string(s.device.index) + "|" + std::to_string(smem);
-  for (const auto& t : instance.input_types) key += "|" + t;
-  for (const auto& t : instance.output_types) key += "|" + t;
-  for (const auto& [name, value] : instance.template_args) key += "|" + name + "=" + value;
   std::lock_guard<std::mutex> guard(lock);
   if (auto it = loaded->find(key); it != loaded->end()) return it->second;
   auto& device = mx::cu::device(s.device);
   const std::string arch =
       "sm_" + std::to_string(device.compute_capability_major()) + std::to_string(device.compute_capability_minor());
-  const std::string text = own_kernel_text(source, instance, arch);
+  const std::string text = text_for(arch);
   std::string cubin;
   const std::string folder = cubin_folder();
   const std::string path = folder.empty() ? std::string() : folder + "/" + own_kernel_file_name(text) + ".cubin";
@@ -347,14 +334,108 @@ CUfunction instance_function(const CudaSource& source, const CudaInstance& insta
   CUfunction fn = nullptr;
   const Driver& api = driver();
   if (api.load(&module, cubin.data()) != 0 || api.function(&fn, module, "vc_kernel") != 0) {
-    throw std::runtime_error(source.name + ": the compiled kernel did not load");
+    throw std::runtime_error(what + ": the compiled kernel did not load");
   }
   if (smem > 48 * 1024 && api.attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem) != 0) {
-    throw std::runtime_error(source.name + ": " + std::to_string(smem) + " bytes of dynamic shared memory refused");
+    throw std::runtime_error(what + ": " + std::to_string(smem) + " bytes of dynamic shared memory refused");
   }
   loaded->emplace(key, fn);
   return fn;
 }
+
+CUfunction instance_function(const CudaSource& source, const CudaInstance& instance, int smem, const mx::Stream& s) {
+  std::string key = source.name + "|" + std::to_string(s.device.index) + "|" + std::to_string(smem);
+  for (const auto& t : instance.input_types) key += "|" + t;
+  for (const auto& t : instance.output_types) key += "|" + t;
+  for (const auto& [name, value] : instance.template_args) key += "|" + name + "=" + value;
+  return loaded_function(key, source.name, smem, s,
+                         [&](const std::string& arch) { return own_kernel_text(source, instance, arch); });
+}
+
+// The host side of strided_copy_text's VcLayout (same members, same C layout).
+struct CopyLayout {
+  int ndim;
+  long long shape[kCopyMaxDims];
+  long long strides[kCopyMaxDims];
+};
+
+// `in` (a view that is not row-contiguous) copied into a fresh row-contiguous array on the
+// encoder's stream, kept alive by the encoder until the launch that reads it is done.
+mx::array contiguous_copy(mx::cu::CommandEncoder& encoder, const mx::array& in, const mx::Stream& s) {
+  if (in.ndim() > kCopyMaxDims) {
+    throw std::invalid_argument("own launch: a non-contiguous input of " + std::to_string(in.ndim()) +
+                                " dimensions (at most " + std::to_string(kCopyMaxDims) + ")");
+  }
+  CUfunction fn = loaded_function("vc_strided_copy|" + std::to_string(s.device.index), "vc_strided_copy", 0, s,
+                                  strided_copy_text);
+  CopyLayout layout{static_cast<int>(in.ndim()), {}, {}};
+  for (size_t d = 0; d < in.ndim(); ++d) {
+    layout.shape[d] = in.shape(static_cast<int>(d));
+    layout.strides[d] = in.strides()[d];
+  }
+  mx::array copy(in.shape(), in.dtype(), nullptr, {});
+  copy.set_data(mx::allocator::malloc(copy.nbytes()));
+  const void* src = mx::gpu_ptr<void>(in);
+  void* dst = mx::gpu_ptr<void>(copy);
+  int bytes = static_cast<int>(in.itemsize());
+  long long n = static_cast<long long>(in.size());
+  void* params[] = {&src, &dst, &layout, &bytes, &n};
+  constexpr long long kThreads = 256;
+  const unsigned blocks = static_cast<unsigned>(std::min<long long>((n + kThreads - 1) / kThreads, 1 << 20));
+  encoder.set_input_array(in);
+  encoder.set_output_array(copy);
+  encoder.add_kernel_node_raw(fn, dim3(blocks), dim3(kThreads), dim3(1, 1, 1), 0, params);
+  encoder.add_temporary(copy);
+  return copy;
+}
+
+// One kernel launch: its inputs' and outputs' device pointers as the kernel's arguments, added to
+// the stream's command encoder as MLX adds its own kernels.
+class OwnKernel : public mx::Primitive {
+ public:
+  OwnKernel(mx::Stream s, CUfunction fn, const std::string* name, dim3 grid, dim3 block, int smem)
+      : mx::Primitive(s), fn_(fn), name_(name), grid_(grid), block_(block), smem_(smem) {}
+
+  void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(*name_ + ": our own kernel launch runs on a CUDA stream only");
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cu::get_command_encoder(stream());
+    // a view that is not row-contiguous is copied first, as MLX's custom kernels copy theirs; the
+    // copies' nodes go in before this launch's inputs are named (naming them ties them to the next node)
+    std::vector<mx::array> sources;
+    sources.reserve(inputs.size());
+    for (const auto& in : inputs) {
+      sources.push_back(in.flags().row_contiguous || in.size() == 0 ? in : contiguous_copy(encoder, in, stream()));
+    }
+    std::vector<void*> pointers;
+    pointers.reserve(inputs.size() + outputs.size());
+    for (const auto& in : sources) {
+      pointers.push_back(mx::gpu_ptr<void>(in));
+      encoder.set_input_array(in);
+    }
+    for (auto& out : outputs) {
+      // MLX's own launches take stream-ordered device memory (cu::malloc_async), which libmlx does
+      // not export; its allocator's malloc gives managed memory (CudaAllocator::malloc is
+      // malloc_async(size, -1, nullptr) in 0.32.4's disassembly): the steady LLM chain ran as fast.
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      pointers.push_back(mx::gpu_ptr<void>(out));
+      encoder.set_output_array(out);
+    }
+    std::vector<void*> params(pointers.size());
+    for (size_t i = 0; i < pointers.size(); ++i) params[i] = &pointers[i];
+    encoder.add_kernel_node_raw(fn_, grid_, block_, dim3(1, 1, 1), static_cast<uint32_t>(smem_), params.data());
+  }
+
+  const char* name() const override { return "VoicechatKernel"; }
+
+ private:
+  CUfunction fn_;
+  const std::string* name_;  // the source's name, alive for the process (the registry holds it)
+  dim3 grid_, block_;
+  int smem_;
+};
 
 }  // namespace
 
@@ -431,6 +512,8 @@ void bind(py::module_& m) {
       py::arg("text"), py::arg("arch") = "sm_90", py::arg("include_dirs") = py::none(),
       "`text` compiled by NVRTC (VOICECHAT_NVRTC names the library, else the loaded / system one); "
       "include_dirs: cuda_include_dirs() when None.");
+  m.def("strided_copy_text", &strided_copy_text, py::arg("arch") = "sm_90",
+        "The kernel that copies a non-row-contiguous input of our own launch into a row-contiguous one.");
   m.def("cuda_include_dirs", &cuda_include_dirs, "The folders NVRTC searches for CUDA's headers.");
   m.def("own_launch", [] { return py::make_tuple(own_launch_built(), own_launch_wanted()); },
         "(built, wanted): whether this build can launch our kernels itself, and VOICECHAT_OWN_LAUNCH.");

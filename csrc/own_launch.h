@@ -1,4 +1,4 @@
-// Our own launches of our CUDA kernels (experimental, VOICECHAT_OWN_LAUNCH=1): compiled by NVRTC
+// Our own launches of our CUDA kernels (the default where built; VOICECHAT_OWN_LAUNCH=0 for MLX's): compiled by NVRTC
 // here and kept on disk as cubins, then added to MLX's command encoder by a primitive of ours.
 //
 // Why: MLX-CUDA 0.32.4 keeps no custom kernel in its PTX cache (CustomKernel::eval_gpu asks
@@ -30,6 +30,12 @@ std::string template_arg_text(const mlx::core::fast::TemplateArg& arg);
 // (`// sm_90`), so that one text is one cubin.
 std::string own_kernel_text(const CudaSource& source, const CudaInstance& instance, const std::string& arch);
 
+// The text of the kernel that copies a strided view (at most kCopyMaxDims dimensions) into a
+// row-contiguous array, for inputs of our launches that are not row-contiguous (MLX's custom kernels
+// copy theirs the same way): `vc_kernel(src, dst, layout, bytes, n)`.
+constexpr int kCopyMaxDims = 12;
+std::string strided_copy_text(const std::string& arch);
+
 // The cache file's name for a text: "vc_" and 32 hex digits of two 64-bit hashes of it.
 std::string own_kernel_file_name(const std::string& text);
 
@@ -52,7 +58,7 @@ std::vector<std::string> cuda_include_dirs();
 std::string cubin_folder();
 
 // Whether this build has the launch (a CUDA build with CUDA's headers), and whether it is asked for
-// (VOICECHAT_OWN_LAUNCH=1).
+// (unless VOICECHAT_OWN_LAUNCH=0).
 bool own_launch_built();
 bool own_launch_wanted();
 

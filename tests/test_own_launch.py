@@ -1,4 +1,4 @@
-"""Our own kernel launch (experimental, VOICECHAT_OWN_LAUNCH=1; csrc/own_launch.h): the text NVRTC
+"""Our own kernel launch (the default where built, VOICECHAT_OWN_LAUNCH=0 for MLX's; csrc/own_launch.h): the text NVRTC
 compiles for each registered instance, the cubin cache on disk, NVRTC itself where a library is
 there, and on a CUDA GPU the launch against MLX's own path."""
 
@@ -130,9 +130,17 @@ def test_nvrtc_compiles_an_instance_text_to_a_cubin_and_reports_errors():
         ext.nvrtc_cubin('extern "C" __global__ void vc_kernel() { undeclared_name(); }\n', "sm_90", [])
 
 
+def test_nvrtc_compiles_the_strided_copy():
+    _nvrtc_or_skip()
+    text = ext.strided_copy_text("sm_90")
+    assert text.startswith("// sm_90\n") and ext.strided_copy_text("sm_100") != text
+    cubin = ext.nvrtc_cubin(text, "sm_90", ext.cuda_include_dirs())
+    assert cubin[:4] == b"\x7fELF" and b"vc_kernel" in cubin
+
+
 def test_the_launch_is_built_only_against_mlx_cuda():
     built, wanted = ext.own_launch()
-    assert wanted == (os.environ.get("VOICECHAT_OWN_LAUNCH", "") not in ("", "0"))
+    assert wanted == (os.environ.get("VOICECHAT_OWN_LAUNCH") != "0")
     assert built == ext.build_info()["own_launch"]
     if ext.build_info()["backend"] != "cuda":
         assert not built
@@ -164,6 +172,15 @@ y, pre = quantized_matvec_emit_norm(x2, w2, s2, b2, r, mx.ones((4480,)), stages=
 out["stream_emit"], out["prenormed"] = y, pre.resolve()
 d = (mx.random.normal((1152, 4608), key=mx.random.key(6)) * 0.02).astype(mx.bfloat16)
 out["dense"] = dense_matvec(mx.random.normal((2, 4608), key=mx.random.key(7)), d)
+# views that are not row-contiguous (a column of a wider array, reversed columns, a broadcast row):
+# our launch copies them first, as MLX's does
+wide = mx.random.normal((4480, 3), key=mx.random.key(8))
+mx.eval(wide)
+out["column_view"] = quantized_matvec(wide[:, 1:2].T, w, s, b)
+rows = mx.random.normal((2, 4608), key=mx.random.key(9))
+mx.eval(rows)
+out["reversed_view"] = dense_matvec(rows[:, ::-1], d)
+out["broadcast_view"] = dense_matvec(mx.broadcast_to(rows[:1], (2, 4608)), d)
 mx.eval(out)
 np.savez(sys.argv[1], **{k: np.array(v.astype(mx.float32)) for k, v in out.items()})
 print(json.dumps({"own_launch": list(ext.own_launch())}))

@@ -23,7 +23,7 @@ def _persistent_kernel_cache() -> None:
     of our own launch (VOICECHAT_CUBIN_DIR; csrc/own_launch.h)."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     os.environ.setdefault("VOICECHAT_KERNEL_TEXT_DIR", os.path.join(root, "voicechat", "kernel-text"))
-    # our own launch's cubins (VOICECHAT_OWN_LAUNCH=1, experimental), each file beside its text
+    # our own launch's cubins (on a CUDA build unless VOICECHAT_OWN_LAUNCH=0), each file beside its text
     os.environ.setdefault("VOICECHAT_CUBIN_DIR", os.path.join(root, "voicechat", "cubin"))
     if "MLX_PTX_CACHE_DIR" in os.environ:
         return

@@ -397,7 +397,7 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     launches store the new keys and values in the buffers themselves: no concatenation or update
     op touches the buffers, so none can copy them."""
     from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
-    from voicechat.llm.opcount import count_ops
+    from voicechat.llm.opcount import count_ops, custom_kernels
 
     if not on_cuda_gpu():
         pytest.skip("the kernels run on a CUDA GPU")
@@ -420,7 +420,7 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     layers = fresh.cfg.num_hidden_layers
     assert "Concatenate" not in counts and "DynamicSliceUpdate" not in counts and counts.get("Depends") == 1
     assert max(cache.capacity(i) for i in range(layers)) <= 256
-    assert counts.get("CustomKernel") == 5 * layers + 1
+    assert custom_kernels(counts) == 5 * layers + 1
     assert "RMSNorm" not in counts and "RoPE" not in counts and "ScaledDotProductAttention" not in counts
     assert "Gather" not in counts  # each layer's keys are views of its window's buffer
     # Still one attention launch a layer at 768 slots (a 60 s answer): no merge launch below 1024.
@@ -428,14 +428,14 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
     mx.eval(cache.buffers)
     assert max(cache.capacity(i) for i in range(layers)) == 768
     h, _, _ = fresh.backbone.step_arrays(x, mx.array(699, mx.int32), cache.buffers, cache.pending)
-    assert count_ops(h).get("CustomKernel") == 5 * layers + 1
+    assert custom_kernels(count_ops(h)) == 5 * layers + 1
     # Past 1024 slots, a merge launch for each layer whose buffer holds more (the global ones: the
     # tiny sliding window is 32).
     cache.reserve(1100, 2)
     mx.eval(cache.buffers)
     h, _, _ = fresh.backbone.step_arrays(x, mx.array(1099, mx.int32), cache.buffers, cache.pending)
     merged = sum(cache.capacity(i) > 1024 for i in range(layers))
-    assert merged >= 1 and count_ops(h).get("CustomKernel") == 5 * layers + 1 + merged
+    assert merged >= 1 and custom_kernels(count_ops(h)) == 5 * layers + 1 + merged
 
 
 def _gemv_tts(tiny_checkpoint, ckpt) -> EarTTS:
@@ -475,7 +475,7 @@ def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny):
     seam, the three stacked projections, the draw), the RVQ's count + 1, the embedding from the
     second iteration on. (MLX's own ops left are the frame's random draws.)"""
     from voicechat.kernels.gemv import on_cuda_gpu
-    from voicechat.llm.opcount import count_ops
+    from voicechat.llm.opcount import count_ops, custom_kernels
 
     if not on_cuda_gpu():
         pytest.skip("the kernels run on a CUDA GPU")
@@ -488,7 +488,7 @@ def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny):
         assert kind not in counts, counts
     iterations, layers = len(tts._schedule), len(tts.mog_head.mlp_stack) - 1
     want = iterations * (2 * layers + 3) + (tts.cfg.num_quantizers + iterations) + (iterations - 1)
-    assert counts.get("CustomKernel") == want, counts
+    assert custom_kernels(counts) == want, counts
     assert codes.shape == (1, 1, tts.cfg.num_quantizers)
     mx.eval(codes)
     assert 0 <= int(codes.min()) and int(codes.max()) < tts.cfg.codebook_size

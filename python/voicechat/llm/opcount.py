@@ -21,6 +21,10 @@ from mlx.utils import tree_flatten
 VIEWS = frozenset({"Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims", "Broadcast", "AsStrided",
                    "Split", "StopGradient", "Depends"})
 
+# Our CUDA kernels' primitive: MLX's custom kernel, or our own launch's (csrc/own_launch.h, the
+# default on a CUDA build; VOICECHAT_OWN_LAUNCH=0 for MLX's).
+OUR_KERNELS = ("CustomKernel", "VoicechatKernel")
+
 _NODE = re.compile(r'\[label ="([^"]+)", shape=rectangle\]')
 
 
@@ -60,3 +64,8 @@ def op_labels(*outputs: Any) -> Counter:
 def kernel_count(counts: Counter) -> int:
     """Primitives that launch work: all but the view-like ones."""
     return sum(n for name, n in counts.items() if name not in VIEWS)
+
+
+def custom_kernels(counts: Counter) -> int:
+    """Launches of our own CUDA kernels, whichever launch path made them."""
+    return sum(counts.get(name, 0) for name in OUR_KERNELS)

@@ -3,11 +3,13 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "mlx/mlx.h"
 #include "mlx/version.h"
 #include "mlx_caster.h"
+#include "native_trace.h"
 #include "own_launch.h"
 #include "registry.h"
 
@@ -58,6 +60,9 @@ PYBIND11_MODULE(_ext, m) {
   py::module_::import("mlx.core");
   nanobind::register_module(nanobind::handle(m.ptr()));
   voicechat::check_runtime_mlx();
+  if (const char* v = std::getenv("VOICECHAT_NATIVE_TRACE"); v != nullptr && std::string(v) == "1") {
+    voicechat::install_native_trace();
+  }
 
   m.def("build_info", &voicechat::build_info,
         "The mlx version and backend this extension was built with.");

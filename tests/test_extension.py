@@ -47,3 +47,34 @@ def test_no_second_libmlx_is_loaded():
     mx.eval(a)
     # 4 MB, less what small buffers freed meanwhile (on the H200: 16 bytes short of 4 MB exactly)
     assert mx.get_active_memory() - before >= (4 << 20) - 4096
+
+
+ABORT_IN_C = "import ctypes, voicechat.kernels; ctypes.CDLL(None).abort()"
+
+
+def _abort(native_trace: str):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VOICECHAT_NATIVE_TRACE=native_trace)
+    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", ABORT_IN_C], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_native_trace_prints_the_crashing_threads_frames_then_the_handler_before_it():
+    import signal
+
+    proc = _abort("1")
+    assert proc.returncode == -signal.SIGABRT
+    assert "voicechat: native stack at SIGABRT:" in proc.stderr
+    frames = proc.stderr.split("voicechat: native stack at SIGABRT:")[1].splitlines()
+    assert any("libc" in line or "abort" in line for line in frames[1:12]), proc.stderr[-2000:]
+    assert "Fatal Python error: Aborted" in proc.stderr  # faulthandler's, after ours
+
+
+def test_no_native_trace_unless_asked():
+    import signal
+
+    proc = _abort("0")
+    assert proc.returncode == -signal.SIGABRT and "native stack" not in proc.stderr

@@ -179,11 +179,19 @@ std::string kernel_text_folder() {
   return folder == nullptr ? std::string() : std::string(folder);
 }
 
-mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory) {
-  if (own_launch_wanted() && own_launch_built()) return make_own_kernel(source, shared_memory);
+namespace {
+mlx::core::fast::CustomKernelFunction mlx_launch(const CudaSource& source, int shared_memory) {
   const KernelText text = launch_text(source, kernel_text_folder());
   return mlx::core::fast::cuda_kernel(jit_name(source), source.input_names, source.output_names, text.body,
                                       text.header, true, shared_memory);
+}
+}  // namespace
+
+mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory) {
+  if (own_launch_wanted() && own_launch_built()) {
+    return make_own_kernel(source, shared_memory, [&source, shared_memory] { return mlx_launch(source, shared_memory); });
+  }
+  return mlx_launch(source, shared_memory);
 }
 
 bool cuda_build() { return std::string_view(VC_BACKEND) == "cuda"; }

@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +20,7 @@
 #include <variant>
 
 #include "mlx/mlx.h"
+#include "mlx/version.h"
 #include "registry.h"
 
 #ifdef VC_OWN_LAUNCH
@@ -244,7 +247,34 @@ std::string nvrtc_cubin(const std::string& text, const std::string& arch, const 
   return cubin;
 }
 
-std::vector<std::string> cuda_include_dirs() {
+namespace {
+// The folder libmlx was loaded from (site-packages/mlx/lib for a wheel).
+std::filesystem::path libmlx_dir() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&mx::version), &info) == 0 || info.dli_fname == nullptr) return {};
+  return std::filesystem::path(info.dli_fname).parent_path();
+}
+}  // namespace
+
+std::vector<std::string> cuda_include_dirs() { return cuda_include_dirs(libmlx_dir().parent_path()); }
+
+std::vector<std::string> cuda_include_dirs(const std::filesystem::path& mlx_root) {
+  // MLX-CUDA 0.32.4's own JIT's folders, in its order, so that our kernels see the headers its
+  // kernels see: the CCCL its wheel bundles, CUDA's runtime headers from pip (nvidia-cuda-runtime),
+  // else the toolkit's ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda).
+  std::vector<std::string> dirs;
+  auto add = [&dirs](const std::filesystem::path& dir) {
+    std::error_code error;
+    const bool there = std::filesystem::is_directory(dir, error);
+    if (there) dirs.push_back(dir.string());
+    return there;
+  };
+  if (!mlx_root.empty()) {
+    add(mlx_root / "include" / "cccl");
+    for (const char* pip : {"cu13", "cu12", "cuda_runtime"}) {
+      if (add(mlx_root.parent_path() / "nvidia" / pip / "include")) return dirs;
+    }
+  }
   std::string home = "/usr/local/cuda";
   for (const char* env : {"CUDA_HOME", "CUDA_PATH"}) {
     if (const char* v = std::getenv(env); v != nullptr && *v) {
@@ -252,10 +282,8 @@ std::vector<std::string> cuda_include_dirs() {
       break;
     }
   }
-  std::vector<std::string> dirs;
-  for (const auto& dir : {home + "/include", home + "/include/cccl"}) {
-    if (std::filesystem::is_directory(dir)) dirs.push_back(dir);
-  }
+  add(std::filesystem::path(home) / "include");
+  add(std::filesystem::path(home) / "include" / "cccl");
   return dirs;
 }
 
@@ -439,30 +467,80 @@ class OwnKernel : public mx::Primitive {
 
 }  // namespace
 
-mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int shared_memory) {
+namespace {
+std::mutex fallback_lock;
+std::string fallback_reason;  // under fallback_lock; set once
+std::atomic<bool> fell_back{false};
+
+// Our launch failed where MLX's may work (no NVRTC, no CUDA headers, a driver without an entry
+// point): the process goes on with MLX's launch, said once on stderr.
+void fall_back(const std::string& source_name, const std::string& what) {
+  std::lock_guard<std::mutex> guard(fallback_lock);
+  if (fell_back.load()) return;
+  fallback_reason = source_name + ": " + what.substr(0, what.find('\n'));
+  std::fprintf(stderr, "voicechat: our own kernel launch failed (%s); MLX's launch is used in this process "
+               "(VOICECHAT_OWN_LAUNCH=0 skips ours)\n", fallback_reason.c_str());
+  fell_back.store(true);
+}
+
+// The MLX launch of a source, made on first need.
+struct MlxLaunch {
+  std::function<mx::fast::CustomKernelFunction()> make;
+  std::once_flag made;
+  mx::fast::CustomKernelFunction fn;
+  const mx::fast::CustomKernelFunction& get() {
+    std::call_once(made, [this] { fn = make(); });
+    return fn;
+  }
+};
+}  // namespace
+
+std::optional<std::string> own_launch_fallback() {
+  std::lock_guard<std::mutex> guard(fallback_lock);
+  if (!fell_back.load()) return std::nullopt;
+  return fallback_reason;
+}
+
+mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int shared_memory,
+                                               std::function<mx::fast::CustomKernelFunction()> mlx_launch) {
   const CudaSource* src = &source;  // registered sources live for the process
-  return [src, shared_memory](const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& output_shapes,
-                              const std::vector<mx::Dtype>& output_dtypes, std::tuple<int, int, int> grid,
-                              std::tuple<int, int, int> threadgroup,
-                              std::vector<std::pair<std::string, mx::fast::TemplateArg>> template_args,
-                              std::optional<float> init_value, bool, mx::StreamOrDevice s_) {
-    if (init_value) throw std::invalid_argument(src->name + ": our own kernel launch takes no init_value");
+  auto mlx = std::make_shared<MlxLaunch>();
+  mlx->make = std::move(mlx_launch);
+  return [src, shared_memory, mlx](const std::vector<mx::array>& inputs, const std::vector<mx::Shape>& output_shapes,
+                                   const std::vector<mx::Dtype>& output_dtypes, std::tuple<int, int, int> grid,
+                                   std::tuple<int, int, int> threadgroup,
+                                   std::vector<std::pair<std::string, mx::fast::TemplateArg>> template_args,
+                                   std::optional<float> init_value, bool verbose, mx::StreamOrDevice s_) {
     const auto s = mx::to_stream(s_);
-    CudaInstance instance;
-    for (const auto& in : inputs) instance.input_types.push_back(cuda_type_name(in.dtype()));
-    for (const auto& t : output_dtypes) instance.output_types.push_back(cuda_type_name(t));
-    for (const auto& [name, value] : template_args) instance.template_args.emplace_back(name, template_arg_text(value));
-    CUfunction fn = instance_function(*src, instance, shared_memory, s);
-    const auto [gx, gy, gz] = grid;
-    const auto [tx, ty, tz] = threadgroup;
-    // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
-    const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
-    return mx::array::make_arrays(output_shapes, output_dtypes,
-                                  std::make_shared<OwnKernel>(s, fn, &src->name, blocks, block, shared_memory), inputs);
+    if (!init_value && !fell_back.load(std::memory_order_relaxed)) {  // (init_value: MLX's launch has it)
+      try {
+        CudaInstance instance;
+        for (const auto& in : inputs) instance.input_types.push_back(cuda_type_name(in.dtype()));
+        for (const auto& t : output_dtypes) instance.output_types.push_back(cuda_type_name(t));
+        for (const auto& [name, value] : template_args) {
+          instance.template_args.emplace_back(name, template_arg_text(value));
+        }
+        CUfunction fn = instance_function(*src, instance, shared_memory, s);
+        const auto [gx, gy, gz] = grid;
+        const auto [tx, ty, tz] = threadgroup;
+        // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
+        const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
+        return mx::array::make_arrays(
+            output_shapes, output_dtypes, std::make_shared<OwnKernel>(s, fn, &src->name, blocks, block, shared_memory),
+            inputs);
+      } catch (const std::exception& e) {
+        fall_back(src->name, e.what());
+      }
+    }
+    return mlx->get()(inputs, output_shapes, output_dtypes, grid, threadgroup, std::move(template_args), init_value,
+                      verbose, s);
   };
 }
 #else
-mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int) {
+std::optional<std::string> own_launch_fallback() { return std::nullopt; }
+
+mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int,
+                                               std::function<mx::fast::CustomKernelFunction()>) {
   throw std::runtime_error(source.name + ": this build has no own kernel launch (a CUDA build with CUDA's headers)");
 }
 #endif
@@ -514,9 +592,18 @@ void bind(py::module_& m) {
       "include_dirs: cuda_include_dirs() when None.");
   m.def("strided_copy_text", &strided_copy_text, py::arg("arch") = "sm_90",
         "The kernel that copies a non-row-contiguous input of our own launch into a row-contiguous one.");
-  m.def("cuda_include_dirs", &cuda_include_dirs, "The folders NVRTC searches for CUDA's headers.");
+  m.def(
+      "cuda_include_dirs",
+      [](const std::optional<std::string>& mlx_root) {
+        return mlx_root ? cuda_include_dirs(std::filesystem::path(*mlx_root)) : cuda_include_dirs();
+      },
+      py::arg("mlx_root") = py::none(),
+      "The folders NVRTC searches for CUDA's headers; mlx_root: the mlx package's folder (default: the "
+      "loaded libmlx's).");
   m.def("own_launch", [] { return py::make_tuple(own_launch_built(), own_launch_wanted()); },
         "(built, wanted): whether this build can launch our kernels itself, and VOICECHAT_OWN_LAUNCH.");
+  m.def("own_launch_fallback", &own_launch_fallback,
+        "Why this process fell back to MLX's launch after ours failed (the first failure), or None.");
 }
 }  // namespace
 VC_REGISTER(bind);

@@ -9,6 +9,9 @@
 // headers (VC_OWN_LAUNCH).
 #pragma once
 
+#include <filesystem>
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,9 +53,12 @@ void write_cached_cubin(const std::string& path, const std::string& text, const 
 // NVRTC can be loaded.
 std::string nvrtc_cubin(const std::string& text, const std::string& arch, const std::vector<std::string>& include_dirs);
 
-// The folders NVRTC searches for CUDA's headers: $CUDA_HOME or $CUDA_PATH, else /usr/local/cuda,
-// each's include/ and include/cccl where they exist.
+// The folders NVRTC searches for CUDA's headers, as MLX-CUDA's own JIT searches them: the CCCL the
+// mlx wheel bundles (<mlx_root>/include/cccl), CUDA's runtime headers from pip
+// (<site-packages>/nvidia/{cu13,cu12,cuda_runtime}/include), else $CUDA_HOME or $CUDA_PATH or
+// /usr/local/cuda's include/ and include/cccl. mlx_root: the loaded libmlx's package folder.
 std::vector<std::string> cuda_include_dirs();
+std::vector<std::string> cuda_include_dirs(const std::filesystem::path& mlx_root);
 
 // VOICECHAT_CUBIN_DIR (voicechat's __init__ sets it beside the kernel texts; empty: no disk cache).
 std::string cubin_folder();
@@ -63,8 +69,14 @@ bool own_launch_built();
 bool own_launch_wanted();
 
 // A CustomKernelFunction with fast::cuda_kernel's arguments that compiles (or reads from the cubin
-// cache) each instance once a process and launches it through our primitive. Where the launch is
-// not built: throws.
-mlx::core::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int shared_memory);
+// cache) each instance once a process and launches it through our primitive. Where our launch fails
+// (no NVRTC, no CUDA headers, ...), the whole process falls back to MLX's launch, made by
+// `mlx_launch` on first need, with one line on stderr; a launch with an init_value takes MLX's too.
+// Where the launch is not built: throws.
+mlx::core::fast::CustomKernelFunction make_own_kernel(
+    const CudaSource& source, int shared_memory, std::function<mlx::core::fast::CustomKernelFunction()> mlx_launch);
+
+// Why this process fell back to MLX's launch (the first failure of ours), or nothing.
+std::optional<std::string> own_launch_fallback();
 
 }  // namespace voicechat

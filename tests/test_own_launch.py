@@ -130,6 +130,24 @@ def test_nvrtc_compiles_an_instance_text_to_a_cubin_and_reports_errors():
         ext.nvrtc_cubin('extern "C" __global__ void vc_kernel() { undeclared_name(); }\n', "sm_90", [])
 
 
+def test_cuda_headers_are_searched_where_mlx_cuda_searches_them(tmp_path, monkeypatch):
+    site = tmp_path / "site-packages"
+    toolkit = tmp_path / "cuda"
+    for folder in (site / "mlx" / "include" / "cccl", site / "nvidia" / "cu13" / "include", toolkit / "include"):
+        folder.mkdir(parents=True)
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    mlx_root = str(site / "mlx")
+    # the wheel's CCCL, then pip's CUDA runtime headers (the toolkit not searched)
+    assert ext.cuda_include_dirs(mlx_root) == [str(site / "mlx" / "include" / "cccl"), str(site / "nvidia" / "cu13" / "include")]
+    shutil.rmtree(site / "nvidia")
+    (toolkit / "include" / "cccl").mkdir()
+    assert ext.cuda_include_dirs(mlx_root) == [str(site / "mlx" / "include" / "cccl"), str(toolkit / "include"),
+                                               str(toolkit / "include" / "cccl")]
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.setenv("CUDA_PATH", str(toolkit))
+    assert ext.cuda_include_dirs(str(tmp_path / "nowhere"))[0] == str(toolkit / "include")
+
+
 def test_nvrtc_compiles_the_strided_copy():
     _nvrtc_or_skip()
     text = ext.strided_copy_text("sm_90")
@@ -139,6 +157,7 @@ def test_nvrtc_compiles_the_strided_copy():
 
 
 def test_the_launch_is_built_only_against_mlx_cuda():
+    assert ext.own_launch_fallback() is None  # nothing here has failed
     built, wanted = ext.own_launch()
     assert wanted == (os.environ.get("VOICECHAT_OWN_LAUNCH") != "0")
     assert built == ext.build_info()["own_launch"]
@@ -183,17 +202,19 @@ out["reversed_view"] = dense_matvec(rows[:, ::-1], d)
 out["broadcast_view"] = dense_matvec(mx.broadcast_to(rows[:1], (2, 4608)), d)
 mx.eval(out)
 np.savez(sys.argv[1], **{k: np.array(v.astype(mx.float32)) for k, v in out.items()})
-print(json.dumps({"own_launch": list(ext.own_launch())}))
+print(json.dumps({"own_launch": list(ext.own_launch()), "fallback": ext.own_launch_fallback()}))
 """
 
 
-def _probe(tmp_path: Path, tag: str, own: bool) -> tuple[dict, dict]:
-    env = dict(os.environ, VOICECHAT_OWN_LAUNCH="1" if own else "0", VOICECHAT_CUBIN_DIR=str(tmp_path / "cubin"))
+def _probe(tmp_path: Path, tag: str, own: bool, **env) -> tuple[dict, dict]:
+    env = dict(os.environ, VOICECHAT_OWN_LAUNCH="1" if own else "0", VOICECHAT_CUBIN_DIR=str(tmp_path / "cubin"), **env)
     npz = tmp_path / f"{tag}.npz"
     proc = subprocess.run([sys.executable, "-c", PROBE, str(npz)], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), dict(np.load(npz))
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info["stderr"] = proc.stderr
+    return info, dict(np.load(npz))
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="our own launch runs on a CUDA GPU")
@@ -203,7 +224,7 @@ def test_own_launch_equals_mlx_custom_kernels_and_reads_its_cache_back(tmp_path)
         pytest.skip("this CUDA build has no own launch (no CUDA toolkit headers at build time)")
     assert info["own_launch"] == [True, False]
     info, ours = _probe(tmp_path, "own", own=True)
-    assert info["own_launch"] == [True, True]
+    assert info["own_launch"] == [True, True] and info["fallback"] is None
     cached = sorted(p.name for p in (tmp_path / "cubin").iterdir())
     assert cached and all(name.startswith("vc_") and name.endswith(".cubin") for name in cached)
     _, again = _probe(tmp_path, "again", own=True)
@@ -211,3 +232,19 @@ def test_own_launch_equals_mlx_custom_kernels_and_reads_its_cache_back(tmp_path)
     for name, want in theirs.items():
         np.testing.assert_allclose(ours[name], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
         np.testing.assert_array_equal(again[name], ours[name], err_msg=name)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="our own launch runs on a CUDA GPU")
+def test_a_process_whose_own_launch_fails_goes_on_with_mlxs(tmp_path):
+    """No NVRTC to be had (VOICECHAT_NVRTC names none): one line on stderr, then MLX's launch, with
+    MLX's results."""
+    if not ext.own_launch()[0]:
+        pytest.skip("this CUDA build has no own launch (no CUDA toolkit headers at build time)")
+    _, theirs = _probe(tmp_path, "mlx", own=False)
+    info, fallen = _probe(tmp_path, "fallen", own=True, VOICECHAT_NVRTC=str(tmp_path / "no-libnvrtc.so"))
+    assert info["own_launch"] == [True, True] and "cannot be loaded" in info["fallback"]
+    lines = [line for line in info["stderr"].splitlines() if "our own kernel launch failed" in line]
+    assert len(lines) == 1 and "MLX's launch is used" in lines[0]
+    assert not (tmp_path / "cubin").exists() or not any((tmp_path / "cubin").iterdir())
+    for name, want in theirs.items():
+        np.testing.assert_array_equal(fallen[name], want, err_msg=name)

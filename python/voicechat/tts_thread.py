@@ -17,7 +17,9 @@ Off by default (`VoiceChat.tts_thread`), experimental: the GPU test run of 2026-
 with both threads in `mx.async_eval` (the system-prompt test: a new prompt length, so new kernels
 compiled mid-loop), and the cause is not known. It is not MLX 0.32.4's JIT module cache: its
 `cu::get_jit_module` takes a reader-writer lock and compiles under the writer's (disassembly,
-2026-12-02). Serializing the evaluations would serialize the host work this thread exists to
+2026-12-02), nor MLX's JIT at all: with our own kernel launch the threaded tests aborted the
+process (SIGABRT, no message) in 3 of 3 rounds that ran to it (2026-12-02; VOICECHAT_NATIVE_TRACE=1
+prints the native frames). Serializing the evaluations would serialize the host work this thread exists to
 overlap. Measured before that (full size, 5 s input, H200): 6.2 - 7.4 ms a frame with the worker
 against 8.9 ms without.
 """

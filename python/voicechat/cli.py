@@ -140,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
         write_wav(args.output_audio, result.audio, result.sample_rate)
     timings = {"load_s": load_s, **result.timings}
     if args.output_json:
-        _write_json_atomic(args.output_json, {**result.to_json(), "timings": timings})
+        from .kernels import kernel_launch
+
+        _write_json_atomic(args.output_json, {**result.to_json(), "timings": timings, "kernels": kernel_launch()})
 
     print(f"[user] {_printable(result.user_transcript)}")
     print(_printable(result.text))

@@ -5,6 +5,6 @@ backend has no path of its own) and `name_reference(...)` (composed MLX ops, obv
 Set VOICECHAT_REFERENCE=1 to route every call to the references, for comparisons.
 """
 
-from ._native import build_info, ext, use_reference
+from ._native import build_info, ext, kernel_launch, use_reference
 
-__all__ = ["build_info", "ext", "use_reference"]
+__all__ = ["build_info", "ext", "kernel_launch", "use_reference"]

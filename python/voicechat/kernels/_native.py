@@ -40,6 +40,21 @@ def build_info() -> dict:
     return dict(ext.build_info())
 
 
+def kernel_launch() -> dict:
+    """How this process launches our CUDA kernels: `launch` "own" (compiled by us, the cubins kept on
+    disk; csrc/own_launch.h), "mlx" (MLX's custom kernels: VOICECHAT_OWN_LAUNCH=0, a build without
+    ours, or ours failed: `own_launch_fallback` says why), or None (no CUDA kernels here)."""
+    backend = build_info()["backend"]
+    fallback = ext.own_launch_fallback()
+    built, wanted = ext.own_launch()
+    cuda = getattr(mx, "cuda", None)
+    if backend != "cuda" or cuda is None or not cuda.is_available():
+        launch = None
+    else:
+        launch = "own" if built and wanted and fallback is None else "mlx"
+    return {"backend": backend, "launch": launch, "own_launch_fallback": fallback}
+
+
 def use_reference() -> bool:
     """True when VOICECHAT_REFERENCE asks for the pure-MLX reference paths everywhere."""
     return os.environ.get("VOICECHAT_REFERENCE", "") not in ("", "0", "false", "no")

@@ -19,6 +19,20 @@ def run_cli(capsys, *args):
     return code, out, err
 
 
+def test_version_names_voicechat_mlx_and_the_kernels_launch(capsys):
+    import mlx.core as mx
+
+    import voicechat
+    from voicechat.kernels import build_info
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"vc-generate (voicechat {voicechat.__version__}) on mlx {mx.__version__}")
+    assert f"extension built for {build_info()['backend']}" in out and "CUDA kernels: " in out
+
+
 def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_wav):
     wav, js = tmp_path / "answer.wav", tmp_path / "result.json"
     code, out, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", wav,

@@ -39,7 +39,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="run offline on a freshly made tiny synthetic checkpoint and a bundled spoken question "
                         "(random weights: shows the pipeline working, not a real answer)")
+    p.add_argument("--version", action=_VersionAction, nargs=0,
+                   help="print voicechat's version, the mlx it runs on and how its kernels launch, and exit")
     return p
+
+
+class _VersionAction(argparse.Action):
+    """Deferred like the rest: mlx and the extension are imported only when asked."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import mlx.core as mx
+
+        from . import __version__
+        from .kernels import kernel_launch
+
+        k = kernel_launch()
+        launch = {"own": "our own launch", "mlx": "MLX's launch", None: "off (no CUDA GPU)"}[k["launch"]]
+        print(f"vc-generate (voicechat {__version__}) on mlx {mx.__version__}, {mx.default_device()}; "
+              f"extension built for {k['backend']}; CUDA kernels: {launch}")
+        parser.exit()
 
 
 def _check_output_path(path: str | None, what: str) -> None:

@@ -294,10 +294,11 @@ class VoiceChat:
                                             mx.broadcast_to(pad, (1, prompt_frames)))
                     stt.step(fused, cache)
                     mx.async_eval(*cache.state)
-                    text_out += [pad.reshape(1)] * prompt_frames
-                    function_out += [pad.reshape(1)] * prompt_frames
+                    pad_id = mx.array([c.pad_token_id], dtype=mx.int32)  # made from host data: no lazy op to share
+                    text_out += [pad_id] * prompt_frames
+                    function_out += [pad_id] * prompt_frames
                     for _ in range(1, prompt_frames):
-                        tts_step(pad.reshape(1))
+                        tts_step(pad_id)
                 prev_text, prev_function = pad, pad
 
                 for i in range(frames):

@@ -14,14 +14,15 @@ ends. What a compiled step closes over must be evaluated (a lazy array there wou
 every call, on the stream of the thread that made it): `voicechat.load` evaluates everything.
 
 Off by default (`VoiceChat.tts_thread`), experimental: the GPU test run of 2026-12-01 segfaulted
-with both threads in `mx.async_eval` (the system-prompt test: a new prompt length, so new kernels
-compiled mid-loop), and the cause is not known. It is not MLX 0.32.4's JIT module cache: its
-`cu::get_jit_module` takes a reader-writer lock and compiles under the writer's (disassembly,
-2026-12-02), nor MLX's JIT at all: with our own kernel launch the threaded tests aborted the
-process (SIGABRT, no message) in 3 of 3 rounds that ran to it (2026-12-02; VOICECHAT_NATIVE_TRACE=1
-prints the native frames). Serializing the evaluations would serialize the host work this thread exists to
-overlap. Measured before that (full size, 5 s input, H200): 6.2 - 7.4 ms a frame with the worker
-against 8.9 ms without.
+with both threads in `mx.async_eval` (the system-prompt test), and on 2026-12-02 the threaded tests
+aborted the process in 3 of 3 rounds, again after the first test (the one without a system prompt)
+had passed (the segfault through MLX's kernel launch, the aborts through ours). The likely cause, found by reading
+(2026-12-02): the system prompt's frames handed the worker `pad.reshape(1)`, a lazy op on the
+caller's stream, which the worker's eval then encoded into the caller's stream while the caller
+encoded into it too. `put()` now schedules every id on the caller's thread first and those frames
+take an id made from host data; whether that was the crash is for the next GPU run
+(tools/gpu/tts_thread_retest.sh) to show. Measured before (full size, 5 s input, H200): 6.2 - 7.4
+ms a frame with the worker against 8.9 ms without.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ class TTSThread:
     def put(self, text_id: mx.array) -> None:
         if self._error is not None:  # the worker failed: stop the caller's loop now
             raise self._error
+        # Scheduled here, on the caller's thread and stream: an id still lazy would be evaluated by
+        # the worker's eval on the caller's stream, two threads encoding into one stream at once.
+        # (A no-op for the LLM's ids, already scheduled; a pad id reshaped here was not: the
+        # system-prompt frames, where both GPU crashes of the threaded loop happened.)
+        mx.async_eval(text_id)
         self._ids.put(text_id)
 
     def finish(self) -> tuple[list[mx.array], int]:

@@ -380,6 +380,11 @@ CUfunction instance_function(const CudaSource& source, const CudaInstance& insta
                          [&](const std::string& arch) { return own_kernel_text(source, instance, arch); });
 }
 
+// An array's device address for a kernel argument; null for an empty one (whose buffer may be none).
+void* device_pointer(const mx::array& a) {
+  return a.size() == 0 || a.buffer().ptr() == nullptr ? nullptr : mx::gpu_ptr<void>(a);
+}
+
 // The host side of strided_copy_text's VcLayout (same members, same C layout).
 struct CopyLayout {
   int ndim;
@@ -440,7 +445,7 @@ class OwnKernel : public mx::Primitive {
     std::vector<void*> pointers;
     pointers.reserve(inputs.size() + outputs.size());
     for (const auto& in : sources) {
-      pointers.push_back(mx::gpu_ptr<void>(in));
+      pointers.push_back(device_pointer(in));
       encoder.set_input_array(in);
     }
     for (auto& out : outputs) {
@@ -448,7 +453,7 @@ class OwnKernel : public mx::Primitive {
       // not export; its allocator's malloc gives managed memory (CudaAllocator::malloc is
       // malloc_async(size, -1, nullptr) in 0.32.4's disassembly): the steady LLM chain ran as fast.
       out.set_data(mx::allocator::malloc(out.nbytes()));
-      pointers.push_back(mx::gpu_ptr<void>(out));
+      pointers.push_back(device_pointer(out));
       encoder.set_output_array(out);
     }
     std::vector<void*> params(pointers.size());

@@ -6,11 +6,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -470,9 +470,6 @@ class OwnKernel : public mx::Primitive {
   int smem_;
 };
 
-}  // namespace
-
-namespace {
 std::mutex fallback_lock;
 std::string fallback_reason;  // under fallback_lock; set once
 std::atomic<bool> fell_back{false};

@@ -138,7 +138,8 @@ def test_cuda_headers_are_searched_where_mlx_cuda_searches_them(tmp_path, monkey
     monkeypatch.setenv("CUDA_HOME", str(toolkit))
     mlx_root = str(site / "mlx")
     # the wheel's CCCL, then pip's CUDA runtime headers (the toolkit not searched)
-    assert ext.cuda_include_dirs(mlx_root) == [str(site / "mlx" / "include" / "cccl"), str(site / "nvidia" / "cu13" / "include")]
+    assert ext.cuda_include_dirs(mlx_root) == [str(site / "mlx" / "include" / "cccl"),
+                                               str(site / "nvidia" / "cu13" / "include")]
     shutil.rmtree(site / "nvidia")
     (toolkit / "include" / "cccl").mkdir()
     assert ext.cuda_include_dirs(mlx_root) == [str(site / "mlx" / "include" / "cccl"), str(toolkit / "include"),

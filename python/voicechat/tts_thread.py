@@ -14,9 +14,9 @@ ends. What a compiled step closes over must be evaluated (a lazy array there wou
 every call, on the stream of the thread that made it): `voicechat.load` evaluates everything.
 
 Off by default (`VoiceChat.tts_thread`), experimental: the GPU test run of 2026-12-01 segfaulted
-with both threads in `mx.async_eval` (the system-prompt test), and on 2026-12-02 the threaded tests
-aborted the process in 3 of 3 rounds, again after the first test (the one without a system prompt)
-had passed (the segfault through MLX's kernel launch, the aborts through ours). The likely cause, found by reading
+with both threads in `mx.async_eval` (the system-prompt test, through MLX's kernel launch), and on
+2026-12-02 the threaded tests aborted the process in 3 of 3 rounds (through our launch), each time
+in the system-prompt test after the one without had passed. The likely cause, found by reading
 (2026-12-02): the system prompt's frames handed the worker `pad.reshape(1)`, a lazy op on the
 caller's stream, which the worker's eval then encoded into the caller's stream while the caller
 encoded into it too. `put()` now schedules every id on the caller's thread first and those frames
@@ -68,8 +68,8 @@ class TTSThread:
             raise self._error
         # Scheduled here, on the caller's thread and stream: an id still lazy would be evaluated by
         # the worker's eval on the caller's stream, two threads encoding into one stream at once.
-        # (A no-op for the LLM's ids, already scheduled; a pad id reshaped here was not: the
-        # system-prompt frames, where both GPU crashes of the threaded loop happened.)
+        # (A no-op for the LLM's ids, already scheduled. The system prompt's frames once passed a
+        # lazy pad id: where both GPU crashes of the threaded loop happened.)
         mx.async_eval(text_id)
         self._ids.put(text_id)
 

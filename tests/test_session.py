@@ -269,6 +269,32 @@ def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
     assert not _tts_threads()
 
 
+@not_on_cuda
+def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
+    """`put()` schedules each id on the caller's thread. An id still lazy would be evaluated by the
+    worker: on the caller's own default stream MLX refuses that ("There is no Stream(...) in current
+    thread", what this test would see), and on a stream both threads use, two threads would encode
+    into it at once (the system prompt's frames once handed the worker such a pad id: where the
+    threaded loop crashed on the GPU). The same codes either way."""
+    tts, c = chat.tts.tts_model, chat.config
+
+    def codes(make_id):
+        with mx.stream(chat._tts_stream):
+            cache = tts.make_cache()
+            previous = tts.warmup(chat.tts.audio_prompt_latents[c.speaker], chat.warmup_codes(), cache)
+        worker = TTSThread(tts, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4)
+        worker.start(previous, cache, mx.random.key(3))
+        for i in range(6):
+            worker.put(make_id(c.pad_token_id - i))
+        made, _ = worker.finish()
+        return [np.array(code) for code in made]
+
+    settled = codes(lambda i: mx.array([i], dtype=mx.int32))
+    lazy = codes(lambda i: mx.array([i - 7], dtype=mx.int32) + 7)  # an Add on this thread's default stream
+    assert len(lazy) == 6 and all(np.array_equal(a, b) for a, b in zip(lazy, settled))
+    assert not _tts_threads()
+
+
 def test_every_array_the_loaded_model_holds_is_evaluated(chat):
     """Derived private arrays too (norm scales, RoPE frequencies): a compiled step closing over a
     lazy array computes it again at every call, and the TTS worker thread could not evaluate one

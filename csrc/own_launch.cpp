@@ -352,8 +352,14 @@ CUfunction loaded_function(const std::string& key, const std::string& what, int 
     if (!path.empty()) {
       try {
         write_cached_cubin(path, text, cubin);
-      } catch (const std::exception&) {
-        // an unwritable cache costs the next process a compile, never this launch
+      } catch (const std::exception& e) {
+        // an unwritable cache costs the next process a compile, never this launch: said once
+        static bool said = false;
+        if (!said) {
+          said = true;  // (under loaded_function's lock)
+          std::fprintf(stderr, "voicechat: cannot keep compiled kernels in %s (%s); every process will compile "
+                       "them again (VOICECHAT_CUBIN_DIR picks the folder)\n", folder.c_str(), e.what());
+        }
       }
     }
   }

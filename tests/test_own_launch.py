@@ -208,7 +208,8 @@ print(json.dumps({"own_launch": list(ext.own_launch()), "fallback": ext.own_laun
 
 
 def _probe(tmp_path: Path, tag: str, own: bool, **env) -> tuple[dict, dict]:
-    env = dict(os.environ, VOICECHAT_OWN_LAUNCH="1" if own else "0", VOICECHAT_CUBIN_DIR=str(tmp_path / "cubin"), **env)
+    env = {**os.environ, "VOICECHAT_OWN_LAUNCH": "1" if own else "0", "VOICECHAT_CUBIN_DIR": str(tmp_path / "cubin"),
+           **env}
     npz = tmp_path / f"{tag}.npz"
     proc = subprocess.run([sys.executable, "-c", PROBE, str(npz)], capture_output=True, text=True, env=env,
                           timeout=600)
@@ -249,3 +250,17 @@ def test_a_process_whose_own_launch_fails_goes_on_with_mlxs(tmp_path):
     assert not (tmp_path / "cubin").exists() or not any((tmp_path / "cubin").iterdir())
     for name, want in theirs.items():
         np.testing.assert_array_equal(fallen[name], want, err_msg=name)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="our own launch runs on a CUDA GPU")
+def test_an_unwritable_cubin_folder_is_said_once_and_costs_only_compiles(tmp_path):
+    if not ext.own_launch()[0]:
+        pytest.skip("this CUDA build has no own launch (no CUDA toolkit headers at build time)")
+    _, theirs = _probe(tmp_path, "mlx", own=False)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    info, ours = _probe(tmp_path, "own", own=True, VOICECHAT_CUBIN_DIR=str(blocker / "cubin"))
+    assert info["fallback"] is None
+    assert info["stderr"].count("cannot keep compiled kernels in") == 1, info["stderr"][-2000:]
+    for name, want in theirs.items():
+        np.testing.assert_allclose(ours[name], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)

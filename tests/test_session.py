@@ -249,14 +249,22 @@ def test_a_failing_progress_callback_stops_the_tts_thread(chat, result, spoken_w
     assert again.audio_codes == result.audio_codes and again.text_tokens == result.text_tokens
 
 
+def _warmed_up_tts(chat):
+    """A fresh TTS cache after the speaker-prompt warmup, on the worker's stream, and the last code:
+    what `generate` hands a TTSThread."""
+    tts = chat.tts.tts_model
+    with mx.stream(chat._tts_stream):
+        cache = tts.make_cache()
+        previous = tts.warmup(chat.tts.audio_prompt_latents[chat.config.speaker], chat.warmup_codes(), cache)
+    return cache, previous
+
+
 def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
     """A TTS step that fails on the worker raises in the caller's thread, at its next `put()` (the
     caller's loop stops early) and at `finish()`, and the worker ends (a silence row of the wrong
     size cannot be reshaped to the frame's codes)."""
     tts = chat.tts.tts_model
-    with mx.stream(chat._tts_stream):
-        cache = tts.make_cache()
-        previous = tts.warmup(chat.tts.audio_prompt_latents[chat.config.speaker], chat.warmup_codes(), cache)
+    cache, previous = _warmed_up_tts(chat)
     worker = TTSThread(tts, chat._tts_stream, mx.zeros((5,), mx.int32), sync_every=4)
     worker.start(previous, cache, mx.random.key(0))
     with pytest.raises(ValueError, match="reshape"):
@@ -279,9 +287,7 @@ def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
     tts, c = chat.tts.tts_model, chat.config
 
     def codes(make_id):
-        with mx.stream(chat._tts_stream):
-            cache = tts.make_cache()
-            previous = tts.warmup(chat.tts.audio_prompt_latents[c.speaker], chat.warmup_codes(), cache)
+        cache, previous = _warmed_up_tts(chat)
         worker = TTSThread(tts, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4)
         worker.start(previous, cache, mx.random.key(3))
         for i in range(6):

@@ -228,7 +228,8 @@ std::string nvrtc_cubin(const std::string& text, const std::string& arch, const 
   Nvrtc::Program prog = nullptr;
   check(api.create(&prog, text.c_str(), "vc_kernel.cu", 0, nullptr, nullptr), "nvrtcCreateProgram");
   std::unique_ptr<Nvrtc::Program, void (*)(Nvrtc::Program*)> owner(&prog, [](Nvrtc::Program* p) { nvrtc().destroy(p); });
-  // -default-device: MLX compiles the same way (an unannotated lambda or helper is device code)
+  // -default-device: MLX 0.32.4 compiles with it too (as --device-as-default-execution-space, in its
+  // libmlx's strings); without it an unannotated lambda inside a kernel is host code to NVRTC
   std::vector<std::string> options = {"--gpu-architecture=" + arch, "-default-device"};
   for (const auto& dir : include_dirs) options.push_back("--include-path=" + dir);
   std::vector<const char*> argv;

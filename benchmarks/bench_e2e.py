@@ -22,6 +22,7 @@ import pytest
 
 import voicechat
 from voicechat.audio import load_audio
+from voicechat.session import default_tts_thread
 from voicechat.testing import make_checkpoint, random_checkpoint
 
 from mlx_settings import mlx_env
@@ -53,15 +54,17 @@ def _input(seconds: float) -> np.ndarray:
 SECONDS = [int(v) for v in os.environ.get("VOICECHAT_BENCH_SECONDS", "5,30,120").split(",")]
 
 
-# The TTS steps built on the caller's thread (the default) or on a thread of their own
-# (`VoiceChat.tts_thread`, experimental: MLX 0.32.4's CUDA backend crashed with it once);
-# VOICECHAT_BENCH_TTS_THREAD="0,1" runs both.
-TTS_THREAD = [bool(int(v)) for v in os.environ.get("VOICECHAT_BENCH_TTS_THREAD", "0").split(",")]
+# The TTS steps built on a thread of their own (`VoiceChat.tts_thread`, on by default on a CUDA GPU)
+# or on the caller's; unset runs the default, VOICECHAT_BENCH_TTS_THREAD="0,1" runs both.
+TTS_THREAD = [bool(int(v)) for v in os.environ["VOICECHAT_BENCH_TTS_THREAD"].split(",")] \
+    if os.environ.get("VOICECHAT_BENCH_TTS_THREAD") else [None]
 
 
 @pytest.mark.parametrize("tts_thread", TTS_THREAD)
 @pytest.mark.parametrize("seconds", SECONDS)
 def test_generate(benchmark, chat, seconds, tts_thread):
+    if tts_thread is None:
+        tts_thread = default_tts_thread()
     chat.tts_thread = tts_thread
     audio = _input(seconds)
     mx.reset_peak_memory()

@@ -55,6 +55,9 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
                 "audio_codes"):
         assert key in data
     assert "audio" not in data
+    from voicechat.session import default_tts_thread
+
+    assert data["tts_thread"] is default_tts_thread()
     assert set(data["timings"]) >= {"load_s", "generate_s", "perception_s", "timeline_s", "codec_s"}
     # the peak after each stage of generate (reset after the load): some stage allocated something
     assert set(data["peak_memory_gb"]) == set(data["timings"]) - {"load_s", "generate_s"}

@@ -1,6 +1,5 @@
 """The offline timeline end to end on tiny synthetic checkpoints and a real spoken WAV."""
 
-import os
 import threading
 import time
 
@@ -150,16 +149,17 @@ def _tts_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "voicechat-tts"]
 
 
-# Two threads evaluating at once segfaulted MLX 0.32.4's CUDA backend once, for a reason not yet
-# known (tts_thread.py; its JIT module cache is locked): the experimental worker is tested where
-# that cannot happen, and on a CUDA GPU when asked (VOICECHAT_TEST_TTS_THREAD=1, as
-# tools/gpu/tts_thread_retest.sh does).
-not_on_cuda = pytest.mark.skipif(on_cuda_gpu() and os.environ.get("VOICECHAT_TEST_TTS_THREAD") != "1",
-                                 reason="MLX 0.32.4's CUDA backend segfaulted once with two threads evaluating "
-                                 "(the TTS worker is experimental; VOICECHAT_TEST_TTS_THREAD=1 runs it)")
+def test_the_tts_worker_is_on_by_default_on_a_cuda_gpu_and_the_environment_sets_it(tiny_checkpoint, monkeypatch):
+    monkeypatch.delenv("VOICECHAT_TTS_THREAD", raising=False)
+    assert voicechat.load(tiny_checkpoint).tts_thread is on_cuda_gpu()
+    for value, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("VOICECHAT_TTS_THREAD", value)
+        assert voicechat.load(tiny_checkpoint).tts_thread is want
+    monkeypatch.setenv("VOICECHAT_TTS_THREAD", "yes")
+    with pytest.raises(ValueError, match="VOICECHAT_TTS_THREAD is 'yes': use 0 or 1"):
+        voicechat.load(tiny_checkpoint)
 
 
-@not_on_cuda
 @pytest.mark.parametrize("system_prompt", [None, "Be brief."])
 def test_the_tts_on_its_own_thread_changes_nothing(chat, result, spoken_wav, system_prompt):
     """`tts_thread` (the TTS steps built on a worker thread, fed the LLM's text ids on the device)
@@ -228,7 +228,6 @@ class _Stop(Exception):
     pass
 
 
-@not_on_cuda
 def test_a_failing_progress_callback_stops_the_tts_thread(chat, result, spoken_wav):
     """An error in the caller's loop (here the progress callback's, as an interrupt would be) ends
     generate() with that error without stepping the queued frames, leaves no thread, and the next
@@ -277,7 +276,6 @@ def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
     assert not _tts_threads()
 
 
-@not_on_cuda
 def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
     """`put()` schedules each id on the caller's thread. An id still lazy would be evaluated by the
     worker: on the caller's own default stream MLX refuses that ("There is no Stream(...) in current

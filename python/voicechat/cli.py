@@ -160,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         from .kernels import kernel_launch
 
-        _write_json_atomic(args.output_json, {**result.to_json(), "timings": timings, "kernels": kernel_launch()})
+        _write_json_atomic(args.output_json, {**result.to_json(), "timings": timings, "kernels": kernel_launch(),
+                                              "tts_thread": chat.tts_thread})
 
     print(f"[user] {_printable(result.user_transcript)}")
     print(_printable(result.text))

@@ -77,12 +77,21 @@ class Result:
         }
 
 
+def default_tts_thread() -> bool:
+    """Whether `generate()` builds the TTS steps on a worker thread unless told: on a CUDA GPU (where
+    the host's launch time bounds the frame), or as VOICECHAT_TTS_THREAD says ("0" or "1")."""
+    value = os.environ.get("VOICECHAT_TTS_THREAD", "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"VOICECHAT_TTS_THREAD is {value!r}: use 0 or 1")
+    return on_cuda_gpu() if value == "" else value == "1"
+
+
 class VoiceChat:
     """A loaded model: `generate()` runs the offline timeline on one input.
 
-    `tts_thread` (default off; experimental): build the TTS steps on a host thread of their own while
-    this thread builds the LLM steps (same ids and codes; `tts_thread.py` says why it pays, and why
-    it is off: MLX 0.32.4's CUDA backend crashed with two threads encoding at once)."""
+    `tts_thread`: build the TTS steps on a host thread of their own while this thread builds the LLM
+    steps (same ids and codes; `tts_thread.py` says why it pays). On by default on a CUDA GPU, where
+    it was measured; VOICECHAT_TTS_THREAD=0 or 1 sets the default anywhere."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):
@@ -103,8 +112,7 @@ class VoiceChat:
         # the second when a worker thread steps it (on one thread, one stream: no cross-stream waits).
         self._timeline_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._tts_stream = mx.new_thread_unsafe_stream(mx.default_device())
-        # Off: two threads evaluating at once segfaulted MLX 0.32.4 on the H200 (tts_thread.py).
-        self.tts_thread = False
+        self.tts_thread = default_tts_thread()
         self._generating = threading.Lock()
 
     # ------------------------------------------------------------------ helpers

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent H200, after a build into /tmp/site2: the TTS worker thread's tests (test_session.py's
-# threaded ones, skipped on CUDA unless VOICECHAT_TEST_TTS_THREAD=1) ROUNDS times, each round a
+# threaded ones) ROUNDS times, each round a
 # fresh process, through MLX's launch (OWN_ARMS "0") and, with "0 1", our own too: does the
 # segfault of 2026-12-01 (rc 139, both threads inside mx.async_eval) come back? A line a round;
 # the logs in $OUT. The native frames of a crash (VOICECHAT_NATIVE_TRACE=1) go to fd 2 itself, which
@@ -9,7 +9,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site2:/tmp/site} VOICECHAT_TEST_WAVS=${VOICECHAT_TEST_WAVS:-$PWD/.gpuwav} \
-  MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx-ab} PYTHONUNBUFFERED=1 VOICECHAT_TEST_TTS_THREAD=1 \
+  MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx-ab} PYTHONUNBUFFERED=1 \
   VOICECHAT_NATIVE_TRACE=1
 for i in $(seq 1 "${ROUNDS:-3}"); do
   for own in ${OWN_ARMS:-0}; do

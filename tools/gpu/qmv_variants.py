@@ -13,6 +13,9 @@ memory (lost at every shape: 10 warps an SM), the product without the register p
 
     PYTHONPATH=python python tools/gpu/qmv_variants.py [--list] [--nvcc]
 
+QMV_VARIANTS="in_proj:ext:8:96:1,up_proj:ext:4:96:1" adds variants (shape:kind:rows:threads:ksplit),
+QMV_SHAPES="in_proj,up_proj" keeps only those shapes.
+
 --list prints the variants; --nvcc compiles each stream variant for sm_90 with nvcc here (no GPU)
 and prints its registers a thread.
 """
@@ -20,6 +23,7 @@ and prints its registers a thread.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -74,6 +78,19 @@ VARIANTS = {
     "in_proj": [("stream", 8, 160, 1), DEFAULT, ("ext", 4, 160, 1)],
     "up_proj": [DEFAULT, ("ext", 4, 160, 1)],
 }
+
+
+def _from_environment() -> None:
+    """QMV_VARIANTS adds launches, QMV_SHAPES keeps shapes (see the module's docstring)."""
+    for item in filter(None, os.environ.get("QMV_VARIANTS", "").split(",")):
+        shape, kind, rows, threads, ksplit = item.split(":")
+        if shape not in SHAPES or kind not in ("ext", "stream"):
+            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|stream:rows:threads:ksplit")
+        VARIANTS[shape].append((kind, int(rows), int(threads), int(ksplit)))
+    keep = [s for s in os.environ.get("QMV_SHAPES", "").split(",") if s]
+    for shape in list(SHAPES):
+        if keep and shape not in keep:
+            del SHAPES[shape]
 
 
 def _header() -> str:
@@ -160,6 +177,7 @@ def main() -> None:
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--nvcc", action="store_true")
     args = parser.parse_args()
+    _from_environment()
     if args.list:
         for shape in SHAPES:
             for v in VARIANTS[shape]:

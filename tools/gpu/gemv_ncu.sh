@@ -5,6 +5,8 @@
 # details page and the raw metrics (CSV), and prints the main lines.
 #   export OUT; bash tools/gpu/gemv_ncu.sh
 set -uo pipefail
+# Nsight Compute tells kernels apart by name: through MLX's launch (ours names every one vc_kernel)
+export VOICECHAT_OWN_LAUNCH=${VOICECHAT_OWN_LAUNCH:-0}
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

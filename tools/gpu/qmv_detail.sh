@@ -5,6 +5,8 @@
 # report as text to $OUT/qmv_detail_TAG.txt and prints the lines that say where the time goes.
 #   export OUT; QMV_CASES=out_proj QMV_LAUNCHES="8,0,2,0" bash tools/gpu/qmv_detail.sh [tag]
 set -uo pipefail
+# Nsight Compute tells kernels apart by name: through MLX's launch (ours names every one vc_kernel)
+export VOICECHAT_OWN_LAUNCH=${VOICECHAT_OWN_LAUNCH:-0}
 OUT=${OUT:-/tmp/out}
 TAG=${1:-detail}
 export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1

@@ -9,6 +9,8 @@
 # quantized_matmul at the same shapes), with each launch's registers a thread.
 #   export OUT; [GEMV_PYTHONPATH=...] [PROBE=step] bash tools/gpu/qmv_ncu.sh [tag]
 set -uo pipefail
+# Nsight Compute tells kernels apart by name: through MLX's launch (ours names every one vc_kernel)
+export VOICECHAT_OWN_LAUNCH=${VOICECHAT_OWN_LAUNCH:-0}
 OUT=${OUT:-/tmp/out}
 TAG=${1:-new}
 export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1

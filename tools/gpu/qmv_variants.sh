@@ -4,6 +4,8 @@
 # kernel time, registers, grid, achieved occupancy and DRAM throughput. Prints one line a kernel.
 #   export OUT; bash tools/gpu/qmv_variants.sh
 set -uo pipefail
+# Nsight Compute tells kernels apart by name: through MLX's launch (ours names every one vc_kernel)
+export VOICECHAT_OWN_LAUNCH=${VOICECHAT_OWN_LAUNCH:-0}
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

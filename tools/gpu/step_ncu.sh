@@ -8,6 +8,8 @@
 # with cuProfilerStart / cuProfilerStop (ncu --profile-from-start off).
 #   export OUT; [STEP=tts] [NCU_DETAIL=regex] bash tools/gpu/step_ncu.sh
 set -uo pipefail
+# Nsight Compute tells kernels apart by name: through MLX's launch (ours names every one vc_kernel)
+export VOICECHAT_OWN_LAUNCH=${VOICECHAT_OWN_LAUNCH:-0}
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)

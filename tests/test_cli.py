@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import soundfile as sf
+import soxr
 
 from voicechat.cli import main
 
@@ -87,8 +88,12 @@ def test_quiet_prints_only_the_answer(capsys, tiny_checkpoint_q4, spoken_wav):
 
 
 def test_stereo_other_rate_input_is_converted(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+    # made with soundfile + soxr (the package's own readers), not sox: the GPU machine has no sox
     stereo = tmp_path / "stereo44k.wav"
-    subprocess.run(["sox", "-R", str(spoken_wav), "-c", "2", "-r", "44100", str(stereo)], check=True)
+    mono, rate = sf.read(str(spoken_wav), dtype="float32")
+    resampled = soxr.resample(mono, rate, 44100)
+    sf.write(str(stereo), np.stack([resampled, 0.5 * resampled], axis=1), 44100, subtype="PCM_16")
+    assert sf.info(str(stereo)).channels == 2
     assert run_cli(capsys, "-m", tiny_checkpoint, "--audio", stereo, "-q")[0] == 0
 
 

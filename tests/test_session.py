@@ -10,7 +10,6 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 import voicechat
-from voicechat.kernels.gemv import on_cuda_gpu
 from voicechat.session import InputError
 from voicechat.tts_thread import TTSThread
 
@@ -149,15 +148,27 @@ def _tts_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "voicechat-tts"]
 
 
-def test_the_tts_worker_is_on_by_default_on_a_cuda_gpu_and_the_environment_sets_it(tiny_checkpoint, monkeypatch):
+def test_the_tts_worker_is_off_by_default_and_the_environment_sets_it(tiny_checkpoint, monkeypatch):
     monkeypatch.delenv("VOICECHAT_TTS_THREAD", raising=False)
-    assert voicechat.load(tiny_checkpoint).tts_thread is on_cuda_gpu()
+    assert voicechat.load(tiny_checkpoint).tts_thread is False
     for value, want in (("0", False), ("1", True)):
         monkeypatch.setenv("VOICECHAT_TTS_THREAD", value)
         assert voicechat.load(tiny_checkpoint).tts_thread is want
     monkeypatch.setenv("VOICECHAT_TTS_THREAD", "yes")
     with pytest.raises(ValueError, match="VOICECHAT_TTS_THREAD is 'yes': use 0 or 1"):
         voicechat.load(tiny_checkpoint)
+
+
+def test_the_tts_thread_gives_one_answer_a_seed_across_fresh_loads(tiny_checkpoint, result, spoken_wav):
+    """What test_cli's same-seed test does with the worker on (on the H200 it once wrote two WAVs from
+    one seed): each load its own streams and compiled steps, each first generate threaded."""
+    for _ in range(2):
+        chat = voicechat.load(tiny_checkpoint)
+        chat.tts_thread = True
+        again = chat.generate(spoken_wav, seed=0)
+        assert again.text_tokens == result.text_tokens and again.audio_codes == result.audio_codes
+        assert np.array_equal(again.audio, result.audio)
+    assert not _tts_threads()
 
 
 @pytest.mark.parametrize("system_prompt", [None, "Be brief."])

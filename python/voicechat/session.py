@@ -78,20 +78,21 @@ class Result:
 
 
 def default_tts_thread() -> bool:
-    """Whether `generate()` builds the TTS steps on a worker thread unless told: on a CUDA GPU (where
-    the host's launch time bounds the frame), or as VOICECHAT_TTS_THREAD says ("0" or "1")."""
+    """Whether `generate()` builds the TTS steps on a worker thread unless told: as
+    VOICECHAT_TTS_THREAD says ("0" or "1"), off when unset (see tts_thread.py)."""
     value = os.environ.get("VOICECHAT_TTS_THREAD", "")
     if value not in ("", "0", "1"):
         raise ValueError(f"VOICECHAT_TTS_THREAD is {value!r}: use 0 or 1")
-    return on_cuda_gpu() if value == "" else value == "1"
+    return value == "1"
 
 
 class VoiceChat:
     """A loaded model: `generate()` runs the offline timeline on one input.
 
-    `tts_thread`: build the TTS steps on a host thread of their own while this thread builds the LLM
-    steps (same ids and codes; `tts_thread.py` says why it pays). On by default on a CUDA GPU, where
-    it was measured; VOICECHAT_TTS_THREAD=0 or 1 sets the default anywhere."""
+    `tts_thread` (default off; VOICECHAT_TTS_THREAD=1 turns it on): build the TTS steps on a host
+    thread of their own while this thread builds the LLM steps (same ids and codes in every test so
+    far; `tts_thread.py` says why it pays, and why it is still off: one GPU run gave two WAVs from
+    one seed)."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):

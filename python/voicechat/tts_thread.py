@@ -13,15 +13,20 @@ used by one thread at a time, and what the worker carries is evaluated before it
 ends. What a compiled step closes over must be evaluated (a lazy array there would be recomputed at
 every call, on the stream of the thread that made it): `voicechat.load` evaluates everything.
 
-On by default on a CUDA GPU (`VoiceChat.tts_thread`, VOICECHAT_TTS_THREAD). Its history: the GPU
+Off by default (`VoiceChat.tts_thread`; VOICECHAT_TTS_THREAD=1 turns it on). Its history: the GPU
 test run of 2026-12-01 segfaulted with both threads in `mx.async_eval`, and on 2026-12-02 the
 threaded tests aborted the process in 3 of 3 rounds, each in the system-prompt test. The cause,
 found by reading: the system prompt's frames handed the worker `pad.reshape(1)`, a lazy op on the
 caller's stream, which the worker's eval then encoded into the caller's stream while the caller
 encoded into it too. `put()` now schedules every id on the caller's thread first and those frames
 take an id made from host data. On the H200 since (2026-12-02, tools/gpu/tts_thread_retest.sh):
-6 rounds of 6 passed through our launch and 1 of 1 through MLX's. Full size, 5 s input: 6.28 ms a
-frame with the worker against 6.82 ms without (one process each, one machine).
+no crash in 6 rounds through our launch and 1 through MLX's, the threaded tests passing. Full
+size, 5 s input: 6.28 ms a frame with the worker against 6.82 ms without. But with the worker on
+by default, test_cli's same-seed test wrote two different WAVs from one seed (three fresh loads in
+one process, H200, once; it passes on the CPU and passed there with the worker off): a race not
+yet found, so it stays off. Suspect first: the worker's graph waiting on a text id that another
+thread's `async_eval` scheduled on another stream (MLX skips already-scheduled inputs when it walks
+a graph, so only the input's event can order the two streams).
 """
 
 from __future__ import annotations

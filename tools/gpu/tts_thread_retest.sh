@@ -17,5 +17,9 @@ for i in $(seq 1 "${ROUNDS:-3}"); do
     VOICECHAT_OWN_LAUNCH=$own timeout -s INT "${LIMIT:-300}" python3 -m pytest -q -s -p no:cacheprovider -rfE \
       tests/test_session.py -k "tts_thread or own_thread" >"$log" 2>&1
     echo "round $i, own launch $own: rc $? $(tail -n 1 "$log")"
+    # test_cli's same-seed WAVs with the worker on (twenty-first session: they differed once)
+    VOICECHAT_TTS_THREAD=1 VOICECHAT_OWN_LAUNCH=$own timeout -s INT "${LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider \
+      -rfE tests/test_cli.py -k "byte_identical" >>"$log" 2>&1
+    echo "round $i, own launch $own, same-seed WAVs threaded: rc $? $(tail -n 1 "$log")"
   done
 done

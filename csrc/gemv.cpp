@@ -36,6 +36,7 @@ namespace {
 // ---------------------------------------------------------------- launch shapes
 
 constexpr int kMaxRows = 2;        // input rows the kernels take (decode: batch 1, or 2)
+constexpr int kMaxRowGroups = 64;  // the block layout's row groups a block (quantized_matvec's row_groups)
 constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a block takes
 // Row groups a two-head argmax block walks. 1: each block a matvec block of the plain layout (8
 // rows), its loads not waiting on the block sum of the group before (8 groups of 4 rows a block
@@ -47,6 +48,7 @@ struct Launch {
   int rows;     // output rows per block (block layout) or per warp (warp layout)
   int threads;  // threads per block
   int warps;    // 0: block layout (the block's threads split K); > 0: warp layout, warps per block
+  int row_groups = 1;  // block layout: groups of `rows` rows a block, one after the other
 };
 
 // The default layout: 0 = block; > 0 = warp layout with that many warps per block. Block: in the
@@ -96,8 +98,9 @@ Launch pick_launch(int chunks, int n, int rows_override, int threads_override, i
 
 // Blocks of a launch over n output rows.
 int blocks_for(const Launch& l, int n) {
-  const int rows_per_block = l.warps > 0 ? l.rows * l.warps : l.rows;
-  return (n + rows_per_block - 1) / rows_per_block;
+  const int rows_per_group = l.warps > 0 ? l.rows * l.warps : l.rows;
+  const int groups = (n + rows_per_group - 1) / rows_per_group;
+  return (groups + l.row_groups - 1) / l.row_groups;
 }
 
 // ---------------------------------------------------------------- CUDA sources
@@ -110,10 +113,11 @@ using TemplateArg = std::pair<std::string, std::string>;
 // in its place); epi: 0 plain, 1 + residual (of the output's type), 2 squared ReLU
 // (vc_gemv::finish); tn (block layout only): the RMSNorm prologue's weight type, or nullptr for
 // none (the kernel then gets `scales` for the weight and the eps); np > 0 (with tn "float"): an
-// input normalized by its producer, np partial sums in ng groups (NORM 2, vc_gemv::qmv_block).
+// input normalized by its producer, np partial sums in ng groups (NORM 2, vc_gemv::qmv_block); rg
+// (block layout only): row groups a block.
 CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, const char* to, int bits, int group, int k,
                           int n, int m, int rows, int split_count, const char* tb = nullptr, int epi = 0,
-                          const char* tn = nullptr, int np = 0, int ng = 1) {
+                          const char* tn = nullptr, int np = 0, int ng = 1, int rg = 1) {
   const char* bias_type = tb ? tb : ts;
   const char* residual_type = epi == 1 ? to : ts;
   CudaInstance inst{
@@ -133,6 +137,7 @@ CudaInstance qmv_instance(const char* split, const char* tx, const char* ts, con
     inst.template_args.push_back(TemplateArg{"NP", int_arg(np)});
     inst.template_args.push_back(TemplateArg{"NG", int_arg(ng)});
     inst.template_args.push_back(TemplateArg{"TN", type_arg(norm_type)});
+    inst.template_args.push_back(TemplateArg{"RG", int_arg(rg)});
   }
   return inst;
 }
@@ -206,6 +211,9 @@ const CudaSource& qmv_source() {
           inst(f, bf, f, 4, 64, 4480, 22656, 1, 8, 160, nullptr, 0, f, 560),
           inst(f, bf, f, 4, 64, 4480, 15680, 1, 8, 160, nullptr, 2, f, 560),
           inst(f, bf, f, 4, 64, 4480, 7168, 2, 8, 160, nullptr, 0, f, 560),
+          // in_proj / up_proj with 2 and 4 row groups a block (row_groups; not the default yet)
+          inst(f, bf, f, 4, 64, 4480, 22656, 1, 8, 160, nullptr, 0, f, 560, 1, 2),
+          inst(f, bf, f, 4, 64, 4480, 15680, 1, 8, 160, nullptr, 2, f, 560, 1, 4),
           // The other packings, dtypes and a Linear bias.
           inst(f, bf, f, 8, 64, 4480, 5120, 2, 8, 160),
           inst("__half", "__half", "__half", 4, 32, 4480, 1000, 1, 2, 64),
@@ -811,11 +819,16 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                                              const std::optional<mx::array>& norm_weight, float norm_eps,
                                              const std::optional<Prenorm>& prenorm,
                                              const std::optional<mx::array>& next_norm, int stages,
-                                             int blocks_per_sm, int imma, mx::Stream s) {
+                                             int blocks_per_sm, int imma, int row_groups, mx::Stream s) {
   const char* who = next_norm ? "quantized_matvec_emit_norm" : "quantized_matvec";
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   const Epilogue epi = make_epilogue(residual, activation, n, who);
   auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
+  if (row_groups < 0 || row_groups > kMaxRowGroups) {
+    fail("row_groups must be in [0, " + std::to_string(kMaxRowGroups) + "] (0 = auto)");
+  }
+  if (row_groups > 1 && warps > 0) fail("row_groups > 1 takes the block layout (warps 0 or -1)");
+  if (row_groups > 1 && (stages > 0 || imma > 0)) fail("row_groups > 1 takes the block layout (no stages, no imma)");
   if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != k || !float_dtype(norm_weight->dtype()))) {
     fail("norm_weight must be a float array [K] with K = " + std::to_string(k));
   }
@@ -866,7 +879,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   if (prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512) {
     threads = 32 * ((chunks + 31) / 32);
   }
-  const auto mma = warps > 0 ? std::nullopt
+  const bool grouped = row_groups > 1;  // the block layout, asked for by its row groups
+  const auto mma = warps > 0 || grouped ? std::nullopt
                              : pick_imma(k, n, m, group_size, bits, !norm_weight, prenorm ? prenorm->groups : 1,
                                          threads, imma, blocks_per_sm, s.device.index, who);
   if (mma) {
@@ -877,7 +891,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                              mma->blocks, 32 * mma->warps, mma->smem, x, w, scales, biases, bias, epi, prenorm,
                              next_norm, norm_eps, out_dtype, s);
   }
-  const auto streamed = warps > 0 ? std::nullopt
+  const auto streamed = warps > 0 || grouped ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
                                                 !norm_weight, rows_per_block, threads, stages, blocks_per_sm,
                                                 s.device.index, who);
@@ -889,7 +903,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                              l.rows, l.blocks, l.threads, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
                              norm_eps, out_dtype, s);
   }
-  const Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only ? 0 : warps);
+  Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only || grouped ? 0 : warps);
+  l.row_groups = grouped ? row_groups : 1;
   const bool warp = l.warps > 0;
   // x and the residual go in with their own shapes (the kernel reads them flat, row-contiguous as
   // MLX makes every kernel input) and the output comes out shaped: no reshape nodes in the graph.
@@ -910,6 +925,9 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
     args.emplace_back("NP", np);
     args.emplace_back("NG", prenorm ? prenorm->groups : 1);
     args.emplace_back("TN", inputs[6].dtype());
+    if (!next_norm) {
+      args.emplace_back("RG", l.row_groups);
+    }
   }
   const int blocks = blocks_for(l, n);
   if (!next_norm) {
@@ -936,10 +954,10 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            int threads, int warps, const std::optional<mx::array>& residual,
                            const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
                            const std::optional<mx::array>& prenormed, int prenorm_groups, int stages,
-                           int blocks_per_sm, int imma, mx::StreamOrDevice s) {
+                           int blocks_per_sm, int imma, int row_groups, mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, warps, residual,
                                activation, norm_weight, norm_eps, make_prenorm(prenormed, prenorm_groups),
-                               std::nullopt, stages, blocks_per_sm, imma, mx::to_stream(s))[0];
+                               std::nullopt, stages, blocks_per_sm, imma, row_groups, mx::to_stream(s))[0];
 }
 
 std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -951,7 +969,7 @@ std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::
                                                   mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, 0, residual, "",
                                std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm, stages,
-                               blocks_per_sm, imma, mx::to_stream(s));
+                               blocks_per_sm, imma, 1, mx::to_stream(s));
 }
 
 // ---------------------------------------------------------------- dense matvec
@@ -1154,7 +1172,7 @@ void bind(py::module_& m) {
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
         py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
         py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stages") = 0,
-        py::arg("blocks_per_sm") = 0, py::arg("imma") = 0, py::arg("stream") = py::none(),
+        py::arg("blocks_per_sm") = 0, py::arg("imma") = 0, py::arg("row_groups") = 0, py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
@@ -1168,7 +1186,9 @@ void bind(py::module_& m) {
         "> 0 always (an error where it cannot take the call). imma: the integer-MMA layout (4-bit group 64; "
         "16-row slabs on the tensor cores, x as a block floating point expansion; threads and blocks_per_sm "
         "steer it): 0 / -1 never (the default), > 0 always (an error where it cannot take the call); 1 with the "
-        "default number of 64-wide groups in flight a warp, 2-16 that many.");
+        "default number of 64-wide groups in flight a warp, 2-16 that many. row_groups (block layout): each "
+        "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
+        "block layout, the streamed and integer-MMA ones never).");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),

@@ -509,7 +509,10 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
   }
 }
 
-// The block-layout quantized matvec, whole: block b computes rows [b * ROWS, b * ROWS + ROWS).
+// The block-layout quantized matvec, whole: block b computes the RG row groups b * RG .. b * RG + RG - 1,
+// one after the other, group g being rows [g * ROWS, g * ROWS + ROWS). RG > 1 spends a block's fixed
+// work (its start, the partials' loads) once on more rows: on the H200 the launch's time grew with
+// its blocks (in_proj 28.6 / 39.0 / 67.8 us at 2832 / 5664 / 11328 blocks of 8 / 4 / 2 rows).
 //
 // NORM 0: x is the product's input. NORM 1: rms_norm(x) * norm_w is (see qmv_accumulate; eps).
 // NORM 2 (an input normalized by its producer): x is a norm's input already times the norm weight,
@@ -524,7 +527,7 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 // out[m, row] * next_w[row] and partials[m, b] = the sum of out[m, row]^2 over the block's rows,
 // so that the next matvec can take them with NORM 2 (NP = the blocks of this launch).
 template <int BITS, int GROUP, int K, int N, int M, int ROWS, int THREADS, int EPI, bool HAS_BIAS, int NORM, int NP,
-          int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
+          int NG, bool EMIT, int RG, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
           typename TE>
 __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weight, const TS* scales,
                                           const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
@@ -539,13 +542,12 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
   static_assert(NORM != 2 || (NG >= 1 && NP % (NG > 0 ? NG : 1) == 0), "NP partials in NG equal groups");
   static_assert(!GROUPS || (GW * NG == K && GW % CHUNK == 0), "a chunk lies inside one norm group");
   static_assert(!EMIT || (EPI == 1 && ROWS * M <= 32), "EMIT follows a residual, its rows in one warp");
+  static_assert(RG >= 1, "one row group a block at least");
   __shared__ float part[(SUMS > NG * M ? SUMS : NG * M) * THREADS];
   __shared__ float total[SUMS];
   __shared__ float group_total[GROUPS ? NG * M : 1];
   __shared__ float inv_rms[M];
-  const int row0 = blockIdx.x * ROWS;
-  const Tail tail = row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
-  float pv[M][PER];  // this thread's partials (NORM 2), loaded now, read after the product
+  float pv[M][PER];  // this thread's partials (NORM 2), loaded now, read after each group's product
   if constexpr (NORM == 2) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -556,78 +558,86 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
       }
     }
   }
-  float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
-  float split[GROUPS ? ITERS : 1][ROWS][M];
+  // (The shared arrays are reused group after group: block_sum's closing barrier and the barrier
+  // every thread passes at the next group's block_sum order each group's reads before the next's writes.)
+  for (int pass = 0; pass < RG; ++pass) {
+    const int group = static_cast<int>(blockIdx.x) * RG + pass;
+    const int row0 = group * ROWS;
+    if (RG > 1 && row0 >= N) break;  // the last block's groups past N (the same for the whole block)
+    const Tail tail = row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
+    float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
+    float split[GROUPS ? ITERS : 1][ROWS][M];
 #pragma unroll
-  for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
-  if constexpr (GROUPS) {
+    for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
+    if constexpr (GROUPS) {
 #pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
+      for (int it = 0; it < ITERS; ++it) {
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-        for (int m = 0; m < M; ++m) split[it][r][m] = 0.0f;
+          for (int m = 0; m < M; ++m) split[it][r][m] = 0.0f;
+        }
       }
     }
-  }
-  qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(
-      x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
-      split);
-  if constexpr (NORM == 2 && NG == 1) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int j = 0; j < PER; ++j) acc[ROWS][m] += pv[m][j];
-    }
-  }
-  if constexpr (GROUPS) {
-    // The groups' sums of squares (each thread adds its partials to their groups'), then each step's
-    // sums scaled by its chunk's group.
-    float gs[NG * M];
-#pragma unroll
-    for (int o = 0; o < NG * M; ++o) gs[o] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int i = static_cast<int>(threadIdx.x) + j * THREADS;
-      const int g = min(i, NP - 1) / (NP / NG);
-#pragma unroll
-      for (int o = 0; o < NG; ++o) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? pv[m][j] : 0.0f;
-      }
-    }
-    block_sum<NG * M, THREADS>(gs, part, group_total);
-#pragma unroll
-    for (int it = 0; it < ITERS; ++it) {
-      const int c = it * THREADS + static_cast<int>(threadIdx.x);
-      const int g = min(c * CHUNK, K - 1) / GW;
+    qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(
+        x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
+        split);
+    if constexpr (NORM == 2 && NG == 1) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const float r_g = rsqrtf(group_total[g * M + m] / static_cast<float>(GW) + eps);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) acc[r][m] = fmaf(r_g, split[it][r][m], acc[r][m]);
+        for (int j = 0; j < PER; ++j) acc[ROWS][m] += pv[m][j];
       }
     }
-  }
-  block_sum<SUMS, THREADS>(&acc[0][0], part, total);
-  const float* row_scale = nullptr;
-  if constexpr (ROW_NORM) {
-    if (threadIdx.x < M) {
-      inv_rms[threadIdx.x] = rsqrtf(total[ROWS * M + threadIdx.x] / static_cast<float>(K) + eps);
+    if constexpr (GROUPS) {
+      // The groups' sums of squares (each thread adds its partials to their groups'), then each step's
+      // sums scaled by its chunk's group.
+      float gs[NG * M];
+#pragma unroll
+      for (int o = 0; o < NG * M; ++o) gs[o] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = static_cast<int>(threadIdx.x) + j * THREADS;
+        const int g = min(i, NP - 1) / (NP / NG);
+#pragma unroll
+        for (int o = 0; o < NG; ++o) {
+#pragma unroll
+          for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? pv[m][j] : 0.0f;
+        }
+      }
+      block_sum<NG * M, THREADS>(gs, part, group_total);
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = it * THREADS + static_cast<int>(threadIdx.x);
+        const int g = min(c * CHUNK, K - 1) / GW;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float r_g = rsqrtf(group_total[g * M + m] / static_cast<float>(GW) + eps);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) acc[r][m] = fmaf(r_g, split[it][r][m], acc[r][m]);
+        }
+      }
     }
-    __syncthreads();
-    row_scale = inv_rms;
-  }
-  if constexpr (EMIT) {
-    if (threadIdx.x < 32) {
-      const int row = row0 + static_cast<int>(threadIdx.x) / M;
-      const int m = static_cast<int>(threadIdx.x) % M;
-      const bool valid = threadIdx.x < ROWS * M && row < N;
-      const float v = !valid ? 0.0f : row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
-      emit_rows<M, EPI, HAS_BIAS>(v, valid, row, tail, out, N, normed, partials, blockIdx.x, (N + ROWS - 1) / ROWS);
+    block_sum<SUMS, THREADS>(&acc[0][0], part, total);
+    const float* row_scale = nullptr;
+    if constexpr (ROW_NORM) {
+      if (threadIdx.x < M) {
+        inv_rms[threadIdx.x] = rsqrtf(total[ROWS * M + threadIdx.x] / static_cast<float>(K) + eps);
+      }
+      __syncthreads();
+      row_scale = inv_rms;
     }
-  } else {
-    store_rows<ROWS, M, EPI, HAS_BIAS>(total, tail, out, row0, N, row_scale);
+    if constexpr (EMIT) {
+      if (threadIdx.x < 32) {
+        const int row = row0 + static_cast<int>(threadIdx.x) / M;
+        const int m = static_cast<int>(threadIdx.x) % M;
+        const bool valid = threadIdx.x < ROWS * M && row < N;
+        const float v = !valid ? 0.0f : row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
+        emit_rows<M, EPI, HAS_BIAS>(v, valid, row, tail, out, N, normed, partials, group, (N + ROWS - 1) / ROWS);
+      }
+    } else {
+      store_rows<ROWS, M, EPI, HAS_BIAS>(total, tail, out, row0, N, row_scale);
+    }
   }
 }
 
@@ -720,11 +730,12 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
 // rms_norm(x) * norm_w first (eps from EPS_BITS), formed on the fly (see qmv_accumulate); NORM 2: x
 // was normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).
 // Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS (the
-// norm's eps as float bits), and the dtypes TX, TS, TB, TR, TN, TO (the kernel name is made of the
-// template args only, so every dtype must be one of them).
+// norm's eps as float bits), RG (row groups a block, one after the other), and the dtypes TX, TS,
+// TB, TR, TN, TO (the kernel name is made of the template args only, so every dtype must be one of
+// them).
 constexpr const char* kQmvSource = R"(
   const float eps = __int_as_float(EPS_BITS);
-  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, false, RG>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 )";
@@ -734,7 +745,7 @@ constexpr const char* kQmvSource = R"(
 // M, ROWS, THREADS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvEmitSource = R"(
   const float eps = __int_as_float(EPS_BITS);
-  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, 1, HAS_BIAS, NORM, NP, NG, true, 1>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials);
 )";
 

@@ -198,6 +198,38 @@ def test_integer_mma_groups_in_flight_change_no_bit(inflight):
 
 
 @needs_cuda
+@pytest.mark.parametrize("row_groups", [2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("n,k,squared_relu", [(22656, 4480, False), (15680, 4480, True), (1000, 640, False)])
+def test_row_groups_change_no_bit(n, k, squared_relu, rows, row_groups):
+    """row_groups > 1: each block computes several groups of rows, one after the other, as that many
+    blocks would (at 1000 rows the last block's groups run past N): the bits of one group a block,
+    through the RMSNorm prologue and through a producer's partials."""
+    w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=5)
+    x = _x((rows, k), mx.float32, seed=3)
+    weight = 1.0 + 0.1 * _x((k,), mx.float32, seed=4)
+    partials = mx.abs(_x((rows, 560), mx.float32, seed=6)) * k / 560
+    for x_in, extra in ((x, dict(norm=(weight, 1e-5))),
+                        (Prenormed(x * weight, partials, 1, 1e-5), {})):
+        want = quantized_matvec(x_in, w, s, b, squared_relu=squared_relu, stages=-1, **extra)
+        got = quantized_matvec(x_in, w, s, b, squared_relu=squared_relu, stages=-1, row_groups=row_groups, **extra)
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_row_groups_are_checked():
+    w, s, b = _quantized(40, 640, dtype=mx.bfloat16, seed=1)
+    x = _x((1, 640), mx.float32)
+    for kwargs, message in ((dict(row_groups=65), r"row_groups must be in \[0, 64\]"),
+                            (dict(row_groups=-1), r"row_groups must be in"),
+                            (dict(row_groups=2, stages=2), "row_groups > 1 takes the block layout"),
+                            (dict(row_groups=2, imma=1), "row_groups > 1 takes the block layout")):
+        with pytest.raises(ValueError, match=message):
+            quantized_matvec(x, w, s, b, **kwargs)
+    with pytest.raises(ValueError, match="row_groups > 1 takes the block layout"):
+        ext.quantized_matvec(x, w, s, b, warps=2, row_groups=2)
+
+
+@needs_cuda
 def test_integer_mma_layout_refuses_what_it_cannot_take():
     w, s, b = _quantized(40, 640, dtype=mx.bfloat16, seed=1)  # 40 rows: no whole slabs of 16
     with pytest.raises(ValueError, match="integer-MMA layout takes K a multiple of 64, N of 16"):

@@ -132,7 +132,7 @@ def _bits(a: mx.array) -> np.ndarray:
 
 def run(exe: Path, name: str, case: Case, tmp: Path) -> list[np.ndarray]:
     d = tmp / name
-    d.mkdir()
+    d.mkdir(exist_ok=True)  # a case may run twice (its inputs written again)
     for i, (a, off) in enumerate(zip(case.inputs, case.offsets)):
         data = _bits(a).reshape(-1)
         (d / f"in{i}.bin").write_bytes(np.concatenate([np.zeros(off, data.dtype), data]).tobytes())
@@ -189,10 +189,11 @@ def _epilogue_ref(ref, epi, residual):
 
 
 def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0,
-             norm_dtype=None):
+             norm_dtype=None, row_groups=1):
     """`warps` > 0: the warp layout (vc_qmv_warp) with that many warps per block; else the block
-    layout with `threads` threads. `epi` 1: + a residual, 2: squared ReLU. `norm_dtype`: an RMSNorm
-    prologue (block layout) with a weight of that type."""
+    layout with `threads` threads and `row_groups` groups of `rows` rows a block. `epi` 1: + a
+    residual, 2: squared ReLU. `norm_dtype`: an RMSNorm prologue (block layout) with a weight of that
+    type."""
     w, s, b = _q(n, k, bits, group, s_dtype, seed=n + k)
     x = _x((m, k), x_dtype)
     bias = _x((n,), bias_dtype, seed=3) if bias_dtype else None
@@ -205,9 +206,10 @@ def qmv_case(n, k, m, bits, group, x_dtype, s_dtype, rows, threads, bias_dtype=N
     norm_w = (1.0 + 0.2 * _x((k,), mx.float32, seed=9)).astype(norm_dtype) if norm_dtype else None
     if not warps:
         inputs += [norm_w if norm_dtype else s]
-        args.update(NORM=1 if norm_dtype else 0, NP=0, NG=1, EPS_BITS=EPS_BITS, TN=norm_dtype or s_dtype)
+        args.update(NORM=1 if norm_dtype else 0, NP=0, NG=1, EPS_BITS=EPS_BITS, TN=norm_dtype or s_dtype, RG=row_groups)
     case = Case("vc_qmv_warp" if warps else "vc_qmv", args, inputs,
-                [(CUDA_TYPE[out], (m, n))], -(-n // (rows * max(warps, 1))), 32 * warps if warps else threads,
+                [(CUDA_TYPE[out], (m, n))], -(-(-(-n // (rows * max(warps, 1)))) // row_groups),
+                32 * warps if warps else threads,
                 [offset] + [0] * (len(inputs) - 1))
     with mx.stream(mx.cpu):
         xf = x.astype(mx.float32)
@@ -231,16 +233,17 @@ def _prenormed_inputs(k, m, np_, ng, x_dtype, seed):
     return mx.array(raw * weight).astype(x_dtype), mx.array(partials), mx.array(normed)
 
 
-def prenormed_case(n, k, m, np_, ng, rows, threads, epi=0):
-    """vc_qmv on an input its producer normalized (NORM 2): NG = 1 an RMSNorm, > 1 a group norm."""
+def prenormed_case(n, k, m, np_, ng, rows, threads, epi=0, row_groups=1):
+    """vc_qmv on an input its producer normalized (NORM 2): NG = 1 an RMSNorm, > 1 a group norm;
+    `row_groups` groups of `rows` rows a block."""
     w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
     x, partials, normed = _prenormed_inputs(k, m, np_, ng, mx.float32, seed=k)
     residual = _x((m, n), mx.float32, seed=5) if epi == 1 else s
     args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, EPI=epi, HAS_BIAS=False,
                 TX=mx.float32, TS=mx.bfloat16, TB=mx.bfloat16, TR=residual.dtype, TO=mx.float32, NORM=2, NP=np_,
-                NG=ng, EPS_BITS=EPS_BITS, TN=mx.float32)
+                NG=ng, EPS_BITS=EPS_BITS, TN=mx.float32, RG=row_groups)
     case = Case("vc_qmv", args, [x, w, s, b, s, residual, partials], [("float", (m, n))],
-                -(-n // rows), threads)
+                -(-(-(-n // rows)) // row_groups), threads)
     with mx.stream(mx.cpu):
         ref = mx.quantized_matmul(normed, w, s, b, transpose=True, group_size=64, bits=4)
         ref = _epilogue_ref(ref, epi, residual)
@@ -675,6 +678,12 @@ def emulated(tmp_path_factory):
         "q4_prenormed_rms_m2": prenormed_case(19, 4480, 2, 300, 1, 8, 160),
         "q4_prenormed_rms_relu2": prenormed_case(21, 640, 1, 7, 1, 4, 32, epi=2),
         "q4_prenormed_groups": prenormed_case(13, 1280, 2, 12, 4, 4, 32, epi=1),
+        # several row groups a block (row_groups), the same launches as three above: the last block's
+        # groups partly past N
+        "q4_norm_relu2_rg2": qmv_case(21, 640, 1, 4, 64, mx.float32, mx.bfloat16, 8, 32, epi=2, norm_dtype=mx.float32,
+                                      row_groups=2),
+        "q4_prenormed_rms_m2_rg2": prenormed_case(19, 4480, 2, 300, 1, 8, 160, row_groups=2),
+        "q4_prenormed_groups_rg3": prenormed_case(13, 1280, 2, 12, 4, 4, 32, epi=1, row_groups=3),
         # gated-GELU input (the TTS MLP's down_proj on gate / up): several steps, both layouts
         "dense_gelu_gate": dense_case(9, 4608, 2, mx.float32, mx.bfloat16, 4, 192, pro=1),
         "dense_gelu_gate_bf16x_bias": dense_case(5, 200, 1, mx.bfloat16, mx.bfloat16, 2, 32, mx.float32, pro=1),
@@ -788,6 +797,7 @@ def emulated(tmp_path_factory):
                                   "q4_relu2_bias", "warp_q4_residual", "warp_q8_relu2", "dense_residual_bias",
                                   "warp_dense_relu2", "q4_norm_m2", "q4_norm_relu2", "q8_norm_bias_residual",
                                   "q4_prenormed_rms_m2", "q4_prenormed_rms_relu2", "q4_prenormed_groups",
+                                  "q4_norm_relu2_rg2", "q4_prenormed_rms_m2_rg2", "q4_prenormed_groups_rg3",
                                   "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
                                   "warp_dense_gelu_gate", "gated_norm_mixer", "gated_norm_small",
                                   "gated_norm_bf16"])
@@ -799,6 +809,18 @@ def test_matvec_kernels_emulated(emulated, name):
     want = np.array(ref.astype(mx.float32))
     ulp = {"float": 2e-6, "__half": 1e-3, "__nv_bfloat16": 8e-3}[case.outputs[0][0]]
     np.testing.assert_allclose(got, want, rtol=ulp, atol=ulp * np.abs(want).max())
+
+
+@pytest.mark.parametrize("grouped, single", [("q4_norm_relu2_rg2", "q4_norm_relu2"),
+                                             ("q4_prenormed_rms_m2_rg2", "q4_prenormed_rms_m2"),
+                                             ("q4_prenormed_groups_rg3", "q4_prenormed_groups")])
+def test_row_groups_change_no_bit_emulated(emulated, grouped, single):
+    """A block's row groups are computed as separate blocks would compute them: the same bits."""
+    exe, cases, _, _, tmp = emulated
+    (got,) = run(exe, grouped, cases[grouped], tmp)
+    (want,) = run(exe, single, cases[single], tmp)
+    assert cases[grouped].blocks < cases[single].blocks
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["conv_step", "conv_prefix_b2"])

@@ -6,7 +6,8 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
            can stream (the roofline of the launch shape); built here from the extension's device
            code (vc_gemv's header, fetched through ext.cuda_sources())
   ext      the step's own instance through the extension (prologue and emitted norm included) at
-           (rows, threads); threads 0: the default
+           (rows, threads); threads 0: the default; its fourth field is row_groups (1: one group of rows
+           a block; > 1 the block layout with that many, see quantized_matvec)
 
 Tried with it and removed (2026-12-01, commit 65a9609 has the code): a cp.async ring into shared
 memory (lost at every shape: 10 warps an SM), the product without the register prefetch, split-K.
@@ -70,7 +71,7 @@ SHAPES = {
     "up_proj": (15680, 4480, (1, False, "relu_squared")),
 }
 
-# (kind, rows, threads, ksplit) per shape
+# (kind, rows, threads, ksplit) per shape; ext's fourth field: row_groups
 DEFAULT = ("ext", 0, 0, 1)
 VARIANTS = {
     "out_proj": [("stream", 8, 320, 1), ("stream", 8, 160, 2), DEFAULT, ("ext", 8, 160, 1), ("ext", 4, 320, 1)],
@@ -106,8 +107,8 @@ def _stream_kernel():
 
 
 def _tag(shape: str, v) -> str:
-    kind, rows, threads, ksplit = v
-    return f"{shape} {kind} rows {rows} threads {threads} ksplit {ksplit}"
+    kind, rows, threads, fourth = v
+    return f"{shape} {kind} rows {rows} threads {threads} {'row_groups' if kind == 'ext' else 'ksplit'} {fourth}"
 
 
 def _args(n: int, k: int, v) -> dict:
@@ -120,13 +121,17 @@ def _args(n: int, k: int, v) -> dict:
 
 def _ext_call(shape: str, v, tensors):
     """The step's instance of `shape` through the extension at v's rows and threads."""
-    _, rows, threads, _ = v
+    _, rows, threads, row_groups = v
     _, _, (groups, emit, activation) = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = tensors
     pre = dict(prenormed=partials, prenorm_groups=groups) if groups else {}
     launch = dict(rows_per_block=rows, threads=threads)
     if emit:
+        if row_groups > 1:
+            raise SystemExit(f"{shape}: the emitting matvec takes no row_groups")
         return ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **pre, **launch)
+    if row_groups > 1:
+        launch.update(row_groups=row_groups)
     return [ext.quantized_matvec(x, w, s, b, None, 64, 4, warps=0, activation=activation, **pre, **launch)]
 
 

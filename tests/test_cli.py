@@ -74,10 +74,16 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
 
 def test_same_seed_gives_a_byte_identical_wav(capsys, tmp_path, tiny_checkpoint, spoken_wav):
     paths = [tmp_path / f"{i}.wav" for i in range(3)]
-    for path, seed in zip(paths, (0, 0, 1)):
+    results = [tmp_path / f"{i}.json" for i in range(3)]
+    for path, result, seed in zip(paths, results, (0, 0, 1)):
         assert run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", path,
-                       "--seed", seed, "-q")[0] == 0
+                       "--output-json", result, "--seed", seed, "-q")[0] == 0
+    first, again, other = (json.loads(r.read_text()) for r in results)
+    # where a difference starts: the ids, the codes, or only the samples (the codec)
+    assert again["text_tokens"] == first["text_tokens"] and again["function_tokens"] == first["function_tokens"]
+    assert again["audio_codes"] == first["audio_codes"]
     assert paths[0].read_bytes() == paths[1].read_bytes()
+    assert other["audio_codes"] != first["audio_codes"]
     assert paths[0].read_bytes() != paths[2].read_bytes()
 
 

@@ -310,6 +310,18 @@ def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
     assert not _tts_threads()
 
 
+def test_the_tts_worker_is_handed_arrays_of_its_own(chat):
+    """MLX updates an array's status and event, unlocked, whenever a graph reads it: an id the caller
+    reads again (its next LLM step) must not be the array the worker reads (on the H200 a shared one
+    gave one seed two answers). `put()` hands over a view of its own, scheduled."""
+    worker = TTSThread(chat.tts.tts_model, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4)
+    text_id = mx.array([5], dtype=mx.int32) + 2
+    worker.put(text_id)
+    handed = worker._ids.get_nowait()
+    assert handed is not text_id
+    assert handed.item() == 7 and text_id.item() == 7
+
+
 def test_every_array_the_loaded_model_holds_is_evaluated(chat):
     """Derived private arrays too (norm scales, RoPE frequencies): a compiled step closing over a
     lazy array computes it again at every call, and the TTS worker thread could not evaluate one

@@ -23,10 +23,12 @@ take an id made from host data. On the H200 since (2026-12-02, tools/gpu/tts_thr
 no crash in 6 rounds through our launch and 1 through MLX's, the threaded tests passing. Full
 size, 5 s input: 6.28 ms a frame with the worker against 6.82 ms without. But with the worker on
 by default, test_cli's same-seed test wrote two different WAVs from one seed (three fresh loads in
-one process, H200, once; it passes on the CPU and passed there with the worker off): a race not
-yet found, so it stays off. Suspect first: the worker's graph waiting on a text id that another
-thread's `async_eval` scheduled on another stream (MLX skips already-scheduled inputs when it walks
-a graph, so only the input's event can order the two streams).
+one process, H200, once; it passes on the CPU and passed there with the worker off). Found by
+reading afterwards: the worker and the caller shared each text id array, and MLX mutates an
+array's status and event (no lock) whenever a graph reads it, so both threads did: a data race
+that can crash or skip the cross-stream wait. `put()` now hands the worker an array of its own
+(`mx.contiguous`, no kernel), and the caller no longer waits on the code the worker starts from.
+Off by default until a GPU run holds that.
 """
 
 from __future__ import annotations
@@ -70,12 +72,16 @@ class TTSThread:
     def put(self, text_id: mx.array) -> None:
         if self._error is not None:  # the worker failed: stop the caller's loop now
             raise self._error
-        # Scheduled here, on the caller's thread and stream: an id still lazy would be evaluated by
-        # the worker's eval on the caller's stream, two threads encoding into one stream at once.
-        # (A no-op for the LLM's ids, already scheduled. The system prompt's frames once passed a
-        # lazy pad id: where both GPU crashes of the threaded loop happened.)
-        mx.async_eval(text_id)
-        self._ids.put(text_id)
+        # The worker gets an array of its own, scheduled here, on the caller's thread and stream.
+        # Own: MLX updates an array's status and event whenever a graph reads it (is_available,
+        # detach_event: plain stores, no lock), and the caller reads its id again (the next LLM
+        # step's input, its syncs), so one array shared by both threads is a data race (crashes,
+        # or a cross-stream wait skipped: one seed, two answers). Scheduled: an id still lazy would
+        # be encoded by the worker's eval into the caller's stream while the caller encodes there
+        # too. A contiguous input makes `mx.contiguous` a view: no kernel.
+        handoff = mx.contiguous(text_id)
+        mx.async_eval(handoff)
+        self._ids.put(handoff)
 
     def finish(self) -> tuple[list[mx.array], int]:
         """The codes `[1, 1, Q]` of every frame put, evaluated, and the worker's host syncs."""

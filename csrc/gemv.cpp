@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -810,6 +811,26 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
   return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem, imma > 1 ? imma : kImmaInflight};
 }
 
+// The block layout's row groups a block where a call leaves them to the default (row_groups 0):
+// VOICECHAT_QMV_ROW_GROUPS, 1 to kMaxRowGroups, read once (an A/B on the GPU without a rebuild),
+// else 1. A bad value is an error at every call, on every backend.
+int default_row_groups() {
+  static const int groups = [] {
+    const char* value = std::getenv("VOICECHAT_QMV_ROW_GROUPS");
+    if (value == nullptr || *value == '\0') {
+      return 1;
+    }
+    char* end = nullptr;
+    const long n = std::strtol(value, &end, 10);
+    return *end == '\0' && n >= 1 && n <= kMaxRowGroups ? static_cast<int>(n) : -1;
+  }();
+  if (groups < 0) {
+    throw std::invalid_argument("VOICECHAT_QMV_ROW_GROUPS must be an integer in [1, " +
+                                std::to_string(kMaxRowGroups) + "]");
+  }
+  return groups;
+}
+
 // What quantized_matvec and quantized_matvec_emit_norm share: [out] or, with next_norm, [out,
 // normed, partials] (normed = out * next_norm, partials [..., P] whose sum is each row's sum of out^2).
 std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -824,6 +845,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   const Epilogue epi = make_epilogue(residual, activation, n, who);
   auto fail = [who](const std::string& what) { throw std::invalid_argument(std::string(who) + ": " + what); };
+  const int auto_row_groups = default_row_groups();
   if (row_groups < 0 || row_groups > kMaxRowGroups) {
     fail("row_groups must be in [0, " + std::to_string(kMaxRowGroups) + "] (0 = auto)");
   }
@@ -904,7 +926,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                              norm_eps, out_dtype, s);
   }
   Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only || grouped ? 0 : warps);
-  l.row_groups = grouped ? row_groups : 1;
+  l.row_groups = grouped ? row_groups : l.warps == 0 && !next_norm ? auto_row_groups : 1;
   const bool warp = l.warps > 0;
   // x and the residual go in with their own shapes (the kernel reads them flat, row-contiguous as
   // MLX makes every kernel input) and the output comes out shaped: no reshape nodes in the graph.

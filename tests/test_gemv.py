@@ -9,6 +9,10 @@ through TF32).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -227,6 +231,38 @@ def test_row_groups_are_checked():
             quantized_matvec(x, w, s, b, **kwargs)
     with pytest.raises(ValueError, match="row_groups > 1 takes the block layout"):
         ext.quantized_matvec(x, w, s, b, warps=2, row_groups=2)
+
+
+_ROW_GROUPS_CHILD = """
+import sys
+import numpy as np
+import mlx.core as mx
+from voicechat.kernels.gemv import quantized_matvec
+w, s, b, x = (mx.array(np.load(sys.argv[1])[k]) for k in ("w", "s", "b", "x"))
+np.save(sys.argv[2], np.array(quantized_matvec(x, w, s.astype(mx.bfloat16), b.astype(mx.bfloat16))))
+"""
+
+
+def test_the_default_row_groups_come_from_the_environment(tmp_path):
+    """VOICECHAT_QMV_ROW_GROUPS sets the block layout's row groups where a call leaves them to the
+    default (an A/B without a rebuild): the same bits (on a CUDA GPU, RG 4 against this process's
+    1), and a bad value is one clear error."""
+    w, s, b = _quantized(1000, 640, dtype=mx.bfloat16, seed=2)
+    x = _x((1, 640), mx.float32, seed=8)
+    np.savez(tmp_path / "in.npz", w=np.array(w), s=np.array(s.astype(mx.float32)),
+             b=np.array(b.astype(mx.float32)), x=np.array(x))
+    want = np.array(quantized_matvec(x, w, s, b))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for value, ok in (("4", True), ("0", False), ("four", False)):
+        proc = subprocess.run([sys.executable, "-c", _ROW_GROUPS_CHILD, str(tmp_path / "in.npz"),
+                               str(tmp_path / "out.npy")], env={**env, "VOICECHAT_QMV_ROW_GROUPS": value},
+                              capture_output=True, text=True, timeout=300)
+        if ok:
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), want)
+        else:
+            assert proc.returncode != 0
+            assert "VOICECHAT_QMV_ROW_GROUPS must be an integer in [1, 64]" in proc.stderr
 
 
 @needs_cuda

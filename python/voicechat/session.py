@@ -92,7 +92,7 @@ class VoiceChat:
     `tts_thread` (default off; VOICECHAT_TTS_THREAD=1 turns it on): build the TTS steps on a host
     thread of their own while this thread builds the LLM steps (same ids and codes in every test so
     far; `tts_thread.py` says why it pays, and why it is still off: one GPU run gave two WAVs from
-    one seed)."""
+    one seed, a data race since found by reading and fixed, not yet rerun on a GPU)."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):

@@ -145,7 +145,8 @@ def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):
 
 
 def _tts_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name == "voicechat-tts"]
+    """The one-off workers' threads (a TTSThread made without a worker); a VoiceChat keeps its own."""
+    return [t.name for t in threading.enumerate() if t.name == "voicechat-tts-once"]
 
 
 def test_the_tts_worker_is_off_by_default_and_the_environment_sets_it(tiny_checkpoint, monkeypatch):
@@ -163,18 +164,19 @@ def test_the_tts_thread_gives_one_answer_a_seed_across_fresh_loads(tiny_checkpoi
     """What test_cli's same-seed test does with the worker on (on the H200 it once wrote two WAVs from
     one seed): each load its own streams and compiled steps, each first generate threaded."""
     for _ in range(2):
-        chat = voicechat.load(tiny_checkpoint)
-        chat.tts_thread = True
-        again = chat.generate(spoken_wav, seed=0)
+        with voicechat.load(tiny_checkpoint) as chat:
+            chat.tts_thread = True
+            again = chat.generate(spoken_wav, seed=0)
+            worker = chat._tts_worker
         assert again.text_tokens == result.text_tokens and again.audio_codes == result.audio_codes
         assert np.array_equal(again.audio, result.audio)
-    assert not _tts_threads()
+        assert not worker.is_alive()  # closed with the model
 
 
 @pytest.mark.parametrize("system_prompt", [None, "Be brief."])
 def test_the_tts_on_its_own_thread_changes_nothing(chat, result, spoken_wav, system_prompt):
     """`tts_thread` (the TTS steps built on a worker thread, fed the LLM's text ids on the device)
-    gives the same ids, codes and samples as the loop on one thread, and leaves no thread behind."""
+    gives the same ids, codes and samples as the loop on one thread, and leaves its worker idle."""
     default = chat.tts_thread
     try:
         chat.tts_thread = False
@@ -188,9 +190,28 @@ def test_the_tts_on_its_own_thread_changes_nothing(chat, result, spoken_wav, sys
     assert two.text_tokens == one.text_tokens and two.function_tokens == one.function_tokens
     assert two.audio_codes == one.audio_codes
     assert np.array_equal(two.audio, one.audio)
-    assert not _tts_threads()
+    assert chat._tts_worker.is_alive() and chat._tts_worker.pending == 0
     frames = two.frames + two.prompt_frames  # the worker's waits add to the caller's, a handful still
     assert one.host_syncs <= 5 + frames // 32 and two.host_syncs <= 7 + 2 * (frames // 32)
+
+
+def test_threaded_generates_share_one_worker_thread_until_close(tiny_checkpoint, result, spoken_wav):
+    """A VoiceChat keeps one TTS worker thread across generates (a thread per call traced the
+    compiled TTS step again every call: MLX's compile cache is thread-local); close() ends it, and
+    a later threaded generate starts another that gives the same answer."""
+    chat = voicechat.load(tiny_checkpoint)
+    chat.tts_thread = True
+    first = chat.generate(spoken_wav, seed=0)
+    worker = chat._tts_worker
+    second = chat.generate(spoken_wav, seed=0)
+    assert chat._tts_worker is worker and worker.is_alive()
+    assert second.audio_codes == first.audio_codes == result.audio_codes
+    chat.close()
+    assert not worker.is_alive() and chat._tts_worker is None
+    third = chat.generate(spoken_wav, seed=0)
+    assert chat._tts_worker is not worker and chat._tts_worker.is_alive()  # (thread ids are reused)
+    assert third.audio_codes == result.audio_codes
+    chat.close()
 
 
 _FROM_A_THREAD = """
@@ -241,8 +262,8 @@ class _Stop(Exception):
 
 def test_a_failing_progress_callback_stops_the_tts_thread(chat, result, spoken_wav):
     """An error in the caller's loop (here the progress callback's, as an interrupt would be) ends
-    generate() with that error without stepping the queued frames, leaves no thread, and the next
-    generate() gives the same result as before."""
+    generate() with that error without stepping the queued frames, leaves the worker idle, and the
+    next generate() gives the same result as before."""
     def stop_at_10(done, total):
         if done == 10:
             raise _Stop(f"{done} of {total}")
@@ -252,7 +273,7 @@ def test_a_failing_progress_callback_stops_the_tts_thread(chat, result, spoken_w
     try:
         with pytest.raises(_Stop, match="10 of"):
             chat.generate(spoken_wav, seed=0, progress=stop_at_10)
-        assert not _tts_threads()
+        assert chat._tts_worker.pending == 0
         again = chat.generate(spoken_wav, seed=0)
     finally:
         chat.tts_thread = default

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +35,7 @@ from .stt.conformer import subsampled_length
 from .kernels.rnnt_greedy import emitted_tokens
 from .stt.rnnt import greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
-from .tts_thread import TTSThread
+from .tts_thread import TTSThread, WorkerThread
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
 # Past 30 s of audio the encoder runs a layer at a time (ConformerEncoder's `stepwise`): what a GPU
@@ -114,7 +115,29 @@ class VoiceChat:
         self._timeline_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self._tts_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self.tts_thread = default_tts_thread()
+        self._tts_worker: WorkerThread | None = None  # made at the first threaded generate, then kept
         self._generating = threading.Lock()
+
+    def close(self) -> None:
+        """Ends the TTS worker thread, if a threaded generate made one (garbage collection and the
+        interpreter's exit end it too). A later threaded generate makes a new one."""
+        if self._tts_worker is not None:
+            self._tts_worker.close()
+            self._tts_worker = None
+
+    def __enter__(self) -> "VoiceChat":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _worker_thread(self) -> WorkerThread:
+        """The TTS worker, one for this model's life: a thread of its own per generate would trace
+        the compiled TTS step again at every call (MLX's compile cache is thread-local)."""
+        if self._tts_worker is None or not self._tts_worker.is_alive():
+            self._tts_worker = WorkerThread()
+            weakref.finalize(self, self._tts_worker.close)  # (holds the worker, not the model)
+        return self._tts_worker
 
     # ------------------------------------------------------------------ helpers
 
@@ -278,7 +301,7 @@ class VoiceChat:
         function_out: list[mx.array] = []
         code_out: list[mx.array] = [mx.zeros((1, 1, q), dtype=mx.int32)]  # no TTS at t = 0
         syncs = 0
-        worker = TTSThread(tts, self._tts_stream, silence, SYNC_EVERY) if threaded else None
+        worker = TTSThread(tts, self._tts_stream, silence, SYNC_EVERY, self._worker_thread()) if threaded else None
         if worker is not None:
             worker.start(previous_code, tts_cache, key)
 

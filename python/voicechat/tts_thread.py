@@ -29,6 +29,9 @@ array's status and event (no lock) whenever a graph reads it, so both threads di
 that can crash or skip the cross-stream wait. `put()` now hands the worker an array of its own
 (`mx.contiguous`, no kernel), and the caller no longer waits on the code the worker starts from.
 Off by default until a GPU run holds that.
+
+The worker is one `WorkerThread` a `VoiceChat` keeps (one job per generate): MLX 0.32's compile
+cache is thread-local, and a new thread per call traced the compiled TTS step again every call.
 """
 
 from __future__ import annotations
@@ -43,6 +46,65 @@ from .tts.backbone import BackboneCache
 _DONE = object()  # the end of the text ids
 
 
+class WorkerThread:
+    """One host thread that runs jobs one after another, kept for a `VoiceChat`'s life.
+
+    MLX 0.32's compile cache is thread-local: on a new thread every call, the compiled TTS step was
+    traced again every call (its first two steps 39 / 41 ms against 7-9 ms warm on the CPU;
+    tools/gpu/worker_retrace.py). `close()` ends the thread once its jobs are done, after
+    `mx.clear_streams()` on it (MLX 0.32.4 can abort the process at exit over the streams a
+    finished thread left)."""
+
+    def __init__(self, name: str = "voicechat-tts"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0  # jobs submitted and not yet returned
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted that have not returned yet."""
+        with self._lock:
+            return self._pending
+
+    def submit(self, job) -> threading.Event:
+        """Runs `job()` (which handles its own errors) after the jobs before it; the event is set
+        when it has returned."""
+        done = threading.Event()
+        with self._lock:
+            self._pending += 1
+        self._jobs.put((job, done))
+        return done
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _serve(self) -> None:
+        try:
+            while (item := self._jobs.get()) is not None:
+                job, done = item
+                try:
+                    job()
+                finally:
+                    with self._lock:
+                        self._pending -= 1
+                    done.set()
+        finally:
+            mx.clear_streams()
+
+
 class TTSThread:
     """Steps `tts` once per text id given to `put`, on a worker thread, on `stream`.
 
@@ -50,14 +112,18 @@ class TTSThread:
     each frame's text id, `finish()` waits for the worker and returns the codes of every frame (and
     the host syncs it made); an error in the worker is raised there, or by the next `put()`, after
     which the caller must `abort()`. `abort()` stops a worker whose codes are no longer wanted (the
-    caller's loop failed) without stepping the ids still queued."""
+    caller's loop failed) without stepping the ids still queued. `worker`: the thread to step on (a
+    `WorkerThread` the caller keeps, as `VoiceChat` does); without one, a thread of its own, ended
+    by `finish()` / `abort()`."""
 
-    def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int):
+    def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int,
+                 worker: WorkerThread | None = None):
         self.tts, self.stream, self.silence, self.sync_every = tts, stream, silence, sync_every
         self._ids: queue.SimpleQueue = queue.SimpleQueue()
         self._codes: list[mx.array] = []
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._worker, self._own_worker = worker, worker is None
+        self._done: threading.Event | None = None  # set when the job has returned
         self._aborted = False
         self.syncs = 0
 
@@ -65,9 +131,9 @@ class TTSThread:
         # made on the caller's thread: settled, so that the worker's graphs hold no pending work of it
         mx.eval(previous_code, key, cache.state)
         self.syncs += 1
-        self._thread = threading.Thread(target=self._run, args=(previous_code, cache, key),
-                                        name="voicechat-tts", daemon=True)
-        self._thread.start()
+        if self._worker is None:
+            self._worker = WorkerThread("voicechat-tts-once")
+        self._done = self._worker.submit(lambda: self._run(previous_code, cache, key))
 
     def put(self, text_id: mx.array) -> None:
         if self._error is not None:  # the worker failed: stop the caller's loop now
@@ -95,10 +161,13 @@ class TTSThread:
         self._join()
 
     def _join(self) -> None:
-        if self._thread is not None:
+        if self._done is not None:
             self._ids.put(_DONE)
-            self._thread.join()
-            self._thread = None
+            self._done.wait()
+            self._done = None
+        if self._own_worker and self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def _run(self, previous_code: mx.array, cache: BackboneCache, key: mx.array) -> None:
         text_id = None
@@ -123,6 +192,3 @@ class TTSThread:
             if text_id is not _DONE:
                 while self._ids.get() is not _DONE:  # let the caller's loop run to its end
                     pass
-        finally:
-            # MLX 0.32.4 aborts the process at exit over streams a finished thread made and left
-            mx.clear_streams()

@@ -49,9 +49,9 @@ _DONE = object()  # the end of the text ids
 class WorkerThread:
     """One host thread that runs jobs one after another, kept for a `VoiceChat`'s life.
 
-    MLX 0.32's compile cache is thread-local: on a new thread every call, the compiled TTS step was
-    traced again every call (its first two steps 39 / 41 ms against 7-9 ms warm on the CPU;
-    tools/gpu/worker_retrace.py). `close()` ends the thread once its jobs are done, after
+    MLX 0.32's compile cache is thread-local: with a new thread for every call, the compiled TTS
+    step was traced again at every call (its first two steps 39 / 41 ms against 7-9 ms warm on the
+    CPU; tools/gpu/worker_retrace.py). `close()` ends the thread once its jobs are done, after
     `mx.clear_streams()` on it (MLX 0.32.4 can abort the process at exit over the streams a
     finished thread left)."""
 
@@ -61,10 +61,6 @@ class WorkerThread:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
-
-    @property
-    def ident(self) -> int | None:
-        return self._thread.ident
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

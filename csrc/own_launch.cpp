@@ -331,22 +331,11 @@ const Driver& driver() {
   return api;
 }
 
-// An unwritable cache costs the next process a compile, never this launch: said once a process.
-// Not inside loaded_function: a template's statics are one per instantiation, and it has several.
-void say_cache_unwritable_once(const std::string& folder, const char* why) {
-  static std::once_flag said;
-  std::call_once(said, [&] {
-    std::fprintf(stderr, "voicechat: cannot keep compiled kernels in %s (%s); every process will compile "
-                 "them again (VOICECHAT_CUBIN_DIR picks the folder)\n", folder.c_str(), why);
-  });
-}
-
 // A kernel by `key` (what tells it apart: device, types, args, shared memory): from this process's
 // table, else the cubin cache, else NVRTC (and into the cache). Modules stay loaded for the process.
 // `text_for(arch)` writes the text, called only on a miss (not at every launch).
-template <typename TextFor>
 CUfunction loaded_function(const std::string& key, const std::string& what, int smem, const mx::Stream& s,
-                           TextFor text_for) {
+                           const std::function<std::string(const std::string&)>& text_for) {
   static std::mutex lock;
   static auto* loaded = new std::map<std::string, CUfunction>();  // never freed: outlives the runtime
   std::lock_guard<std::mutex> guard(lock);
@@ -364,7 +353,13 @@ CUfunction loaded_function(const std::string& key, const std::string& what, int 
       try {
         write_cached_cubin(path, text, cubin);
       } catch (const std::exception& e) {
-        say_cache_unwritable_once(folder, e.what());
+        // an unwritable cache costs the next process a compile, never this launch: said once
+        static bool said = false;  // (under `lock`)
+        if (!said) {
+          said = true;
+          std::fprintf(stderr, "voicechat: cannot keep compiled kernels in %s (%s); every process will compile "
+                       "them again (VOICECHAT_CUBIN_DIR picks the folder)\n", folder.c_str(), e.what());
+        }
       }
     }
   }

@@ -144,11 +144,6 @@ def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):
     assert plain.host_syncs > result.frames > result.host_syncs
 
 
-def _tts_threads() -> list[str]:
-    """The one-off workers' threads (a TTSThread made without a worker); a VoiceChat keeps its own."""
-    return [t.name for t in threading.enumerate() if t.name == "voicechat-tts-once"]
-
-
 def test_the_tts_worker_is_off_by_default_and_the_environment_sets_it(tiny_checkpoint, monkeypatch):
     monkeypatch.delenv("VOICECHAT_TTS_THREAD", raising=False)
     assert voicechat.load(tiny_checkpoint).tts_thread is False
@@ -292,11 +287,11 @@ def _warmed_up_tts(chat):
 
 def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
     """A TTS step that fails on the worker raises in the caller's thread, at its next `put()` (the
-    caller's loop stops early) and at `finish()`, and the worker ends (a silence row of the wrong
-    size cannot be reshaped to the frame's codes)."""
+    caller's loop stops early) and at `finish()`, and the worker's job ends (a silence row of the
+    wrong size cannot be reshaped to the frame's codes)."""
     tts = chat.tts.tts_model
     cache, previous = _warmed_up_tts(chat)
-    worker = TTSThread(tts, chat._tts_stream, mx.zeros((5,), mx.int32), sync_every=4)
+    worker = TTSThread(tts, chat._tts_stream, mx.zeros((5,), mx.int32), sync_every=4, worker=chat._worker_thread())
     worker.start(previous, cache, mx.random.key(0))
     with pytest.raises(ValueError, match="reshape"):
         for _ in range(500):  # the worker's error stops the caller at a put() once it has failed
@@ -305,7 +300,7 @@ def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
     worker.abort()
     with pytest.raises(ValueError, match="reshape"):
         worker.finish()
-    assert not _tts_threads()
+    assert chat._tts_worker.pending == 0
 
 
 def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
@@ -318,7 +313,8 @@ def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
 
     def codes(make_id):
         cache, previous = _warmed_up_tts(chat)
-        worker = TTSThread(tts, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4)
+        worker = TTSThread(tts, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4,
+                           worker=chat._worker_thread())
         worker.start(previous, cache, mx.random.key(3))
         for i in range(6):
             worker.put(make_id(c.pad_token_id - i))
@@ -328,14 +324,15 @@ def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
     settled = codes(lambda i: mx.array([i], dtype=mx.int32))
     lazy = codes(lambda i: mx.array([i - 7], dtype=mx.int32) + 7)  # an Add on this thread's default stream
     assert len(lazy) == 6 and all(np.array_equal(a, b) for a, b in zip(lazy, settled))
-    assert not _tts_threads()
+    assert chat._tts_worker.pending == 0
 
 
 def test_the_tts_worker_is_handed_arrays_of_its_own(chat):
     """MLX updates an array's status and event, unlocked, whenever a graph reads it: an id the caller
     reads again (its next LLM step) must not be the array the worker reads (on the H200 a shared one
     gave one seed two answers). `put()` hands over a view of its own, scheduled."""
-    worker = TTSThread(chat.tts.tts_model, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4)
+    worker = TTSThread(chat.tts.tts_model, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4,
+                       worker=chat._worker_thread())
     text_id = mx.array([5], dtype=mx.int32) + 2
     worker.put(text_id)
     handed = worker._ids.get_nowait()

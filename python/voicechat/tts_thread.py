@@ -55,11 +55,11 @@ class WorkerThread:
     `mx.clear_streams()` on it (MLX 0.32.4 can abort the process at exit over the streams a
     finished thread left)."""
 
-    def __init__(self, name: str = "voicechat-tts"):
+    def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # jobs submitted and not yet returned
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="voicechat-tts", daemon=True)
         self._thread.start()
 
     def is_alive(self) -> bool:
@@ -109,16 +109,14 @@ class TTSThread:
     the host syncs it made); an error in the worker is raised there, or by the next `put()`, after
     which the caller must `abort()`. `abort()` stops a worker whose codes are no longer wanted (the
     caller's loop failed) without stepping the ids still queued. `worker`: the thread to step on (a
-    `WorkerThread` the caller keeps, as `VoiceChat` does); without one, a thread of its own, ended
-    by `finish()` / `abort()`."""
+    `WorkerThread` the caller keeps, as `VoiceChat` does)."""
 
-    def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int,
-                 worker: WorkerThread | None = None):
+    def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int, worker: WorkerThread):
         self.tts, self.stream, self.silence, self.sync_every = tts, stream, silence, sync_every
         self._ids: queue.SimpleQueue = queue.SimpleQueue()
         self._codes: list[mx.array] = []
         self._error: BaseException | None = None
-        self._worker, self._own_worker = worker, worker is None
+        self._worker = worker
         self._done: threading.Event | None = None  # set when the job has returned
         self._aborted = False
         self.syncs = 0
@@ -127,8 +125,6 @@ class TTSThread:
         # made on the caller's thread: settled, so that the worker's graphs hold no pending work of it
         mx.eval(previous_code, key, cache.state)
         self.syncs += 1
-        if self._worker is None:
-            self._worker = WorkerThread("voicechat-tts-once")
         self._done = self._worker.submit(lambda: self._run(previous_code, cache, key))
 
     def put(self, text_id: mx.array) -> None:
@@ -161,9 +157,6 @@ class TTSThread:
             self._ids.put(_DONE)
             self._done.wait()
             self._done = None
-        if self._own_worker and self._worker is not None:
-            self._worker.close()
-            self._worker = None
 
     def _run(self, previous_code: mx.array, cache: BackboneCache, key: mx.array) -> None:
         text_id = None

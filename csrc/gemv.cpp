@@ -849,8 +849,9 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   if (row_groups < 0 || row_groups > kMaxRowGroups) {
     fail("row_groups must be in [0, " + std::to_string(kMaxRowGroups) + "] (0 = auto)");
   }
-  if (row_groups > 1 && warps > 0) fail("row_groups > 1 takes the block layout (warps 0 or -1)");
-  if (row_groups > 1 && (stages > 0 || imma > 0)) fail("row_groups > 1 takes the block layout (no stages, no imma)");
+  if (row_groups > 1 && (warps > 0 || stages > 0 || imma > 0)) {
+    fail("row_groups > 1 takes the block layout (warps 0 or -1, no stages, no imma)");
+  }
   if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != k || !float_dtype(norm_weight->dtype()))) {
     fail("norm_weight must be a float array [K] with K = " + std::to_string(k));
   }

@@ -144,9 +144,17 @@ def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):
     assert plain.host_syncs > result.frames > result.host_syncs
 
 
-def test_the_tts_worker_is_off_by_default_and_the_environment_sets_it(tiny_checkpoint, monkeypatch):
+def test_the_tts_worker_is_on_by_default_only_on_a_cuda_gpu_and_the_environment_sets_it(
+        tiny_checkpoint, monkeypatch):
     monkeypatch.delenv("VOICECHAT_TTS_THREAD", raising=False)
-    assert voicechat.load(tiny_checkpoint).tts_thread is False
+    device = mx.default_device()
+    try:
+        mx.set_default_device(mx.cpu)
+        assert voicechat.load(tiny_checkpoint).tts_thread is False
+    finally:
+        mx.set_default_device(device)
+    if mx.default_device() == mx.gpu and getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+        assert voicechat.load(tiny_checkpoint).tts_thread is True
     for value, want in (("0", False), ("1", True)):
         monkeypatch.setenv("VOICECHAT_TTS_THREAD", value)
         assert voicechat.load(tiny_checkpoint).tts_thread is want

@@ -80,20 +80,24 @@ class Result:
 
 def default_tts_thread() -> bool:
     """Whether `generate()` builds the TTS steps on a worker thread unless told: as
-    VOICECHAT_TTS_THREAD says ("0" or "1"), off when unset (see tts_thread.py)."""
+    VOICECHAT_TTS_THREAD says ("0" or "1"); when unset, on where the default device is a CUDA GPU
+    (measured and tested there, see tts_thread.py), off elsewhere (on a CPU the two chains share the
+    same cores; Metal is untried)."""
     value = os.environ.get("VOICECHAT_TTS_THREAD", "")
     if value not in ("", "0", "1"):
         raise ValueError(f"VOICECHAT_TTS_THREAD is {value!r}: use 0 or 1")
-    return value == "1"
+    if value:
+        return value == "1"
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
 class VoiceChat:
     """A loaded model: `generate()` runs the offline timeline on one input.
 
-    `tts_thread` (default off; VOICECHAT_TTS_THREAD=1 turns it on): build the TTS steps on a host
-    thread of their own while this thread builds the LLM steps (same ids and codes in every test so
-    far; `tts_thread.py` says why it pays, and why it is still off: one GPU run gave two WAVs from
-    one seed, a data race since found by reading and fixed, not yet rerun on a GPU)."""
+    `tts_thread` (on by default on a CUDA GPU, off elsewhere; VOICECHAT_TTS_THREAD=0|1 overrides):
+    build the TTS steps on a host thread of their own while this thread builds the LLM steps (same
+    ids and codes as one thread; `tts_thread.py` says why it pays and what it took)."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):

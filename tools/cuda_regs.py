@@ -23,7 +23,7 @@ SHOWN = ("BITS", "K", "N", "M", "ROWS", "THREADS", "WARPS", "D", "H", "SINGLE", 
 def report(source: dict, index: int, instance: dict, nvcc: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cu = Path(tmp) / "kernel.cu"
-        cu.write_text(wrap(source, instance))
+        cu.write_text(wrap(source, [instance]))
         proc = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-I", str(STUB), "-cubin", "-Xptxas", "-v",
                                "-o", str(Path(tmp) / "kernel.cubin"), str(cu)], capture_output=True, text=True)
     if proc.returncode:

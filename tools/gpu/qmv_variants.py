@@ -170,7 +170,7 @@ def nvcc_registers() -> None:
                     "output_types": ["float"], "template_args": targs}
             with tempfile.TemporaryDirectory() as tmp:
                 cu = Path(tmp) / "probe.cu"
-                cu.write_text(wrap(src, inst))
+                cu.write_text(wrap(src, [inst]))
                 proc = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-I", str(STUB), "-cubin", "-Xptxas", "-v",
                                        "-o", str(Path(tmp) / "p.cubin"), str(cu)], capture_output=True, text=True)
             regs = re.search(r"Used (\d+) registers", proc.stderr)

@@ -202,21 +202,24 @@ def test_integer_mma_groups_in_flight_change_no_bit(inflight):
 
 
 @needs_cuda
-@pytest.mark.parametrize("row_groups", [2, 3, 4])
+@pytest.mark.parametrize("row_groups, rows_per_block", [(2, 0), (3, 0), (4, 0), (4, 4), (11, 4)])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("n,k,squared_relu", [(22656, 4480, False), (15680, 4480, True), (1000, 640, False)])
-def test_row_groups_change_no_bit(n, k, squared_relu, rows, row_groups):
-    """row_groups > 1: each block computes several groups of rows, one after the other, as that many
-    blocks would (at 1000 rows the last block's groups run past N): the bits of one group a block,
-    through the RMSNorm prologue and through a producer's partials."""
+def test_row_groups_change_no_bit(n, k, squared_relu, rows, row_groups, rows_per_block):
+    """row_groups > 1: each block computes several groups of rows as that many blocks would (at 1000
+    rows the last block's groups run past N): the bits of one group a block, through the RMSNorm
+    prologue and through a producer's partials, with the default 8 rows a group and with 4. (Every
+    shape here is one step a row: each thread's x chunk made once, the next group's weights loaded
+    during a group's math.)"""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=5)
     x = _x((rows, k), mx.float32, seed=3)
     weight = 1.0 + 0.1 * _x((k,), mx.float32, seed=4)
     partials = mx.abs(_x((rows, 560), mx.float32, seed=6)) * k / 560
     for x_in, extra in ((x, dict(norm=(weight, 1e-5))),
                         (Prenormed(x * weight, partials, 1, 1e-5), {})):
-        want = quantized_matvec(x_in, w, s, b, squared_relu=squared_relu, stages=-1, **extra)
-        got = quantized_matvec(x_in, w, s, b, squared_relu=squared_relu, stages=-1, row_groups=row_groups, **extra)
+        launch = dict(squared_relu=squared_relu, stages=-1, rows_per_block=rows_per_block, **extra)
+        want = quantized_matvec(x_in, w, s, b, **launch)
+        got = quantized_matvec(x_in, w, s, b, row_groups=row_groups, **launch)
         np.testing.assert_array_equal(np.array(got), np.array(want))
 
 

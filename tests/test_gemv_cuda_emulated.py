@@ -687,6 +687,8 @@ def emulated(tmp_path_factory):
         # (the three above make each x chunk once, a row being one step; these two take two steps a row)
         "q4_prenormed_rms_two_steps": prenormed_case(19, 4480, 1, 300, 1, 8, 96),
         "q4_prenormed_rms_two_steps_rg2": prenormed_case(19, 4480, 1, 300, 1, 8, 96, row_groups=2),
+        "q4_prenormed_rms_4rows": prenormed_case(19, 4480, 1, 300, 1, 4, 160),
+        "q4_prenormed_rms_4rows_rg3": prenormed_case(19, 4480, 1, 300, 1, 4, 160, row_groups=3),
         # gated-GELU input (the TTS MLP's down_proj on gate / up): several steps, both layouts
         "dense_gelu_gate": dense_case(9, 4608, 2, mx.float32, mx.bfloat16, 4, 192, pro=1),
         "dense_gelu_gate_bf16x_bias": dense_case(5, 200, 1, mx.bfloat16, mx.bfloat16, 2, 32, mx.float32, pro=1),
@@ -801,6 +803,7 @@ def emulated(tmp_path_factory):
                                   "warp_dense_relu2", "q4_norm_m2", "q4_norm_relu2", "q8_norm_bias_residual",
                                   "q4_prenormed_rms_m2", "q4_prenormed_rms_relu2", "q4_prenormed_groups",
                                   "q4_norm_relu2_rg2", "q4_prenormed_rms_m2_rg2", "q4_prenormed_groups_rg3", "q4_prenormed_rms_two_steps_rg2",
+                                  "q4_prenormed_rms_4rows_rg3",
                                   "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
                                   "warp_dense_gelu_gate", "gated_norm_mixer", "gated_norm_small",
                                   "gated_norm_bf16"])
@@ -817,7 +820,8 @@ def test_matvec_kernels_emulated(emulated, name):
 @pytest.mark.parametrize("grouped, single", [("q4_norm_relu2_rg2", "q4_norm_relu2"),
                                              ("q4_prenormed_rms_m2_rg2", "q4_prenormed_rms_m2"),
                                              ("q4_prenormed_groups_rg3", "q4_prenormed_groups"),
-                                             ("q4_prenormed_rms_two_steps_rg2", "q4_prenormed_rms_two_steps")])
+                                             ("q4_prenormed_rms_two_steps_rg2", "q4_prenormed_rms_two_steps"),
+                                             ("q4_prenormed_rms_4rows_rg3", "q4_prenormed_rms_4rows")])
 def test_row_groups_change_no_bit_emulated(emulated, grouped, single):
     """A block's row groups are computed as separate blocks would compute them: the same bits."""
     exe, cases, _, _, tmp = emulated

@@ -119,7 +119,7 @@ def _prenorm_args(x) -> tuple[mx.array, dict]:
 
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
                      squared_relu: bool = False, norm=None, stages: int = 0, imma: int = 0, row_groups: int = 0,
-                     stream=None):
+                     rows_per_block: int = 0, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
     `x` [..., K] or `Prenormed` (its scales applied in the same launch), w packed uint32
     [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input is `rms_norm(x, weight, eps)`,
@@ -132,9 +132,10 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     layout (4-bit group 64: 16-row slabs, x as a block floating point expansion of int8 terms; > 0
     always, never by default: its kernel is faster at two of the step's shapes but the step taking
     it was not; 2-16: that many 64-wide groups in flight a warp instead of the default's).
-    `row_groups` > 1: the block layout, each block computing that many groups of rows one after the
-    other (its fixed work spent once on more rows; the same bits; not the default until the H200
-    says). Only the CUDA path reads these."""
+    `row_groups` > 1: the block layout, each block computing that many groups of `rows_per_block`
+    rows (1, 2, 4 or 8; 0 the default) one after the other, where a row is one step with each
+    thread's x chunk made once and the next group's weights loaded during a group's math (the same
+    bits; not the default until the H200 says). Only the CUDA path reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)
@@ -145,7 +146,7 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
                                 activation=_activation(squared_relu), norm_weight=norm_weight,
                                 norm_eps=float(norm_eps), stages=stages, imma=imma, row_groups=row_groups,
-                                stream=stream, **pre)
+                                rows_per_block=rows_per_block, stream=stream, **pre)
 
 
 def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size: int = 64,

@@ -374,6 +374,25 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
   st.w[0].x = tied(st.w[0].x, loaded, w4);
 }
 
+// Word k (VPW values) of chunk c of x's M rows, times norm_w where NORM, each row's sum of squares
+// gathered in ss.
+template <int K, int M, int VPW, bool NORM, typename TX, typename TN>
+__device__ __forceinline__ void load_x_word(const TX* x, int c, int k, bool vec, const TN* norm_w, float* ss,
+                                            float (&xv)[M][VPW]) {
+  constexpr int CHUNK = 4 * VPW;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
+    if constexpr (NORM) {
+#pragma unroll
+      for (int j = 0; j < VPW; ++j) {
+        ss[m] = fmaf(xv[m][j], xv[m][j], ss[m]);
+        xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
+      }
+    }
+  }
+}
+
 // acc[r][m] = sum_k x[m, k] * (scale * q[row0 + r, k] + bias) over this thread's chunks, for the
 // affine-quantized weight [n_rows, K * BITS / 32] (uint32) with scales / biases [n_rows, K / GROUP].
 // A 16-byte chunk holds 128 / BITS values of one group (GROUP >= 32): per chunk and row,
@@ -430,17 +449,7 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         float xv[M][VPW];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
-          if constexpr (NORM) {
-#pragma unroll
-            for (int j = 0; j < VPW; ++j) {
-              ss[m] = fmaf(xv[m][j], xv[m][j], ss[m]);
-              xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
-            }
-          }
-        }
+        load_x_word<K, M, VPW, NORM>(x, c, k, vec, norm_w, ss, xv);
         if constexpr (BITS == 4) {
           float xh[M][4], xl[M][4];
 #pragma unroll
@@ -521,24 +530,14 @@ struct PairChunk {
 
 template <int K, int M, bool NORM, typename TX, typename TN>
 __device__ __forceinline__ void load_pair_chunk(const TX* x, int c, bool vec, const TN* norm_w, PairChunk<M>& pc) {
-  constexpr int VPW = 8, CHUNK = 32;
+  constexpr int VPW = 8;
   float hsum[M], lsum[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) hsum[m] = lsum[m] = 0.0f;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     float xv[M][VPW];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
-      if constexpr (NORM) {
-#pragma unroll
-        for (int j = 0; j < VPW; ++j) {
-          pc.ss[m] = fmaf(xv[m][j], xv[m][j], pc.ss[m]);
-          xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
-        }
-      }
-    }
+    load_x_word<K, M, VPW, NORM>(x, c, k, vec, norm_w, pc.ss, xv);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
 #pragma unroll

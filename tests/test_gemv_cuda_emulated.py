@@ -684,11 +684,12 @@ def emulated(tmp_path_factory):
                                       row_groups=2),
         "q4_prenormed_rms_m2_rg2": prenormed_case(19, 4480, 2, 300, 1, 8, 160, row_groups=2),
         "q4_prenormed_groups_rg3": prenormed_case(13, 1280, 2, 12, 4, 4, 32, epi=1, row_groups=3),
-        # (the three above make each x chunk once, a row being one step; these two take two steps a row)
-        "q4_prenormed_rms_two_steps": prenormed_case(19, 4480, 1, 300, 1, 8, 96),
-        "q4_prenormed_rms_two_steps_rg2": prenormed_case(19, 4480, 1, 300, 1, 8, 96, row_groups=2),
+        # (rg2 above and 4rows_rg3 here make each thread's x chunk once, a row being one step; the
+        # group norm above and two steps a row here go group by group through qmv_accumulate)
         "q4_prenormed_rms_4rows": prenormed_case(19, 4480, 1, 300, 1, 4, 160),
         "q4_prenormed_rms_4rows_rg3": prenormed_case(19, 4480, 1, 300, 1, 4, 160, row_groups=3),
+        "q4_prenormed_rms_two_steps": prenormed_case(19, 4480, 1, 300, 1, 8, 96),
+        "q4_prenormed_rms_two_steps_rg2": prenormed_case(19, 4480, 1, 300, 1, 8, 96, row_groups=2),
         # gated-GELU input (the TTS MLP's down_proj on gate / up): several steps, both layouts
         "dense_gelu_gate": dense_case(9, 4608, 2, mx.float32, mx.bfloat16, 4, 192, pro=1),
         "dense_gelu_gate_bf16x_bias": dense_case(5, 200, 1, mx.bfloat16, mx.bfloat16, 2, 32, mx.float32, pro=1),
@@ -802,8 +803,8 @@ def emulated(tmp_path_factory):
                                   "q4_relu2_bias", "warp_q4_residual", "warp_q8_relu2", "dense_residual_bias",
                                   "warp_dense_relu2", "q4_norm_m2", "q4_norm_relu2", "q8_norm_bias_residual",
                                   "q4_prenormed_rms_m2", "q4_prenormed_rms_relu2", "q4_prenormed_groups",
-                                  "q4_norm_relu2_rg2", "q4_prenormed_rms_m2_rg2", "q4_prenormed_groups_rg3", "q4_prenormed_rms_two_steps_rg2",
-                                  "q4_prenormed_rms_4rows_rg3",
+                                  "q4_norm_relu2_rg2", "q4_prenormed_rms_m2_rg2", "q4_prenormed_groups_rg3",
+                                  "q4_prenormed_rms_4rows_rg3", "q4_prenormed_rms_two_steps_rg2",
                                   "dense_gelu_gate", "dense_gelu_gate_bf16x_bias",
                                   "warp_dense_gelu_gate", "gated_norm_mixer", "gated_norm_small",
                                   "gated_norm_bf16"])

@@ -55,7 +55,7 @@ SECONDS = [int(v) for v in os.environ.get("VOICECHAT_BENCH_SECONDS", "5,30,120")
 
 
 # The TTS steps built on the caller's thread or on a thread of their own (`VoiceChat.tts_thread`,
-# experimental, off unless VOICECHAT_TTS_THREAD=1); unset runs the default, "0,1" runs both.
+# on by default on a CUDA GPU); unset runs the default, "0,1" runs both.
 TTS_THREAD = [bool(int(v)) for v in os.environ["VOICECHAT_BENCH_TTS_THREAD"].split(",")] \
     if os.environ.get("VOICECHAT_BENCH_TTS_THREAD") else [None]
 

@@ -636,15 +636,18 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
   const int lane = static_cast<int>(threadIdx.x);
   PairChunk<CHUNK_ONCE ? M : 1> pc;
   QuantStep<ROWS> step{};  // CHUNK_ONCE: the group's weights, then (loaded during its math) the next's
+  auto load_group = [&](int first_row) {  // CHUNK_ONCE: this lane's chunk of rows first_row.. into step
+    int rows[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) rows[r] = min(first_row + r, N - 1);
+    load_step<K / CHUNK, K / GROUP, CHUNK, GROUP>(step, reinterpret_cast<const uint4*>(weight), scales, biases, rows,
+                                                  lane);
+  };
   if constexpr (CHUNK_ONCE) {
 #pragma unroll
     for (int m = 0; m < M; ++m) pc.ss[m] = 0.0f;
     if (lane < K / CHUNK) {
-      int rows[ROWS];
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) rows[r] = min(static_cast<int>(blockIdx.x) * RG * ROWS + r, N - 1);
-      load_step<K / CHUNK, K / GROUP, CHUNK, GROUP>(step, reinterpret_cast<const uint4*>(weight), scales, biases,
-                                                    rows, lane);
+      load_group(static_cast<int>(blockIdx.x) * RG * ROWS);
       load_pair_chunk<K, M, NORM == 1>(x, lane, aligned16(x), norm_w, pc);
     }
   }
@@ -673,11 +676,7 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
       if (lane < K / CHUNK) {
         pair_rows<ROWS, M>(step, pc, acc);
         if (pass + 1 < RG && row0 + ROWS < N) {  // the next group's loads in flight during this one's sums
-          int rows[ROWS];
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) rows[r] = min(row0 + ROWS + r, N - 1);
-          load_step<K / CHUNK, K / GROUP, CHUNK, GROUP>(step, reinterpret_cast<const uint4*>(weight), scales,
-                                                        biases, rows, lane);
+          load_group(row0 + ROWS);
         }
       } else {
 #pragma unroll

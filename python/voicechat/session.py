@@ -353,8 +353,10 @@ class VoiceChat:
                         tts_step(int(text_id.item()) if plain else text_id)
                     prev_text, prev_function = text_id[None], function_id[None]
                     if (i + 1) % SYNC_EVERY == 0:  # (the worker bounds its own half)
-                        # (not the worker's code: an array two threads read is a race, see tts_thread.py)
-                        mx.eval(text_id) if worker is not None else mx.eval(text_id, previous_code)
+                        if worker is None:
+                            mx.eval(text_id, previous_code)
+                        else:  # (not the worker's code: an array two threads read is a race, see tts_thread.py)
+                            mx.eval(text_id)
                         syncs += 1
                     if progress is not None:
                         progress(t + 1, total)

@@ -1,11 +1,12 @@
 """What a fresh TTS worker thread costs: the compiled TTS step traced again on a new thread.
 
-MLX 0.32's compile cache is thread-local and `generate` starts a new worker thread per call
-(`voicechat.tts_thread`), so every threaded call traces the compiled TTS step again. This times the
-first steps of a warmed-up TTS on the main thread (twice: cold, then warm) and on two fresh
-threads, each step waited for. The difference between a fresh thread's first steps and the warm
-ones is what a worker kept for the `VoiceChat`'s life would save per call. (CPU, tiny checkpoint,
-twenty-first session: 39 / 41 ms against 7-9 ms warm.)
+MLX 0.32's compile cache is thread-local, so a new worker thread per `generate` (as the
+twenty-first session's code had) traces the compiled TTS step again at every threaded call. This
+times the first steps of a warmed-up TTS on the main thread (twice: cold, then warm) and on two
+fresh threads, each step waited for. The difference between a fresh thread's first steps and the
+warm ones is what the worker a `VoiceChat` keeps for its life (`voicechat.tts_thread.WorkerThread`)
+saves per call. (CPU, tiny checkpoint, twenty-first session: 39 / 41 ms against 7-9 ms warm; H200,
+full size, twenty-second: 14.6 / 13.9 and 13.6 / 16.8 ms against 3.6-4.4 ms.)
 
     PYTHONPATH=/tmp/site2:/tmp/site python3 tools/gpu/worker_retrace.py [--size tiny|full] [--steps 4]
 """

@@ -518,75 +518,12 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
   }
 }
 
-// One thread's 4-bit x chunk in the pair form (see pair_word), made once for all the row groups a
-// block computes when a row is one step (RG > 1, K / 32 <= THREADS): per word the pairs' xh / xl,
-// the chunk's offset and sum, and (NORM) the sum of squares; the same arithmetic, in the same order,
-// as qmv_accumulate's step, so the rows' sums keep their bits.
-template <int M>
-struct PairChunk {
-  float xh[4][M][4], xl[4][M][4];
-  float offset[M], xsum[M], ss[M];
-};
-
-template <int K, int M, bool NORM, typename TX, typename TN>
-__device__ __forceinline__ void load_pair_chunk(const TX* x, int c, bool vec, const TN* norm_w, PairChunk<M>& pc) {
-  constexpr int VPW = 8;
-  float hsum[M], lsum[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) hsum[m] = lsum[m] = 0.0f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    float xv[M][VPW];
-    load_x_word<K, M, VPW, NORM>(x, c, k, vec, norm_w, pc.ss, xv);
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        pc.xh[k][m][s] = xv[m][s + 4];
-        pc.xl[k][m][s] = fmaf(-Pair::LO, xv[m][s + 4], xv[m][s]);
-        hsum[m] += pc.xh[k][m][s];
-        lsum[m] += pc.xl[k][m][s];
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    pc.offset[m] = fmaf(16.0f + Pair::C, hsum[m], 16.0f * lsum[m]);
-    pc.xsum[m] = fmaf(1.0f + Pair::LO, hsum[m], lsum[m]);
-  }
-}
-
-// acc[r][m] = the sums of one step's ROWS rows against a made chunk (qmv_accumulate's step, its bits).
-template <int ROWS, int M>
-__device__ __forceinline__ void pair_rows(const QuantStep<ROWS>& st, const PairChunk<M>& pc, float (*acc)[M]) {
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float dot[M];
-#pragma unroll
-    for (int m = 0; m < M; ++m) dot[m] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const unsigned int v = word(st.w[r], k);
-      pair_fma<0, M>(v, pc.xh[k], pc.xl[k], dot);
-      pair_fma<1, M>(v, pc.xh[k], pc.xl[k], dot);
-      pair_fma<2, M>(v, pc.xh[k], pc.xl[k], dot);
-      pair_fma<3, M>(v, pc.xh[k], pc.xl[k], dot);
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      acc[r][m] = 0.0f;
-      acc[r][m] += fmaf(st.scale[r], dot[m] - pc.offset[m], st.bias[r] * pc.xsum[m]);
-    }
-  }
-}
-
 // The block-layout quantized matvec, whole: block b computes the RG row groups b * RG .. b * RG + RG - 1,
 // one after the other, group g being rows [g * ROWS, g * ROWS + ROWS). RG > 1 spends a block's fixed
 // work (its start, the partials' loads) once on more rows: on the H200 the launch's time grew with
-// its blocks (in_proj 28.6 / 39.0 / 67.8 us at 2832 / 5664 / 11328 blocks of 8 / 4 / 2 rows). Done
-// one group after another that gained nothing (28.96 us at RG 2): each group waited out its own trip
-// to memory. So where a row is one step of 4-bit chunks (CHUNK_ONCE), a thread makes its x chunk
-// once and loads the next group's weights while it computes this group's (and sums its rows).
+// its blocks (in_proj 28.6 / 39.0 / 67.8 us at 2832 / 5664 / 11328 blocks of 8 / 4 / 2 rows). It gained
+// nothing there (28.96 us at RG 2): each group waits out its own trip to memory. (Making each thread's
+// x chunk once and loading the next group during this one's math lost too: 31.0-31.8 us at RG 2-8.)
 //
 // NORM 0: x is the product's input. NORM 1: rms_norm(x) * norm_w is (see qmv_accumulate; eps).
 // NORM 2 (an input normalized by its producer): x is a norm's input already times the norm weight,
@@ -617,7 +554,6 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
   static_assert(!GROUPS || (GW * NG == K && GW % CHUNK == 0), "a chunk lies inside one norm group");
   static_assert(!EMIT || (EPI == 1 && ROWS * M <= 32), "EMIT follows a residual, its rows in one warp");
   static_assert(RG >= 1, "one row group a block at least");
-  constexpr bool CHUNK_ONCE = RG > 1 && BITS == 4 && ITERS == 1 && !GROUPS;
   __shared__ float part[(SUMS > NG * M ? SUMS : NG * M) * THREADS];
   __shared__ float total[SUMS];
   __shared__ float group_total[GROUPS ? NG * M : 1];
@@ -631,24 +567,6 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
         const int i = static_cast<int>(threadIdx.x) + j * THREADS;
         pv[m][j] = i < NP ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
       }
-    }
-  }
-  const int lane = static_cast<int>(threadIdx.x);
-  PairChunk<CHUNK_ONCE ? M : 1> pc;
-  QuantStep<ROWS> step{};  // CHUNK_ONCE: the group's weights, then (loaded during its math) the next's
-  auto load_group = [&](int first_row) {  // CHUNK_ONCE: this lane's chunk of rows first_row.. into step
-    int rows[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) rows[r] = min(first_row + r, N - 1);
-    load_step<K / CHUNK, K / GROUP, CHUNK, GROUP>(step, reinterpret_cast<const uint4*>(weight), scales, biases, rows,
-                                                  lane);
-  };
-  if constexpr (CHUNK_ONCE) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) pc.ss[m] = 0.0f;
-    if (lane < K / CHUNK) {
-      load_group(static_cast<int>(blockIdx.x) * RG * ROWS);
-      load_pair_chunk<K, M, NORM == 1>(x, lane, aligned16(x), norm_w, pc);
     }
   }
   // (The shared arrays are reused group after group: block_sum's closing barrier and the barrier
@@ -672,28 +590,9 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
         }
       }
     }
-    if constexpr (CHUNK_ONCE) {
-      if (lane < K / CHUNK) {
-        pair_rows<ROWS, M>(step, pc, acc);
-        if (pass + 1 < RG && row0 + ROWS < N) {  // the next group's loads in flight during this one's sums
-          load_group(row0 + ROWS);
-        }
-      } else {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-          for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-        }
-      }
-      if constexpr (NORM == 1) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) acc[ROWS][m] = pc.ss[m];
-      }
-    } else {
-      qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(
-          x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w,
-          acc[ROWS], split);
-    }
+    qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(
+        x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
+        split);
     if constexpr (NORM == 2 && NG == 1) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {

@@ -684,8 +684,7 @@ def emulated(tmp_path_factory):
                                       row_groups=2),
         "q4_prenormed_rms_m2_rg2": prenormed_case(19, 4480, 2, 300, 1, 8, 160, row_groups=2),
         "q4_prenormed_groups_rg3": prenormed_case(13, 1280, 2, 12, 4, 4, 32, epi=1, row_groups=3),
-        # (rg2 above and 4rows_rg3 here make each thread's x chunk once, a row being one step; the
-        # group norm above and two steps a row here go group by group through qmv_accumulate)
+        # (a row of one step, as at K = 4480, and of two steps, at 4 and 8 rows)
         "q4_prenormed_rms_4rows": prenormed_case(19, 4480, 1, 300, 1, 4, 160),
         "q4_prenormed_rms_4rows_rg3": prenormed_case(19, 4480, 1, 300, 1, 4, 160, row_groups=3),
         "q4_prenormed_rms_two_steps": prenormed_case(19, 4480, 1, 300, 1, 8, 96),

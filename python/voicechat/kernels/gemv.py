@@ -133,9 +133,8 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     always, never by default: its kernel is faster at two of the step's shapes but the step taking
     it was not; 2-16: that many 64-wide groups in flight a warp instead of the default's).
     `row_groups` > 1: the block layout, each block computing that many groups of `rows_per_block`
-    rows (1, 2, 4 or 8; 0 the default) one after the other; where a row is one step of 16-byte
-    chunks, each thread makes its x chunk once and loads the next group's weights during a group's
-    math (the same bits; not the default until the H200 says). Only the CUDA path reads these."""
+    rows (1, 2, 4 or 8; 0 the default) one after the other (the same bits; never faster on the H200,
+    so never the default). Only the CUDA path reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)

@@ -4,7 +4,14 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
 
   stream   the weight rows, scales and biases read and folded, no math: what a kernel of this grid
            can stream (the roofline of the launch shape); built here from the extension's device
-           code (vc_gemv's header, fetched through ext.cuda_sources())
+           code (vc_gemv's header, fetched through ext.cuda_sources()). With a suffix, the product's
+           other parts added one by one (STREAM_FLAGS): x (its float32 chunk loads as the product
+           makes them), xc (the same bytes coalesced, as from a chunk-major x), xs (x staged by
+           each warp in shared memory), r (the block sum and store), o (the product's occupancy:
+           5 blocks an SM): streamx, streamxr, streamo, streamxo, streamxro, streamxc, streamxs,
+           streamxsr. H200, in_proj, f32 x (2026-12-02): 15.3 / 26.6 / 20.2 / 18.5 (warp-staged;
+           20.1 staged by the block behind one barrier) us for stream / x / xc / xs, 28.5 xr,
+           20.4 xsr, 29.5 xo, 32.4 xro; the product 28.9
   ext      the step's own instance through the extension (prologue and emitted norm included) at
            (rows, threads); threads 0: the default; its fourth field is row_groups (1: one group of rows
            a block; > 1 the block layout with that many, see quantized_matvec)
@@ -47,6 +54,15 @@ STREAM = """
   const int first = (blockIdx.x % KSPLIT) * PART;
   const int row0 = (blockIdx.x / KSPLIT) * ROWS;
   unsigned int fold = 0u;
+  float xs = 0.0f;
+  __shared__ float4 sx[(FLAGS & 16) != 0 ? K / 4 : 1];
+  if constexpr ((FLAGS & 16) != 0) {  // x into shared memory first (STAGE)
+    if (first + static_cast<int>(threadIdx.x) < first + PART) {  // the first weights in flight meanwhile
+      const size_t row = static_cast<size_t>(min(row0, N - 1));
+      fold = __ldcs(w4 + row * CHUNKS + first + threadIdx.x).x;
+    }
+    vc_probe::stage_x<K, THREADS>(x, sx);
+  }
   for (int c = first + threadIdx.x; c < first + PART; c += THREADS) {
     uint4 v[ROWS];
     unsigned int sb[ROWS];
@@ -57,11 +73,74 @@ STREAM = """
       sb[r] = static_cast<unsigned int>(__bfloat16_as_ushort(scales[row * GROUPS + c / 2])) ^
               (static_cast<unsigned int>(__bfloat16_as_ushort(biases[row * GROUPS + c / 2])) << 16);
     }
+    if constexpr ((FLAGS & 1) != 0) {  // the chunk's 32 float32 x values, as the product loads them
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float4 t;
+        if constexpr ((FLAGS & 16) != 0) {  // from the staged copy (STAGE's layout)
+          t = sx[vc_probe::staged_slot(c, j)];
+        } else if constexpr ((FLAGS & 8) != 0) {  // the same bytes, coalesced (a chunk-major x)
+          t = reinterpret_cast<const float4*>(x)[j * CHUNKS + c];
+        } else {
+          t = reinterpret_cast<const float4*>(x)[c * 8 + j];
+        }
+        xs += (t.x + t.y) + (t.z + t.w);
+      }
+    }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) fold ^= v[r].x ^ v[r].y ^ v[r].z ^ v[r].w ^ sb[r];
   }
-  if (fold == 0x9E3779B9u) out[blockIdx.x] = static_cast<float>(fold);  // keeps the loads
+  if constexpr ((FLAGS & 4) != 0) {  // 42 KB of shared memory a block: 5 blocks an SM, as the product's 80 registers
+    __shared__ float pad[42 * 256 - ((FLAGS & 2) != 0 ? ROWS * THREADS + ROWS : 0)];
+    if (fold == 0x9E3779B9u) {
+      pad[threadIdx.x] = xs;
+      out[blockIdx.x * ROWS] = pad[(threadIdx.x + 1) % THREADS];
+    }
+  }
+  if constexpr ((FLAGS & 2) != 0) {  // the block's row sums and their store, as the product's epilogue
+    __shared__ float part[ROWS * THREADS];
+    __shared__ float total[ROWS];
+    float vals[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) vals[r] = static_cast<float>((fold >> r) & 255u) + xs;
+    vc_gemv::block_sum<ROWS, THREADS>(vals, part, total);
+    if (threadIdx.x < ROWS) out[blockIdx.x * ROWS + threadIdx.x] = total[threadIdx.x];
+  } else if (fold == 0x9E3779B9u && xs != 1.5f) {
+    out[blockIdx.x * ROWS] = static_cast<float>(fold);  // keeps the loads
+  }
 """
+
+# streamxs's staging of x (tried in the block layout's product on the H200, 2026-12-02, and taken out:
+# see docs/developing.md): each warp copies the x chunks its lanes read, coalesced, into float4
+# slots, chunk c's eight at c * 8 + (j ^ (c % 8)) (the 8 lanes of a 16-byte shared load: 8 bank quads)
+STAGE = """
+namespace vc_probe {
+__device__ __forceinline__ int staged_slot(int c, int j) { return c * 8 + (j ^ (c & 7)); }
+
+template <int K, int THREADS>
+__device__ __forceinline__ void stage_x(const float* x, float4* sx) {
+  constexpr int CHUNKS = K / 32;
+  constexpr int ITERS = (CHUNKS + THREADS - 1) / THREADS;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp_chunk = static_cast<int>(threadIdx.x) - lane;  // the warp's first chunk at step 0
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int q = (it * THREADS + warp_chunk) * 8 + i * 32 + lane;
+      if (q < K / 4) sx[staged_slot(q / 8, q % 8)] = reinterpret_cast<const float4*>(x)[q];
+    }
+  }
+  __syncwarp();
+}
+}  // namespace vc_probe
+"""
+
+# the stream kinds' parts besides the weight loads (the FLAGS template argument): x's chunk loads (1),
+# the block sum and store (2), 42 KB of shared memory (4: 5 blocks an SM, the product's occupancy at
+# 80 registers); x's loads coalesced as from a chunk-major x (8), or from x staged in shared memory (16)
+STREAM_FLAGS = {"stream": 0, "streamx": 1, "streamxr": 3, "streamo": 4, "streamxo": 5, "streamxro": 7,
+                "streamxc": 9, "streamxs": 17, "streamxsr": 19}
 
 # name: (N, K, ext case: prenorm groups (0: none), emit, activation)
 SHAPES = {
@@ -85,8 +164,8 @@ def _from_environment() -> None:
     """QMV_VARIANTS adds launches, QMV_SHAPES keeps shapes (see the module's docstring)."""
     for item in filter(None, os.environ.get("QMV_VARIANTS", "").split(",")):
         shape, kind, rows, threads, ksplit = item.split(":")
-        if shape not in SHAPES or kind not in ("ext", "stream"):
-            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|stream:rows:threads:ksplit")
+        if shape not in SHAPES or (kind != "ext" and kind not in STREAM_FLAGS):
+            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|stream*:rows:threads:ksplit")
         VARIANTS[shape].append((kind, int(rows), int(threads), int(ksplit)))
     keep = [s for s in os.environ.get("QMV_SHAPES", "").split(",") if s]
     for shape in list(SHAPES):
@@ -103,7 +182,7 @@ def _header() -> str:
 
 def _stream_kernel():
     return mx.fast.cuda_kernel(name="vc_probe_stream", input_names=["x", "weight", "scales", "biases"],
-                               output_names=["out"], source=STREAM, header=_header())
+                               output_names=["out"], source=STREAM, header=_header() + STAGE)
 
 
 def _tag(shape: str, v) -> str:
@@ -112,11 +191,12 @@ def _tag(shape: str, v) -> str:
 
 
 def _args(n: int, k: int, v) -> dict:
-    _, rows, threads, ksplit = v
+    kind, rows, threads, ksplit = v
     blocks = (n + rows - 1) // rows * ksplit
     return dict(grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
-                template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("KSPLIT", ksplit)],
-                output_shapes=[(blocks,)], output_dtypes=[mx.float32])
+                template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("KSPLIT", ksplit),
+                          ("FLAGS", STREAM_FLAGS[kind])],
+                output_shapes=[(blocks * rows,)], output_dtypes=[mx.float32])
 
 
 def _ext_call(shape: str, v, tensors):
@@ -164,7 +244,7 @@ def nvcc_registers() -> None:
         for v in (v for v in VARIANTS[shape] if v[0] != "ext"):
             a = _args(n, k, v)
             src = {"name": "probe", "input_names": ["x", "weight", "scales", "biases"], "output_names": ["out"],
-                   "source": STREAM, "header": header}
+                   "source": STREAM, "header": header + STAGE}
             targs = [(name, f"int:{val}") for name, val in a["template"]]
             inst = {"input_types": ["float", "uint32_t", "__nv_bfloat16", "__nv_bfloat16"],
                     "output_types": ["float"], "template_args": targs}

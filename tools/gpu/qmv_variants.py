@@ -15,6 +15,8 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
   ext      the step's own instance through the extension (prologue and emitted norm included) at
            (rows, threads); threads 0: the default; its fourth field is row_groups (1: one group of rows
            a block; > 1 the block layout with that many, see quantized_matvec)
+  imma     the same through the integer-MMA layout; its fourth field is quantized_matvec's imma
+           (1: the default groups in flight a warp, 2-16 that many); rows and threads are ignored
 
 Tried with it and removed (2026-12-01, commit 65a9609 has the code): a cp.async ring into shared
 memory (lost at every shape: 10 warps an SM), the product without the register prefetch, split-K.
@@ -22,7 +24,8 @@ memory (lost at every shape: 10 warps an SM), the product without the register p
     PYTHONPATH=python python tools/gpu/qmv_variants.py [--list] [--nvcc]
 
 QMV_VARIANTS="in_proj:ext:8:96:1,up_proj:ext:4:96:1" adds variants (shape:kind:rows:threads:ksplit),
-QMV_SHAPES="in_proj,up_proj" keeps only those shapes.
+QMV_SHAPES="in_proj,up_proj" keeps only those shapes, QMV_LAUNCHES=1 launches each variant once
+(twice by default).
 
 --list prints the variants; --nvcc compiles each stream variant for sm_90 with nvcc here (no GPU)
 and prints its registers a thread.
@@ -164,8 +167,8 @@ def _from_environment() -> None:
     """QMV_VARIANTS adds launches, QMV_SHAPES keeps shapes (see the module's docstring)."""
     for item in filter(None, os.environ.get("QMV_VARIANTS", "").split(",")):
         shape, kind, rows, threads, ksplit = item.split(":")
-        if shape not in SHAPES or (kind != "ext" and kind not in STREAM_FLAGS):
-            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|stream*:rows:threads:ksplit")
+        if shape not in SHAPES or (kind not in ("ext", "imma") and kind not in STREAM_FLAGS):
+            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|imma|stream*:rows:threads:ksplit")
         VARIANTS[shape].append((kind, int(rows), int(threads), int(ksplit)))
     keep = [s for s in os.environ.get("QMV_SHAPES", "").split(",") if s]
     for shape in list(SHAPES):
@@ -187,7 +190,8 @@ def _stream_kernel():
 
 def _tag(shape: str, v) -> str:
     kind, rows, threads, fourth = v
-    return f"{shape} {kind} rows {rows} threads {threads} {'row_groups' if kind == 'ext' else 'ksplit'} {fourth}"
+    fourth_name = {"ext": "row_groups", "imma": "imma"}.get(kind, "ksplit")
+    return f"{shape} {kind} rows {rows} threads {threads} {fourth_name} {fourth}"
 
 
 def _args(n: int, k: int, v) -> dict:
@@ -200,16 +204,19 @@ def _args(n: int, k: int, v) -> dict:
 
 
 def _ext_call(shape: str, v, tensors):
-    """The step's instance of `shape` through the extension at v's rows and threads."""
-    _, rows, threads, row_groups = v
+    """The step's instance of `shape` through the extension at v's rows and threads (kind ext), or
+    through its integer-MMA layout (kind imma)."""
+    kind, rows, threads, row_groups = v
     _, _, (groups, emit, activation) = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = tensors
     pre = dict(prenormed=partials, prenorm_groups=groups) if groups else {}
-    launch = dict(rows_per_block=rows, threads=threads)
+    launch = dict(imma=row_groups) if kind == "imma" else dict(rows_per_block=rows, threads=threads)
     if emit:
-        if row_groups > 1:
+        if kind == "ext" and row_groups > 1:
             raise SystemExit(f"{shape}: the emitting matvec takes no row_groups")
         return ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **pre, **launch)
+    if kind == "imma":
+        return [ext.quantized_matvec(x, w, s, b, None, 64, 4, activation=activation, **pre, **launch)]
     if row_groups > 1:
         launch.update(row_groups=row_groups)
     return [ext.quantized_matvec(x, w, s, b, None, 64, 4, warps=0, activation=activation, **pre, **launch)]
@@ -226,8 +233,8 @@ def run() -> None:
         tensors = (x, w, s, b, partials, mx.random.normal((1, n)), mx.ones((n,), dtype=mx.bfloat16))
         mx.eval(*tensors)
         for v in VARIANTS[shape]:
-            for _ in range(2):
-                if v[0] == "ext":
+            for _ in range(int(os.environ.get("QMV_LAUNCHES", "2"))):  # 1: one profiled launch a variant
+                if v[0] in ("ext", "imma"):
                     mx.eval(*_ext_call(shape, v, tensors))
                 else:
                     mx.eval(stream(inputs=[x, w, s, b], **_args(n, k, v))[0])
@@ -241,7 +248,7 @@ def nvcc_registers() -> None:
     nvcc = shutil.which("nvcc") or sys.exit("nvcc is not installed")
     header = _header()
     for shape, (n, k, _) in SHAPES.items():
-        for v in (v for v in VARIANTS[shape] if v[0] != "ext"):
+        for v in (v for v in VARIANTS[shape] if v[0] in STREAM_FLAGS):
             a = _args(n, k, v)
             src = {"name": "probe", "input_names": ["x", "weight", "scales", "biases"], "output_names": ["out"],
                    "source": STREAM, "header": header + STAGE}

@@ -208,9 +208,7 @@ def test_integer_mma_groups_in_flight_change_no_bit(inflight):
 def test_row_groups_change_no_bit(n, k, squared_relu, rows, row_groups, rows_per_block):
     """row_groups > 1: each block computes several groups of rows as that many blocks would (at 1000
     rows the last block's groups run past N): the bits of one group a block, through the RMSNorm
-    prologue and through a producer's partials, with the default 8 rows a group and with 4. (Every
-    shape here is one step a row: each thread's x chunk made once, the next group's weights loaded
-    during a group's math.)"""
+    prologue and through a producer's partials, with the default 8 rows a group and with 4."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=5)
     x = _x((rows, k), mx.float32, seed=3)
     weight = 1.0 + 0.1 * _x((k,), mx.float32, seed=4)

@@ -60,7 +60,7 @@ STREAM = """
   float xs = 0.0f;
   __shared__ float4 sx[(FLAGS & 16) != 0 ? K / 4 : 1];
   if constexpr ((FLAGS & 16) != 0) {  // x into shared memory first (STAGE)
-    if (first + static_cast<int>(threadIdx.x) < first + PART) {  // the first weights in flight meanwhile
+    if (static_cast<int>(threadIdx.x) < PART) {  // the first weights in flight meanwhile
       const size_t row = static_cast<size_t>(min(row0, N - 1));
       fold = __ldcs(w4 + row * CHUNKS + first + threadIdx.x).x;
     }

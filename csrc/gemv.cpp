@@ -662,14 +662,14 @@ struct StreamLaunch {
 };
 
 // The default for `stages` = 0: how many tiles a vc_qmv_stream block keeps in flight at this
-// shape, or 0 for the block layout (vc_qmv). Nsight Compute on the H200 (2026-12-01, the step's
-// instances, float32 x, one row; block layout against the best streamed launch): out_proj
-// 4480x10240 26.6 -> 22.8 us (2 stages, 264 blocks), down_proj 4480x15680 34.2 -> 26.7 us (2
-// stages, 132 blocks of 512 threads); in_proj 22656x4480 34.7 against 35.7 and up_proj 15680x4480
-// 26.4 against 27.9 (2 stages, 660 blocks), where more stages (fewer blocks an SM) lost more: the
-// streamed block computes its tiles with the warps one block brings, so it pays where the block
-// layout's grid is short (N = 4480: 2.1 waves of 2 blocks an SM). Two rows not measured.
-int default_stream_stages(int k, int /*n*/, int m) { return m == 1 && k >= 8192 ? 2 : 0; }
+// shape, or 0 for the block layout (vc_qmv). Nsight Compute on the H200, the step's instances, float32
+// x, one row, block layout against the streamed launch (2 stages): 2026-12-01, out_proj 4480x10240
+// 26.6 -> 22.8 us, down_proj 4480x15680 34.2 -> 26.7 us; 2026-12-03, once its warps stopped meeting
+// at a barrier every tile and its prologue's loads went ahead of the bulk copies, in_proj 22656x4480
+// 29.47 -> 25.41 us, up_proj 15680x4480 22.66 -> 21.54 us (3 stages 26.75 / 21.79, 4 rows x 4
+// stages 28.58, 16 rows 28.80 at in_proj). Two rows (128 registers a thread) and the smaller
+// shapes not measured: the block layout there.
+int default_stream_stages(int k, int n, int m) { return m == 1 && (k >= 8192 || n >= 8192) ? 2 : 0; }
 
 // The GPU's compute capability (major), asked once of the first device a call runs on (one GPU a
 // process here); 0 where MLX does not say.
@@ -691,8 +691,8 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto).
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
-                                        bool takes_norm, int rows, int threads, int stages, int blocks_per_sm,
-                                        int device_index, const char* who) {
+                                        bool takes_norm, int prenorm_groups, int rows, int threads, int stages,
+                                        int blocks_per_sm, int device_index, const char* who) {
   const bool forced = stages > 0;
   if (stages == 0) {
     stages = default_stream_stages(k, n, m);
@@ -711,6 +711,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
                     : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
                     : group_size % 32 != 0                      ? "a group of whole 16-byte chunks"
                     : n % rows != 0 || rows * m > 32            ? "N a multiple of rows_per_block, rows x M <= 32"
+                    : rows < prenorm_groups                     ? "rows_per_block at least the input norm's groups"
                     : (rows * (k / group_size) * scale_bytes) % 16 != 0 ? "a tile's scales in whole 16 bytes"
                     : threads % 32 != 0 || threads > 512 || (chunks + threads - 1) / threads > 2
                         ? "threads a multiple of 32 up to 512, two chunks of K a thread at most"
@@ -918,8 +919,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   const auto streamed = warps > 0 || grouped ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
-                                                !norm_weight, rows_per_block, threads, stages, blocks_per_sm,
-                                                s.device.index, who);
+                                                !norm_weight, prenorm ? prenorm->groups : 1, rows_per_block,
+                                                threads, stages, blocks_per_sm, s.device.index, who);
   if (streamed) {
     const StreamLaunch& l = *streamed;
     return launch_persistent(qmv_stream_source(), qmv_stream_emit_source(),

@@ -237,14 +237,15 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
   return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned long long>(~static_cast<unsigned int>(index));
 }
 
-// The end of an emitting matvec's row group, in the first warp (all 32 lanes call it): lane t with
+// The end of an emitting matvec's row group, in one warp (all 32 lanes call it): lane t with
 // `valid` stores finish(v) for row `row`, input row t % M, and the next norm's input normed = stored *
 // next_w[row] (tail: the lane's, with next_w); partials[m * np + p] gets the sum of stored^2 over the
 // group's rows.
 template <int M, int EPI, bool HAS_BIAS, typename TO>
 __device__ __forceinline__ void emit_rows(float v, bool valid, int row, const Tail& tail, TO* out, int n, float* normed,
                                           float* partials, int p, int np) {
-  const int m = static_cast<int>(threadIdx.x) % M;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  const int m = lane % M;
   float sq = 0.0f;
   if (valid) {
     const float stored = finish<EPI, HAS_BIAS>(v, tail, out, m, row, n);
@@ -253,7 +254,7 @@ __device__ __forceinline__ void emit_rows(float v, bool valid, int row, const Ta
   }
 #pragma unroll
   for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-  if (threadIdx.x < M) partials[static_cast<size_t>(threadIdx.x) * np + p] = sq;
+  if (lane < M) partials[static_cast<size_t>(lane) * np + p] = sq;
 }
 
 }  // namespace vc_gemv
@@ -775,22 +776,45 @@ constexpr const char* kPersistentHeader = R"(
 
 namespace vc_stream {
 
+// NORM 2's partials as this thread reads them for group_totals (its entries i = threadIdx.x, + THREADS,
+// ...; 0 past NP): loaded apart from their sum so that a kernel can have them in flight before it
+// asks for anything else.
+template <int NP, int M, int THREADS>
+struct Partials {
+  static constexpr int EACH = (NP + THREADS - 1) / THREADS;
+  float v[EACH][M];
+};
+
+template <int NP, int M, int THREADS, typename TN>
+__device__ __forceinline__ Partials<NP, M, THREADS> load_partials(const TN* norm_w) {
+  Partials<NP, M, THREADS> p;
+#pragma unroll
+  for (int j = 0; j < p.EACH; ++j) {
+    const int i = static_cast<int>(threadIdx.x) + j * THREADS;
+#pragma unroll
+    for (int m = 0; m < M; ++m) p.v[j][m] = i < NP ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
+  }
+  return p;
+}
+
 // NORM 2's group totals: group_total[o * M + m] = the sum of input row m's partials in group o (NP
-// partials a row in NG groups of NP / NG), summed by the block. scratch: WARPS rows of `stride`
-// floats (stride >= NG * M). Ends with a block barrier.
-template <int NP, int NG, int M, int THREADS, typename TN>
-__device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, int stride, float* group_total) {
+// partials a row in NG groups of NP / NG; this thread's from load_partials), summed by the block.
+// scratch: WARPS rows of `stride` floats (stride >= NG * M). Ends with a block barrier.
+template <int NP, int NG, int M, int THREADS>
+__device__ __forceinline__ void sum_groups(const Partials<NP, M, THREADS>& p, float* scratch, int stride,
+                                           float* group_total) {
   constexpr int NGM = NG * M;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float gs[NGM];
 #pragma unroll
   for (int o = 0; o < NGM; ++o) gs[o] = 0.0f;
-  for (int i = threadIdx.x; i < NP; i += THREADS) {
-    const int g = i / (NP / NG);
+#pragma unroll
+  for (int j = 0; j < p.EACH; ++j) {
+    const int g = (static_cast<int>(threadIdx.x) + j * THREADS) / (NP / NG);  // past NP: adds zeros
 #pragma unroll
     for (int o = 0; o < NG; ++o) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? static_cast<float>(norm_w[m * NP + i]) : 0.0f;
+      for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? p.v[j][m] : 0.0f;
     }
   }
 #pragma unroll
@@ -806,6 +830,12 @@ __device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, i
     group_total[threadIdx.x] = t;
   }
   __syncthreads();
+}
+
+// load_partials, then sum_groups.
+template <int NP, int NG, int M, int THREADS, typename TN>
+__device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, int stride, float* group_total) {
+  sum_groups<NP, NG, M, THREADS>(load_partials<NP, M, THREADS>(norm_w), scratch, stride, group_total);
 }
 
 // The end of a persistent kernel's tile (ROWS rows, `tile` of `tiles`), in warp 0: each of its SUMS =
@@ -877,12 +907,22 @@ __device__ __forceinline__ void bar_wait(unsigned long long* bar, unsigned int p
                  : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
   }
 }
-#else  // the CPU emulation: a copy is done when it is issued
-inline void bar_init(unsigned long long*) {}
-inline void bar_expect(unsigned long long*, unsigned int) {}
-inline void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long*) { memcpy(dst, src, bytes); }
+#else  // the CPU emulation: a copy lands when it is issued; a barrier's word holds its completed
+// phases (high half) and the bytes its current phase still expects (low half)
+inline void bar_init(unsigned long long* bar) { __atomic_store_n(bar, 0ull, __ATOMIC_SEQ_CST); }
+inline void bar_expect(unsigned long long* bar, unsigned int bytes) { __atomic_fetch_add(bar, bytes, __ATOMIC_SEQ_CST); }
+inline void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+  memcpy(dst, src, bytes);
+  unsigned long long old = __atomic_load_n(bar, __ATOMIC_SEQ_CST), next;
+  do {  // the phase's last bytes complete it
+    next = old - bytes;
+    if ((next & 0xFFFFFFFFull) == 0) next += 1ull << 32;
+  } while (!__atomic_compare_exchange_n(bar, &old, next, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+}
 inline void reads_before_copies() {}
-inline void bar_wait(unsigned long long*, unsigned int) {}
+inline void bar_wait(unsigned long long* bar, unsigned int parity) {
+  while (((__atomic_load_n(bar, __ATOMIC_SEQ_CST) >> 32) & 1u) == parity) std::this_thread::yield();
+}
 #endif
 
 // The sums over a warp of N values (N a power of two <= 32) in 2N - 1 + (5 - log2 N) shuffles
@@ -960,8 +1000,12 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
   static_assert(NORM == 0 || (NP % NG == 0 && K % NG == 0 && (K / NG) % CHUNK == 0), "NP partials in NG groups");
   __shared__ unsigned long long bars[STAGES];
+  // Bulk path: arrived[s] counts the warps done with stage s's tiles (never reset: round r's last
+  // warp sees r * WARPS + WARPS - 1), red[s] holds their sums of its tile.
+  __shared__ unsigned int arrived[STAGES];
   static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
-  __shared__ float red[2][WARPS][SUMS];
+  constexpr int RED = STAGES > 2 ? STAGES : 2;
+  __shared__ float red[RED][WARPS][SUMS];
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -970,21 +1014,41 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
   const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
+  // This thread's chunks of x and the input norm's partials, loaded before the first tiles are asked
+  // for: behind every block's bulk copies (~24 MB at in_proj) they waited ~5 us, a fifth of the
+  // kernel's warp time on the H200 (Nsight Compute's samples, 2026-12-03).
+  float xv[CPT][M][4][8];
+  const bool vec = vc_gemv::aligned16(x);
+#pragma unroll
+  for (int j = 0; j < CPT; ++j) {
+    const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) vc_gemv::load_x<8>(x + static_cast<size_t>(m) * K + c * CHUNK + k * 8, xv[j][m][k], vec);
+    }
+  }
+  Partials<NORM == 2 ? NP : 1, M, THREADS> norm_partials;
+  if constexpr (NORM == 2) {
+    norm_partials = load_partials<NP, M, THREADS>(norm_w);
+  }
+  __syncthreads();  // every thread's loads issued
   if (threadIdx.x == 0 && bulk) {
-    for (int s = 0; s < STAGES; ++s) bar_init(&bars[s]);
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&bars[s]);
+      arrived[s] = 0u;
+    }
     for (int s = 0; s < STAGES && s < tiles; ++s) {
       fetch<W_BYTES, S_BYTES, THREADS>(smem + s * STAGE, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
     }
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
-    group_totals<NP, NG, M, THREADS>(norm_w, &red[1][0][0], SUMS > NGM ? SUMS : NGM, group_total);
+    sum_groups<NP, NG, M, THREADS>(norm_partials, &red[1][0][0], SUMS, group_total);
   }
-  __syncthreads();  // the barriers' init (and the group totals) seen by every thread
-  // This thread's chunks of x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a
-  // chunk, and per chunk the offset the pairs add and the sum of the x they saw.
+  // x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per chunk the
+  // offset the pairs add and the sum of the x they saw.
   float xh[CPT][4][M][4], xl[CPT][4][M][4], offset[CPT][M], xsum[CPT][M];
-  const bool vec = vc_gemv::aligned16(x);
 #pragma unroll
   for (int j = 0; j < CPT; ++j) {
     const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
@@ -997,12 +1061,10 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       float hs = 0.0f, ls = 0.0f;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        float xv[8];
-        vc_gemv::load_x<8>(x + static_cast<size_t>(m) * K + c * CHUNK + k * 8, xv, vec);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-          xh[j][k][m][s] = xv[s + 4] * r;
-          xl[j][k][m][s] = fmaf(-Pair::LO, xh[j][k][m][s], xv[s] * r);
+          xh[j][k][m][s] = xv[j][m][k][s + 4] * r;
+          xl[j][k][m][s] = fmaf(-Pair::LO, xh[j][k][m][s], xv[j][m][k][s] * r);
           hs += xh[j][k][m][s];
           ls += xl[j][k][m][s];
         }
@@ -1011,22 +1073,12 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       xsum[j][m] = fmaf(1.0f + Pair::LO, hs, ls);
     }
   }
-  for (int i = 0; i < tiles; ++i) {
-    const int tile = blockIdx.x + i * gridDim.x;
-    const int s = i % STAGES;
-    const vc_gemv::Tail tail =
-        vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
-    unsigned char* st = smem + s * STAGE;
-    if (bulk) {
-      bar_wait(&bars[s], (i / STAGES) & 1);
-    } else {
-      fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, tile, false, nullptr);
-      __syncthreads();
-    }
+  __syncthreads();  // the barriers' init seen by every thread
+  // This thread's sums of a tile's rows, from stage st.
+  auto product = [&](const unsigned char* st, float (&acc)[ROWS][M]) {
     const uint4* w4 = reinterpret_cast<const uint4*>(st);
     const TS* tscale = reinterpret_cast<const TS*>(st + W_BYTES);
     const TS* tbias = reinterpret_cast<const TS*>(st + W_BYTES + S_BYTES);
-    float acc[ROWS][M];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
@@ -1058,21 +1110,69 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
         }
       }
     }
-    // The tile's sums: each warp's (folded, see fold_sums), then the warps' in order (red is
-    // double-buffered: a thread may write the next tile's before the last reader of this one's is done).
-    {
-      constexpr int LOG = SUMS >= 32 ? 5 : SUMS >= 16 ? 4 : SUMS >= 8 ? 3 : SUMS >= 4 ? 2 : SUMS >= 2 ? 1 : 0;
-      static_assert(SUMS == 1 << LOG, "ROWS x M a power of two");
-      const float v = fold_sums<SUMS, 16>(&acc[0][0], lane);
-      if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[i & 1][warp][(lane >> (5 - LOG)) & (SUMS - 1)] = v;
+  };
+  // This warp's sums of a tile (folded, see fold_sums) into red[b][warp].
+  constexpr int LOG = SUMS >= 32 ? 5 : SUMS >= 16 ? 4 : SUMS >= 8 ? 3 : SUMS >= 4 ? 2 : SUMS >= 2 ? 1 : 0;
+  static_assert(SUMS == 1 << LOG, "ROWS x M a power of two");
+  auto warp_sums = [&](float (&acc)[ROWS][M], int b) {
+    const float v = fold_sums<SUMS, 16>(&acc[0][0], lane);
+    if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp][(lane >> (5 - LOG)) & (SUMS - 1)] = v;
+  };
+  if (bulk) {
+    // No block barrier a tile: each warp goes on to its next tile as soon as that tile's bytes are
+    // in; the last warp done with a tile (an atomic count) totals and stores it, then asks for the
+    // tile STAGES ahead into the stage. (A barrier a tile was a fifth of the warps' time, 2026-12-03.)
+    for (int i = 0; i < tiles; ++i) {
+      const int tile = blockIdx.x + i * gridDim.x;
+      const int s = i % STAGES;
+      const int row = tile * ROWS + lane / M;  // this lane's output row when its warp stores the tile
+      const vc_gemv::Tail tail = lane < SUMS ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N,
+                                                                                  EMIT ? next_w : nullptr)
+                                             : vc_gemv::Tail{0.0f, 0.0f, 0.0f};
+      bar_wait(&bars[s], (i / STAGES) & 1);
+      float acc[ROWS][M];
+      product(smem + s * STAGE, acc);
+      warp_sums(acc, s);
+      __syncwarp();
+      unsigned int last = 0u;
+      if (lane == 0) {
+        __threadfence_block();  // this warp's reads of the stage and writes of its sums, before the count
+        last = atomicAdd(&arrived[s], 1u) == static_cast<unsigned int>((i / STAGES) * WARPS + WARPS - 1);
+      }
+      if (__shfl_sync(0xffffffffu, last, 0)) {
+        __threadfence_block();  // the other warps' sums, after their counts
+        float v = 0.0f;
+        if (lane < SUMS) {
+          for (int w = 0; w < WARPS; ++w) v += red[s][w][lane];
+        }
+        // every lane has its total (red[s] read) before the stage and red[s] can be used again
+        __syncwarp();
+        if (lane == 0 && i + STAGES < tiles) {
+          reads_before_copies();
+          fetch<W_BYTES, S_BYTES, THREADS>(smem + s * STAGE, wb, sb, bb, tile + STAGES * gridDim.x, true, &bars[s]);
+        }
+        if constexpr (EMIT) {
+          vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, TILES);
+        } else if (lane < SUMS) {
+          vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
+        }
+      }
     }
-    __syncthreads();  // stage s read by every thread: refill it
-    if (bulk && threadIdx.x == 0 && i + STAGES < tiles) {
-      reads_before_copies();
-      fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, tile + STAGES * gridDim.x, true, &bars[s]);
-    }
-    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS > NGM ? SUMS : NGM, tile, TILES, tail,
-                                                      out, normed, partials);
+    return;
+  }
+  // Pointers not 16-byte aligned: the block copies each tile itself into stage 0, behind barriers.
+  for (int i = 0; i < tiles; ++i) {
+    const int tile = blockIdx.x + i * gridDim.x;
+    const vc_gemv::Tail tail =
+        vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
+    fetch<W_BYTES, S_BYTES, THREADS>(smem, wb, sb, bb, tile, false, nullptr);
+    __syncthreads();
+    float acc[ROWS][M];
+    product(smem, acc);
+    warp_sums(acc, i & 1);  // red is double-buffered: a warp may write the next tile's before the store reads it
+    __syncthreads();  // the stage read and the sums written by every thread
+    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS, tile, TILES, tail, out, normed,
+                                                      partials);
   }
 }
 

@@ -161,13 +161,14 @@ def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
 
 
 @needs_cuda
-@pytest.mark.parametrize("n,k,layout", [(22656, 4480, {"stages": -1}), (15680, 4480, {"stages": -1}),
-                                        (4480, 10240, {"stages": 2}), (4480, 15680, {"stages": 2})])
+@pytest.mark.parametrize("n,k,layout", [(22656, 4480, {"stages": 2}), (15680, 4480, {"stages": 2}),
+                                        (4480, 10240, {"stages": 2}), (4480, 15680, {"stages": 2}),
+                                        (4480, 4480, {"stages": -1})])
 def test_default_layout_at_the_step_shapes(n, k, layout):
-    """One row: the default takes the streamed layout at K >= 8192 (the mamba out_proj, MLP down_proj)
-    and the block layout at the mamba in_proj / MLP up_proj, not the integer-MMA one (its kernel was
-    faster there, the LLM step taking it slower): the same bits as that layout asked for, and not
-    those of the others (the three round differently)."""
+    """One row: the default takes the streamed layout at the LLM's four shapes (K or N >= 8192: the
+    mamba in_proj / out_proj, the MLP up_proj / down_proj) and the block layout below, not the
+    integer-MMA one (its kernel was faster at two shapes, the LLM step taking it slower): the same
+    bits as that layout asked for, and not those of the others (the three round differently)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n)
     x = _x((1, k), mx.float32, seed=3)
     default = np.array(quantized_matvec(x, w, s, b))
@@ -188,6 +189,16 @@ def test_streamed_layout_refuses_what_it_cannot_take():
         quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=4)
     assert_close(quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=2),
                  reference(quantized_matvec_reference, _x((1, 15680), mx.float32), w, s, b))
+    # a tile's rows hold the input norm's group totals: 4 rows cannot take 8 groups (forced: an
+    # error; by default the block layout, whose kernel once failed to compile here)
+    w, s, b = _quantized(64, 10240, dtype=mx.bfloat16, seed=2)
+    raw = _x((1, 10240), mx.float32)
+    pre = Prenormed(raw, mx.square(raw).reshape(1, 8, -1).sum(-1), 8, 1e-5)
+    with pytest.raises(ValueError, match="at least the input norm's groups"):
+        quantized_matvec(pre, w, s, b, stages=2, rows_per_block=4)
+    with mx.stream(mx.cpu):
+        want = quantized_matvec_reference(mx.fast.rms_norm(raw.reshape(1, 8, -1), None, 1e-5).reshape(1, -1), w, s, b)
+    assert_close(quantized_matvec(pre, w, s, b, rows_per_block=4), want)
 
 
 @needs_cuda

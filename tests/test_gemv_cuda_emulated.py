@@ -744,6 +744,11 @@ def emulated(tmp_path_factory):
         "stream_prenormed_groups": stream_case(32, 1024, 2, 4, 32, 2, 3, np_=8, ng=4),
         "stream_emit_prenormed": stream_case(32, 2048, 1, 8, 64, 2, 2, np_=16, ng=8, emit=True),
         "stream_emit_m2": stream_case(24, 640, 2, 4, 32, 4, 5, emit=True),
+        # several warps a block, each going on to its next tile without a block barrier (the last
+        # one done with a tile stores it and refills the stage): 3 warps, 3 stages wrapping twice;
+        # two emitting warps with two rows of a group-normed input
+        "stream_warps_drift": stream_case(96, 3072, 1, 8, 96, 3, 2),
+        "stream_emit_warps_m2": stream_case(64, 2048, 2, 4, 64, 2, 3, np_=16, ng=4, emit=True),
         # the integer-MMA layout: slabs wrapping round a grid of 3 (uneven groups a warp), two rows of
         # unaligned bfloat16 x with a residual, a misaligned weight with a bias and squared ReLU, tiny
         # and huge x (the expansion's exponents), a group-normalized input, emitting; batches of
@@ -870,10 +875,12 @@ def test_emit_norm_kernel_emulated(emulated, name):
 
 
 @pytest.mark.parametrize("name", ["stream_q4", "stream_m2_two_chunks", "stream_own_copies", "stream_prenormed_groups",
-                                  "stream_emit_prenormed", "stream_emit_m2"])
+                                  "stream_emit_prenormed", "stream_emit_m2", "stream_warps_drift",
+                                  "stream_emit_warps_m2"])
 def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
-    out^2 a tile): the tiles a block walks, the stages it reuses, the input norm folded into x."""
+    out^2 a tile): the tiles a block walks, the stages it reuses (refilled by whichever warp is
+    done last), the input norm folded into x."""
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]
     got = run(exe, name, case, tmp)

@@ -9,7 +9,7 @@
 # PARTS (default "ncu tests isolation step ref e2e") picks the parts; NCU_DETAIL passes through to
 # step_ncu.sh. Two more parts, not in the default: "variants" (qmv_variants.sh: the 4-bit GEMV's
 # launch shapes and the loads-only probe's parts under ncu) and "stalls" (qmv_stalls.sh: where those
-# kernels' warps wait); QMV_SHAPES / QMV_VARIANTS / QMV_LAUNCHES pass through to both.
+# kernels' warps wait), "source" (qmv_source.sh: the same by SASS instruction); QMV_SHAPES / QMV_VARIANTS / QMV_LAUNCHES pass through to both.
 set -uo pipefail
 PARTS=" ${PARTS:-ncu tests isolation step ref e2e} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -22,6 +22,7 @@ PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --
 export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav MLX_PTX_CACHE_DIR=/tmp/ptx-ab \
   PYTHONUNBUFFERED=1
 part stalls && echo "== 4-bit GEMV stall reasons" && NCU_LIMIT=${STALLS_LIMIT:-150} bash tools/gpu/qmv_stalls.sh 2>&1 | tail -40
+part source && echo "== 4-bit GEMV stalls by instruction" && NCU_LIMIT=${SOURCE_LIMIT:-200} bash tools/gpu/qmv_source.sh 2>&1 | tail -30
 part variants && echo "== 4-bit GEMV variants" && NCU_LIMIT=${VARIANTS_LIMIT:-150} bash tools/gpu/qmv_variants.sh 2>&1 | tail -30
 part ncu && echo "== llm step under ncu" && NCU_LIMIT=${NCU_LIMIT:-120} bash tools/gpu/step_ncu.sh 2>&1 | tail -14
 if [ -n "${TESTS:-}" ] && part tests; then

@@ -1,7 +1,8 @@
 // Runs a CUDA kernel body on the CPU, to check a kernel's index math and reductions where there
 // is no GPU: one std::thread per CUDA thread of a block, the blocks one after another.
 // __shared__ variables become function statics (shared by the block's threads; blocks do not
-// overlap), __syncthreads a block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier.
+// overlap), __syncthreads a block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier,
+// __syncwarp a warp barrier, atomicAdd / __threadfence_block the host's atomics.
 // Only what our kernel sources use is here. Hardware facts (alignment faults, caching, timing)
 // are not modelled.
 #pragma once
@@ -181,6 +182,11 @@ inline void mma_m16n8k32_u8s8(int* d, const unsigned int* a, const unsigned int*
   w.bar.arrive_and_wait();
 }
 }  // namespace cuda_emu
+
+// A warp barrier that also orders the lanes' memory accesses, as on the GPU.
+inline void __syncwarp(unsigned int = 0xffffffffu) { cuda_emu::block->warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
+inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned int, T v, int offset) {

@@ -655,7 +655,13 @@ const CudaSource& qmv_imma_emit_source() {
 // ---------------------------------------------------------------- the streamed layout
 
 constexpr int kSmemPerSm = 232448;      // Hopper: a block's (and an SM's) most dynamic shared memory
-constexpr int kStreamStaticSmem = 4096;  // vc_qmv_stream's own __shared__ arrays, at most
+constexpr int kStreamStaticSmem = 4096;  // vc_qmv_imma's own __shared__ arrays, at most
+
+// vc_qmv_stream's own __shared__ arrays: a tile's sums from every warp for each stage (two at
+// least), a barrier and a count a stage, the norm's group totals (and a margin for alignment).
+int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
+  return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + groups * m * 4 + 256;
+}
 
 struct StreamLaunch {
   int rows, threads, stages, blocks, smem;
@@ -715,7 +721,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
                     : (rows * (k / group_size) * scale_bytes) % 16 != 0 ? "a tile's scales in whole 16 bytes"
                     : threads % 32 != 0 || threads > 512 || (chunks + threads - 1) / threads > 2
                         ? "threads a multiple of 32 up to 512, two chunks of K a thread at most"
-                    : stages < 2 || stages * stage + kStreamStaticSmem > kSmemPerSm
+                    : stages < 2 || stages * stage + stream_static_smem(stages, threads, rows, m, prenorm_groups) > kSmemPerSm
                         ? "2 stages at least, their tiles inside 227 KB of shared memory"
                         : nullptr;
   if (why) {
@@ -726,7 +732,9 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   }
   const int smem = stages * stage;
   const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
-                                       : std::max(1, std::min(2048 / threads, kSmemPerSm / (smem + kStreamStaticSmem)));
+                                       : std::max(1, std::min(2048 / threads,
+                                                              kSmemPerSm / (smem + stream_static_smem(stages, threads, rows,
+                                                                                                      m, prenorm_groups))));
   return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem};
 }
 

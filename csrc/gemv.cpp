@@ -652,6 +652,57 @@ const CudaSource& qmv_imma_emit_source() {
   return src;
 }
 
+// vc_qmv_imma_stream's instances (persistent_instance's), LEVELS 4.
+CudaInstance qmv_imma_stream_instance(bool emit, const char* tx, int k, int n, int m, int warps, int stages,
+                                      int epi = 0, int np = 0, int ng = 1) {
+  return persistent_instance(emit, tx,
+                             {{"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)}, {"WARPS", int_arg(warps)},
+                              {"LEVELS", int_arg(4)}, {"STAGES", int_arg(stages)}},
+                             epi, np, ng);
+}
+
+std::string imma_stream_header() {
+  return std::string(gemv_cuda::kCommonHeader) + gemv_cuda::kPairHeader + gemv_cuda::kPersistentHeader +
+         gemv_cuda::kStreamHeader + gemv_cuda::kImmaHeader + gemv_cuda::kImmaStreamHeader;
+}
+
+const CudaSource& qmv_imma_stream_source() {
+  const char* f = "float";
+  const char* bf = "__nv_bfloat16";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_imma_stream",
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w"},
+      {"out"},
+      gemv_cuda::kQmvImmaStreamSource,
+      imma_stream_header(),
+      {
+          // mamba in_proj and mlp up_proj (squared ReLU) on an emitted norm input (280 partials);
+          // plain, two rows of bfloat16 x
+          qmv_imma_stream_instance(false, f, 4480, 22656, 1, 8, 2, 0, 280),
+          qmv_imma_stream_instance(false, f, 4480, 15680, 1, 8, 2, 2, 280),
+          qmv_imma_stream_instance(false, bf, 4480, 22656, 2, 8, 2),
+      },
+  });
+  return src;
+}
+
+const CudaSource& qmv_imma_stream_emit_source() {
+  const char* f = "float";
+  static const CudaSource& src = register_cuda_source({
+      "vc_qmv_imma_stream_emit",
+      {"x", "weight", "scales", "biases", "bias", "residual", "norm_w", "next_w"},
+      {"out", "normed", "partials"},
+      gemv_cuda::kQmvImmaStreamEmitSource,
+      imma_stream_header(),
+      {
+          // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
+          qmv_imma_stream_instance(true, f, 10240, 4480, 1, 8, 2, 0, 640, 8),
+          qmv_imma_stream_instance(true, f, 15680, 4480, 1, 8, 2),
+      },
+  });
+  return src;
+}
+
 // ---------------------------------------------------------------- the streamed layout
 
 constexpr int kSmemPerSm = 232448;      // Hopper: a block's (and an SM's) most dynamic shared memory
@@ -822,6 +873,43 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
   return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem, imma > 1 ? imma : kImmaInflight};
 }
 
+// vc_qmv_imma_stream's launch (`imma` > 0 with `stages` > 0: always, refused with a reason where the
+// kernel cannot take it): 8 warps a block (fewer where K has fewer 64-wide groups), the expansion
+// and `stages` 16-row slabs in shared memory. Not the default anywhere: not yet measured on a GPU.
+struct ImmaStreamLaunch {
+  int warps, blocks, smem, stages;
+};
+
+ImmaStreamLaunch pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
+                                           bool takes_norm, int prenorm_groups, int threads, int stages,
+                                           int blocks_per_sm, int device_index, const char* who) {
+  const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
+  const int groups = k / 64;
+  const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
+  const int slab = 16 * k / 2 + 2 * 16 * groups * scale_bytes;
+  const int smem = expansion + stages * slab;
+  const int own = stages * (warps * 16 * m * 4 + 12) + 16 * m * 4 + 256;  // the kernel's __shared__ arrays
+  const char* why = !integer_mma(device_index) || !bulk_copies(device_index)
+                        ? "a GPU with integer MMA and bulk copies (sm_90 or newer)"
+                    : bits != 4 || group_size != 64             ? "4-bit weights in groups of 64"
+                    : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
+                    : k % 64 != 0 || n % 16 != 0 || m > 2       ? "K a multiple of 64, N of 16, 1-2 rows"
+                    : (k / prenorm_groups) % 64 != 0 || prenorm_groups > 16
+                        ? "prenorm groups of whole 64-wide groups, 16 at most"
+                    : threads % 32 != 0 || warps < 1 || warps > 32 || warps > groups
+                        ? "threads a multiple of 32 up to 1024, a 64-wide group at least a warp"
+                    : stages < 2 || smem + own > kSmemPerSm     ? "2 stages at least, inside 227 KB of shared memory"
+                                                                : nullptr;
+  if (why) {
+    throw std::invalid_argument(std::string(who) + ": the streamed integer-MMA layout takes " + why);
+  }
+  // a persistent grid must be resident at once: registers (assumed 96 a thread) bound it too
+  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
+                                       : std::max(1, std::min({2048 / (32 * warps), 65536 / (96 * 32 * warps),
+                                                               kSmemPerSm / (smem + own)}));
+  return ImmaStreamLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem, stages};
+}
+
 // The block layout's row groups a block where a call leaves them to the default (row_groups 0):
 // VOICECHAT_QMV_ROW_GROUPS, 1 to kMaxRowGroups, read once (an A/B on the GPU without a rebuild),
 // else 1. A bad value is an error at every call, on every backend.
@@ -914,6 +1002,15 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
     threads = 32 * ((chunks + 31) / 32);
   }
   const bool grouped = row_groups > 1;  // the block layout, asked for by its row groups
+  if (imma > 0 && stages > 0 && warps <= 0 && !grouped) {
+    const ImmaStreamLaunch l = pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
+                                    prenorm ? prenorm->groups : 1, threads, stages, blocks_per_sm, s.device.index, who);
+    return launch_persistent(qmv_imma_stream_source(), qmv_imma_stream_emit_source(),
+                             {{"K", k}, {"N", n}, {"M", m}, {"WARPS", l.warps}, {"LEVELS", kImmaLevels},
+                              {"STAGES", l.stages}},
+                             16, l.blocks, 32 * l.warps, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
+                             norm_eps, out_dtype, s);
+  }
   const auto mma = warps > 0 || grouped ? std::nullopt
                              : pick_imma(k, n, m, group_size, bits, !norm_weight, prenorm ? prenorm->groups : 1,
                                          threads, imma, blocks_per_sm, s.device.index, who);
@@ -1195,6 +1292,8 @@ void bind(py::module_& m) {
   qmv_stream_emit_source();
   qmv_imma_source();
   qmv_imma_emit_source();
+  qmv_imma_stream_source();
+  qmv_imma_stream_emit_source();
   qmv_warp_source();
   dense_source();
   dense_add_norm_source();

@@ -949,6 +949,25 @@ __device__ __forceinline__ float fold_sums(float* v, int lane) {
   }
 }
 
+// Whether this warp is the last of the block's WARPS done with round `round` of a stage (every lane
+// gets the answer; the count is never reset: round r's last warp sees r * WARPS + WARPS - 1). The
+// warp's reads of the stage and its writes before the call are ordered before its count, and for
+// the last warp the others' before what it does next.
+template <int WARPS>
+__device__ __forceinline__ bool last_warp(unsigned int* arrived, int round, int lane) {
+  __syncwarp();
+  unsigned int last = 0u;
+  if (lane == 0) {
+    __threadfence_block();
+    last = atomicAdd(arrived, 1u) == static_cast<unsigned int>(round * WARPS + WARPS - 1);
+  }
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last) {
+    __threadfence_block();
+  }
+  return last != 0u;
+}
+
 // Tile `tile`'s weight rows, scales and biases into stage `st`: by the copy engine (bulk, thread 0
 // only), or (every pointer not 16-byte aligned) by the block's threads, word by word.
 template <int W_BYTES, int S_BYTES, int THREADS>
@@ -1133,14 +1152,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       float acc[ROWS][M];
       product(smem + s * STAGE, acc);
       warp_sums(acc, s);
-      __syncwarp();
-      unsigned int last = 0u;
-      if (lane == 0) {
-        __threadfence_block();  // this warp's reads of the stage and writes of its sums, before the count
-        last = atomicAdd(&arrived[s], 1u) == static_cast<unsigned int>((i / STAGES) * WARPS + WARPS - 1);
-      }
-      if (__shfl_sync(0xffffffffu, last, 0)) {
-        __threadfence_block();  // the other warps' sums, after their counts
+      if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
         float v = 0.0f;
         if (lane < SUMS) {
           for (int w = 0; w < WARPS; ++w) v += red[s][w][lane];
@@ -1239,23 +1251,52 @@ struct Layout {
   static constexpr int BYTES = SUMS + GROUPS * 4 * M * 4;
 };
 
-// Builds the expansion of x (scaled by `scale(group, m)`, the input norm's) into smem: eight lanes
-// a group of 64 (one word each), the group's largest |x| by three shuffles.
-template <int K, int M, int LEVELS, int THREADS, typename TX, typename Scale>
-__device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale scale) {
+// This thread's items of x's expansion (eight lanes a group of 64, one word of 8 inputs each, the
+// block's threads walking GROUPS x M x 8 items): loaded apart from their expansion so that a kernel
+// can have them in flight before it asks for anything else.
+template <int K, int M, int THREADS>
+struct XItems {
+  static constexpr int ITEMS = K / 64 * M * 8;
+  static constexpr int EACH = (ITEMS + THREADS - 1) / THREADS;
+  float v[EACH][8];
+};
+
+template <int K, int M, int THREADS, typename TX>
+__device__ __forceinline__ XItems<K, M, THREADS> load_x_items(const TX* x) {
+  using I = XItems<K, M, THREADS>;
+  I items;
+  const bool vec = vc_gemv::aligned16(x);
+#pragma unroll
+  for (int j = 0; j < I::EACH; ++j) {
+    // a warp's lanes past ITEMS load the last item again (and store nothing)
+    const int e = min((static_cast<int>(threadIdx.x) & ~31) + j * THREADS + static_cast<int>(threadIdx.x & 31),
+                      I::ITEMS - 1);
+    const int word = e & 7, gm = e >> 3;
+    vc_gemv::load_x<8>(x + static_cast<size_t>(gm % M) * K + gm / M * 64 + word * 8, items.v[j], vec);
+  }
+  return items;
+}
+
+// Builds the expansion of x (this thread's items from load_x_items, scaled by `scale(group, m)`, the
+// input norm's) into smem: the group's largest |x| by three shuffles among its eight lanes.
+template <int K, int M, int LEVELS, int THREADS, typename Scale>
+__device__ __forceinline__ void expand_items(const XItems<K, M, THREADS>& items, unsigned char* smem, Scale scale) {
   using L = Layout<K, M, LEVELS>;
+  using I = XItems<K, M, THREADS>;
   uint2* terms = reinterpret_cast<uint2*>(smem + L::TERMS);
   float* factors = reinterpret_cast<float*>(smem + L::FACTORS);
   float* sums = reinterpret_cast<float*>(smem + L::SUMS);
-  constexpr int ITEMS = L::GROUPS * M * 8;
-  const bool vec = vc_gemv::aligned16(x);
-  for (int base = threadIdx.x & ~31; base < ITEMS; base += THREADS) {
+#pragma unroll
+  for (int j = 0; j < I::EACH; ++j) {
+    const int base = (static_cast<int>(threadIdx.x) & ~31) + j * THREADS;
+    if (base >= I::ITEMS) {
+      break;  // the whole warp: its shuffles stay among lanes that all run them
+    }
     const int e = base + static_cast<int>(threadIdx.x & 31);
-    const bool valid = e < ITEMS;
+    const bool valid = e < I::ITEMS;
     const int word = e & 7, gm = min(e >> 3, L::GROUPS * M - 1);
     const int grp = gm / M, m = gm % M;
-    float v[8];
-    vc_gemv::load_x<8>(x + static_cast<size_t>(m) * K + grp * 64 + word * 8, v, vec);
+    const float* v = items.v[j];
     float top = 0.0f, sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -1298,6 +1339,12 @@ __device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale
       if (step == 0) sums[(grp * 4 + t) * M + m] = sum * s;
     }
   }
+}
+
+// load_x_items, then expand_items.
+template <int K, int M, int LEVELS, int THREADS, typename TX, typename Scale>
+__device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale scale) {
+  expand_items<K, M, LEVELS, THREADS>(load_x_items<K, M, THREADS>(x), smem, scale);
 }
 
 // A slab's end: the quad's lanes hold a row's levels and its share of the bias term (sum them), then
@@ -1454,6 +1501,214 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
 
 }  // namespace vc_imma
 #endif
+)";
+
+// The integer-MMA product on the streamed layout's tiles (vc_qmv_imma_stream): 16-row slabs come
+// by bulk copies into shared memory (as vc_qmv_stream's tiles: one thread asks for the next STAGES),
+// x's expansion is built once a block (as vc_qmv_imma's), and each warp takes its groups of a slab
+// (w, w + WARPS, ...) from shared memory: no global load, no address math a group beyond an offset.
+// No block barrier a slab: the last warp done with one totals it, refills its stage and stores it.
+// The weights' nibbles are the MMA's A operand as they stand, so a 64-wide group of 16 rows costs a
+// warp ~36 instructions against ~80 for the pair form's float math. Include-guarded; it needs
+// kStreamHeader and kImmaHeader before it.
+constexpr const char* kImmaStreamHeader = R"(
+#ifndef VC_IMMA_STREAM_HEADER
+#define VC_IMMA_STREAM_HEADER
+namespace vc_imma {
+
+// out[m, row] for the slabs a block walks (b, b + grid, ...), STAGES of them in flight; NORM 0 / 2,
+// the epilogue of vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The dynamic shared
+// memory holds x's expansion (Layout::BYTES, rounded up to 128) and then the STAGES slabs.
+template <int K, int N, int M, int WARPS, int LEVELS, int STAGES, int EPI, bool HAS_BIAS, int NORM, int NP, int NG,
+          bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
+__device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int* weight, const TS* scales,
+                                                const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
+                                                float eps, TO* out, const TE* next_w, float* normed, float* partials,
+                                                unsigned char* smem) {
+  using L = Layout<K, M, LEVELS>;
+  constexpr int THREADS = WARPS * 32;
+  constexpr int GROUPS = L::GROUPS;
+  constexpr int TILES = N / 16;
+  constexpr int SUMS = 16 * M;
+  constexpr int W_BYTES = 16 * K / 2;
+  constexpr int S_BYTES = 16 * GROUPS * static_cast<int>(sizeof(TS));
+  constexpr int STAGE = W_BYTES + 2 * S_BYTES;
+  constexpr int FIRST = (L::BYTES + 127) / 128 * 128;
+  constexpr int NGM = (NORM == 2 ? NG : 1) * M;
+  static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
+  static_assert(WARPS <= GROUPS, "a group at least for every warp: a warp without one would idle");
+  static_assert(STAGES >= 2 && S_BYTES % 16 == 0 && STAGE % 16 == 0, "two stages at least, 16-byte bulk copies");
+  static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
+  static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
+  __shared__ unsigned long long bars[STAGES];
+  __shared__ unsigned int arrived[STAGES];  // as vc_qmv_stream's: never reset
+  __shared__ float red[STAGES][WARPS][SUMS];
+  __shared__ float group_total[NGM];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
+  const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
+  const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
+  const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
+  unsigned char* stages = smem + FIRST;
+  // x and the norm's partials in flight before the first slabs are asked for (see vc_qmv_stream)
+  const XItems<K, M, THREADS> items = load_x_items<K, M, THREADS>(x);
+  vc_stream::Partials<NORM == 2 ? NP : 1, M, THREADS> norm_partials;
+  if constexpr (NORM == 2) {
+    norm_partials = vc_stream::load_partials<NP, M, THREADS>(norm_w);
+  }
+  __syncthreads();  // every thread's loads issued
+  if (threadIdx.x == 0 && bulk) {
+    for (int s = 0; s < STAGES; ++s) {
+      vc_stream::bar_init(&bars[s]);
+      arrived[s] = 0u;
+    }
+    for (int s = 0; s < STAGES && s < tiles; ++s) {
+      vc_stream::fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, blockIdx.x + s * gridDim.x, true,
+                                                  &bars[s]);
+    }
+  }
+  if constexpr (NORM == 2) {
+    vc_stream::sum_groups<NP, NG, M, THREADS>(norm_partials, &red[1][0][0], SUMS, group_total);
+  }
+  expand_items<K, M, LEVELS, THREADS>(items, smem, [&](int grp, int m) {
+    if constexpr (NORM == 2) {
+      constexpr int W = K / NG;
+      return rsqrtf(group_total[(grp * 64 / W) * M + m] / static_cast<float>(W) + eps);
+    } else {
+      return 1.0f;
+    }
+  });
+  __syncthreads();  // the expansion and the barriers' init seen by every thread
+  const uint2* terms = reinterpret_cast<const uint2*>(smem + L::TERMS);
+  const float* factors = reinterpret_cast<const float*>(smem + L::FACTORS);
+  const float* sums = reinterpret_cast<const float*>(smem + L::SUMS);
+  // This lane's B column g: term (level g / 2, row g % 2) or none; its C columns 2t, 2t + 1: level t
+  // of rows 0 and 1, weighed 128^-t (as vc_qmv_imma's).
+  const int term = (g >> 1) * M + (g & 1);
+  const bool has_term = (g & 1) < M && (g >> 1) < LEVELS;
+  const float level_weight = t < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * t) << 23) : 0.0f;
+  constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
+  // This warp's sums of a slab's rows g and g + 8 (lanes t == 0 after the quad's sum), from stage st.
+  auto product = [&](const unsigned char* st, float (&acc)[2][M]) {
+    const unsigned char* w_lo = st + g * (K / 2) + t * 8;  // row g: the lane's 8 bytes of a group's 32
+    const unsigned char* w_hi = w_lo + 8 * (K / 2);         // row g + 8
+    const TS* ts = reinterpret_cast<const TS*>(st + W_BYTES);
+    const TS* tb = reinterpret_cast<const TS*>(st + W_BYTES + S_BYTES);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
+#pragma unroll 3
+    for (int grp = warp; grp < GROUPS; grp += WARPS) {
+      const uint2 wl = *reinterpret_cast<const uint2*>(w_lo + grp * 32);
+      const uint2 wh = *reinterpret_cast<const uint2*>(w_hi + grp * 32);
+      int c[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
+        const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
+        const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
+        const unsigned int b[2] = {bt.x, bt.y};
+        mma(c, a, b);
+      }
+      const float s0 = static_cast<float>(ts[g * GROUPS + grp]), s1 = static_cast<float>(ts[(g + 8) * GROUPS + grp]);
+      const float b0 = static_cast<float>(tb[g * GROUPS + grp]), b1 = static_cast<float>(tb[(g + 8) * GROUPS + grp]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float f = factors[grp * M + m] * level_weight;
+        const float xs = sums[(grp * 4 + t) * M + m];
+        acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
+        acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 1);
+        acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 2);
+      }
+    }
+  };
+  auto warp_sums = [&](const float (&acc)[2][M], int b) {
+    if (t == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) red[b][warp][(g + 8 * h) * M + m] = acc[h][m];
+      }
+    }
+  };
+  if (bulk) {
+    for (int i = 0; i < tiles; ++i) {
+      const int tile = blockIdx.x + i * gridDim.x;
+      const int s = i % STAGES;
+      const int row = tile * 16 + lane / M;  // this lane's output row when its warp stores the slab
+      const vc_gemv::Tail tail = lane < SUMS ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N,
+                                                                                  EMIT ? next_w : nullptr)
+                                             : vc_gemv::Tail{0.0f, 0.0f, 0.0f};
+      vc_stream::bar_wait(&bars[s], (i / STAGES) & 1);
+      float acc[2][M];
+      product(stages + s * STAGE, acc);
+      warp_sums(acc, s);
+      if (vc_stream::last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
+        float v = 0.0f;
+        if (lane < SUMS) {
+          for (int w = 0; w < WARPS; ++w) v += red[s][w][lane];
+        }
+        __syncwarp();  // every lane has its total (red[s] read) before the stage can be used again
+        if (lane == 0 && i + STAGES < tiles) {
+          vc_stream::reads_before_copies();
+          vc_stream::fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, tile + STAGES * gridDim.x,
+                                                      true, &bars[s]);
+        }
+        if constexpr (EMIT) {
+          vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, TILES);
+        } else if (lane < SUMS) {
+          vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
+        }
+      }
+    }
+    return;
+  }
+  // Pointers not 16-byte aligned: the block copies each slab itself into stage 0, behind barriers.
+  for (int i = 0; i < tiles; ++i) {
+    const int tile = blockIdx.x + i * gridDim.x;
+    const vc_gemv::Tail tail =
+        vc_gemv::row_tail<16, M, EPI, HAS_BIAS>(bias, residual, tile * 16, N, EMIT ? next_w : nullptr);
+    vc_stream::fetch<W_BYTES, S_BYTES, THREADS>(stages, wb, sb, bb, tile, false, nullptr);
+    __syncthreads();
+    float acc[2][M];
+    product(stages, acc);
+    warp_sums(acc, i & 1);  // red double-buffered: a warp may write the next slab's before the store reads it
+    __syncthreads();
+    vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS, tile, TILES, tail, out,
+                                                               normed, partials);
+  }
+}
+
+}  // namespace vc_imma
+#endif
+)";
+
+// y = the 4-bit matvec through vc_imma::qmv_imma_stream: NORM 0 or 2, EPI, HAS_BIAS. Template args: K,
+// N, M, WARPS, LEVELS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TO.
+constexpr const char* kQmvImmaStreamSource = R"(
+  VC_DYNAMIC_SMEM(vc_smem);
+  const float eps = __int_as_float(EPS_BITS);
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, false>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
+      static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_smem);
+)";
+
+// kQmvImmaStreamSource with EMIT (out = product + residual, normed = out * next_w, a partial sum of
+// out^2 a slab). Template args: K, N, M, WARPS, LEVELS, STAGES, HAS_BIAS, NORM, NP, NG, EPS_BITS, and
+// the dtypes TX, TS, TB, TR, TN, TE, TO.
+constexpr const char* kQmvImmaStreamEmitSource = R"(
+  VC_DYNAMIC_SMEM(vc_smem);
+  const float eps = __int_as_float(EPS_BITS);
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, 1, HAS_BIAS, NORM, NP, NG, true>(
+      x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_smem);
 )";
 
 // y = the 4-bit matvec (group 64) through vc_imma::qmv_imma: NORM 0 or 2, EPI, HAS_BIAS. Template args:

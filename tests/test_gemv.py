@@ -146,17 +146,20 @@ def _stream_stages(k: int, most: int = 4) -> int:
     return min(most, (232448 - 4096) // (8 * k // 2 + 2 * 8 * (k // 64) * 2))
 
 
+PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2}}
+
+
 @needs_cuda
-@pytest.mark.parametrize("layout", ["streamed", "integer_mma"])
+@pytest.mark.parametrize("layout", list(PERSISTENT))
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("n,k", LLM_FULL)
 def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
-    """The persistent 4-bit layouts at every LLM shape: streamed (bulk copies into shared memory) and
-    integer MMA (x as int8 block floating point terms on the tensor cores)."""
+    """The persistent 4-bit layouts at every LLM shape: streamed (bulk copies into shared memory),
+    integer MMA (x as int8 block floating point terms on the tensor cores), and the two together."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
-    got = quantized_matvec(x, w, s, b, **({"stages": _stream_stages(k)} if layout == "streamed" else {"imma": 1}))
+    got = quantized_matvec(x, w, s, b, **(PERSISTENT[layout] or {"stages": _stream_stages(k)}))
     assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
 
 
@@ -288,6 +291,12 @@ def test_integer_mma_layout_refuses_what_it_cannot_take():
     w, s, b = _quantized(48, 640, dtype=mx.bfloat16, seed=1)
     with pytest.raises(ValueError, match="at most 16 groups in flight"):
         quantized_matvec(_x((1, 640), mx.float32), w, s, b, imma=17)
+    # with stages: the integer MMA on bulk-copied slabs
+    with pytest.raises(ValueError, match="streamed integer-MMA layout takes 2 stages at least, inside 227 KB"):
+        quantized_matvec(_x((1, 640), mx.float32), w, s, b, imma=1, stages=64)
+    w, s, b = _quantized(40, 640, dtype=mx.bfloat16, seed=1)
+    with pytest.raises(ValueError, match="streamed integer-MMA layout takes K a multiple of 64, N of 16"):
+        quantized_matvec(_x((1, 640), mx.float32), w, s, b, imma=1, stages=2)
 
 
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])
@@ -762,7 +771,7 @@ def _q4(n, k, seed):
 
 # the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block and the
 # integer tensor-core one
-LAYOUTS = [{}, {"stages": 3}, {"imma": 1}] if ON_CUDA else [{}]
+LAYOUTS = [{}, {"stages": 3}, {"imma": 1}, {"imma": 1, "stages": 2}] if ON_CUDA else [{}]
 
 
 def _fits(layout: dict, k: int, n: int) -> dict:

@@ -332,6 +332,16 @@ def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None
                             ng, emit, x_offset, w_offset, x_scale)
 
 
+def imma_stream_case(n, k, m, warps, stages, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1,
+                     emit=False, x_offset=0, w_offset=0, x_scale=1.0):
+    """vc_qmv_imma_stream (or _emit): a persistent grid of `blocks` blocks walking the N / 16 slabs,
+    `stages` of them in flight by bulk copies, `warps` warps splitting each slab's groups, x in four
+    int8 terms; w_offset > 0 misaligns the weight, so the block copies slabs itself."""
+    layout = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=4, STAGES=stages)
+    return _persistent_case("vc_qmv_imma_stream", layout, n, k, m, 16, blocks, 32 * warps, x_dtype, epi, bias_dtype,
+                            np_, ng, emit, x_offset, w_offset, x_scale)
+
+
 def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0, pro=0):
     w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(w_dtype)
     x = _x((m, 2 * k if pro else k), x_dtype)
@@ -762,6 +772,16 @@ def emulated(tmp_path_factory):
         "imma_huge_x": imma_case(16, 256, 1, 1, 1, x_scale=1e30, inflight=1),
         "imma_prenormed_groups": imma_case(32, 1024, 2, 2, 2, np_=8, ng=4),
         "imma_emit_prenormed": imma_case(48, 2048, 1, 4, 2, np_=16, ng=8, emit=True, inflight=3),
+        # the integer-MMA product on bulk-copied slabs: stages wrapping round (5 slabs a block, uneven
+        # groups a warp), two rows of unaligned bfloat16 x with a residual over 3 stages, a misaligned
+        # weight (the block's own copies) with a bias and squared ReLU, huge x, a group-normalized
+        # input, emitting with an 8-group norm input
+        "imma_stream_q4": imma_stream_case(160, 640, 1, 3, 2, 2),
+        "imma_stream_m2_bf16": imma_stream_case(48, 1024, 2, 4, 3, 2, mx.bfloat16, epi=1, x_offset=1),
+        "imma_stream_own_copies": imma_stream_case(64, 512, 1, 2, 2, 2, epi=2, bias_dtype=mx.float32, w_offset=1),
+        "imma_stream_huge_x": imma_stream_case(32, 256, 1, 2, 2, 1, x_scale=1e30),
+        "imma_stream_prenormed_groups": imma_stream_case(64, 1024, 2, 2, 2, 3, np_=8, ng=4),
+        "imma_stream_emit_prenormed": imma_stream_case(64, 2048, 1, 4, 2, 2, np_=16, ng=8, emit=True),
         "emit_m2": emit_case(37, 640, 2, 4, 32),
         "emit_tail": emit_case(10, 4480, 1, 8, 160),
         "emit_prenormed_groups": emit_case(16, 1280, 1, 8, 32, np_=20, ng=4),
@@ -896,6 +916,22 @@ def test_integer_mma_matvec_kernels_emulated(emulated, name):
     """vc_qmv_imma equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a slab): the MMA's fragments as PTX lays them out, x's block floating point expansion at
     any scale, the slabs a block walks and the groups its warps split."""
+    exe, cases, refs, _, tmp = emulated
+    case, ref = cases[name], refs[name]
+    got = run(exe, name, case, tmp)
+    want = [np.array(r) for r in (ref if isinstance(ref, tuple) else (ref,))]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("name", ["imma_stream_q4", "imma_stream_m2_bf16", "imma_stream_own_copies",
+                                  "imma_stream_huge_x", "imma_stream_prenormed_groups", "imma_stream_emit_prenormed"])
+def test_streamed_integer_mma_matvec_kernels_emulated(emulated, name):
+    """vc_qmv_imma_stream equals MLX's product (and, emitting, the next norm's input and a partial sum
+    of out^2 a slab): the slabs by bulk copy and their stages' reuse, each warp's groups of a slab
+    from shared memory, the last warp's store, and the block's own copies where the weight is
+    misaligned."""
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]
     got = run(exe, name, case, tmp)

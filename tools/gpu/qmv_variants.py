@@ -19,6 +19,8 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
            (1: the default groups in flight a warp, 2-16 that many); rows and threads are ignored
   tma      the same through the streamed layout (bulk copies into shared memory) at (rows, threads;
            0: its defaults); its fourth field is quantized_matvec's stages (tiles in flight a block)
+  immatma  the integer-MMA product on the streamed layout's bulk-copied 16-row slabs (imma=1 with
+           stages); its fourth field is the stages; rows ignored, threads 0: 8 warps
 
 Tried with it and removed (2026-12-01, commit 65a9609 has the code): a cp.async ring into shared
 memory (lost at every shape: 10 warps an SM), the product without the register prefetch, split-K.
@@ -155,6 +157,8 @@ SHAPES = {
     "up_proj": (15680, 4480, (1, False, "relu_squared")),
 }
 
+# the kinds launched through the extension (the others are the probe's STREAM_FLAGS)
+EXT_KINDS = ("ext", "imma", "tma", "immatma")
 # (kind, rows, threads, ksplit) per shape; ext's fourth field: row_groups
 DEFAULT = ("ext", 0, 0, 1)
 VARIANTS = {
@@ -169,8 +173,8 @@ def _from_environment() -> None:
     """QMV_VARIANTS adds launches, QMV_SHAPES keeps shapes (see the module's docstring)."""
     for item in filter(None, os.environ.get("QMV_VARIANTS", "").split(",")):
         shape, kind, rows, threads, ksplit = item.split(":")
-        if shape not in SHAPES or (kind not in ("ext", "imma", "tma") and kind not in STREAM_FLAGS):
-            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|imma|tma|stream*:rows:threads:ksplit")
+        if shape not in SHAPES or (kind not in EXT_KINDS and kind not in STREAM_FLAGS):
+            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|imma|tma|immatma|stream*:rows:threads:ksplit")
         VARIANTS[shape].append((kind, int(rows), int(threads), int(ksplit)))
     keep = [s for s in os.environ.get("QMV_SHAPES", "").split(",") if s]
     for shape in list(SHAPES):
@@ -192,7 +196,7 @@ def _stream_kernel():
 
 def _tag(shape: str, v) -> str:
     kind, rows, threads, fourth = v
-    fourth_name = {"ext": "row_groups", "imma": "imma", "tma": "stages"}.get(kind, "ksplit")
+    fourth_name = {"ext": "row_groups", "imma": "imma", "tma": "stages", "immatma": "stages"}.get(kind, "ksplit")
     return f"{shape} {kind} rows {rows} threads {threads} {fourth_name} {fourth}"
 
 
@@ -207,7 +211,7 @@ def _args(n: int, k: int, v) -> dict:
 
 def _ext_call(shape: str, v, tensors):
     """The step's instance of `shape` through the extension at v's rows and threads (kind ext), or
-    through its integer-MMA layout (kind imma) or its streamed one (kind tma)."""
+    through its integer-MMA layout (kind imma), its streamed one (kind tma) or both (kind immatma)."""
     kind, rows, threads, row_groups = v
     _, _, (groups, emit, activation) = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = tensors
@@ -215,11 +219,13 @@ def _ext_call(shape: str, v, tensors):
     launch = dict(imma=row_groups) if kind == "imma" else dict(rows_per_block=rows, threads=threads)
     if kind == "tma":
         launch.update(stages=row_groups)
+    if kind == "immatma":
+        launch = dict(imma=1, stages=row_groups, threads=threads)
     if emit:
         if kind == "ext" and row_groups > 1:
             raise SystemExit(f"{shape}: the emitting matvec takes no row_groups")
         return ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **pre, **launch)
-    if kind in ("imma", "tma"):
+    if kind in ("imma", "tma", "immatma"):
         return [ext.quantized_matvec(x, w, s, b, None, 64, 4, activation=activation, **pre, **launch)]
     if row_groups > 1:
         launch.update(row_groups=row_groups)
@@ -238,7 +244,7 @@ def run() -> None:
         mx.eval(*tensors)
         for v in VARIANTS[shape]:
             for _ in range(int(os.environ.get("QMV_LAUNCHES", "2"))):  # 1: one profiled launch a variant
-                if v[0] in ("ext", "imma", "tma"):
+                if v[0] in EXT_KINDS:
                     mx.eval(*_ext_call(shape, v, tensors))
                 else:
                     mx.eval(stream(inputs=[x, w, s, b], **_args(n, k, v))[0])

@@ -990,6 +990,32 @@ __device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w,
   }
 }
 
+// A tile's end in the bulk path, in the warp last_warp picked: lane l < SUMS totals sum l over the
+// warps (red: WARPS rows of SUMS floats), lane 0 asks for tile `next` into the stage (st, its barrier
+// bar; none where next < 0), then the lanes store their rows (`row`, `tail`: the lane's) through
+// vc_gemv::finish's epilogue, or with EMIT vc_gemv::emit_rows (a partial a tile).
+template <int SUMS, int M, int WARPS, int THREADS, int W_BYTES, int S_BYTES, int EPI, bool HAS_BIAS, bool EMIT, int N,
+          int TILES, typename TO>
+__device__ __forceinline__ void end_tile(const float* red, int lane, int tile, int row, const vc_gemv::Tail& tail,
+                                         TO* out, float* normed, float* partials, unsigned char* st,
+                                         const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
+                                         int next, unsigned long long* bar) {
+  float v = 0.0f;
+  if (lane < SUMS) {
+    for (int w = 0; w < WARPS; ++w) v += red[w * SUMS + lane];
+  }
+  __syncwarp();  // every lane has its total (red read) before the stage and red can be used again
+  if (lane == 0 && next >= 0) {
+    reads_before_copies();
+    fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, next, true, bar);
+  }
+  if constexpr (EMIT) {
+    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, TILES);
+  } else if (lane < SUMS) {
+    vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
+  }
+}
+
 // out[m, row] for the streamed matvec's tiles: NORM 0 (x as it is) or 2 (x normalized by its
 // producer: norm_w holds NP partial sums of squares an input row in NG groups, see vc_gemv::qmv_block),
 // the epilogue of vc_gemv::finish, and with EMIT the next norm's input as vc_qmv_emit writes it
@@ -1153,21 +1179,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       product(smem + s * STAGE, acc);
       warp_sums(acc, s);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-        float v = 0.0f;
-        if (lane < SUMS) {
-          for (int w = 0; w < WARPS; ++w) v += red[s][w][lane];
-        }
-        // every lane has its total (red[s] read) before the stage and red[s] can be used again
-        __syncwarp();
-        if (lane == 0 && i + STAGES < tiles) {
-          reads_before_copies();
-          fetch<W_BYTES, S_BYTES, THREADS>(smem + s * STAGE, wb, sb, bb, tile + STAGES * gridDim.x, true, &bars[s]);
-        }
-        if constexpr (EMIT) {
-          vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, TILES);
-        } else if (lane < SUMS) {
-          vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
-        }
+        end_tile<SUMS, M, WARPS, THREADS, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N, TILES>(
+            &red[s][0][0], lane, tile, row, tail, out, normed, partials, smem + s * STAGE, wb, sb, bb,
+            i + STAGES < tiles ? tile + STAGES * static_cast<int>(gridDim.x) : -1, &bars[s]);
       }
     }
     return;
@@ -1249,6 +1263,52 @@ struct Layout {
   static constexpr int FACTORS = GROUPS * 2 * 4 * P * 8;  // byte offsets
   static constexpr int SUMS = FACTORS + GROUPS * M * 4;
   static constexpr int BYTES = SUMS + GROUPS * 4 * M * 4;
+};
+
+// One lane's side of a slab's products (lane 4g + t): its B column g is term (level g / 2, row g %
+// 2) of the expansion or none, its C columns 2t, 2t + 1 are level t of rows 0 and 1, weighed 128^-t.
+template <int K, int M, int LEVELS>
+struct LaneTerms {
+  using L = Layout<K, M, LEVELS>;
+  const uint2* terms;
+  const float* factors;
+  const float* sums;
+  int t, term;
+  bool has_term;
+  float level_weight;
+
+  __device__ LaneTerms(const unsigned char* smem, int lane)
+      : terms(reinterpret_cast<const uint2*>(smem + L::TERMS)),
+        factors(reinterpret_cast<const float*>(smem + L::FACTORS)),
+        sums(reinterpret_cast<const float*>(smem + L::SUMS)),
+        t(lane & 3),
+        term((lane >> 3) * M + ((lane >> 2) & 1)),
+        has_term(((lane >> 2) & 1) < M && (lane >> 3) < LEVELS),
+        level_weight((lane & 3) < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * (lane & 3)) << 23)
+                                         : 0.0f) {}
+
+  // acc[0][m] / acc[1][m] (rows g and g + 8) += 64-wide group grp's product with input row m: wl / wh
+  // the rows' words 2t, 2t + 1 of the group, s* / b* their scales and biases.
+  __device__ __forceinline__ void add_group(float (&acc)[2][M], uint2 wl, uint2 wh, int grp, float s0, float s1,
+                                            float b0, float b1) const {
+    constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
+    int c[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
+      const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
+      const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
+      const unsigned int b[2] = {bt.x, bt.y};
+      mma(c, a, b);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float f = factors[grp * M + m] * level_weight;
+      const float xs = sums[(grp * 4 + t) * M + m];
+      acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
+      acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
+    }
+  }
 };
 
 // This thread's items of x's expansion (eight lanes a group of 64, one word of 8 inputs each, the
@@ -1394,7 +1454,6 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
   if constexpr (NORM == 2) {
     vc_stream::group_totals<NP, NG, M, THREADS>(norm_w, &red[1][0][0], SUMS, group_total);
   }
@@ -1407,14 +1466,7 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
     }
   });
   __syncthreads();
-  const uint2* terms = reinterpret_cast<const uint2*>(smem + L::TERMS);
-  const float* factors = reinterpret_cast<const float*>(smem + L::FACTORS);
-  const float* sums = reinterpret_cast<const float*>(smem + L::SUMS);
-  // This lane's B column g: term (level g / 2, row g % 2) or none; its C columns 2t, 2t + 1: level t
-  // of rows 0 and 1, weighed 128^-t.
-  const int term = (g >> 1) * M + (g & 1);
-  const bool has_term = (g & 1) < M && (g >> 1) < LEVELS;
-  const float level_weight = t < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * t) << 23) : 0.0f;
+  const LaneTerms<K, M, LEVELS> lt(smem, lane);
   float acc[2][M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
@@ -1469,24 +1521,9 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
           // compiler sink the batch's loads into it, back next to their MMAs
           const bool live = first + j * WARPS < GROUPS;
           const int grp = min(first + j * WARPS, GROUPS - 1);
-          int c[4] = {0, 0, 0, 0};
-#pragma unroll
-          for (int step = 0; step < 2; ++step) {
-            const unsigned int vl = step ? wl[j].y : wl[j].x, vh = step ? wh[j].y : wh[j].x;
-            const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
-            const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
-            const unsigned int b[2] = {bt.x, bt.y};
-            mma(c, a, b);
-          }
           const float s0 = live ? static_cast<float>(sl[j]) : 0.0f, s1 = live ? static_cast<float>(sh[j]) : 0.0f;
           const float b0 = live ? static_cast<float>(bl[j]) : 0.0f, b1 = live ? static_cast<float>(bh[j]) : 0.0f;
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            const float f = factors[grp * M + m] * level_weight;
-            const float xs = sums[(grp * 4 + t) * M + m];
-            acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
-            acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
-          }
+          lt.add_group(acc, wl[j], wh[j], grp, s0, s1, b0, b1);
         }
       }
       finish_slab<M, WARPS, EPI, HAS_BIAS, EMIT, N>(acc, red[i & 1], slab, g, t, warp, tail, out, normed, partials);
@@ -1581,15 +1618,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
     }
   });
   __syncthreads();  // the expansion and the barriers' init seen by every thread
-  const uint2* terms = reinterpret_cast<const uint2*>(smem + L::TERMS);
-  const float* factors = reinterpret_cast<const float*>(smem + L::FACTORS);
-  const float* sums = reinterpret_cast<const float*>(smem + L::SUMS);
-  // This lane's B column g: term (level g / 2, row g % 2) or none; its C columns 2t, 2t + 1: level t
-  // of rows 0 and 1, weighed 128^-t (as vc_qmv_imma's).
-  const int term = (g >> 1) * M + (g & 1);
-  const bool has_term = (g & 1) < M && (g >> 1) < LEVELS;
-  const float level_weight = t < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * t) << 23) : 0.0f;
-  constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
+  const LaneTerms<K, M, LEVELS> lt(smem, lane);
   // This warp's sums of a slab's rows g and g + 8 (lanes t == 0 after the quad's sum), from stage st.
   auto product = [&](const unsigned char* st, float (&acc)[2][M]) {
     const unsigned char* w_lo = st + g * (K / 2) + t * 8;  // row g: the lane's 8 bytes of a group's 32
@@ -1602,24 +1631,9 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
     for (int grp = warp; grp < GROUPS; grp += WARPS) {
       const uint2 wl = *reinterpret_cast<const uint2*>(w_lo + grp * 32);
       const uint2 wh = *reinterpret_cast<const uint2*>(w_hi + grp * 32);
-      int c[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int step = 0; step < 2; ++step) {
-        const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
-        const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
-        const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
-        const unsigned int b[2] = {bt.x, bt.y};
-        mma(c, a, b);
-      }
-      const float s0 = static_cast<float>(ts[g * GROUPS + grp]), s1 = static_cast<float>(ts[(g + 8) * GROUPS + grp]);
-      const float b0 = static_cast<float>(tb[g * GROUPS + grp]), b1 = static_cast<float>(tb[(g + 8) * GROUPS + grp]);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float f = factors[grp * M + m] * level_weight;
-        const float xs = sums[(grp * 4 + t) * M + m];
-        acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
-        acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
-      }
+      lt.add_group(acc, wl, wh, grp, static_cast<float>(ts[g * GROUPS + grp]),
+                   static_cast<float>(ts[(g + 8) * GROUPS + grp]), static_cast<float>(tb[g * GROUPS + grp]),
+                   static_cast<float>(tb[(g + 8) * GROUPS + grp]));
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -1652,21 +1666,9 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
       product(stages + s * STAGE, acc);
       warp_sums(acc, s);
       if (vc_stream::last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-        float v = 0.0f;
-        if (lane < SUMS) {
-          for (int w = 0; w < WARPS; ++w) v += red[s][w][lane];
-        }
-        __syncwarp();  // every lane has its total (red[s] read) before the stage can be used again
-        if (lane == 0 && i + STAGES < tiles) {
-          vc_stream::reads_before_copies();
-          vc_stream::fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, tile + STAGES * gridDim.x,
-                                                      true, &bars[s]);
-        }
-        if constexpr (EMIT) {
-          vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, TILES);
-        } else if (lane < SUMS) {
-          vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
-        }
+        vc_stream::end_tile<SUMS, M, WARPS, THREADS, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N, TILES>(
+            &red[s][0][0], lane, tile, row, tail, out, normed, partials, stages + s * STAGE, wb, sb, bb,
+            i + STAGES < tiles ? tile + STAGES * static_cast<int>(gridDim.x) : -1, &bars[s]);
       }
     }
     return;

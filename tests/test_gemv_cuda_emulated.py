@@ -894,13 +894,8 @@ def test_emit_norm_kernel_emulated(emulated, name):
     np.testing.assert_allclose(partials.sum(-1), partials_ref.sum(-1), rtol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["stream_q4", "stream_m2_two_chunks", "stream_own_copies", "stream_prenormed_groups",
-                                  "stream_emit_prenormed", "stream_emit_m2", "stream_warps_drift",
-                                  "stream_emit_warps_m2"])
-def test_streamed_matvec_kernels_emulated(emulated, name):
-    """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
-    out^2 a tile): the tiles a block walks, the stages it reuses (refilled by whichever warp is
-    done last), the input norm folded into x."""
+def _check_persistent(emulated, name: str) -> None:
+    """A persistent 4-bit kernel's outputs (plain: out; emitting: out, normed, partials) equal MLX's."""
     exe, cases, refs, _, tmp = emulated
     case, ref = cases[name], refs[name]
     got = run(exe, name, case, tmp)
@@ -908,6 +903,16 @@ def test_streamed_matvec_kernels_emulated(emulated, name):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("name", ["stream_q4", "stream_m2_two_chunks", "stream_own_copies", "stream_prenormed_groups",
+                                  "stream_emit_prenormed", "stream_emit_m2", "stream_warps_drift",
+                                  "stream_emit_warps_m2"])
+def test_streamed_matvec_kernels_emulated(emulated, name):
+    """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
+    out^2 a tile): the tiles a block walks, the stages it reuses (refilled by whichever warp is
+    done last), the input norm folded into x."""
+    _check_persistent(emulated, name)
 
 
 @pytest.mark.parametrize("name", ["imma_q4", "imma_batches", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
@@ -916,13 +921,7 @@ def test_integer_mma_matvec_kernels_emulated(emulated, name):
     """vc_qmv_imma equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a slab): the MMA's fragments as PTX lays them out, x's block floating point expansion at
     any scale, the slabs a block walks and the groups its warps split."""
-    exe, cases, refs, _, tmp = emulated
-    case, ref = cases[name], refs[name]
-    got = run(exe, name, case, tmp)
-    want = [np.array(r) for r in (ref if isinstance(ref, tuple) else (ref,))]
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+    _check_persistent(emulated, name)
 
 
 @pytest.mark.parametrize("name", ["imma_stream_q4", "imma_stream_m2_bf16", "imma_stream_own_copies",
@@ -932,13 +931,7 @@ def test_streamed_integer_mma_matvec_kernels_emulated(emulated, name):
     of out^2 a slab): the slabs by bulk copy and their stages' reuse, each warp's groups of a slab
     from shared memory, the last warp's store, and the block's own copies where the weight is
     misaligned."""
-    exe, cases, refs, _, tmp = emulated
-    case, ref = cases[name], refs[name]
-    got = run(exe, name, case, tmp)
-    want = [np.array(r) for r in (ref if isinstance(ref, tuple) else (ref,))]
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5 * np.abs(w).max())
+    _check_persistent(emulated, name)
 
 
 @pytest.mark.parametrize("name", ["dense_add_norm_tts", "dense_add_norm_bias", "dense_add_plain", "dense_norm_only"])

@@ -772,7 +772,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
                     : (rows * (k / group_size) * scale_bytes) % 16 != 0 ? "a tile's scales in whole 16 bytes"
                     : threads % 32 != 0 || threads > 512 || (chunks + threads - 1) / threads > 2
                         ? "threads a multiple of 32 up to 512, two chunks of K a thread at most"
-                    : stages < 2 || stages * stage + stream_static_smem(stages, threads, rows, m, prenorm_groups) > kSmemPerSm
+                    : stages < 2 ||
+                            stages * stage + stream_static_smem(stages, threads, rows, m, prenorm_groups) > kSmemPerSm
                         ? "2 stages at least, their tiles inside 227 KB of shared memory"
                         : nullptr;
   if (why) {
@@ -782,10 +783,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     return std::nullopt;
   }
   const int smem = stages * stage;
-  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
-                                       : std::max(1, std::min(2048 / threads,
-                                                              kSmemPerSm / (smem + stream_static_smem(stages, threads, rows,
-                                                                                                      m, prenorm_groups))));
+  const int own = stream_static_smem(stages, threads, rows, m, prenorm_groups);
+  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : std::max(1, std::min(2048 / threads, kSmemPerSm / (smem + own)));
   return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem};
 }
 
@@ -880,9 +879,9 @@ struct ImmaStreamLaunch {
   int warps, blocks, smem, stages;
 };
 
-ImmaStreamLaunch pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
-                                           bool takes_norm, int prenorm_groups, int threads, int stages,
-                                           int blocks_per_sm, int device_index, const char* who) {
+ImmaStreamLaunch pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes, bool takes_norm,
+                                  int prenorm_groups, int threads, int stages, int blocks_per_sm, int device_index,
+                                  const char* who) {
   const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
   const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
@@ -1003,8 +1002,9 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   const bool grouped = row_groups > 1;  // the block layout, asked for by its row groups
   if (imma > 0 && stages > 0 && warps <= 0 && !grouped) {
-    const ImmaStreamLaunch l = pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
-                                    prenorm ? prenorm->groups : 1, threads, stages, blocks_per_sm, s.device.index, who);
+    const ImmaStreamLaunch l =
+        pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
+                         prenorm ? prenorm->groups : 1, threads, stages, blocks_per_sm, s.device.index, who);
     return launch_persistent(qmv_imma_stream_source(), qmv_imma_stream_emit_source(),
                              {{"K", k}, {"N", n}, {"M", m}, {"WARPS", l.warps}, {"LEVELS", kImmaLevels},
                               {"STAGES", l.stages}},

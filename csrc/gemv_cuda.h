@@ -874,7 +874,9 @@ __device__ __forceinline__ void store_tile(const float* red, int stride, int til
 // memory (an mbarrier a stage counts their bytes), so the bytes in flight do not cost registers;
 // every thread keeps its chunks of x in registers for all tiles (loaded once, already split into
 // the pair form of vc_gemv::pair_word, the input norm's scale folded in), and reads each tile's
-// weights from shared memory. Include-guarded; it needs kCommonHeader, kPairHeader and
+// weights from shared memory. A warp goes on to its next tile without waiting for the others; the
+// last one done with a tile stores it and asks for the tile STAGES ahead into its stage
+// (last_warp, end_tile). Include-guarded; it needs kCommonHeader, kPairHeader and
 // kPersistentHeader before it.
 constexpr const char* kStreamHeader = R"(
 #ifndef VC_STREAM_HEADER

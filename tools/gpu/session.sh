@@ -7,9 +7,11 @@
 # every log lands in $OUT.
 #   export OUT; TESTS="tests/test_mamba_scan.py" bash tools/gpu/session.sh
 # PARTS (default "ncu tests isolation step ref e2e") picks the parts; NCU_DETAIL passes through to
-# step_ncu.sh. Two more parts, not in the default: "variants" (qmv_variants.sh: the 4-bit GEMV's
-# launch shapes and the loads-only probe's parts under ncu) and "stalls" (qmv_stalls.sh: where those
-# kernels' warps wait), "source" (qmv_source.sh: the same by SASS instruction); QMV_SHAPES / QMV_VARIANTS / QMV_LAUNCHES pass through to both.
+# step_ncu.sh. Three more parts, not in the default: "variants" (qmv_variants.sh: the 4-bit GEMV's
+# launch shapes and the loads-only probe's parts under ncu), "stalls" (qmv_stalls.sh: where those
+# kernels' warps wait) and "source" (qmv_source.sh: the same by SASS instruction); QMV_SHAPES /
+# QMV_VARIANTS / QMV_LAUNCHES pass through to all three. TESTS holds test paths or node ids (split
+# on spaces); TESTS_K, a pytest -k expression added to the run's own.
 set -uo pipefail
 PARTS=" ${PARTS:-ncu tests isolation step ref e2e} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
@@ -21,14 +23,14 @@ PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --
   >/dev/null 2>&1
 export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav MLX_PTX_CACHE_DIR=/tmp/ptx-ab \
   PYTHONUNBUFFERED=1
-part stalls && echo "== 4-bit GEMV stall reasons" && NCU_LIMIT=${STALLS_LIMIT:-150} bash tools/gpu/qmv_stalls.sh 2>&1 | tail -40
+part stalls && echo "== 4-bit GEMV stall reasons" && NCU_LIMIT=${STALLS_LIMIT:-150} bash tools/gpu/qmv_stalls.sh 2>&1 | tail -80
 part source && echo "== 4-bit GEMV stalls by instruction" && NCU_LIMIT=${SOURCE_LIMIT:-200} bash tools/gpu/qmv_source.sh 2>&1 | tail -30
 part variants && echo "== 4-bit GEMV variants" && NCU_LIMIT=${VARIANTS_LIMIT:-150} bash tools/gpu/qmv_variants.sh 2>&1 | tail -30
 part ncu && echo "== llm step under ncu" && NCU_LIMIT=${NCU_LIMIT:-120} bash tools/gpu/step_ncu.sh 2>&1 | tail -14
 if [ -n "${TESTS:-}" ] && part tests; then
   echo "== tests: $TESTS"
   timeout -s INT -k 10 "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -rfE --timeout=140 $TESTS \
-    -k "not other_formats_and_stereo and not stereo_other_rate" 2>&1 | tee "$OUT/tests.log" | tail -8
+    -k "not other_formats_and_stereo and not stereo_other_rate${TESTS_K:+ and ($TESTS_K)}" 2>&1 | tee "$OUT/tests.log" | tail -8
 fi
 part isolation && echo "== gemv back to back" &&
   timeout 60 python3 tools/gpu/gemv_isolation.py 2>&1 | tee "$OUT/isolation.log"

@@ -708,8 +708,9 @@ const CudaSource& qmv_imma_stream_emit_source() {
 constexpr int kSmemPerSm = 232448;      // Hopper: a block's (and an SM's) most dynamic shared memory
 constexpr int kStreamStaticSmem = 4096;  // vc_qmv_imma's own __shared__ arrays, at most
 
-// vc_qmv_stream's own __shared__ arrays: a tile's sums from every warp for each stage (two at
-// least), a barrier and a count a stage, the norm's group totals (and a margin for alignment).
+// A streamed kernel's own __shared__ arrays (vc_qmv_stream; vc_qmv_imma_stream with 16 rows): a
+// tile's sums from every warp for each stage (two at least), a barrier and a count a stage, the
+// norm's group totals (and a margin for alignment).
 int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
   return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + groups * m * 4 + 256;
 }
@@ -835,6 +836,19 @@ struct ImmaLaunch {
 // Whether the GPU has the integer MMA (sm_80 on).
 bool integer_mma(int device_index) { return compute_capability(device_index) >= 8; }
 
+// What the integer-MMA layouts (vc_qmv_imma, vc_qmv_imma_stream) cannot take at this shape, or
+// nullptr: 16-row slabs of 64-wide 4-bit groups, a warp at least a group.
+const char* imma_shape_refusal(int k, int n, int m, int group_size, int bits, bool takes_norm, int prenorm_groups,
+                               int threads, int warps) {
+  return bits != 4 || group_size != 64             ? "4-bit weights in groups of 64"
+         : !takes_norm                             ? "no RMSNorm prologue (norm_weight)"
+         : k % 64 != 0 || n % 16 != 0 || m > 2     ? "K a multiple of 64, N of 16, 1-2 rows"
+         : (k / prenorm_groups) % 64 != 0          ? "prenorm groups of whole 64-wide groups"
+         : threads % 32 != 0 || warps < 1 || warps > 32 || warps > k / 64
+             ? "threads a multiple of 32 up to 1024, a 64-wide group at least a warp"
+             : nullptr;
+}
+
 // The integer-MMA launch at this shape, or nothing. imma: <= 0 never; > 0 always (refused with a
 // reason where the kernel cannot take it), 1 with kImmaInflight groups in flight a warp, more: that
 // many (up to 16). threads / blocks_per_sm: overrides (0 = auto). Not the
@@ -852,16 +866,13 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
   const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
   const int smem = groups * (64 * kImmaLevels * m + 20 * m);
-  const char* why = !integer_mma(device_index)                  ? "a GPU with integer MMA (sm_80 or newer)"
-                    : bits != 4 || group_size != 64             ? "4-bit weights in groups of 64"
-                    : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
-                    : k % 64 != 0 || n % 16 != 0 || m > 2       ? "K a multiple of 64, N of 16, 1-2 rows"
-                    : (k / prenorm_groups) % 64 != 0            ? "prenorm groups of whole 64-wide groups"
-                    : threads % 32 != 0 || warps < 1 || warps > 32 || warps > k / 64
-                        ? "threads a multiple of 32 up to 1024, a 64-wide group at least a warp"
-                    : smem + kStreamStaticSmem > kSmemPerSm     ? "x's expansion inside 227 KB of shared memory"
-                    : imma > 16                                 ? "at most 16 groups in flight a warp"
-                                                                : nullptr;
+  const char* why = !integer_mma(device_index) ? "a GPU with integer MMA (sm_80 or newer)"
+                    : imma_shape_refusal(k, n, m, group_size, bits, takes_norm, prenorm_groups, threads, warps);
+  if (!why) {
+    why = smem + kStreamStaticSmem > kSmemPerSm ? "x's expansion inside 227 KB of shared memory"
+          : imma > 16                           ? "at most 16 groups in flight a warp"
+                                                : nullptr;
+  }
   if (why) {
     throw std::invalid_argument(std::string(who) + ": the integer-MMA layout takes " + why);
   }
@@ -887,18 +898,15 @@ ImmaStreamLaunch pick_imma_stream(int k, int n, int m, int group_size, int bits,
   const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
   const int slab = 16 * k / 2 + 2 * 16 * groups * scale_bytes;
   const int smem = expansion + stages * slab;
-  const int own = stages * (warps * 16 * m * 4 + 12) + 16 * m * 4 + 256;  // the kernel's __shared__ arrays
+  const int own = stream_static_smem(stages, 32 * warps, 16, m, prenorm_groups);  // its own arrays, as the float one's
   const char* why = !integer_mma(device_index) || !bulk_copies(device_index)
                         ? "a GPU with integer MMA and bulk copies (sm_90 or newer)"
-                    : bits != 4 || group_size != 64             ? "4-bit weights in groups of 64"
-                    : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
-                    : k % 64 != 0 || n % 16 != 0 || m > 2       ? "K a multiple of 64, N of 16, 1-2 rows"
-                    : (k / prenorm_groups) % 64 != 0 || prenorm_groups > 16
-                        ? "prenorm groups of whole 64-wide groups, 16 at most"
-                    : threads % 32 != 0 || warps < 1 || warps > 32 || warps > groups
-                        ? "threads a multiple of 32 up to 1024, a 64-wide group at least a warp"
-                    : stages < 2 || smem + own > kSmemPerSm     ? "2 stages at least, inside 227 KB of shared memory"
-                                                                : nullptr;
+                        : imma_shape_refusal(k, n, m, group_size, bits, takes_norm, prenorm_groups, threads, warps);
+  if (!why) {
+    why = prenorm_groups > 16                     ? "16 prenorm groups at most (a slab's rows hold their totals)"
+          : stages < 2 || smem + own > kSmemPerSm ? "2 stages at least, inside 227 KB of shared memory"
+                                                  : nullptr;
+  }
   if (why) {
     throw std::invalid_argument(std::string(who) + ": the streamed integer-MMA layout takes " + why);
   }

@@ -838,27 +838,43 @@ __device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, i
   sum_groups<NP, NG, M, THREADS>(load_partials<NP, M, THREADS>(norm_w), scratch, stride, group_total);
 }
 
-// The end of a persistent kernel's tile (ROWS rows, `tile` of `tiles`), in warp 0: each of its SUMS =
-// ROWS x M sums totalled over the warps' partials (red: WARPS rows of `stride` floats), then stored
-// through vc_gemv::finish's epilogue, or with EMIT as vc_gemv::emit_rows (a partial a tile). tail:
-// the thread's vc_gemv::row_tail for the tile, loaded before its product.
+// Lane l < SUMS of one warp: sum l of a tile totalled over the warps' partials (red: WARPS rows of
+// `stride` floats); 0 in the other lanes.
+template <int SUMS, int WARPS>
+__device__ __forceinline__ float tile_total(const float* red, int stride, int lane) {
+  float v = 0.0f;
+  if (lane < SUMS) {
+    for (int w = 0; w < WARPS; ++w) v += red[w * stride + lane];
+  }
+  return v;
+}
+
+// A tile's totals (ROWS rows, `tile` of `tiles`) stored by one warp, all 32 lanes calling: lane l's
+// total v is row tile x ROWS + l / M, input row l % M, stored through vc_gemv::finish's epilogue, or
+// with EMIT as vc_gemv::emit_rows (a partial a tile). tail: the lane's vc_gemv::Tail for that row.
+template <int M, int ROWS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO>
+__device__ __forceinline__ void store_totals(float v, int lane, int tile, int tiles, const vc_gemv::Tail& tail,
+                                             TO* out, float* normed, float* partials) {
+  constexpr int SUMS = ROWS * M;
+  const int row = tile * ROWS + lane / M;
+  if constexpr (EMIT) {
+    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, tiles);
+  } else if (lane < SUMS) {
+    vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
+  }
+}
+
+// The end of a persistent kernel's tile in warp 0: tile_total, then store_totals. tail: the
+// thread's vc_gemv::row_tail for the tile, loaded before its product.
 template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO>
 __device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles,
                                            const vc_gemv::Tail& tail, TO* out, float* normed, float* partials) {
-  constexpr int SUMS = ROWS * M;
   if (threadIdx.x >= 32) {
     return;
   }
-  const int row = tile * ROWS + static_cast<int>(threadIdx.x) / M;
-  float v = 0.0f;
-  if (threadIdx.x < SUMS) {
-    for (int w = 0; w < WARPS; ++w) v += red[w * stride + threadIdx.x];
-  }
-  if constexpr (EMIT) {
-    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, threadIdx.x < SUMS, row, tail, out, N, normed, partials, tile, tiles);
-  } else if (threadIdx.x < SUMS) {
-    vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, static_cast<int>(threadIdx.x) % M, row, N);
-  }
+  const int lane = static_cast<int>(threadIdx.x);
+  store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(tile_total<ROWS * M, WARPS>(red, stride, lane), lane, tile, tiles,
+                                                tail, out, normed, partials);
 }
 
 }  // namespace vc_stream
@@ -876,7 +892,7 @@ __device__ __forceinline__ void store_tile(const float* red, int stride, int til
 // the pair form of vc_gemv::pair_word, the input norm's scale folded in), and reads each tile's
 // weights from shared memory. A warp goes on to its next tile without waiting for the others; the
 // last one done with a tile stores it and asks for the tile STAGES ahead into its stage
-// (last_warp, end_tile). Include-guarded; it needs kCommonHeader, kPairHeader and
+// (walk_tiles). Include-guarded; it needs kCommonHeader, kPairHeader and
 // kPersistentHeader before it.
 constexpr const char* kStreamHeader = R"(
 #ifndef VC_STREAM_HEADER
@@ -992,29 +1008,73 @@ __device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w,
   }
 }
 
-// A tile's end in the bulk path, in the warp last_warp picked: lane l < SUMS totals sum l over the
-// warps (red: WARPS rows of SUMS floats), lane 0 asks for tile `next` into the stage (st, its barrier
-// bar; none where next < 0), then the lanes store their rows (`row`, `tail`: the lane's) through
-// vc_gemv::finish's epilogue, or with EMIT vc_gemv::emit_rows (a partial a tile).
-template <int SUMS, int M, int WARPS, int THREADS, int W_BYTES, int S_BYTES, int EPI, bool HAS_BIAS, bool EMIT, int N,
-          int TILES, typename TO>
-__device__ __forceinline__ void end_tile(const float* red, int lane, int tile, int row, const vc_gemv::Tail& tail,
-                                         TO* out, float* normed, float* partials, unsigned char* st,
-                                         const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
-                                         int next, unsigned long long* bar) {
-  float v = 0.0f;
-  if (lane < SUMS) {
-    for (int w = 0; w < WARPS; ++w) v += red[w * SUMS + lane];
+// Thread 0 of a block on the bulk path: the stages' barriers and counts set up, and the block's first
+// STAGES tiles (of `tiles`: blockIdx.x, + gridDim.x, ...) asked for. The block's other threads see
+// them after its next barrier.
+template <int STAGES, int STAGE, int W_BYTES, int S_BYTES, int THREADS>
+__device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars, unsigned int* arrived,
+                                            unsigned char* stages, const unsigned char* wb, const unsigned char* sb,
+                                            const unsigned char* bb) {
+  for (int s = 0; s < STAGES; ++s) {
+    bar_init(&bars[s]);
+    arrived[s] = 0u;
   }
-  __syncwarp();  // every lane has its total (red read) before the stage and red can be used again
-  if (lane == 0 && next >= 0) {
-    reads_before_copies();
-    fetch<W_BYTES, S_BYTES, THREADS>(st, wb, sb, bb, next, true, bar);
+  for (int s = 0; s < STAGES && s < tiles; ++s) {
+    fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
   }
-  if constexpr (EMIT) {
-    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, TILES);
-  } else if (lane < SUMS) {
-    vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
+}
+
+// A streamed kernel's walk over its block's tiles (ROWS rows each, whole K; `tiles` of them:
+// blockIdx.x, + gridDim.x, ...). `sums(st, b)` computes this thread's share of the tile in stage st
+// and leaves its warp's ROWS x M sums in red buffer b (red: buffers of WARPS x ROWS x M floats, one a
+// stage, two at least). Bulk (start_tiles asked for the first stages): no block barrier a tile; a
+// warp waits only for its tile's mbarrier, and the last warp done with a tile (last_warp) totals it,
+// asks for the tile STAGES ahead into the stage and stores it. Otherwise (pointers not 16-byte
+// aligned) the block copies each tile itself into stage 0, behind barriers, and warp 0 stores it.
+template <int ROWS, int M, int WARPS, int STAGES, int STAGE, int W_BYTES, int S_BYTES, int EPI, bool HAS_BIAS,
+          bool EMIT, int N, typename TB, typename TR, typename TE, typename TO, typename Sums>
+__device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long long* bars, unsigned int* arrived,
+                                           float* red, unsigned char* stages, const unsigned char* wb,
+                                           const unsigned char* sb, const unsigned char* bb, const TB* bias,
+                                           const TR* residual, const TE* next_w, TO* out, float* normed,
+                                           float* partials, Sums sums) {
+  constexpr int SUMS = ROWS * M;
+  constexpr int TILES = N / ROWS;
+  constexpr int THREADS = WARPS * 32;
+  const int lane = threadIdx.x & 31;
+  if (bulk) {
+    for (int i = 0; i < tiles; ++i) {
+      const int tile = blockIdx.x + i * gridDim.x;
+      const int s = i % STAGES;
+      const int row = tile * ROWS + lane / M;  // this lane's output row when its warp stores the tile
+      const vc_gemv::Tail tail = lane < SUMS ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N,
+                                                                                  EMIT ? next_w : nullptr)
+                                             : vc_gemv::Tail{0.0f, 0.0f, 0.0f};
+      bar_wait(&bars[s], (i / STAGES) & 1);
+      sums(stages + s * STAGE, s);
+      if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
+        const float v = tile_total<SUMS, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
+        __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
+        if (lane == 0 && i + STAGES < tiles) {
+          reads_before_copies();
+          fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
+                                           true, &bars[s]);
+        }
+        store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, tile, TILES, tail, out, normed, partials);
+      }
+    }
+    return;
+  }
+  for (int i = 0; i < tiles; ++i) {
+    const int tile = blockIdx.x + i * gridDim.x;
+    const vc_gemv::Tail tail =
+        vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
+    fetch<W_BYTES, S_BYTES, THREADS>(stages, wb, sb, bb, tile, false, nullptr);
+    __syncthreads();
+    sums(stages, i & 1);  // red double-buffered: a warp may write the next tile's before warp 0 reads this one's
+    __syncthreads();      // the stage read and the sums written by every thread
+    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, tile, TILES, tail, out,
+                                                      normed, partials);
   }
 }
 
@@ -1081,13 +1141,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x == 0 && bulk) {
-    for (int s = 0; s < STAGES; ++s) {
-      bar_init(&bars[s]);
-      arrived[s] = 0u;
-    }
-    for (int s = 0; s < STAGES && s < tiles; ++s) {
-      fetch<W_BYTES, S_BYTES, THREADS>(smem + s * STAGE, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
-    }
+    start_tiles<STAGES, STAGE, W_BYTES, S_BYTES, THREADS>(tiles, bars, arrived, smem, wb, sb, bb);
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
@@ -1121,8 +1175,12 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     }
   }
   __syncthreads();  // the barriers' init seen by every thread
-  // This thread's sums of a tile's rows, from stage st.
-  auto product = [&](const unsigned char* st, float (&acc)[ROWS][M]) {
+  // This warp's sums of the tile in stage st (each thread's, folded over the warp: see fold_sums)
+  // into red[b][warp].
+  constexpr int LOG = SUMS >= 32 ? 5 : SUMS >= 16 ? 4 : SUMS >= 8 ? 3 : SUMS >= 4 ? 2 : SUMS >= 2 ? 1 : 0;
+  static_assert(SUMS == 1 << LOG, "ROWS x M a power of two");
+  auto tile_sums = [&](const unsigned char* st, int b) {
+    float acc[ROWS][M];
     const uint4* w4 = reinterpret_cast<const uint4*>(st);
     const TS* tscale = reinterpret_cast<const TS*>(st + W_BYTES);
     const TS* tbias = reinterpret_cast<const TS*>(st + W_BYTES + S_BYTES);
@@ -1157,51 +1215,14 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
         }
       }
     }
-  };
-  // This warp's sums of a tile (folded, see fold_sums) into red[b][warp].
-  constexpr int LOG = SUMS >= 32 ? 5 : SUMS >= 16 ? 4 : SUMS >= 8 ? 3 : SUMS >= 4 ? 2 : SUMS >= 2 ? 1 : 0;
-  static_assert(SUMS == 1 << LOG, "ROWS x M a power of two");
-  auto warp_sums = [&](float (&acc)[ROWS][M], int b) {
     const float v = fold_sums<SUMS, 16>(&acc[0][0], lane);
     if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp][(lane >> (5 - LOG)) & (SUMS - 1)] = v;
   };
-  if (bulk) {
-    // No block barrier a tile: each warp goes on to its next tile as soon as that tile's bytes are
-    // in; the last warp done with a tile (an atomic count) totals and stores it, then asks for the
-    // tile STAGES ahead into the stage. (A barrier a tile was a fifth of the warps' time, 2026-12-03.)
-    for (int i = 0; i < tiles; ++i) {
-      const int tile = blockIdx.x + i * gridDim.x;
-      const int s = i % STAGES;
-      const int row = tile * ROWS + lane / M;  // this lane's output row when its warp stores the tile
-      const vc_gemv::Tail tail = lane < SUMS ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N,
-                                                                                  EMIT ? next_w : nullptr)
-                                             : vc_gemv::Tail{0.0f, 0.0f, 0.0f};
-      bar_wait(&bars[s], (i / STAGES) & 1);
-      float acc[ROWS][M];
-      product(smem + s * STAGE, acc);
-      warp_sums(acc, s);
-      if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-        end_tile<SUMS, M, WARPS, THREADS, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N, TILES>(
-            &red[s][0][0], lane, tile, row, tail, out, normed, partials, smem + s * STAGE, wb, sb, bb,
-            i + STAGES < tiles ? tile + STAGES * static_cast<int>(gridDim.x) : -1, &bars[s]);
-      }
-    }
-    return;
-  }
-  // Pointers not 16-byte aligned: the block copies each tile itself into stage 0, behind barriers.
-  for (int i = 0; i < tiles; ++i) {
-    const int tile = blockIdx.x + i * gridDim.x;
-    const vc_gemv::Tail tail =
-        vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
-    fetch<W_BYTES, S_BYTES, THREADS>(smem, wb, sb, bb, tile, false, nullptr);
-    __syncthreads();
-    float acc[ROWS][M];
-    product(smem, acc);
-    warp_sums(acc, i & 1);  // red is double-buffered: a warp may write the next tile's before the store reads it
-    __syncthreads();  // the stage read and the sums written by every thread
-    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS, tile, TILES, tail, out, normed,
-                                                      partials);
-  }
+  // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
+  // 2026-12-03): see walk_tiles.
+  walk_tiles<ROWS, M, WARPS, STAGES, STAGE, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N>(
+      bulk, tiles, bars, arrived, &red[0][0][0], smem, wb, sb, bb, bias, residual, next_w, out, normed, partials,
+      tile_sums);
 }
 
 }  // namespace vc_stream
@@ -1599,14 +1620,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   }
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x == 0 && bulk) {
-    for (int s = 0; s < STAGES; ++s) {
-      vc_stream::bar_init(&bars[s]);
-      arrived[s] = 0u;
-    }
-    for (int s = 0; s < STAGES && s < tiles; ++s) {
-      vc_stream::fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, blockIdx.x + s * gridDim.x, true,
-                                                  &bars[s]);
-    }
+    vc_stream::start_tiles<STAGES, STAGE, W_BYTES, S_BYTES, THREADS>(tiles, bars, arrived, stages, wb, sb, bb);
   }
   if constexpr (NORM == 2) {
     vc_stream::sum_groups<NP, NG, M, THREADS>(norm_partials, &red[1][0][0], SUMS, group_total);
@@ -1621,8 +1635,9 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   });
   __syncthreads();  // the expansion and the barriers' init seen by every thread
   const LaneTerms<K, M, LEVELS> lt(smem, lane);
-  // This warp's sums of a slab's rows g and g + 8 (lanes t == 0 after the quad's sum), from stage st.
-  auto product = [&](const unsigned char* st, float (&acc)[2][M]) {
+  // This warp's sums of the slab in stage st, rows g and g + 8 (totalled by the quad), into red[b].
+  auto slab_sums = [&](const unsigned char* st, int b) {
+    float acc[2][M];
     const unsigned char* w_lo = st + g * (K / 2) + t * 8;  // row g: the lane's 8 bytes of a group's 32
     const unsigned char* w_hi = w_lo + 8 * (K / 2);         // row g + 8
     const TS* ts = reinterpret_cast<const TS*>(st + W_BYTES);
@@ -1643,52 +1658,13 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
       for (int m = 0; m < M; ++m) {
         acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 1);
         acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 2);
+        if (t == 0) red[b][warp][(g + 8 * h) * M + m] = acc[h][m];
       }
     }
   };
-  auto warp_sums = [&](const float (&acc)[2][M], int b) {
-    if (t == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int m = 0; m < M; ++m) red[b][warp][(g + 8 * h) * M + m] = acc[h][m];
-      }
-    }
-  };
-  if (bulk) {
-    for (int i = 0; i < tiles; ++i) {
-      const int tile = blockIdx.x + i * gridDim.x;
-      const int s = i % STAGES;
-      const int row = tile * 16 + lane / M;  // this lane's output row when its warp stores the slab
-      const vc_gemv::Tail tail = lane < SUMS ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N,
-                                                                                  EMIT ? next_w : nullptr)
-                                             : vc_gemv::Tail{0.0f, 0.0f, 0.0f};
-      vc_stream::bar_wait(&bars[s], (i / STAGES) & 1);
-      float acc[2][M];
-      product(stages + s * STAGE, acc);
-      warp_sums(acc, s);
-      if (vc_stream::last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-        vc_stream::end_tile<SUMS, M, WARPS, THREADS, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N, TILES>(
-            &red[s][0][0], lane, tile, row, tail, out, normed, partials, stages + s * STAGE, wb, sb, bb,
-            i + STAGES < tiles ? tile + STAGES * static_cast<int>(gridDim.x) : -1, &bars[s]);
-      }
-    }
-    return;
-  }
-  // Pointers not 16-byte aligned: the block copies each slab itself into stage 0, behind barriers.
-  for (int i = 0; i < tiles; ++i) {
-    const int tile = blockIdx.x + i * gridDim.x;
-    const vc_gemv::Tail tail =
-        vc_gemv::row_tail<16, M, EPI, HAS_BIAS>(bias, residual, tile * 16, N, EMIT ? next_w : nullptr);
-    vc_stream::fetch<W_BYTES, S_BYTES, THREADS>(stages, wb, sb, bb, tile, false, nullptr);
-    __syncthreads();
-    float acc[2][M];
-    product(stages, acc);
-    warp_sums(acc, i & 1);  // red double-buffered: a warp may write the next slab's before the store reads it
-    __syncthreads();
-    vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[i & 1][0][0], SUMS, tile, TILES, tail, out,
-                                                               normed, partials);
-  }
+  vc_stream::walk_tiles<16, M, WARPS, STAGES, STAGE, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N>(
+      bulk, tiles, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
+      slab_sums);
 }
 
 }  // namespace vc_imma

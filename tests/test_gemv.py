@@ -175,7 +175,7 @@ def _imma_stream_fits(k: int, rows: int, stages: int = 2) -> bool:
     groups = k // 64
     expansion = -(-groups * (64 * 4 * rows + 20 * rows) // 128) * 128
     slab = 16 * k // 2 + 2 * 16 * groups * 2
-    own = stages * (8 * 16 * rows * 4 + 12) + 16 * rows * 4 + 256
+    own = stages * (8 * 16 * rows * 4 + 12) + rows * 4 + 256  # its own arrays, one norm group
     return expansion + stages * slab + own <= 232448
 
 

@@ -896,7 +896,8 @@ ImmaStreamLaunch pick_imma_stream(int k, int n, int m, int group_size, int bits,
   const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
   const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
-  const int slab = 16 * k / 2 + 2 * 16 * groups * scale_bytes;
+  const int row_stride = (k / 8) % 16 == 0 ? k / 2 + 32 : k / 2;  // padded as the kernel's Stage
+  const int slab = 16 * row_stride + 2 * 16 * groups * scale_bytes;
   const int smem = expansion + stages * slab;
   const int own = stream_static_smem(stages, 32 * warps, 16, m, prenorm_groups);  // its own arrays, as the float one's
   const char* why = !integer_mma(device_index) || !bulk_copies(device_index)

@@ -986,32 +986,56 @@ __device__ __forceinline__ bool last_warp(unsigned int* arrived, int round, int 
   return last != 0u;
 }
 
-// Tile `tile`'s weight rows, scales and biases into stage `st`: by the copy engine (bulk, thread 0
-// only), or (every pointer not 16-byte aligned) by the block's threads, word by word.
-template <int W_BYTES, int S_BYTES, int THREADS>
+// A stage's layout: ROWS weight rows of ROW_BYTES each, ROW_STRIDE apart (a stride past ROW_BYTES
+// pads the rows, so that a warp reading across rows misses its own shared-memory banks), then the
+// tile's scales and its biases, S_BYTES each.
+template <int ROWS_, int ROW_BYTES_, int ROW_STRIDE_, int S_BYTES_>
+struct Stage {
+  static constexpr int ROWS = ROWS_, ROW_BYTES = ROW_BYTES_, ROW_STRIDE = ROW_STRIDE_, S_BYTES = S_BYTES_;
+  static constexpr int W_BYTES = ROWS * ROW_BYTES;  // the weight bytes of a tile
+  static constexpr int SCALES = ROWS * ROW_STRIDE;  // where its scales start
+  static constexpr int BIASES = SCALES + S_BYTES;
+  static constexpr int BYTES = BIASES + S_BYTES;
+  static_assert(ROW_STRIDE >= ROW_BYTES && ROW_STRIDE % 16 == 0 && ROW_BYTES % 16 == 0 && S_BYTES % 16 == 0,
+                "bulk copies move multiples of 16 bytes to 16-byte aligned places");
+};
+
+// Tile `tile`'s weight rows, scales and biases into stage `st` (laid out as S, a Stage): by the
+// copy engine (bulk, thread 0 only; one copy for unpadded rows, one a row for padded ones), or
+// (every pointer not 16-byte aligned) by the block's threads, word by word.
+template <typename S, int THREADS>
 __device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w, const unsigned char* s,
                                       const unsigned char* b, int tile, bool bulk, unsigned long long* bar) {
-  const unsigned char* src[3] = {w + static_cast<size_t>(tile) * W_BYTES, s + static_cast<size_t>(tile) * S_BYTES,
-                                 b + static_cast<size_t>(tile) * S_BYTES};
-  unsigned char* dst[3] = {st, st + W_BYTES, st + W_BYTES + S_BYTES};
-  const unsigned int bytes[3] = {W_BYTES, S_BYTES, S_BYTES};
+  constexpr bool PADDED = S::ROW_STRIDE != S::ROW_BYTES;
+  const unsigned char* wt = w + static_cast<size_t>(tile) * S::W_BYTES;
+  const unsigned char* st_src = s + static_cast<size_t>(tile) * S::S_BYTES;
+  const unsigned char* bt_src = b + static_cast<size_t>(tile) * S::S_BYTES;
   if (bulk) {
-    bar_expect(bar, W_BYTES + 2 * S_BYTES);
-    for (int i = 0; i < 3; ++i) bulk_copy(dst[i], src[i], bytes[i], bar);
-  } else {
-    for (int i = 0; i < 3; ++i) {
-      // scales and biases are 2-byte types at least; the weight words 4 bytes
-      for (unsigned int o = 2 * threadIdx.x; o < bytes[i]; o += 2 * THREADS) {
-        *reinterpret_cast<unsigned short*>(dst[i] + o) = *reinterpret_cast<const unsigned short*>(src[i] + o);
-      }
+    bar_expect(bar, S::W_BYTES + 2 * S::S_BYTES);
+    if constexpr (PADDED) {
+      for (int r = 0; r < S::ROWS; ++r) bulk_copy(st + r * S::ROW_STRIDE, wt + r * S::ROW_BYTES, S::ROW_BYTES, bar);
+    } else {
+      bulk_copy(st, wt, S::W_BYTES, bar);
     }
+    bulk_copy(st + S::SCALES, st_src, S::S_BYTES, bar);
+    bulk_copy(st + S::BIASES, bt_src, S::S_BYTES, bar);
+    return;
+  }
+  // scales and biases are 2-byte types at least; the weight words 4 bytes
+  for (int o = 2 * static_cast<int>(threadIdx.x); o < S::W_BYTES; o += 2 * THREADS) {
+    const int to = PADDED ? o / S::ROW_BYTES * S::ROW_STRIDE + o % S::ROW_BYTES : o;
+    *reinterpret_cast<unsigned short*>(st + to) = *reinterpret_cast<const unsigned short*>(wt + o);
+  }
+  for (int o = 2 * static_cast<int>(threadIdx.x); o < S::S_BYTES; o += 2 * THREADS) {
+    *reinterpret_cast<unsigned short*>(st + S::SCALES + o) = *reinterpret_cast<const unsigned short*>(st_src + o);
+    *reinterpret_cast<unsigned short*>(st + S::BIASES + o) = *reinterpret_cast<const unsigned short*>(bt_src + o);
   }
 }
 
 // Thread 0 of a block on the bulk path: the stages' barriers and counts set up, and the block's first
 // STAGES tiles (of `tiles`: blockIdx.x, + gridDim.x, ...) asked for. The block's other threads see
 // them after its next barrier.
-template <int STAGES, int STAGE, int W_BYTES, int S_BYTES, int THREADS>
+template <int STAGES, typename S, int THREADS>
 __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars, unsigned int* arrived,
                                             unsigned char* stages, const unsigned char* wb, const unsigned char* sb,
                                             const unsigned char* bb) {
@@ -1020,24 +1044,25 @@ __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars,
     arrived[s] = 0u;
   }
   for (int s = 0; s < STAGES && s < tiles; ++s) {
-    fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
+    fetch<S, THREADS>(stages + s * S::BYTES, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
   }
 }
 
-// A streamed kernel's walk over its block's tiles (ROWS rows each, whole K; `tiles` of them:
+// A streamed kernel's walk over its block's tiles (S::ROWS rows each, whole K, laid out as S in
+// shared memory; `tiles` of them:
 // blockIdx.x, + gridDim.x, ...). `sums(st, b)` computes this thread's share of the tile in stage st
 // and leaves its warp's ROWS x M sums in red buffer b (red: buffers of WARPS x ROWS x M floats, one a
 // stage, two at least). Bulk (start_tiles asked for the first stages): no block barrier a tile; a
 // warp waits only for its tile's mbarrier, and the last warp done with a tile (last_warp) totals it,
 // asks for the tile STAGES ahead into the stage and stores it. Otherwise (pointers not 16-byte
 // aligned) the block copies each tile itself into stage 0, behind barriers, and warp 0 stores it.
-template <int ROWS, int M, int WARPS, int STAGES, int STAGE, int W_BYTES, int S_BYTES, int EPI, bool HAS_BIAS,
-          bool EMIT, int N, typename TB, typename TR, typename TE, typename TO, typename Sums>
+template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long long* bars, unsigned int* arrived,
                                            float* red, unsigned char* stages, const unsigned char* wb,
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
                                            const TR* residual, const TE* next_w, TO* out, float* normed,
                                            float* partials, Sums sums) {
+  constexpr int ROWS = S::ROWS;
   constexpr int SUMS = ROWS * M;
   constexpr int TILES = N / ROWS;
   constexpr int THREADS = WARPS * 32;
@@ -1051,13 +1076,13 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
                                                                                   EMIT ? next_w : nullptr)
                                              : vc_gemv::Tail{0.0f, 0.0f, 0.0f};
       bar_wait(&bars[s], (i / STAGES) & 1);
-      sums(stages + s * STAGE, s);
+      sums(stages + s * S::BYTES, s);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
         const float v = tile_total<SUMS, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
         __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
         if (lane == 0 && i + STAGES < tiles) {
           reads_before_copies();
-          fetch<W_BYTES, S_BYTES, THREADS>(stages + s * STAGE, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
+          fetch<S, THREADS>(stages + s * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
                                            true, &bars[s]);
         }
         store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, tile, TILES, tail, out, normed, partials);
@@ -1069,7 +1094,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
     const int tile = blockIdx.x + i * gridDim.x;
     const vc_gemv::Tail tail =
         vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
-    fetch<W_BYTES, S_BYTES, THREADS>(stages, wb, sb, bb, tile, false, nullptr);
+    fetch<S, THREADS>(stages, wb, sb, bb, tile, false, nullptr);
     __syncthreads();
     sums(stages, i & 1);  // red double-buffered: a warp may write the next tile's before warp 0 reads this one's
     __syncthreads();      // the stage read and the sums written by every thread
@@ -1095,14 +1120,12 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   constexpr int CPT = (CHUNKS + THREADS - 1) / THREADS;  // chunks a thread
   constexpr int GROUPS = K / GROUP;
   constexpr int TILES = N / ROWS;
-  constexpr int W_BYTES = ROWS * K / 2;
-  constexpr int S_BYTES = ROWS * GROUPS * static_cast<int>(sizeof(TS));
-  constexpr int STAGE = W_BYTES + 2 * S_BYTES;
+  // the rows unpadded: a warp reads consecutive chunks of one row
+  using S = Stage<ROWS, K / 2, K / 2, ROWS * GROUPS * static_cast<int>(sizeof(TS))>;
   constexpr int WARPS = THREADS / 32;
   constexpr int SUMS = ROWS * M;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
   static_assert(N % ROWS == 0 && K % GROUP == 0 && GROUP % CHUNK == 0, "whole tiles; a chunk inside a group");
-  static_assert(S_BYTES % 16 == 0 && STAGE % 16 == 0, "bulk copies move multiples of 16 bytes");
   static_assert(STAGES >= 2 && SUMS <= 32 && THREADS % 32 == 0, "two stages at least; a tile's sums in one warp");
   static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
   static_assert(NORM == 0 || (NP % NG == 0 && K % NG == 0 && (K / NG) % CHUNK == 0), "NP partials in NG groups");
@@ -1141,7 +1164,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x == 0 && bulk) {
-    start_tiles<STAGES, STAGE, W_BYTES, S_BYTES, THREADS>(tiles, bars, arrived, smem, wb, sb, bb);
+    start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, smem, wb, sb, bb);
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
@@ -1182,8 +1205,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   auto tile_sums = [&](const unsigned char* st, int b) {
     float acc[ROWS][M];
     const uint4* w4 = reinterpret_cast<const uint4*>(st);
-    const TS* tscale = reinterpret_cast<const TS*>(st + W_BYTES);
-    const TS* tbias = reinterpret_cast<const TS*>(st + W_BYTES + S_BYTES);
+    const TS* tscale = reinterpret_cast<const TS*>(st + S::SCALES);
+    const TS* tbias = reinterpret_cast<const TS*>(st + S::BIASES);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
@@ -1220,7 +1243,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   };
   // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
   // 2026-12-03): see walk_tiles.
-  walk_tiles<ROWS, M, WARPS, STAGES, STAGE, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N>(
+  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
       bulk, tiles, bars, arrived, &red[0][0][0], smem, wb, sb, bb, bias, residual, next_w, out, normed, partials,
       tile_sums);
 }
@@ -1590,14 +1613,18 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   constexpr int GROUPS = L::GROUPS;
   constexpr int TILES = N / 16;
   constexpr int SUMS = 16 * M;
-  constexpr int W_BYTES = 16 * K / 2;
-  constexpr int S_BYTES = 16 * GROUPS * static_cast<int>(sizeof(TS));
-  constexpr int STAGE = W_BYTES + 2 * S_BYTES;
+  // A warp reads 8 bytes a lane from rows g and g + 8 (g = lane / 4) at once: rows 4 words of banks
+  // apart in a half warp (a stride of 8 words mod 16) keep those reads conflict-free; K / 8 words
+  // a row that are a multiple of 16 (K a multiple of 128) would put 2 or 4 of those rows on the same
+  // banks, so they are padded by 8 words.
+  constexpr int ROW_BYTES = K / 2;
+  using S = vc_stream::Stage<16, ROW_BYTES, (ROW_BYTES / 4) % 16 == 0 ? ROW_BYTES + 32 : ROW_BYTES,
+                             16 * GROUPS * static_cast<int>(sizeof(TS))>;
   constexpr int FIRST = (L::BYTES + 127) / 128 * 128;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
   static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
   static_assert(WARPS <= GROUPS, "a group at least for every warp: a warp without one would idle");
-  static_assert(STAGES >= 2 && S_BYTES % 16 == 0 && STAGE % 16 == 0, "two stages at least, 16-byte bulk copies");
+  static_assert(STAGES >= 2, "two stages at least");
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
   static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
   __shared__ unsigned long long bars[STAGES];
@@ -1620,7 +1647,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   }
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x == 0 && bulk) {
-    vc_stream::start_tiles<STAGES, STAGE, W_BYTES, S_BYTES, THREADS>(tiles, bars, arrived, stages, wb, sb, bb);
+    vc_stream::start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, stages, wb, sb, bb);
   }
   if constexpr (NORM == 2) {
     vc_stream::sum_groups<NP, NG, M, THREADS>(norm_partials, &red[1][0][0], SUMS, group_total);
@@ -1638,10 +1665,10 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   // This warp's sums of the slab in stage st, rows g and g + 8 (totalled by the quad), into red[b].
   auto slab_sums = [&](const unsigned char* st, int b) {
     float acc[2][M];
-    const unsigned char* w_lo = st + g * (K / 2) + t * 8;  // row g: the lane's 8 bytes of a group's 32
-    const unsigned char* w_hi = w_lo + 8 * (K / 2);         // row g + 8
-    const TS* ts = reinterpret_cast<const TS*>(st + W_BYTES);
-    const TS* tb = reinterpret_cast<const TS*>(st + W_BYTES + S_BYTES);
+    const unsigned char* w_lo = st + g * S::ROW_STRIDE + t * 8;  // row g: the lane's 8 bytes of a group's 32
+    const unsigned char* w_hi = w_lo + 8 * S::ROW_STRIDE;         // row g + 8
+    const TS* ts = reinterpret_cast<const TS*>(st + S::SCALES);
+    const TS* tb = reinterpret_cast<const TS*>(st + S::BIASES);
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
 #pragma unroll 3
@@ -1662,7 +1689,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
       }
     }
   };
-  vc_stream::walk_tiles<16, M, WARPS, STAGES, STAGE, W_BYTES, S_BYTES, EPI, HAS_BIAS, EMIT, N>(
+  vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
       bulk, tiles, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
       slab_sums);
 }

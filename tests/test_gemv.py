@@ -174,7 +174,8 @@ def _imma_stream_fits(k: int, rows: int, stages: int = 2) -> bool:
     (the MLP down_proj's K = 15680 does not)."""
     groups = k // 64
     expansion = -(-groups * (64 * 4 * rows + 20 * rows) // 128) * 128
-    slab = 16 * k // 2 + 2 * 16 * groups * 2
+    row_stride = k // 2 + (32 if (k // 8) % 16 == 0 else 0)  # rows padded off each other's banks
+    slab = 16 * row_stride + 2 * 16 * groups * 2
     own = stages * (8 * 16 * rows * 4 + 12) + rows * 4 + 256  # its own arrays, one norm group
     return expansion + stages * slab + own <= 232448
 

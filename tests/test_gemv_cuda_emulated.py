@@ -775,11 +775,12 @@ def emulated(tmp_path_factory):
         # the integer-MMA product on bulk-copied slabs: stages wrapping round (5 slabs a block, uneven
         # groups a warp), two rows of unaligned bfloat16 x with a residual over 3 stages, a misaligned
         # weight (the block's own copies) with a bias and squared ReLU, huge x, a group-normalized
-        # input, emitting with an 8-group norm input
+        # input, emitting with an 8-group norm input; K = 320 (K / 8 words a row, 8 mod 16) the one
+        # whose slab rows are not padded in shared memory
         "imma_stream_q4": imma_stream_case(160, 640, 1, 3, 2, 2),
         "imma_stream_m2_bf16": imma_stream_case(48, 1024, 2, 4, 3, 2, mx.bfloat16, epi=1, x_offset=1),
         "imma_stream_own_copies": imma_stream_case(64, 512, 1, 2, 2, 2, epi=2, bias_dtype=mx.float32, w_offset=1),
-        "imma_stream_huge_x": imma_stream_case(32, 256, 1, 2, 2, 1, x_scale=1e30),
+        "imma_stream_huge_x": imma_stream_case(32, 320, 1, 2, 2, 1, x_scale=1e30),
         "imma_stream_prenormed_groups": imma_stream_case(64, 1024, 2, 2, 2, 3, np_=8, ng=4),
         "imma_stream_emit_prenormed": imma_stream_case(64, 2048, 1, 4, 2, 2, np_=16, ng=8, emit=True),
         "emit_m2": emit_case(37, 640, 2, 4, 32),

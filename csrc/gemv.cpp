@@ -883,16 +883,25 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
   return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem, imma > 1 ? imma : kImmaInflight};
 }
 
-// vc_qmv_imma_stream's launch (`imma` > 0 with `stages` > 0: always, refused with a reason where the
-// kernel cannot take it): 8 warps a block (fewer where K has fewer 64-wide groups), the expansion
-// and `stages` 16-row slabs in shared memory. Not the default anywhere: not yet measured on a GPU.
+// vc_qmv_imma_stream's launch: 8 warps a block (fewer where K has fewer 64-wide groups), the
+// expansion and `stages` 16-row slabs in shared memory. forced (`imma` > 0 with `stages` > 0): refused
+// with a reason where the kernel cannot take it; else (the default's pick) nothing there.
 struct ImmaStreamLaunch {
   int warps, blocks, smem, stages;
 };
 
-ImmaStreamLaunch pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes, bool takes_norm,
-                                  int prenorm_groups, int threads, int stages, int blocks_per_sm, int device_index,
-                                  const char* who) {
+// Whether the default (`stages` and `imma` 0) takes vc_qmv_imma_stream (2 stages): one row, the wide
+// outputs of a 4480-wide input (the mamba in_proj, the MLP up_proj). Nsight Compute on the H200,
+// 2026-12-03, f32 x, one launch, against the float streamed layout (2 stages): in_proj 22656x4480
+// 26.05 -> 21.50 us (warp instructions 12.5 M -> 7.8 M; 3 stages 22.59, 16 warps 23.10), up_proj
+// 15680x4480 20.90 -> 16.48 us. out_proj's K = 10240 leaves one block an SM (its slabs and x's
+// expansion in 224.5 of 227 KiB) and down_proj's K = 15680 does not fit: the float one there.
+bool default_imma_stream(int k, int n, int m) { return m == 1 && n >= 8192 && k < 8192; }
+
+std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
+                                                 bool takes_norm, int prenorm_groups, int threads, int stages,
+                                                 int blocks_per_sm, bool forced, int device_index,
+                                                 const char* who) {
   const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
   const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
@@ -909,6 +918,9 @@ ImmaStreamLaunch pick_imma_stream(int k, int n, int m, int group_size, int bits,
                                                   : nullptr;
   }
   if (why) {
+    if (!forced) {
+      return std::nullopt;
+    }
     throw std::invalid_argument(std::string(who) + ": the streamed integer-MMA layout takes " + why);
   }
   // a persistent grid must be resident at once: registers (assumed 96 a thread) bound it too
@@ -1010,10 +1022,16 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
     threads = 32 * ((chunks + 31) / 32);
   }
   const bool grouped = row_groups > 1;  // the block layout, asked for by its row groups
-  if (imma > 0 && stages > 0 && warps <= 0 && !grouped) {
-    const ImmaStreamLaunch l =
-        pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
-                         prenorm ? prenorm->groups : 1, threads, stages, blocks_per_sm, s.device.index, who);
+  const bool forced_imma_stream = imma > 0 && stages > 0 && warps <= 0 && !grouped;
+  const bool default_layout = imma == 0 && stages == 0 && warps <= 0 && rows_per_block <= 0 && !grouped;
+  const auto imma_streamed =
+      forced_imma_stream || (default_layout && default_imma_stream(k, n, m))
+          ? pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
+                             prenorm ? prenorm->groups : 1, threads, forced_imma_stream ? stages : 2, blocks_per_sm,
+                             forced_imma_stream, s.device.index, who)
+          : std::nullopt;
+  if (imma_streamed) {
+    const ImmaStreamLaunch& l = *imma_streamed;
     return launch_persistent(qmv_imma_stream_source(), qmv_imma_stream_emit_source(),
                              {{"K", k}, {"N", n}, {"M", m}, {"WARPS", l.warps}, {"LEVELS", kImmaLevels},
                               {"STAGES", l.stages}},
@@ -1327,8 +1345,10 @@ void bind(py::module_& m) {
         "bulk copies into shared memory, blocks_per_sm blocks an SM): -1 never, 0 where the default picks it, "
         "> 0 always (an error where it cannot take the call). imma: the integer-MMA layout (4-bit group 64; "
         "16-row slabs on the tensor cores, x as a block floating point expansion; threads and blocks_per_sm "
-        "steer it): 0 / -1 never (the default), > 0 always (an error where it cannot take the call); 1 with the "
-        "default number of 64-wide groups in flight a warp, 2-16 that many. row_groups (block layout): each "
+        "steer it): -1 never, > 0 always (an error where it cannot take the call); 1 with the default number of "
+        "64-wide groups in flight a warp, 2-16 that many; with stages > 0 as well, on the streamed layout's "
+        "tiles. 0 (with stages and rows_per_block 0): the default picks, the streamed integer MMA for one "
+        "row where K < 8192 and N >= 8192. row_groups (block layout): each "
         "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
         "block layout, the streamed and integer-MMA ones never).");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),

@@ -180,22 +180,28 @@ def _imma_stream_fits(k: int, rows: int, stages: int = 2) -> bool:
     return expansion + stages * slab + own <= 232448
 
 
+IMMA_STREAMED, STREAMED, BLOCK = {"imma": 1, "stages": 2}, {"stages": 2}, {"stages": -1}
+
+
 @needs_cuda
-@pytest.mark.parametrize("n,k,layout", [(22656, 4480, {"stages": 2}), (15680, 4480, {"stages": 2}),
-                                        (4480, 10240, {"stages": 2}), (4480, 15680, {"stages": 2}),
-                                        (4480, 4480, {"stages": -1})])
+@pytest.mark.parametrize("n,k,layout", [(22656, 4480, IMMA_STREAMED), (15680, 4480, IMMA_STREAMED),
+                                        (4480, 10240, STREAMED), (4480, 15680, STREAMED), (4480, 4480, BLOCK)])
 def test_default_layout_at_the_step_shapes(n, k, layout):
-    """One row: the default takes the streamed layout at the LLM's four shapes (K or N >= 8192: the
-    mamba in_proj / out_proj, the MLP up_proj / down_proj) and the block layout below, not the
-    integer-MMA one (its kernel was faster at two shapes, the LLM step taking it slower): the same
-    bits as that layout asked for, and not those of the others (the three round differently)."""
+    """One row: the default takes the streamed integer-MMA layout at the wide outputs of K = 4480
+    (the mamba in_proj, the MLP up_proj), the float streamed layout at K >= 8192 (the mamba
+    out_proj, the MLP down_proj) and the block layout below: the same bits as that layout asked
+    for, and not those of the other two (the three round differently)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n)
     x = _x((1, k), mx.float32, seed=3)
     default = np.array(quantized_matvec(x, w, s, b))
     np.testing.assert_array_equal(default, np.array(quantized_matvec(x, w, s, b, **layout)))
-    others = [{"imma": 1}, {"stages": 2} if layout["stages"] < 0 else {"stages": -1}]
-    for other in others:
-        assert not np.array_equal(default, np.array(quantized_matvec(x, w, s, b, **other))), other
+    for other in (IMMA_STREAMED, STREAMED, BLOCK):
+        if other is not layout and (other is not IMMA_STREAMED or _imma_stream_fits(k, 1)):
+            assert not np.array_equal(default, np.array(quantized_matvec(x, w, s, b, **other))), other
+    # two rows keep the block layout at every shape
+    x2 = _x((2, k), mx.float32, seed=4)
+    np.testing.assert_array_equal(np.array(quantized_matvec(x2, w, s, b)),
+                                  np.array(quantized_matvec(x2, w, s, b, **BLOCK)))
 
 
 @needs_cuda

@@ -130,10 +130,12 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     streamed 4-bit layout (each block keeps that many tiles of weights in flight through bulk copies
     into shared memory; -1 never, 0 where the default picks it). `imma`: the integer tensor-core
     layout (4-bit group 64: 16-row slabs, x as a block floating point expansion of int8 terms; > 0
-    always, never by default: its kernel is faster at two of the step's shapes but the step taking
-    it was not; 2-16: that many 64-wide groups in flight a warp instead of the default's); with
+    always; 2-16: that many 64-wide groups in flight a warp instead of the default's); with
     `stages` > 0 as well, the integer MMA on the streamed layout's tiles (16-row slabs by bulk
-    copies, that many in flight; opt-in, measured on no GPU yet).
+    copies, that many in flight). With both 0 (and `rows_per_block` 0) the default picks: for one row, the streamed integer
+    MMA at the wide outputs of a narrow input (K < 8192, N >= 8192: the mamba in_proj, the MLP
+    up_proj), the float streamed layout where K >= 8192, the block layout elsewhere; `imma` < 0
+    never takes an integer-MMA layout.
     `row_groups` > 1: the block layout, each block computing that many groups of `rows_per_block`
     rows (1, 2, 4 or 8; 0 the default) one after the other (the same bits; never faster on the H200,
     so never the default). Only the CUDA path reads these."""

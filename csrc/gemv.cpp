@@ -710,9 +710,9 @@ constexpr int kStreamStaticSmem = 4096;  // vc_qmv_imma's own __shared__ arrays,
 
 // A streamed kernel's own __shared__ arrays (vc_qmv_stream; vc_qmv_imma_stream with 16 rows): a
 // tile's sums from every warp for each stage (two at least), a barrier and a count a stage, the
-// norm's group totals (and a margin for alignment).
+// norm's group totals and every warp's share of them (and a margin for alignment).
 int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
-  return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + groups * m * 4 + 256;
+  return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + (threads / 32 + 1) * groups * m * 4 + 256;
 }
 
 struct StreamLaunch {
@@ -769,7 +769,6 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
                     : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
                     : group_size % 32 != 0                      ? "a group of whole 16-byte chunks"
                     : n % rows != 0 || rows * m > 32            ? "N a multiple of rows_per_block, rows x M <= 32"
-                    : rows < prenorm_groups                     ? "rows_per_block at least the input norm's groups"
                     : (rows * (k / group_size) * scale_bytes) % 16 != 0 ? "a tile's scales in whole 16 bytes"
                     : threads % 32 != 0 || threads > 512 || (chunks + threads - 1) / threads > 2
                         ? "threads a multiple of 32 up to 512, two chunks of K a thread at most"

@@ -126,23 +126,35 @@ __device__ __forceinline__ void block_sum(const float* vals, float* part, float*
 
 // What an output's epilogue reads besides its sum: bias[row], residual[m, row], and the next norm's
 // weight next_w[row] (an emitting matvec). The block-walking kernels load it before their product:
-// loaded after the block's last barrier, it is one more trip to memory on every block's path.
+// loaded after the block's last barrier, it is one more trip to memory on every block's path. Kept
+// in the arrays' own types and made float only where the epilogue adds them: a conversion next to
+// the loads waits out their trip to memory there (on the H200, 2026-12-04, 23% of the streamed
+// out_proj's warp samples sat on next_w's bfloat16 -> float right after its load, before the tile's
+// product).
+template <typename TB, typename TR, typename TE>
 struct Tail {
-  float bias, residual, next_w;
+  TB bias;
+  TR residual;
+  TE next_w;
 };
 
+template <typename TB, typename TR, typename TE = float>
+__device__ __forceinline__ Tail<TB, TR, TE> zero_tail() {
+  return Tail<TB, TR, TE>{static_cast<TB>(0.0f), static_cast<TR>(0.0f), static_cast<TE>(0.0f)};
+}
+
 template <int EPI, bool HAS_BIAS, typename TB, typename TR, typename TE = float>
-__device__ __forceinline__ Tail load_tail(const TB* bias, const TR* residual, int m, int row, int n,
-                                          const TE* next_w = nullptr) {
-  Tail t{0.0f, 0.0f, 0.0f};
+__device__ __forceinline__ Tail<TB, TR, TE> load_tail(const TB* bias, const TR* residual, int m, int row, int n,
+                                                      const TE* next_w = nullptr) {
+  Tail<TB, TR, TE> t = zero_tail<TB, TR, TE>();
   if constexpr (HAS_BIAS) {
-    t.bias = static_cast<float>(bias[row]);
+    t.bias = bias[row];
   }
   if constexpr (EPI == 1) {
-    t.residual = static_cast<float>(residual[static_cast<size_t>(m) * n + row]);
+    t.residual = residual[static_cast<size_t>(m) * n + row];
   }
   if (next_w != nullptr) {
-    t.next_w = static_cast<float>(next_w[row]);
+    t.next_w = next_w[row];
   }
   return t;
 }
@@ -150,26 +162,26 @@ __device__ __forceinline__ Tail load_tail(const TB* bias, const TR* residual, in
 // The Tail of the output this thread stores when a block's first ROWS * M threads store rows row0,
 // row0 + 1, ... (thread i: row row0 + i / M, input row i % M); zeros for the others and past n.
 template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TE = float>
-__device__ __forceinline__ Tail row_tail(const TB* bias, const TR* residual, int row0, int n,
-                                         const TE* next_w = nullptr) {
+__device__ __forceinline__ Tail<TB, TR, TE> row_tail(const TB* bias, const TR* residual, int row0, int n,
+                                                     const TE* next_w = nullptr) {
   const int row = row0 + static_cast<int>(threadIdx.x) / M;
   if (threadIdx.x < ROWS * M && row < n) {
     return load_tail<EPI, HAS_BIAS>(bias, residual, static_cast<int>(threadIdx.x) % M, row, n, next_w);
   }
-  return Tail{0.0f, 0.0f, 0.0f};
+  return zero_tail<TB, TR, TE>();
 }
 
 // The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
 // sum v and its Tail. EPI 0: v (+ bias); 1: that + residual[m, row] (a residual stream added in the
 // same pass); 2: relu(that)^2 (squared-ReLU activation). All in float32, rounded to TO once. Returns
 // the value stored (as float).
-template <int EPI, bool HAS_BIAS, typename TO>
-__device__ __forceinline__ float finish(float v, const Tail& t, TO* out, int m, int row, int n) {
+template <int EPI, bool HAS_BIAS, typename TO, typename TB, typename TR, typename TE>
+__device__ __forceinline__ float finish(float v, const Tail<TB, TR, TE>& t, TO* out, int m, int row, int n) {
   if constexpr (HAS_BIAS) {
-    v += t.bias;
+    v += static_cast<float>(t.bias);
   }
   if constexpr (EPI == 1) {
-    v += t.residual;
+    v += static_cast<float>(t.residual);
   } else if constexpr (EPI == 2) {
     v = fmaxf(v, 0.0f);
     v = v * v;
@@ -188,8 +200,8 @@ __device__ __forceinline__ float finish(float v, const TB* bias, const TR* resid
 // out[m, row0 + r] = finish(total[r * M + m] (* row_scale[m])) for the block's rows inside [0, n):
 // the store that ends the block-layout matvec kernels. tail: this thread's (row_tail, loaded before
 // the product).
-template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TO>
-__device__ __forceinline__ void store_rows(const float* total, const Tail& tail, TO* out, int row0, int n,
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TO, typename TL>
+__device__ __forceinline__ void store_rows(const float* total, const TL& tail, TO* out, int row0, int n,
                                            const float* row_scale = nullptr) {
   if (threadIdx.x < ROWS * M) {
     const int row = row0 + threadIdx.x / M;
@@ -241,15 +253,15 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
 // `valid` stores finish(v) for row `row`, input row t % M, and the next norm's input normed = stored *
 // next_w[row] (tail: the lane's, with next_w); partials[m * np + p] gets the sum of stored^2 over the
 // group's rows.
-template <int M, int EPI, bool HAS_BIAS, typename TO>
-__device__ __forceinline__ void emit_rows(float v, bool valid, int row, const Tail& tail, TO* out, int n, float* normed,
+template <int M, int EPI, bool HAS_BIAS, typename TO, typename TL>
+__device__ __forceinline__ void emit_rows(float v, bool valid, int row, const TL& tail, TO* out, int n, float* normed,
                                           float* partials, int p, int np) {
   const int lane = static_cast<int>(threadIdx.x & 31);
   const int m = lane % M;
   float sq = 0.0f;
   if (valid) {
     const float stored = finish<EPI, HAS_BIAS>(v, tail, out, m, row, n);
-    normed[static_cast<size_t>(m) * n + row] = stored * tail.next_w;
+    normed[static_cast<size_t>(m) * n + row] = stored * static_cast<float>(tail.next_w);
     sq = stored * stored;
   }
 #pragma unroll
@@ -576,7 +588,7 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
     const int group = static_cast<int>(blockIdx.x) * RG + pass;
     const int row0 = group * ROWS;
     if (RG > 1 && row0 >= N) break;  // the last block's groups past N (the same for the whole block)
-    const Tail tail = row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
+    const auto tail = row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
     float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
     float split[GROUPS ? ITERS : 1][ROWS][M];
 #pragma unroll
@@ -852,9 +864,9 @@ __device__ __forceinline__ float tile_total(const float* red, int stride, int la
 // A tile's totals (ROWS rows, `tile` of `tiles`) stored by one warp, all 32 lanes calling: lane l's
 // total v is row tile x ROWS + l / M, input row l % M, stored through vc_gemv::finish's epilogue, or
 // with EMIT as vc_gemv::emit_rows (a partial a tile). tail: the lane's vc_gemv::Tail for that row.
-template <int M, int ROWS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO>
-__device__ __forceinline__ void store_totals(float v, int lane, int tile, int tiles, const vc_gemv::Tail& tail,
-                                             TO* out, float* normed, float* partials) {
+template <int M, int ROWS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
+__device__ __forceinline__ void store_totals(float v, int lane, int tile, int tiles, const TL& tail, TO* out,
+                                             float* normed, float* partials) {
   constexpr int SUMS = ROWS * M;
   const int row = tile * ROWS + lane / M;
   if constexpr (EMIT) {
@@ -866,9 +878,9 @@ __device__ __forceinline__ void store_totals(float v, int lane, int tile, int ti
 
 // The end of a persistent kernel's tile in warp 0: tile_total, then store_totals. tail: the
 // thread's vc_gemv::row_tail for the tile, loaded before its product.
-template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO>
-__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles,
-                                           const vc_gemv::Tail& tail, TO* out, float* normed, float* partials) {
+template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
+__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles, const TL& tail, TO* out,
+                                           float* normed, float* partials) {
   if (threadIdx.x >= 32) {
     return;
   }
@@ -1068,13 +1080,20 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
   constexpr int THREADS = WARPS * 32;
   const int lane = threadIdx.x & 31;
   if (bulk) {
+    // This lane's Tail of round i's tile (its output row when its warp stores the tile), asked for a
+    // tile ahead so that its trip to memory overlaps a tile's product.
+    auto tail_of = [&](int i) {
+      const int row = (static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x)) * ROWS + lane / M;
+      return lane < SUMS && i < tiles
+                 ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N, EMIT ? next_w : nullptr)
+                 : vc_gemv::zero_tail<TB, TR, TE>();
+    };
+    auto next_tail = tail_of(0);
     for (int i = 0; i < tiles; ++i) {
       const int tile = blockIdx.x + i * gridDim.x;
       const int s = i % STAGES;
-      const int row = tile * ROWS + lane / M;  // this lane's output row when its warp stores the tile
-      const vc_gemv::Tail tail = lane < SUMS ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N,
-                                                                                  EMIT ? next_w : nullptr)
-                                             : vc_gemv::Tail{0.0f, 0.0f, 0.0f};
+      const auto tail = next_tail;
+      next_tail = tail_of(i + 1);
       bar_wait(&bars[s], (i / STAGES) & 1);
       sums(stages + s * S::BYTES, s);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
@@ -1092,7 +1111,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
   }
   for (int i = 0; i < tiles; ++i) {
     const int tile = blockIdx.x + i * gridDim.x;
-    const vc_gemv::Tail tail =
+    const auto tail =
         vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
     fetch<S, THREADS>(stages, wb, sb, bb, tile, false, nullptr);
     __syncthreads();
@@ -1133,9 +1152,10 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // Bulk path: arrived[s] counts the warps done with stage s's tiles (never reset: round r's last
   // warp sees r * WARPS + WARPS - 1), red[s] holds their sums of its tile.
   __shared__ unsigned int arrived[STAGES];
-  static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
   constexpr int RED = STAGES > 2 ? STAGES : 2;
   __shared__ float red[RED][WARPS][SUMS];
+  // the warps' group sums apart from red: a tile may have fewer rows than the norm has groups
+  __shared__ float group_scratch[NORM == 2 ? WARPS : 1][NGM];
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -1168,7 +1188,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
-    sum_groups<NP, NG, M, THREADS>(norm_partials, &red[1][0][0], SUMS, group_total);
+    sum_groups<NP, NG, M, THREADS>(norm_partials, &group_scratch[0][0], NGM, group_total);
   }
   // x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per chunk the
   // offset the pairs add and the sum of the x they saw.
@@ -1456,10 +1476,9 @@ __device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale
 // A slab's end: the quad's lanes hold a row's levels and its share of the bias term (sum them), then
 // the warps' sums (red: [WARPS][16 M], this slab's buffer of two) go through vc_stream::store_tile.
 // acc is zeroed for the next slab. tail: the thread's row_tail for the slab.
-template <int M, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO>
+template <int M, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
 __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 * M], int slab, int g, int t,
-                                            int warp, const vc_gemv::Tail& tail, TO* out, float* normed,
-                                            float* partials) {
+                                            int warp, const TL& tail, TO* out, float* normed, float* partials) {
   constexpr int SUMS = 16 * M;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -1531,7 +1550,7 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
   constexpr int BATCH = (PER_WARP + BATCHES - 1) / BATCHES;
   auto slabs = [&](auto words) {
     for (int i = 0, slab = blockIdx.x; slab < SLABS; ++i, slab += gridDim.x) {
-      const vc_gemv::Tail tail =
+      const auto tail =
           vc_gemv::row_tail<16, M, EPI, HAS_BIAS>(bias, residual, slab * 16, N, EMIT ? next_w : nullptr);
       const int row = slab * 16 + g;
       const uint2* w_lo = reinterpret_cast<const uint2*>(weight + static_cast<size_t>(row) * (K / 8)) + t;
@@ -1768,7 +1787,7 @@ constexpr const char* kDenseSource = R"(
   __shared__ float part[ROWS * M * THREADS];
   __shared__ float total[ROWS * M];
   const int row0 = blockIdx.x * ROWS;
-  const vc_gemv::Tail tail = vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N);
+  const auto tail = vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N);
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS, PRO>(x, weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
@@ -1815,7 +1834,7 @@ constexpr const char* kDenseAddNormSource = R"(
   }
   __syncthreads();
   const int row0 = blockIdx.x * ROWS;
-  const vc_gemv::Tail tail = vc_gemv::row_tail<ROWS, M, 0, HAS_BIAS>(bias, bias, row0, N);
+  const auto tail = vc_gemv::row_tail<ROWS, M, 0, HAS_BIAS>(bias, bias, row0, N);
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS, 0>(static_cast<const float*>(xs), weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);

@@ -215,16 +215,21 @@ def test_streamed_layout_refuses_what_it_cannot_take():
         quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=4)
     assert_close(quantized_matvec(_x((1, 15680), mx.float32), w, s, b, stages=2),
                  reference(quantized_matvec_reference, _x((1, 15680), mx.float32), w, s, b))
-    # a tile's rows hold the input norm's group totals: 4 rows cannot take 8 groups (forced: an
-    # error; by default the block layout, whose kernel once failed to compile here)
+
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_streamed_tiles_of_fewer_rows_than_the_norm_has_groups(rows):
+    """The input norm's group totals have shared memory of their own: tiles of 2 or 4 rows take 8
+    groups (they once did not compile, then were refused)."""
     w, s, b = _quantized(64, 10240, dtype=mx.bfloat16, seed=2)
     raw = _x((1, 10240), mx.float32)
     pre = Prenormed(raw, mx.square(raw).reshape(1, 8, -1).sum(-1), 8, 1e-5)
-    with pytest.raises(ValueError, match="at least the input norm's groups"):
-        quantized_matvec(pre, w, s, b, stages=2, rows_per_block=4)
     with mx.stream(mx.cpu):
         want = quantized_matvec_reference(mx.fast.rms_norm(raw.reshape(1, 8, -1), None, 1e-5).reshape(1, -1), w, s, b)
-    assert_close(quantized_matvec(pre, w, s, b, rows_per_block=4), want)
+    assert_close(quantized_matvec(pre, w, s, b, stages=2, rows_per_block=rows), want)
+    assert_close(quantized_matvec(pre, w, s, b, rows_per_block=rows), want)
 
 
 @needs_cuda

@@ -754,6 +754,9 @@ def emulated(tmp_path_factory):
         "stream_prenormed_groups": stream_case(32, 1024, 2, 4, 32, 2, 3, np_=8, ng=4),
         "stream_emit_prenormed": stream_case(32, 2048, 1, 8, 64, 2, 2, np_=16, ng=8, emit=True),
         "stream_emit_m2": stream_case(24, 640, 2, 4, 32, 4, 5, emit=True),
+        # tiles of fewer rows than the input norm has groups (the group totals apart from a tile's sums)
+        "stream_emit_two_rows_eight_groups": stream_case(32, 2048, 1, 2, 64, 4, 3, np_=16, ng=8, emit=True),
+        "stream_m2_two_rows_four_groups": stream_case(16, 1024, 2, 2, 32, 2, 3, np_=8, ng=4),
         # several warps a block, each going on to its next tile without a block barrier (the last
         # one done with a tile stores it and refills the stage): 3 warps, 3 stages wrapping twice;
         # two emitting warps with two rows of a group-normed input
@@ -908,7 +911,8 @@ def _check_persistent(emulated, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["stream_q4", "stream_m2_two_chunks", "stream_own_copies", "stream_prenormed_groups",
                                   "stream_emit_prenormed", "stream_emit_m2", "stream_warps_drift",
-                                  "stream_emit_warps_m2"])
+                                  "stream_emit_warps_m2", "stream_emit_two_rows_eight_groups",
+                                  "stream_m2_two_rows_four_groups"])
 def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a tile): the tiles a block walks, the stages it reuses (refilled by whichever warp is

@@ -3,7 +3,8 @@
 # on. tools/gpu/qmv_variants.py's launches (QMV_SHAPES / QMV_VARIANTS pick them) under Nsight
 # Compute's warp-state sampling (SourceCounters), at the GPU's own clocks; the per-SASS-instruction
 # page of each kernel lands in $OUT/qmv_source.csv (the report itself in $OUT/qmv_source.ncu-rep),
-# summed up per kernel (stall reasons, opcodes, the stalled-on instructions, the code regions).
+# summed up per kernel (stall reasons, opcodes, the stalled-on instructions, the code regions) into
+# $OUT/qmv_source.txt and stdout.
 #   export OUT; QMV_SHAPES=in_proj QMV_VARIANTS=in_proj:tma:8:160:3 bash tools/gpu/qmv_source.sh
 set -uo pipefail
 export VOICECHAT_OWN_LAUNCH=${VOICECHAT_OWN_LAUNCH:-0}  # ncu tells kernels apart by name (ours: vc_kernel)
@@ -17,7 +18,7 @@ timeout -s INT "${NCU_LIMIT:-200}" "$NCU" --clock-control none -k "regex:qmv" --
 [ -s "$OUT/qmv_source.csv" ] || { "$NCU" --help | grep -i -A4 "page\|print-source" | head -40; exit 1; }
 # Per kernel: its samples by stall reason, instructions and samples by opcode, the stalled-on
 # instructions, and the code between branches and barriers (its share of instructions and samples).
-python3 - "$OUT/qmv_source.csv" <<'PY'
+python3 - "$OUT/qmv_source.csv" <<'PY' | tee "$OUT/qmv_source.txt"
 import collections
 import csv
 import sys

@@ -710,9 +710,9 @@ constexpr int kStreamStaticSmem = 4096;  // vc_qmv_imma's own __shared__ arrays,
 
 // A streamed kernel's own __shared__ arrays (vc_qmv_stream; vc_qmv_imma_stream with 16 rows): a
 // tile's sums from every warp for each stage (two at least), a barrier and a count a stage, the
-// norm's group totals and every warp's share of them (and a margin for alignment).
+// norm's group totals (and a margin for alignment).
 int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
-  return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + (threads / 32 + 1) * groups * m * 4 + 256;
+  return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + groups * m * 4 + 256;
 }
 
 struct StreamLaunch {
@@ -764,6 +764,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     threads = chunks <= 512 ? 32 * ((chunks + 31) / 32) : 32 * ((chunks + 63) / 64);
   }
   const int stage = rows * k / 2 + 2 * rows * (k / group_size) * scale_bytes;
+  // its own arrays, and every warp's share of the norm's group totals (apart from a tile's sums)
+  const int own = stream_static_smem(stages, threads, rows, m, prenorm_groups) + (threads / 32) * prenorm_groups * m * 4;
   const char* why = !bulk_copies(device_index)                  ? "a GPU with bulk copies (sm_90 or newer)"
                     : bits != 4                                 ? "4-bit weights only"
                     : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
@@ -772,8 +774,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
                     : (rows * (k / group_size) * scale_bytes) % 16 != 0 ? "a tile's scales in whole 16 bytes"
                     : threads % 32 != 0 || threads > 512 || (chunks + threads - 1) / threads > 2
                         ? "threads a multiple of 32 up to 512, two chunks of K a thread at most"
-                    : stages < 2 ||
-                            stages * stage + stream_static_smem(stages, threads, rows, m, prenorm_groups) > kSmemPerSm
+                    : stages < 2 || stages * stage + own > kSmemPerSm
                         ? "2 stages at least, their tiles inside 227 KB of shared memory"
                         : nullptr;
   if (why) {
@@ -783,7 +784,6 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     return std::nullopt;
   }
   const int smem = stages * stage;
-  const int own = stream_static_smem(stages, threads, rows, m, prenorm_groups);
   const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : std::max(1, std::min(2048 / threads, kSmemPerSm / (smem + own)));
   return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem};
 }

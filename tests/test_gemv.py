@@ -217,7 +217,6 @@ def test_streamed_layout_refuses_what_it_cannot_take():
                  reference(quantized_matvec_reference, _x((1, 15680), mx.float32), w, s, b))
 
 
-
 @needs_cuda
 @pytest.mark.parametrize("rows", [2, 4, 8])
 def test_streamed_tiles_of_fewer_rows_than_the_norm_has_groups(rows):

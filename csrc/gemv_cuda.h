@@ -1060,6 +1060,17 @@ __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars,
   }
 }
 
+// The Tail that lane `lane` stores for round i's tile of this block (its output row when its warp
+// stores the tile): zeros past the block's tiles and for lanes past the tile's sums.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE>
+__device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(int i, int tiles, int lane, const TB* bias,
+                                                                const TR* residual, const TE* next_w) {
+  const int row = (static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x)) * ROWS + lane / M;
+  return lane < ROWS * M && i < tiles
+             ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N, EMIT ? next_w : nullptr)
+             : vc_gemv::zero_tail<TB, TR, TE>();
+}
+
 // A streamed kernel's walk over its block's tiles (S::ROWS rows each, whole K, laid out as S in
 // shared memory; `tiles` of them:
 // blockIdx.x, + gridDim.x, ...). `sums(st, b)` computes this thread's share of the tile in stage st
@@ -1068,32 +1079,30 @@ __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars,
 // warp waits only for its tile's mbarrier, and the last warp done with a tile (last_warp) totals it,
 // asks for the tile STAGES ahead into the stage and stores it. Otherwise (pointers not 16-byte
 // aligned) the block copies each tile itself into stage 0, behind barriers, and warp 0 stores it.
+// first_tail: stream_tail(0, ...), which the kernel asks for with x, before its first tiles.
 template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long long* bars, unsigned int* arrived,
                                            float* red, unsigned char* stages, const unsigned char* wb,
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
                                            const TR* residual, const TE* next_w, TO* out, float* normed,
-                                           float* partials, Sums sums) {
+                                           float* partials, const vc_gemv::Tail<TB, TR, TE>& first_tail,
+                                           Sums sums) {
   constexpr int ROWS = S::ROWS;
   constexpr int SUMS = ROWS * M;
   constexpr int TILES = N / ROWS;
   constexpr int THREADS = WARPS * 32;
   const int lane = threadIdx.x & 31;
   if (bulk) {
-    // This lane's Tail of round i's tile (its output row when its warp stores the tile), asked for a
-    // tile ahead so that its trip to memory overlaps a tile's product.
-    auto tail_of = [&](int i) {
-      const int row = (static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x)) * ROWS + lane / M;
-      return lane < SUMS && i < tiles
-                 ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N, EMIT ? next_w : nullptr)
-                 : vc_gemv::zero_tail<TB, TR, TE>();
-    };
-    auto next_tail = tail_of(0);
+    // This lane's Tail of round i's tile, asked for a tile ahead so that its trip to memory overlaps
+    // a tile's product. Round 0's came with x: asked for here, behind the first tiles' bulk copies,
+    // it came in after them, and the copy into `tail` held every warp until then (20% of out_proj's
+    // warp samples on the H200, 2026-12-04).
+    auto next_tail = first_tail;
     for (int i = 0; i < tiles; ++i) {
       const int tile = blockIdx.x + i * gridDim.x;
       const int s = i % STAGES;
       const auto tail = next_tail;
-      next_tail = tail_of(i + 1);
+      next_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(i + 1, tiles, lane, bias, residual, next_w);
       bar_wait(&bars[s], (i / STAGES) & 1);
       sums(stages + s * S::BYTES, s);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
@@ -1182,6 +1191,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   if constexpr (NORM == 2) {
     norm_partials = load_partials<NP, M, THREADS>(norm_w);
   }
+  const auto first_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x == 0 && bulk) {
     start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, smem, wb, sb, bb);
@@ -1263,9 +1273,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   };
   // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
   // 2026-12-03): see walk_tiles.
-  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
-      bulk, tiles, bars, arrived, &red[0][0][0], smem, wb, sb, bb, bias, residual, next_w, out, normed, partials,
-      tile_sums);
+  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0], smem, wb, sb,
+                                                          bb, bias, residual, next_w, out, normed, partials,
+                                                          first_tail, tile_sums);
 }
 
 }  // namespace vc_stream
@@ -1664,6 +1674,8 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   if constexpr (NORM == 2) {
     norm_partials = vc_stream::load_partials<NP, M, THREADS>(norm_w);
   }
+  const auto first_tail =
+      vc_stream::stream_tail<16, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x == 0 && bulk) {
     vc_stream::start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, stages, wb, sb, bb);
@@ -1708,9 +1720,9 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
       }
     }
   };
-  vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
-      bulk, tiles, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
-      slab_sums);
+  vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0],
+                                                                     stages, wb, sb, bb, bias, residual, next_w, out,
+                                                                     normed, partials, first_tail, slab_sums);
 }
 
 }  // namespace vc_imma

@@ -21,13 +21,19 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
            0: its defaults); its fourth field is quantized_matvec's stages (tiles in flight a block)
   immatma  the integer-MMA product on the streamed layout's bulk-copied 16-row slabs (imma=1 with
            stages); its fourth field is the stages; rows ignored, threads 0: 8 warps
+  tmaprobe the streamed layout's loads and nothing else (vc_stream's bulk copies, STAGES tiles of
+           rows in flight a block, each tile's bytes touched once in, then the stage refilled): what
+           its walk can stream; its fourth field is the stages. tmaprobex: every block first loads
+           x's K floats and waits for them, as the streamed kernels' prologue does.
+  An optional fifth field (tma, immatma, tmaprobe*) is the blocks an SM (0: as the extension picks).
 
 Tried with it and removed (2026-12-01, commit 65a9609 has the code): a cp.async ring into shared
 memory (lost at every shape: 10 warps an SM), the product without the register prefetch, split-K.
 
     PYTHONPATH=python python tools/gpu/qmv_variants.py [--list] [--nvcc]
 
-QMV_VARIANTS="in_proj:ext:8:96:1,up_proj:ext:4:96:1" adds variants (shape:kind:rows:threads:ksplit),
+QMV_VARIANTS="in_proj:ext:8:96:1,out_proj:tmaprobe:8:320:2:1" adds variants
+(shape:kind:rows:threads:fourth[:blocks an SM]),
 QMV_SHAPES="in_proj,up_proj" keeps only those shapes, QMV_LAUNCHES=1 launches each variant once
 (twice by default).
 
@@ -117,6 +123,51 @@ STREAM = """
   }
 """
 
+# the tmaprobe kinds: the streamed walk's bulk copies alone (XLOAD 1: x's K floats loaded and waited
+# for first, as the streamed kernels' prologue)
+TMA_PROBE = """
+  constexpr int GROUPS = K / 64;
+  using S = vc_stream::Stage<ROWS, K / 2, K / 2, ROWS * GROUPS * 2>;
+  constexpr int TILES = N / ROWS;
+  VC_DYNAMIC_SMEM(vc_stages);
+  __shared__ unsigned long long bars[STAGES];
+  __shared__ unsigned int arrived[STAGES];
+  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
+  const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
+  const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
+  float xs = 0.0f;
+  if constexpr (XLOAD != 0) {
+    for (int i = threadIdx.x; i < K / 4; i += THREADS) {
+      const float4 t = reinterpret_cast<const float4*>(x)[i];
+      xs += (t.x + t.y) + (t.z + t.w);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    vc_stream::start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, vc_stages, wb, sb, bb);
+  }
+  unsigned int fold = xs == 1.5f ? 1u : 0u;  // x in before the walk, as the product's pair form needs it
+  __syncthreads();
+  for (int i = 0; i < tiles; ++i) {
+    const int st = i % STAGES;
+    vc_stream::bar_wait(&bars[st], (i / STAGES) & 1);
+    fold ^= reinterpret_cast<const unsigned int*>(vc_stages + st * S::BYTES)[threadIdx.x];
+    __syncthreads();
+    if (threadIdx.x == 0 && i + STAGES < tiles) {
+      vc_stream::reads_before_copies();
+      vc_stream::fetch<S, THREADS>(vc_stages + st * S::BYTES, wb, sb, bb,
+                                   static_cast<int>(blockIdx.x) + (i + STAGES) * static_cast<int>(gridDim.x), true,
+                                   &bars[st]);
+    }
+  }
+  if (fold == 0x9E3779B9u) {
+    out[blockIdx.x] = static_cast<float>(fold);  // keeps the reads
+  }
+"""
+TMA_PROBE_KINDS = {"tmaprobe": 0, "tmaprobex": 1}
+SM_COUNT = 132  # the H200's
+
 # streamxs's staging of x (tried in the block layout's product on the H200, 2026-12-02, and taken out:
 # see docs/developing.md): each warp copies the x chunks its lanes read, coalesced, into float4
 # slots, chunk c's eight at c * 8 + (j ^ (c % 8)) (the 8 lanes of a 16-byte shared load: 8 bank quads)
@@ -157,7 +208,7 @@ SHAPES = {
     "up_proj": (15680, 4480, (1, False, "relu_squared")),
 }
 
-# the kinds launched through the extension (the others are the probe's STREAM_FLAGS)
+# the kinds launched through the extension (the others are the probes': STREAM_FLAGS, TMA_PROBE_KINDS)
 EXT_KINDS = ("ext", "imma", "tma", "immatma")
 # (kind, rows, threads, ksplit) per shape; ext's fourth field: row_groups
 DEFAULT = ("ext", 0, 0, 1)
@@ -171,22 +222,23 @@ VARIANTS = {
 
 def _from_environment() -> None:
     """QMV_VARIANTS adds launches, QMV_SHAPES keeps shapes (see the module's docstring)."""
+    kinds = (*EXT_KINDS, *STREAM_FLAGS, *TMA_PROBE_KINDS)
     for item in filter(None, os.environ.get("QMV_VARIANTS", "").split(",")):
-        shape, kind, rows, threads, ksplit = item.split(":")
-        if shape not in SHAPES or (kind not in EXT_KINDS and kind not in STREAM_FLAGS):
-            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:ext|imma|tma|immatma|stream*:rows:threads:ksplit")
-        VARIANTS[shape].append((kind, int(rows), int(threads), int(ksplit)))
+        fields = item.split(":")
+        if len(fields) not in (5, 6) or fields[0] not in SHAPES or fields[1] not in kinds:
+            raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:{'|'.join(kinds)}:rows:threads:fourth[:per_sm]")
+        VARIANTS[fields[0]].append((fields[1], *map(int, fields[2:])))
     keep = [s for s in os.environ.get("QMV_SHAPES", "").split(",") if s]
     for shape in list(SHAPES):
         if keep and shape not in keep:
             del SHAPES[shape]
 
 
-def _header() -> str:
+def _header(name: str = "vc_qmv") -> str:
     for src in ext.cuda_sources():
-        if src["name"] == "vc_qmv":
+        if src["name"] == name:
             return src["header"]
-    raise SystemExit("the extension has no vc_qmv source")
+    raise SystemExit(f"the extension has no {name} source")
 
 
 def _stream_kernel():
@@ -194,10 +246,29 @@ def _stream_kernel():
                                output_names=["out"], source=STREAM, header=_header() + STAGE)
 
 
+def _tma_probe_kernel(smem: int):
+    return mx.fast.cuda_kernel(name="vc_probe_tma", input_names=["x", "weight", "scales", "biases"],
+                               output_names=["out"], source=TMA_PROBE, header=_header("vc_qmv_stream"),
+                               shared_memory=smem)
+
+
+def _tma_probe(n: int, k: int, v, tensors):
+    kind, rows, threads, stages, *per_sm = v
+    smem = stages * (rows * k // 2 + 2 * rows * (k // 64) * 2)
+    blocks = min(n // rows, SM_COUNT * (per_sm[0] if per_sm and per_sm[0] > 0 else max(1, 232448 // (smem + 1024))))
+    x, w, s, b = tensors[:4]
+    return _tma_probe_kernel(smem)(
+        inputs=[x, w, s, b], grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
+        template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("STAGES", stages),
+                  ("XLOAD", TMA_PROBE_KINDS[kind])],
+        output_shapes=[(blocks,)], output_dtypes=[mx.float32])
+
+
 def _tag(shape: str, v) -> str:
-    kind, rows, threads, fourth = v
-    fourth_name = {"ext": "row_groups", "imma": "imma", "tma": "stages", "immatma": "stages"}.get(kind, "ksplit")
-    return f"{shape} {kind} rows {rows} threads {threads} {fourth_name} {fourth}"
+    kind, rows, threads, fourth, *per_sm = v
+    fourth_name = {"ext": "row_groups", "imma": "imma"}.get(kind, "stages" if "tma" in kind else "ksplit")
+    return f"{shape} {kind} rows {rows} threads {threads} {fourth_name} {fourth}" + (
+        f" per_sm {per_sm[0]}" if per_sm else "")
 
 
 def _args(n: int, k: int, v) -> dict:
@@ -212,7 +283,7 @@ def _args(n: int, k: int, v) -> dict:
 def _ext_call(shape: str, v, tensors):
     """The step's instance of `shape` through the extension at v's rows and threads (kind ext), or
     through its integer-MMA layout (kind imma), its streamed one (kind tma) or both (kind immatma)."""
-    kind, rows, threads, row_groups = v
+    kind, rows, threads, row_groups, *per_sm = v
     _, _, (groups, emit, activation) = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = tensors
     pre = dict(prenormed=partials, prenorm_groups=groups) if groups else {}
@@ -221,6 +292,8 @@ def _ext_call(shape: str, v, tensors):
         launch.update(stages=row_groups)
     if kind == "immatma":
         launch = dict(imma=1, stages=row_groups, threads=threads)
+    if per_sm:
+        launch.update(blocks_per_sm=per_sm[0])
     if emit:
         if kind == "ext" and row_groups > 1:
             raise SystemExit(f"{shape}: the emitting matvec takes no row_groups")
@@ -247,6 +320,8 @@ def run() -> None:
                 for _ in range(int(os.environ.get("QMV_LAUNCHES", "2"))):  # 1: one profiled launch a variant
                     if v[0] in EXT_KINDS:
                         mx.eval(*_ext_call(shape, v, tensors))
+                    elif v[0] in TMA_PROBE_KINDS:
+                        mx.eval(_tma_probe(n, k, v, tensors)[0])
                     else:
                         mx.eval(stream(inputs=[x, w, s, b], **_args(n, k, v))[0])
             except ValueError as e:  # a launch the extension refuses: say so, measure the rest
@@ -260,13 +335,18 @@ def nvcc_registers() -> None:
     from test_cuda_sources import STUB, wrap
 
     nvcc = shutil.which("nvcc") or sys.exit("nvcc is not installed")
-    header = _header()
     for shape, (n, k, _) in SHAPES.items():
-        for v in (v for v in VARIANTS[shape] if v[0] in STREAM_FLAGS):
-            a = _args(n, k, v)
+        for v in (v for v in VARIANTS[shape] if v[0] in STREAM_FLAGS or v[0] in TMA_PROBE_KINDS):
+            if v[0] in TMA_PROBE_KINDS:
+                kind, rows, threads, stages, *_ = v
+                template = [("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("STAGES", stages),
+                            ("XLOAD", TMA_PROBE_KINDS[kind])]
+                source, header = TMA_PROBE, _header("vc_qmv_stream")
+            else:
+                template, source, header = _args(n, k, v)["template"], STREAM, _header() + STAGE
             src = {"name": "probe", "input_names": ["x", "weight", "scales", "biases"], "output_names": ["out"],
-                   "source": STREAM, "header": header + STAGE}
-            targs = [(name, f"int:{val}") for name, val in a["template"]]
+                   "source": source, "header": header}
+            targs = [(name, f"int:{val}") for name, val in template]
             inst = {"input_types": ["float", "uint32_t", "__nv_bfloat16", "__nv_bfloat16"],
                     "output_types": ["float"], "template_args": targs}
             with tempfile.TemporaryDirectory() as tmp:

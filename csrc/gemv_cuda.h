@@ -824,9 +824,16 @@ __device__ __forceinline__ void sum_groups(const Partials<NP, M, THREADS>& p, fl
   for (int j = 0; j < p.EACH; ++j) {
     const int g = (static_cast<int>(threadIdx.x) + j * THREADS) / (NP / NG);  // past NP: adds zeros
 #pragma unroll
-    for (int o = 0; o < NG; ++o) {
+    for (int m = 0; m < M; ++m) {
+      // through an empty asm, so that no add is folded next to the partial's load: there it waited on
+      // the load ahead of thread 0's first bulk copies, which the block's copies then waited on
+      // (vc_qmv_stream at out_proj, sm_90 SASS, 2026-12-04)
+      float v = p.v[j][m];
+#ifdef __CUDA_ARCH__
+      asm volatile("" : "+f"(v));
+#endif
 #pragma unroll
-      for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? p.v[j][m] : 0.0f;
+      for (int o = 0; o < NG; ++o) gs[o * M + m] += o == g ? v : 0.0f;
     }
   }
 #pragma unroll

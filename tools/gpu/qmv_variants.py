@@ -35,7 +35,10 @@ memory (lost at every shape: 10 warps an SM), the product without the register p
 QMV_VARIANTS="in_proj:ext:8:96:1,out_proj:tmaprobe:8:320:2:1" adds variants
 (shape:kind:rows:threads:fourth[:blocks an SM]),
 QMV_SHAPES="in_proj,up_proj" keeps only those shapes, QMV_LAUNCHES=1 launches each variant once
-(twice by default).
+(twice by default). QMV_INPUTS_IN_L2=1 (for Nsight Compute's --cache-control none: qmv_variants.sh
+with NCU_CACHE=none) reads 256 MB before each launch and writes x, the norm's partials and the
+residual anew: the weights come from DRAM and the activations from the L2, as in the decode step,
+where the kernel before wrote them (with the caches flushed, x's loads go to DRAM too).
 
 --list prints the variants; --nvcc compiles each stream variant for sm_90 with nvcc here (no GPU)
 and prints its registers a thread.
@@ -305,6 +308,20 @@ def _ext_call(shape: str, v, tensors):
     return [ext.quantized_matvec(x, w, s, b, None, 64, 4, warps=0, activation=activation, **pre, **launch)]
 
 
+def _step_like(tensors):
+    """tensors with the L2 as the decode step leaves it (QMV_INPUTS_IN_L2): 256 MB read (the
+    weights' lines gone, no dirty lines left to write back), then x, the partials and the residual
+    written anew (theirs in)."""
+    mx.eval(mx.sum(sweep))
+    x, w, s, b, partials, residual, next_w = tensors
+    fresh = (x * 1.0, partials * 1.0, residual * 1.0)
+    mx.eval(*fresh)
+    return (fresh[0], w, s, b, fresh[1], fresh[2], next_w)
+
+
+sweep = mx.zeros((64 << 20,), dtype=mx.float32) if os.environ.get("QMV_INPUTS_IN_L2") == "1" else None
+
+
 def run() -> None:
     stream = _stream_kernel()
     for shape, (n, k, (groups, _, _)) in SHAPES.items():
@@ -318,12 +335,13 @@ def run() -> None:
         for v in VARIANTS[shape]:
             try:
                 for _ in range(int(os.environ.get("QMV_LAUNCHES", "2"))):  # 1: one profiled launch a variant
+                    launch = _step_like(tensors) if sweep is not None else tensors
                     if v[0] in EXT_KINDS:
-                        mx.eval(*_ext_call(shape, v, tensors))
+                        mx.eval(*_ext_call(shape, v, launch))
                     elif v[0] in TMA_PROBE_KINDS:
-                        mx.eval(_tma_probe(n, k, v, tensors)[0])
+                        mx.eval(_tma_probe(n, k, v, launch)[0])
                     else:
-                        mx.eval(stream(inputs=[x, w, s, b], **_args(n, k, v))[0])
+                        mx.eval(stream(inputs=list(launch[:4]), **_args(n, k, v))[0])
             except ValueError as e:  # a launch the extension refuses: say so, measure the rest
                 print("refused", _tag(shape, v), "-", e, flush=True)
                 continue

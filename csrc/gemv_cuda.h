@@ -159,16 +159,23 @@ __device__ __forceinline__ Tail<TB, TR, TE> load_tail(const TB* bias, const TR* 
   return t;
 }
 
-// The Tail of the output this thread stores when a block's first ROWS * M threads store rows row0,
-// row0 + 1, ... (thread i: row row0 + i / M, input row i % M); zeros for the others and past n.
+// The Tail of the output that slot `slot` stores when ROWS * M slots store rows row0, row0 + 1, ...
+// (slot i: row row0 + i / M, input row i % M); zeros for the other slots and past n.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TE = float>
+__device__ __forceinline__ Tail<TB, TR, TE> slot_tail(int slot, const TB* bias, const TR* residual, int row0, int n,
+                                                      const TE* next_w = nullptr) {
+  const int row = row0 + slot / M;
+  if (slot < ROWS * M && row < n) {
+    return load_tail<EPI, HAS_BIAS>(bias, residual, slot % M, row, n, next_w);
+  }
+  return zero_tail<TB, TR, TE>();
+}
+
+// slot_tail with the block's threads as the slots (its first ROWS * M threads store the rows).
 template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TE = float>
 __device__ __forceinline__ Tail<TB, TR, TE> row_tail(const TB* bias, const TR* residual, int row0, int n,
                                                      const TE* next_w = nullptr) {
-  const int row = row0 + static_cast<int>(threadIdx.x) / M;
-  if (threadIdx.x < ROWS * M && row < n) {
-    return load_tail<EPI, HAS_BIAS>(bias, residual, static_cast<int>(threadIdx.x) % M, row, n, next_w);
-  }
-  return zero_tail<TB, TR, TE>();
+  return slot_tail<ROWS, M, EPI, HAS_BIAS>(static_cast<int>(threadIdx.x), bias, residual, row0, n, next_w);
 }
 
 // The epilogue of every matvec kernel: the output value of row `row`, input row `m`, from its float
@@ -1072,10 +1079,9 @@ __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars,
 template <int ROWS, int M, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE>
 __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(int i, int tiles, int lane, const TB* bias,
                                                                 const TR* residual, const TE* next_w) {
-  const int row = (static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x)) * ROWS + lane / M;
-  return lane < ROWS * M && i < tiles
-             ? vc_gemv::load_tail<EPI, HAS_BIAS>(bias, residual, lane % M, row, N, EMIT ? next_w : nullptr)
-             : vc_gemv::zero_tail<TB, TR, TE>();
+  const int row0 = (static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x)) * ROWS;
+  return i < tiles ? vc_gemv::slot_tail<ROWS, M, EPI, HAS_BIAS>(lane, bias, residual, row0, N, EMIT ? next_w : nullptr)
+                   : vc_gemv::zero_tail<TB, TR, TE>();
 }
 
 // A streamed kernel's walk over its block's tiles (S::ROWS rows each, whole K, laid out as S in

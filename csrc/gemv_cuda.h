@@ -793,6 +793,13 @@ constexpr const char* kPersistentHeader = R"(
 #define VC_DYNAMIC_SMEM(name) unsigned char* name = cuda_emu::dynamic_smem()
 #endif
 
+// A timeline probe's hook (tools/gpu/qmv_timeline.py defines it ahead of this header): warp's
+// moment at `event` (0 its prologue done, 1 a tile in, 2 its share of it summed, 3 the tile stored)
+// of round `round`. Empty in the extension's kernels.
+#ifndef VC_STAMP
+#define VC_STAMP(event, round)
+#endif
+
 namespace vc_stream {
 
 // NORM 2's partials as this thread reads them for group_totals (its entries i = threadIdx.x, + THREADS,
@@ -1117,7 +1124,9 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
       const auto tail = next_tail;
       next_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(i + 1, tiles, lane, bias, residual, next_w);
       bar_wait(&bars[s], (i / STAGES) & 1);
+      VC_STAMP(1, i);
       sums(stages + s * S::BYTES, s);
+      VC_STAMP(2, i);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
         const float v = tile_total<SUMS, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
         __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
@@ -1127,6 +1136,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
                                            true, &bars[s]);
         }
         store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, tile, TILES, tail, out, normed, partials);
+        VC_STAMP(3, i);
       }
     }
     return;
@@ -1241,6 +1251,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     }
   }
   __syncthreads();  // the barriers' init seen by every thread
+  VC_STAMP(0, 0);
   // This warp's sums of the tile in stage st (each thread's, folded over the warp: see fold_sums)
   // into red[b][warp].
   constexpr int LOG = SUMS >= 32 ? 5 : SUMS >= 16 ? 4 : SUMS >= 8 ? 3 : SUMS >= 4 ? 2 : SUMS >= 2 ? 1 : 0;
@@ -1705,6 +1716,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
     }
   });
   __syncthreads();  // the expansion and the barriers' init seen by every thread
+  VC_STAMP(0, 0);
   const LaneTerms<K, M, LEVELS> lt(smem, lane);
   // This warp's sums of the slab in stage st, rows g and g + 8 (totalled by the quad), into red[b].
   auto slab_sums = [&](const unsigned char* st, int b) {

@@ -1,0 +1,306 @@
+"""When each warp of the streamed 4-bit GEMV kernels gets to each point of its walk, on the H200: its
+prologue done (x and the norm's scales, or x's integer-MMA expansion, ready), each of its block's
+tiles in (the tile's mbarrier passed), its share of that tile summed, and the tile stored (by the
+block's last warp). Answers what a kernel's total time cannot: whether a block's first tile lands
+early or with the whole wave of first requests, how long a tile's product takes, and how much of the
+kernel is the last round of tiles.
+
+How: the kernels' walk has `VC_STAMP(event, round)` hooks, empty in the extension. This tool hands
+MLX the extension's own kernel text (cuda_sources(): the step's instance, with the launch's template
+args) behind a header that defines the hook as a store of the SM's cycle counter, plus the global
+timer at each warp's start and end, and an extra `stamps` output. Each launch's output is first
+checked bit-equal to the extension's own launch at the same settings. The L2 is swept (256 MB read)
+before each launch, so the weights come from DRAM as in the decode step.
+
+  PYTHONPATH=python python tools/gpu/qmv_timeline.py [--nvcc]
+
+QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2" picks the variants
+(shape:kind:rows:threads:stages; kind tma = vc_qmv_stream, immatma = vc_qmv_imma_stream, whose rows
+are 16 whatever the field says), QMV_TIMELINE_LAUNCHES (3) the launches a variant (the last one is
+reported). --nvcc compiles each variant's text for sm_90 with nvcc here (no GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_gemv import random_q4  # noqa: E402
+
+from voicechat.kernels import ext  # noqa: E402
+
+SM_COUNT, SMEM_PER_SM = 132, 232448  # the H200's (as csrc/gemv.cpp)
+ROUNDS, EVENTS = 4, 4  # tiles a block recorded; events: prologue, in, summed, stored
+SLOTS = 4 + EVENTS * ROUNDS  # global timer and cycle count at start and end, then the events
+MAX_WARPS = 32
+
+# name: (N, K, prenorm groups (0: none), emit), as tools/gpu/qmv_variants.py's
+SHAPES = {
+    "out_proj": (4480, 10240, 8, True),
+    "down_proj": (4480, 15680, 0, True),
+    "in_proj": (22656, 4480, 1, False),
+    "up_proj": (15680, 4480, 1, False),
+}
+DEFAULT_VARIANTS = ("out_proj:tma:8:320:2,out_proj:immatma:0:256:2,out_proj:immatma:0:512:2,"
+                    "down_proj:tma:8:512:2,in_proj:immatma:0:256:2")
+
+
+def _prefix(blocks: int) -> str:
+    return f"""
+#define VC_TL_SLOTS {SLOTS}
+#define VC_TL_ROUNDS {ROUNDS}
+__device__ long long vc_tl[{blocks} * {MAX_WARPS} * VC_TL_SLOTS];
+// "memory": no load or store of the kernel moves across a stamp
+__device__ __forceinline__ long long vc_tl_clock() {{
+  long long c;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c)::"memory");
+  return c;
+}}
+__device__ __forceinline__ long long vc_tl_global() {{
+  long long c;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(c)::"memory");
+  return c;
+}}
+#define VC_STAMP(event, round)                                                                  \\
+  do {{                                                                                          \\
+    if ((threadIdx.x & 31) == 0 && (round) < VC_TL_ROUNDS)                                      \\
+      vc_tl[(blockIdx.x * {MAX_WARPS} + (threadIdx.x >> 5)) * VC_TL_SLOTS + 4 + (event) * VC_TL_ROUNDS + (round)] = \\
+          vc_tl_clock();                                                                        \\
+  }} while (0)
+"""
+
+
+BODY_BEFORE = f"""
+  long long* vc_tl_mine = vc_tl + (blockIdx.x * {MAX_WARPS} + (threadIdx.x >> 5)) * VC_TL_SLOTS;
+  if ((threadIdx.x & 31) == 0) {{
+    for (int i = 4; i < VC_TL_SLOTS; ++i) vc_tl_mine[i] = 0;
+  }}
+  const long long vc_tl_g0 = vc_tl_global(), vc_tl_c0 = vc_tl_clock();
+"""
+BODY_AFTER = f"""
+  const long long vc_tl_g1 = vc_tl_global(), vc_tl_c1 = vc_tl_clock();
+  if ((threadIdx.x & 31) == 0) {{
+    auto* o = stamps + (blockIdx.x * {MAX_WARPS} + (threadIdx.x >> 5)) * VC_TL_SLOTS;
+    o[0] = vc_tl_g0;
+    o[1] = vc_tl_c0;
+    o[2] = vc_tl_g1;
+    o[3] = vc_tl_c1;
+    for (int i = 4; i < VC_TL_SLOTS; ++i) o[i] = vc_tl_mine[i];
+  }}
+"""
+
+DTYPES = {"float": mx.float32, "__nv_bfloat16": mx.bfloat16, "__half": mx.float16}
+
+
+def _source(kind: str, emit: bool) -> dict:
+    name = {"tma": "vc_qmv_stream", "immatma": "vc_qmv_imma_stream"}[kind] + ("_emit" if emit else "")
+    for src in ext.cuda_sources():
+        if src["name"] == name:
+            return src
+    raise SystemExit(f"the extension has no {name} source")
+
+
+def _instance(src: dict, k: int, n: int) -> dict:
+    """The registered instance at (K, N): the step's."""
+    for inst in src["instances"]:
+        args = dict(inst["template_args"])
+        if args.get("K") == f"int:{k}" and args.get("N") == f"int:{n}":
+            return inst
+    raise SystemExit(f"{src['name']} has no registered instance at K={k}, N={n}")
+
+
+def _template(src: dict, k: int, n: int, overrides: dict) -> list:
+    """The step's instance with the launch's fields overridden, as MLX takes it."""
+    inst = _instance(src, k, n)
+    out = []
+    for name, value in inst["template_args"]:
+        kind, _, text = value.partition(":")
+        value = {"int": int, "bool": lambda t: t == "true", "type": DTYPES.__getitem__}[kind](text)
+        out.append((name, overrides.get(name, value)))
+    return out
+
+
+def _launch(shape: str, kind: str, rows: int, threads: int, stages: int) -> dict:
+    """Grid, block and shared memory as csrc/gemv.cpp picks them (pick_stream / pick_imma_stream)."""
+    n, k, groups, _ = SHAPES[shape]
+    ng = max(groups, 1)
+    if kind == "tma":
+        stage = rows * k // 2 + 2 * rows * (k // 64) * 2
+        smem = stages * stage
+        own = max(stages, 2) * (threads // 32) * rows * 4 + stages * 12 + ng * 4 + 256 + (threads // 32) * ng * 4
+        per_sm = max(1, min(2048 // threads, SMEM_PER_SM // (smem + own)))
+        return dict(blocks=min(n // rows, SM_COUNT * per_sm), threads=threads, smem=smem, rows=rows,
+                    overrides={"ROWS": rows, "THREADS": threads, "STAGES": stages})
+    warps = threads // 32
+    g = k // 64
+    expansion = (g * (64 * 4 + 20) + 127) // 128 * 128
+    row_stride = k // 2 + 32 if (k // 8) % 16 == 0 else k // 2
+    smem = expansion + stages * (16 * row_stride + 2 * 16 * g * 2)
+    own = max(stages, 2) * warps * 16 * 4 + stages * 12 + ng * 4 + 256
+    per_sm = max(1, min(2048 // threads, 65536 // (96 * threads), SMEM_PER_SM // (smem + own)))
+    return dict(blocks=min(n // 16, SM_COUNT * per_sm), threads=threads, smem=smem, rows=16,
+                overrides={"WARPS": warps, "STAGES": stages})
+
+
+def _variants() -> list:
+    out = []
+    for item in filter(None, os.environ.get("QMV_TIMELINE", DEFAULT_VARIANTS).split(",")):
+        f = item.split(":")
+        if len(f) != 5 or f[0] not in SHAPES or f[1] not in ("tma", "immatma"):
+            raise SystemExit(f"QMV_TIMELINE: {item!r} is not shape:tma|immatma:rows:threads:stages")
+        out.append((f[0], f[1], *map(int, f[2:])))
+    return out
+
+
+def _kernel_parts(shape: str, kind: str, launch: dict):
+    n, k, _, emit = SHAPES[shape]
+    src = _source(kind, emit)
+    header = _prefix(launch["blocks"]) + src["header"]
+    body = BODY_BEFORE + src["source"] + BODY_AFTER
+    return src, header, body, _template(src, k, n, launch["overrides"])
+
+
+def _tensors(shape: str):
+    n, k, groups, _ = SHAPES[shape]
+    w, s, b = random_q4(n, k, 0)
+    x = mx.random.normal((1, k))
+    partials = mx.abs(mx.random.normal((1, 640 if groups > 1 else 560))) * k / 640
+    residual = mx.random.normal((1, n))
+    next_w = mx.ones((n,), dtype=mx.float32)
+    mx.eval(x, w, s, b, partials, residual, next_w)
+    return x, w, s, b, partials, residual, next_w
+
+
+def _ext_outputs(shape: str, kind: str, rows: int, threads: int, stages: int, t) -> list:
+    n, k, groups, emit = SHAPES[shape]
+    x, w, s, b, partials, residual, next_w = t
+    pre = dict(prenormed=partials, prenorm_groups=groups) if groups else {}
+    launch = dict(imma=1, stages=stages, threads=threads) if kind == "immatma" else dict(
+        rows_per_block=rows, threads=threads, stages=stages)
+    if emit:
+        return list(ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **pre, **launch))
+    return [ext.quantized_matvec(x, w, s, b, None, 64, 4, **pre, **launch)]
+
+
+def _probe_outputs(shape: str, kind: str, launch: dict, t) -> tuple[list, np.ndarray]:
+    n, k, groups, emit = SHAPES[shape]
+    x, w, s, b, partials, residual, next_w = t
+    src, header, body, template = _kernel_parts(shape, kind, launch)
+    kernel = mx.fast.cuda_kernel(name=src["name"] + "_timeline", input_names=src["input_names"],
+                                 output_names=[*src["output_names"], "stamps"], source=body, header=header,
+                                 shared_memory=launch["smem"])
+    inputs = [x, w, s, b, s, residual if emit else s, partials if groups else s]
+    shapes, dtypes = [(1, n)], [mx.float32]
+    if emit:
+        inputs.append(next_w)
+        shapes += [(1, n), (1, n // launch["rows"])]
+        dtypes += [mx.float32, mx.float32]
+    blocks, threads = launch["blocks"], launch["threads"]
+    outs = kernel(inputs=inputs, grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1), template=template,
+                  output_shapes=[*shapes, (blocks * MAX_WARPS * SLOTS,)], output_dtypes=[*dtypes, mx.int64])
+    mx.eval(*outs)
+    stamps = np.array(outs[-1]).reshape(blocks, MAX_WARPS, SLOTS)[:, : threads // 32]
+    return list(outs[:-1]), stamps
+
+
+def _pcts(v: np.ndarray) -> str:
+    if v.size == 0:
+        return "-"
+    p = np.percentile(v, [10, 50, 90])
+    return f"{p[0]:6.2f} {p[1]:6.2f} {p[2]:6.2f} {v.max():6.2f}"
+
+
+def report(tag: str, stamps: np.ndarray) -> None:
+    """Times in us from the first warp's start: each warp's global start plus its cycles at the median
+    clock rate of all warps (the global timer's steps are coarse; the cycle counts are per SM)."""
+    g0, c0, g1, c1 = (stamps[..., i].astype(np.float64) for i in range(4))
+    rate = np.median((c1 - c0) / np.maximum(g1 - g0, 1.0))  # cycles a ns
+    start = (g0 - g0.min()) / 1e3
+
+    def at(event: int, r: int) -> np.ndarray:
+        c = stamps[..., 4 + event * ROUNDS + r].astype(np.float64)
+        return np.where(c > 0, start + (c - c0) / rate / 1e3, np.nan)
+
+    print(f"== {tag}: {stamps.shape[0]} blocks x {stamps.shape[1]} warps, span {(g1.max() - g0.min()) / 1e3:.2f} us "
+          f"(global timer), {rate:.2f} GHz; us from the first start: p10 p50 p90 max")
+    print(f"  start          {_pcts(start.ravel())}")
+    print(f"  prologue done  {_pcts(at(0, 0)[~np.isnan(at(0, 0))])}")
+    prev = at(0, 0)
+    for r in range(ROUNDS):
+        tin, summed, stored = at(1, r), at(2, r), at(3, r)
+        have = ~np.isnan(tin)
+        if not have.any():
+            break
+        # a warp's product: from when it could start (tile in, its previous tile summed) to summed
+        product = summed - np.fmax(tin, prev)
+        stored_blocks = np.max(np.where(np.isnan(stored), -np.inf, stored), axis=1)  # the block's storing warp
+        stored_blocks = stored_blocks[np.isfinite(stored_blocks)]
+        print(f"  round {r}: {int(have.any(axis=1).sum()):4d} blocks")
+        print(f"    tile in      {_pcts(tin[have])}")
+        print(f"    summed       {_pcts(summed[have])}")
+        print(f"    product      {_pcts(product[have])}")
+        print(f"    stored       {_pcts(stored_blocks)}")
+        prev = summed
+    end = (g0 - g0.min() + (c1 - c0) / rate) / 1e3
+    print(f"  warp ends      {_pcts(end.ravel())}", flush=True)
+
+
+def run() -> None:
+    sweep = mx.zeros((64 << 20,), dtype=mx.float32)
+    mx.eval(sweep)
+    launches = int(os.environ.get("QMV_TIMELINE_LAUNCHES", "3"))
+    tensors = {}
+    for shape, kind, rows, threads, stages in _variants():
+        t = tensors.setdefault(shape, _tensors(shape))
+        launch = _launch(shape, kind, rows, threads, stages)
+        tag = f"{shape} {kind} rows {launch['rows']} threads {threads} stages {stages}"
+        want = _ext_outputs(shape, kind, rows, threads, stages, t)
+        mx.eval(*want)
+        for _ in range(launches):
+            mx.eval(mx.sum(sweep))
+            got, stamps = _probe_outputs(shape, kind, launch, t)
+        same = all(bool(mx.array_equal(a, b)) for a, b in zip(got, want))
+        print(f"{tag}: outputs {'bit-equal to' if same else 'DIFFER from'} the extension's", flush=True)
+        report(tag, stamps)
+
+
+def nvcc() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from test_cuda_sources import STUB, wrap
+
+    compiler = shutil.which("nvcc") or sys.exit("nvcc is not installed")
+    names = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
+    for shape, kind, rows, threads, stages in _variants():
+        launch = _launch(shape, kind, rows, threads, stages)
+        src, header, body, template = _kernel_parts(shape, kind, launch)
+        targs = [(name, f"bool:{str(v).lower()}" if isinstance(v, bool) else f"int:{v}" if isinstance(v, int)
+                  else f"type:{names[v]}") for name, v in template]
+        probe = dict(src, source=body, header=header, output_names=[*src["output_names"], "stamps"])
+        step = _instance(src, SHAPES[shape][1], SHAPES[shape][0])
+        inst = dict(step, template_args=targs, output_types=[*step["output_types"], "int64_t"])
+        with tempfile.TemporaryDirectory() as tmp:
+            cu = Path(tmp) / "probe.cu"
+            cu.write_text(wrap(probe, [inst]))
+            proc = subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-I", str(STUB), "-cubin", "-o",
+                                   str(Path(tmp) / "p.cubin"), str(cu)], capture_output=True, text=True)
+        print(f"{shape} {kind} {rows}:{threads}:{stages}: {'compiled' if proc.returncode == 0 else proc.stderr[-1500:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nvcc", action="store_true")
+    args = parser.parse_args()
+    nvcc() if args.nvcc else run()
+
+
+if __name__ == "__main__":
+    main()

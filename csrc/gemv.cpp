@@ -905,7 +905,8 @@ std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_
   const int groups = k / 64;
   const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
   const int row_stride = (k / 8) % 16 == 0 ? k / 2 + 32 : k / 2;  // padded as the kernel's Stage
-  const int slab = 16 * row_stride + 2 * 16 * groups * scale_bytes;
+  const int scale_row = groups * scale_bytes;
+  const int slab = 16 * row_stride + 2 * 16 * (scale_row % 32 == 0 ? scale_row + 16 : scale_row);
   const int smem = expansion + stages * slab;
   const int own = stream_static_smem(stages, 32 * warps, 16, m, prenorm_groups);  // its own arrays, as the float one's
   const char* why = !integer_mma(device_index) || !bulk_copies(device_index)

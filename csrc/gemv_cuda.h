@@ -799,6 +799,12 @@ constexpr const char* kPersistentHeader = R"(
 #ifndef VC_STAMP
 #define VC_STAMP(event, round)
 #endif
+// An experiment's switch (qmv_timeline.py's QMV_TIMELINE_DEFINES): 1 asks for a block's first tile
+// alone, and for each next first-round tile once the one before it is in, instead of all STAGES at
+// the start. 0 in the extension's kernels.
+#ifndef VC_RAMP
+#define VC_RAMP 0
+#endif
 
 namespace vc_stream {
 
@@ -1021,16 +1027,21 @@ __device__ __forceinline__ bool last_warp(unsigned int* arrived, int round, int 
 
 // A stage's layout: ROWS weight rows of ROW_BYTES each, ROW_STRIDE apart (a stride past ROW_BYTES
 // pads the rows, so that a warp reading across rows misses its own shared-memory banks), then the
-// tile's scales and its biases, S_BYTES each.
-template <int ROWS_, int ROW_BYTES_, int ROW_STRIDE_, int S_BYTES_>
+// tile's scales and its biases: S_BYTES each in global memory (ROWS rows of S_ROW_BYTES), laid out
+// in the stage S_ROW_STRIDE apart a row (S_ROW_BYTES: as they come, one copy each).
+template <int ROWS_, int ROW_BYTES_, int ROW_STRIDE_, int S_BYTES_, int S_ROW_STRIDE_ = S_BYTES_ / ROWS_>
 struct Stage {
   static constexpr int ROWS = ROWS_, ROW_BYTES = ROW_BYTES_, ROW_STRIDE = ROW_STRIDE_, S_BYTES = S_BYTES_;
+  static constexpr int S_ROW_BYTES = S_BYTES / ROWS, S_ROW_STRIDE = S_ROW_STRIDE_;
+  static constexpr bool S_PADDED = S_ROW_STRIDE != S_ROW_BYTES;
   static constexpr int W_BYTES = ROWS * ROW_BYTES;  // the weight bytes of a tile
   static constexpr int SCALES = ROWS * ROW_STRIDE;  // where its scales start
-  static constexpr int BIASES = SCALES + S_BYTES;
-  static constexpr int BYTES = BIASES + S_BYTES;
+  static constexpr int BIASES = SCALES + ROWS * S_ROW_STRIDE;
+  static constexpr int BYTES = BIASES + ROWS * S_ROW_STRIDE;
   static_assert(ROW_STRIDE >= ROW_BYTES && ROW_STRIDE % 16 == 0 && ROW_BYTES % 16 == 0 && S_BYTES % 16 == 0,
                 "bulk copies move multiples of 16 bytes to 16-byte aligned places");
+  static_assert(S_BYTES % ROWS == 0 && S_ROW_STRIDE >= S_ROW_BYTES && (!S_PADDED || (S_ROW_BYTES % 16 == 0 &&
+                S_ROW_STRIDE % 16 == 0)), "padded scale rows are bulk copied a row at a time");
 };
 
 // Tile `tile`'s weight rows, scales and biases into stage `st` (laid out as S, a Stage): by the
@@ -1050,8 +1061,15 @@ __device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w,
     } else {
       bulk_copy(st, wt, S::W_BYTES, bar);
     }
-    bulk_copy(st + S::SCALES, st_src, S::S_BYTES, bar);
-    bulk_copy(st + S::BIASES, bt_src, S::S_BYTES, bar);
+    if constexpr (S::S_PADDED) {
+      for (int r = 0; r < S::ROWS; ++r) {
+        bulk_copy(st + S::SCALES + r * S::S_ROW_STRIDE, st_src + r * S::S_ROW_BYTES, S::S_ROW_BYTES, bar);
+        bulk_copy(st + S::BIASES + r * S::S_ROW_STRIDE, bt_src + r * S::S_ROW_BYTES, S::S_ROW_BYTES, bar);
+      }
+    } else {
+      bulk_copy(st + S::SCALES, st_src, S::S_BYTES, bar);
+      bulk_copy(st + S::BIASES, bt_src, S::S_BYTES, bar);
+    }
     return;
   }
   // scales and biases are 2-byte types at least; the weight words 4 bytes
@@ -1060,8 +1078,9 @@ __device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w,
     *reinterpret_cast<unsigned short*>(st + to) = *reinterpret_cast<const unsigned short*>(wt + o);
   }
   for (int o = 2 * static_cast<int>(threadIdx.x); o < S::S_BYTES; o += 2 * THREADS) {
-    *reinterpret_cast<unsigned short*>(st + S::SCALES + o) = *reinterpret_cast<const unsigned short*>(st_src + o);
-    *reinterpret_cast<unsigned short*>(st + S::BIASES + o) = *reinterpret_cast<const unsigned short*>(bt_src + o);
+    const int to = o / S::S_ROW_BYTES * S::S_ROW_STRIDE + o % S::S_ROW_BYTES;
+    *reinterpret_cast<unsigned short*>(st + S::SCALES + to) = *reinterpret_cast<const unsigned short*>(st_src + o);
+    *reinterpret_cast<unsigned short*>(st + S::BIASES + to) = *reinterpret_cast<const unsigned short*>(bt_src + o);
   }
 }
 
@@ -1076,7 +1095,7 @@ __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars,
     bar_init(&bars[s]);
     arrived[s] = 0u;
   }
-  for (int s = 0; s < STAGES && s < tiles; ++s) {
+  for (int s = 0; s < (VC_RAMP ? 1 : STAGES) && s < tiles; ++s) {
     fetch<S, THREADS>(stages + s * S::BYTES, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
   }
 }
@@ -1125,6 +1144,12 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
       next_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(i + 1, tiles, lane, bias, residual, next_w);
       bar_wait(&bars[s], (i / STAGES) & 1);
       VC_STAMP(1, i);
+      if constexpr (VC_RAMP != 0) {
+        if (threadIdx.x == 0 && i + 1 < STAGES && i + 1 < tiles) {
+          fetch<S, THREADS>(stages + (i + 1) * S::BYTES, wb, sb, bb, tile + static_cast<int>(gridDim.x), true,
+                            &bars[i + 1]);
+        }
+      }
       sums(stages + s * S::BYTES, s);
       VC_STAMP(2, i);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
@@ -1474,13 +1499,20 @@ __device__ __forceinline__ void expand_items(const XItems<K, M, THREADS>& items,
     unsigned int lo[LEVELS], hi[LEVELS];
 #pragma unroll
     for (int l = 0; l < LEVELS; ++l) lo[l] = hi[l] = 0u;
+    // |y| <= 64 at every level: adding 1.5 x 2^23 rounds it to the nearest integer (ties to even, as
+    // rintf) and leaves that integer's two's complement in the sum's low mantissa bits, so its byte
+    // is the sum's low byte. rintf and the float-to-int conversion each ran at 16 a cycle an SM, and
+    // with 8 values x 4 levels of them every item they were most of the prologue (out_proj's
+    // expansion, H200, 2026-12-04: ~6.5 us before a block's first slab product).
+    constexpr float ROUNDER = 12582912.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       float y = v[i] * down;
 #pragma unroll
       for (int l = 0; l < LEVELS; ++l) {
-        const float r = rintf(y);
-        const unsigned int byte = static_cast<unsigned int>(static_cast<int>(r)) & 0xFFu;
+        const float biased = y + ROUNDER;
+        const float r = biased - ROUNDER;
+        const unsigned int byte = __float_as_uint(biased) & 0xFFu;
         if (i & 1) {
           hi[l] |= byte << (8 * (i >> 1));
         } else {
@@ -1669,10 +1701,15 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   // A warp reads 8 bytes a lane from rows g and g + 8 (g = lane / 4) at once: rows 4 words of banks
   // apart in a half warp (a stride of 8 words mod 16) keep those reads conflict-free; K / 8 words
   // a row that are a multiple of 16 (K a multiple of 128) would put 2 or 4 of those rows on the same
-  // banks, so they are padded by 8 words.
+  // banks, so they are padded by 8 words. The lanes' scale and bias loads read one row each (8 rows,
+  // 4 lanes a row): rows a multiple of 8 words apart would share 4 banks (4-way conflicts on 4 loads a
+  // group, half the slab product's shared-memory traffic at out_proj, K = 10240), so those are padded
+  // by 4 words.
   constexpr int ROW_BYTES = K / 2;
-  using S = vc_stream::Stage<16, ROW_BYTES, (ROW_BYTES / 4) % 16 == 0 ? ROW_BYTES + 32 : ROW_BYTES,
-                             16 * GROUPS * static_cast<int>(sizeof(TS))>;
+  constexpr int S_ROW_BYTES = GROUPS * static_cast<int>(sizeof(TS));
+  using S = vc_stream::Stage<16, ROW_BYTES, (ROW_BYTES / 4) % 16 == 0 ? ROW_BYTES + 32 : ROW_BYTES, 16 * S_ROW_BYTES,
+                             S_ROW_BYTES % 32 == 0 ? S_ROW_BYTES + 16 : S_ROW_BYTES>;
+  constexpr int SROW = S::S_ROW_STRIDE / static_cast<int>(sizeof(TS));  // a scale row's stride in TS
   constexpr int FIRST = (L::BYTES + 127) / 128 * 128;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
   static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
@@ -1731,9 +1768,9 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
     for (int grp = warp; grp < GROUPS; grp += WARPS) {
       const uint2 wl = *reinterpret_cast<const uint2*>(w_lo + grp * 32);
       const uint2 wh = *reinterpret_cast<const uint2*>(w_hi + grp * 32);
-      lt.add_group(acc, wl, wh, grp, static_cast<float>(ts[g * GROUPS + grp]),
-                   static_cast<float>(ts[(g + 8) * GROUPS + grp]), static_cast<float>(tb[g * GROUPS + grp]),
-                   static_cast<float>(tb[(g + 8) * GROUPS + grp]));
+      lt.add_group(acc, wl, wh, grp, static_cast<float>(ts[g * SROW + grp]),
+                   static_cast<float>(ts[(g + 8) * SROW + grp]), static_cast<float>(tb[g * SROW + grp]),
+                   static_cast<float>(tb[(g + 8) * SROW + grp]));
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -265,13 +265,15 @@ print(json.dumps(quantized_matvec(x, wq, s, b).tolist()))
 def test_a_kernel_gives_the_same_result_included_or_inline(tmp_path):
     """On a CUDA GPU (elsewhere the CPU path runs and this skips): in fresh processes, a kernel
     handed to MLX as include lines writes its texts to the folder and gives exactly what the inline
-    texts give."""
+    texts give. Through MLX's launch (VOICECHAT_OWN_LAUNCH=0, the fallback where ours cannot run):
+    our own launch, the default, compiles the whole text itself and writes no text files."""
     import json
     import os
     import sys
 
     def run(folder: str):
-        env = {**os.environ, "VOICECHAT_KERNEL_TEXT_DIR": folder, "MLX_PTX_CACHE_DIR": str(tmp_path / "ptx")}
+        env = {**os.environ, "VOICECHAT_KERNEL_TEXT_DIR": folder, "MLX_PTX_CACHE_DIR": str(tmp_path / "ptx"),
+               "VOICECHAT_OWN_LAUNCH": "0"}
         out = subprocess.run([sys.executable, "-c", _RUN_ONE_KERNEL], env=env, capture_output=True, text=True,
                              check=True).stdout
         return json.loads(out)

@@ -783,6 +783,8 @@ def emulated(tmp_path_factory):
         "imma_stream_q4": imma_stream_case(160, 640, 1, 3, 2, 2),
         "imma_stream_m2_bf16": imma_stream_case(48, 1024, 2, 4, 3, 2, mx.bfloat16, epi=1, x_offset=1),
         "imma_stream_own_copies": imma_stream_case(64, 512, 1, 2, 2, 2, epi=2, bias_dtype=mx.float32, w_offset=1),
+        # K = 1024: 32-byte scale rows, padded in the stage (the block's own copies too)
+        "imma_stream_own_copies_padded": imma_stream_case(48, 1024, 1, 2, 2, 2, w_offset=1),
         "imma_stream_huge_x": imma_stream_case(32, 320, 1, 2, 2, 1, x_scale=1e30),
         "imma_stream_prenormed_groups": imma_stream_case(64, 1024, 2, 2, 2, 3, np_=8, ng=4),
         "imma_stream_emit_prenormed": imma_stream_case(64, 2048, 1, 4, 2, 2, np_=16, ng=8, emit=True),
@@ -930,12 +932,13 @@ def test_integer_mma_matvec_kernels_emulated(emulated, name):
 
 
 @pytest.mark.parametrize("name", ["imma_stream_q4", "imma_stream_m2_bf16", "imma_stream_own_copies",
-                                  "imma_stream_huge_x", "imma_stream_prenormed_groups", "imma_stream_emit_prenormed"])
+                                  "imma_stream_own_copies_padded", "imma_stream_huge_x",
+                                  "imma_stream_prenormed_groups", "imma_stream_emit_prenormed"])
 def test_streamed_integer_mma_matvec_kernels_emulated(emulated, name):
     """vc_qmv_imma_stream equals MLX's product (and, emitting, the next norm's input and a partial sum
     of out^2 a slab): the slabs by bulk copy and their stages' reuse, each warp's groups of a slab
-    from shared memory, the last warp's store, and the block's own copies where the weight is
-    misaligned."""
+    from shared memory (scale rows padded where K is a multiple of 1024), the last warp's store, and
+    the block's own copies where the weight is misaligned."""
     _check_persistent(emulated, name)
 
 

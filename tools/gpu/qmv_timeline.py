@@ -14,10 +14,14 @@ before each launch, so the weights come from DRAM as in the decode step.
 
   PYTHONPATH=python python tools/gpu/qmv_timeline.py [--nvcc]
 
-QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2" picks the variants
-(shape:kind:rows:threads:stages; kind tma = vc_qmv_stream, immatma = vc_qmv_imma_stream, whose rows
-are 16 whatever the field says), QMV_TIMELINE_LAUNCHES (3) the launches a variant (the last one is
-reported). --nvcc compiles each variant's text for sm_90 with nvcc here (no GPU).
+QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2:VC_RAMP=1" picks the variants
+(shape:kind:rows:threads:stages[:NAME=VALUE+...]; kind tma = vc_qmv_stream, immatma =
+vc_qmv_imma_stream, whose rows are 16 whatever the field says, probe = the streamed walk's bulk
+copies alone, no prologue and no product, as qmv_variants.py's tmaprobe; the optional sixth field
+defines macros ahead of the kernel's text, e.g. the walk's VC_RAMP). QMV_TIMELINE_LAUNCHES (3) the
+launches a variant (the one with the shortest span is reported); QMV_TIMELINE_L2=1 writes x, the
+norm's partials and the residual anew after the sweep, as the decode step leaves them in the L2.
+--nvcc compiles each variant's text for sm_90 with nvcc here (no GPU).
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ DEFAULT_VARIANTS = ("out_proj:tma:8:320:2,out_proj:immatma:0:256:2,out_proj:imma
                     "down_proj:tma:8:512:2,in_proj:immatma:0:256:2")
 
 
-def _prefix(blocks: int) -> str:
-    return f"""
+def _prefix(blocks: int, defines: tuple = ()) -> str:
+    return "".join(f"#define {d.replace('=', ' ', 1)}\n" for d in defines) + f"""
 #define VC_TL_SLOTS {SLOTS}
 #define VC_TL_ROUNDS {ROUNDS}
 __device__ long long vc_tl[{blocks} * {MAX_WARPS} * VC_TL_SLOTS];
@@ -98,10 +102,56 @@ BODY_AFTER = f"""
   }}
 """
 
+# the streamed walk's loads alone (a block's tiles asked for as vc_stream::walk_tiles does, each
+# touched once in, its stage refilled): when tiles land with nothing else in the way
+PROBE = """
+  constexpr int GROUPS = K / 64;
+  using S = vc_stream::Stage<ROWS, K / 2, K / 2, ROWS * GROUPS * 2>;
+  constexpr int TILES = N / ROWS;
+  VC_DYNAMIC_SMEM(vc_stages);
+  __shared__ unsigned long long bars[STAGES];
+  __shared__ unsigned int arrived[STAGES];
+  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
+  const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
+  const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
+  if (threadIdx.x == 0) {
+    vc_stream::start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, vc_stages, wb, sb, bb);
+  }
+  __syncthreads();
+  VC_STAMP(0, 0);
+  unsigned int fold = 0u;
+  for (int i = 0; i < tiles; ++i) {
+    const int st = i % STAGES;
+    const int tile = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
+    vc_stream::bar_wait(&bars[st], (i / STAGES) & 1);
+    VC_STAMP(1, i);
+    if (VC_RAMP != 0 && threadIdx.x == 0 && i + 1 < STAGES && i + 1 < tiles) {
+      vc_stream::fetch<S, THREADS>(vc_stages + (i + 1) * S::BYTES, wb, sb, bb, tile + static_cast<int>(gridDim.x),
+                                   true, &bars[i + 1]);
+    }
+    fold ^= reinterpret_cast<const unsigned int*>(vc_stages + st * S::BYTES)[threadIdx.x];
+    __syncthreads();
+    VC_STAMP(2, i);
+    if (threadIdx.x == 0 && i + STAGES < tiles) {
+      vc_stream::reads_before_copies();
+      vc_stream::fetch<S, THREADS>(vc_stages + st * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
+                                   true, &bars[st]);
+    }
+  }
+  if (fold == 0x9E3779B9u) {
+    out[blockIdx.x] = static_cast<float>(fold);  // keeps the reads
+  }
+"""
+
 DTYPES = {"float": mx.float32, "__nv_bfloat16": mx.bfloat16, "__half": mx.float16}
 
 
 def _source(kind: str, emit: bool) -> dict:
+    if kind == "probe":
+        src = _source("tma", False)
+        return dict(src, name="vc_probe_walk", input_names=["x", "weight", "scales", "biases"],
+                    output_names=["out"], source=PROBE, instances=[])
     name = {"tma": "vc_qmv_stream", "immatma": "vc_qmv_imma_stream"}[kind] + ("_emit" if emit else "")
     for src in ext.cuda_sources():
         if src["name"] == name:
@@ -133,6 +183,11 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int) -> dict
     """Grid, block and shared memory as csrc/gemv.cpp picks them (pick_stream / pick_imma_stream)."""
     n, k, groups, _ = SHAPES[shape]
     ng = max(groups, 1)
+    if kind == "probe":
+        smem = stages * (rows * k // 2 + 2 * rows * (k // 64) * 2)
+        per_sm = max(1, min(2048 // threads, SMEM_PER_SM // (smem + 1024)))
+        return dict(blocks=min(n // rows, SM_COUNT * per_sm), threads=threads, smem=smem, rows=rows,
+                    template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("STAGES", stages)])
     if kind == "tma":
         stage = rows * k // 2 + 2 * rows * (k // 64) * 2
         smem = stages * stage
@@ -144,7 +199,8 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int) -> dict
     g = k // 64
     expansion = (g * (64 * 4 + 20) + 127) // 128 * 128
     row_stride = k // 2 + 32 if (k // 8) % 16 == 0 else k // 2
-    smem = expansion + stages * (16 * row_stride + 2 * 16 * g * 2)
+    scale_row = g * 2 + 16 if (g * 2) % 32 == 0 else g * 2
+    smem = expansion + stages * (16 * row_stride + 2 * 16 * scale_row)
     own = max(stages, 2) * warps * 16 * 4 + stages * 12 + ng * 4 + 256
     per_sm = max(1, min(2048 // threads, 65536 // (96 * threads), SMEM_PER_SM // (smem + own)))
     return dict(blocks=min(n // 16, SM_COUNT * per_sm), threads=threads, smem=smem, rows=16,
@@ -155,18 +211,21 @@ def _variants() -> list:
     out = []
     for item in filter(None, os.environ.get("QMV_TIMELINE", DEFAULT_VARIANTS).split(",")):
         f = item.split(":")
-        if len(f) != 5 or f[0] not in SHAPES or f[1] not in ("tma", "immatma"):
-            raise SystemExit(f"QMV_TIMELINE: {item!r} is not shape:tma|immatma:rows:threads:stages")
-        out.append((f[0], f[1], *map(int, f[2:])))
+        if len(f) not in (5, 6) or f[0] not in SHAPES or f[1] not in ("tma", "immatma", "probe"):
+            raise SystemExit(f"QMV_TIMELINE: {item!r} is not shape:tma|immatma|probe:rows:threads:stages[:defines]")
+        out.append((f[0], f[1], *map(int, f[2:5]), tuple(filter(None, f[5].split("+"))) if len(f) == 6 else ()))
     return out
 
 
-def _kernel_parts(shape: str, kind: str, launch: dict):
+def _kernel_parts(shape: str, kind: str, launch: dict, defines: tuple, np_: int):
     n, k, _, emit = SHAPES[shape]
     src = _source(kind, emit)
-    header = _prefix(launch["blocks"]) + src["header"]
+    header = _prefix(launch["blocks"], defines) + src["header"]
     body = BODY_BEFORE + src["source"] + BODY_AFTER
-    return src, header, body, _template(src, k, n, launch["overrides"])
+    if kind == "probe":
+        return src, header, body, launch["template"]
+    # NP: the partials this tool makes (the registered instance's may come from another producer)
+    return src, header, body, _template(src, k, n, {**launch["overrides"], "NP": np_} if np_ else launch["overrides"])
 
 
 def _tensors(shape: str):
@@ -191,16 +250,18 @@ def _ext_outputs(shape: str, kind: str, rows: int, threads: int, stages: int, t)
     return [ext.quantized_matvec(x, w, s, b, None, 64, 4, **pre, **launch)]
 
 
-def _probe_outputs(shape: str, kind: str, launch: dict, t) -> tuple[list, np.ndarray]:
+def _probe_outputs(shape: str, kind: str, launch: dict, defines: tuple, t) -> tuple[list, np.ndarray]:
     n, k, groups, emit = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = t
-    src, header, body, template = _kernel_parts(shape, kind, launch)
+    src, header, body, template = _kernel_parts(shape, kind, launch, defines, partials.shape[-1] if groups else 0)
     kernel = mx.fast.cuda_kernel(name=src["name"] + "_timeline", input_names=src["input_names"],
                                  output_names=[*src["output_names"], "stamps"], source=body, header=header,
                                  shared_memory=launch["smem"])
     inputs = [x, w, s, b, s, residual if emit else s, partials if groups else s]
     shapes, dtypes = [(1, n)], [mx.float32]
-    if emit:
+    if kind == "probe":
+        inputs, shapes, emit = inputs[:4], [(launch["blocks"],)], False
+    elif emit:
         inputs.append(next_w)
         shapes += [(1, n), (1, n // launch["rows"])]
         dtypes += [mx.float32, mx.float32]
@@ -212,16 +273,21 @@ def _probe_outputs(shape: str, kind: str, launch: dict, t) -> tuple[list, np.nda
     return list(outs[:-1]), stamps
 
 
-def _pcts(v: np.ndarray) -> str:
+def _pcts(v: np.ndarray, which=(10, 50, 90)) -> str:
+    v = v[np.isfinite(v)]
     if v.size == 0:
         return "-"
-    p = np.percentile(v, [10, 50, 90])
-    return f"{p[0]:6.2f} {p[1]:6.2f} {p[2]:6.2f} {v.max():6.2f}"
+    return "/".join(f"{p:.2f}" for p in (*np.percentile(v, which), v.max()))
+
+
+def _span(stamps: np.ndarray) -> float:
+    return float(stamps[..., 2].max() - stamps[..., 0].min())
 
 
 def report(tag: str, stamps: np.ndarray) -> None:
     """Times in us from the first warp's start: each warp's global start plus its cycles at the median
-    clock rate of all warps (the global timer's steps are coarse; the cycle counts are per SM)."""
+    clock rate of all warps (the global timer's steps are coarse; the cycle counts are per SM).
+    Percentiles over warps (p10/p50/p90/max; stored: over blocks, p50/max)."""
     g0, c0, g1, c1 = (stamps[..., i].astype(np.float64) for i in range(4))
     rate = np.median((c1 - c0) / np.maximum(g1 - g0, 1.0))  # cycles a ns
     start = (g0 - g0.min()) / 1e3
@@ -230,10 +296,9 @@ def report(tag: str, stamps: np.ndarray) -> None:
         c = stamps[..., 4 + event * ROUNDS + r].astype(np.float64)
         return np.where(c > 0, start + (c - c0) / rate / 1e3, np.nan)
 
-    print(f"== {tag}: {stamps.shape[0]} blocks x {stamps.shape[1]} warps, span {(g1.max() - g0.min()) / 1e3:.2f} us "
-          f"(global timer), {rate:.2f} GHz; us from the first start: p10 p50 p90 max")
-    print(f"  start          {_pcts(start.ravel())}")
-    print(f"  prologue done  {_pcts(at(0, 0)[~np.isnan(at(0, 0))])}")
+    end = start + (c1 - c0) / rate / 1e3
+    print(f"== {tag}: {stamps.shape[0]} blocks x {stamps.shape[1]} warps, span {_span(stamps) / 1e3:.2f} us, "
+          f"{rate:.2f} GHz\n  start {_pcts(start)}  prologue done {_pcts(at(0, 0))}  warp ends {_pcts(end)}")
     prev = at(0, 0)
     for r in range(ROUNDS):
         tin, summed, stored = at(1, r), at(2, r), at(3, r)
@@ -243,34 +308,48 @@ def report(tag: str, stamps: np.ndarray) -> None:
         # a warp's product: from when it could start (tile in, its previous tile summed) to summed
         product = summed - np.fmax(tin, prev)
         stored_blocks = np.max(np.where(np.isnan(stored), -np.inf, stored), axis=1)  # the block's storing warp
-        stored_blocks = stored_blocks[np.isfinite(stored_blocks)]
-        print(f"  round {r}: {int(have.any(axis=1).sum()):4d} blocks")
-        print(f"    tile in      {_pcts(tin[have])}")
-        print(f"    summed       {_pcts(summed[have])}")
-        print(f"    product      {_pcts(product[have])}")
-        print(f"    stored       {_pcts(stored_blocks)}")
+        print(f"  round {r} ({int(have.any(axis=1).sum())} blocks): in {_pcts(tin[have])}  summed "
+              f"{_pcts(summed[have])}  product {_pcts(product[have])}  stored {_pcts(stored_blocks, (50,))}")
         prev = summed
-    end = (g0 - g0.min() + (c1 - c0) / rate) / 1e3
-    print(f"  warp ends      {_pcts(end.ravel())}", flush=True)
+    sys.stdout.flush()
+
+
+def _fresh(t):
+    """x, the partials and the residual written anew (QMV_TIMELINE_L2): in the L2 as the step leaves them."""
+    x, w, s, b, partials, residual, next_w = t
+    fresh = (x * 1.0, partials * 1.0, residual * 1.0)
+    mx.eval(*fresh)
+    return (fresh[0], w, s, b, fresh[1], fresh[2], next_w)
 
 
 def run() -> None:
     sweep = mx.zeros((64 << 20,), dtype=mx.float32)
     mx.eval(sweep)
     launches = int(os.environ.get("QMV_TIMELINE_LAUNCHES", "3"))
+    in_l2 = os.environ.get("QMV_TIMELINE_L2") == "1"
     tensors = {}
-    for shape, kind, rows, threads, stages in _variants():
+    for shape, kind, rows, threads, stages, defines in _variants():
         t = tensors.setdefault(shape, _tensors(shape))
         launch = _launch(shape, kind, rows, threads, stages)
-        tag = f"{shape} {kind} rows {launch['rows']} threads {threads} stages {stages}"
-        want = _ext_outputs(shape, kind, rows, threads, stages, t)
-        mx.eval(*want)
-        for _ in range(launches):
-            mx.eval(mx.sum(sweep))
-            got, stamps = _probe_outputs(shape, kind, launch, t)
-        same = all(bool(mx.array_equal(a, b)) for a, b in zip(got, want))
-        print(f"{tag}: outputs {'bit-equal to' if same else 'DIFFER from'} the extension's", flush=True)
-        report(tag, stamps)
+        tag = (f"{shape} {kind} rows {launch['rows']} threads {threads} stages {stages}"
+               + "".join(f" {d}" for d in defines) + (" (inputs in L2)" if in_l2 else ""))
+        want = None if kind == "probe" else _ext_outputs(shape, kind, rows, threads, stages, t)
+        if want is not None:
+            mx.eval(*want)
+        best = None
+        try:
+            for _ in range(launches):
+                mx.eval(mx.sum(sweep))
+                got, stamps = _probe_outputs(shape, kind, launch, defines, _fresh(t) if in_l2 else t)
+                if best is None or _span(stamps) < _span(best):
+                    best = stamps
+        except (ValueError, RuntimeError) as e:  # a launch MLX refuses: say so, measure the rest
+            print(f"{tag}: refused - {e}", flush=True)
+            continue
+        if want is not None:
+            same = all(bool(mx.array_equal(a, b)) for a, b in zip(got, want))
+            print(f"{tag}: outputs {'bit-equal to' if same else 'DIFFER from'} the extension's", flush=True)
+        report(tag, best)
 
 
 def nvcc() -> None:
@@ -279,20 +358,24 @@ def nvcc() -> None:
 
     compiler = shutil.which("nvcc") or sys.exit("nvcc is not installed")
     names = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
-    for shape, kind, rows, threads, stages in _variants():
+    for shape, kind, rows, threads, stages, defines in _variants():
         launch = _launch(shape, kind, rows, threads, stages)
-        src, header, body, template = _kernel_parts(shape, kind, launch)
+        src, header, body, template = _kernel_parts(shape, kind, launch, defines,
+                                                    640 if SHAPES[shape][2] > 1 else 560 if SHAPES[shape][2] else 0)
         targs = [(name, f"bool:{str(v).lower()}" if isinstance(v, bool) else f"int:{v}" if isinstance(v, int)
                   else f"type:{names[v]}") for name, v in template]
         probe = dict(src, source=body, header=header, output_names=[*src["output_names"], "stamps"])
-        step = _instance(src, SHAPES[shape][1], SHAPES[shape][0])
+        if kind == "probe":
+            step = dict(input_types=["float", "uint32_t", "__nv_bfloat16", "__nv_bfloat16"], output_types=["float"])
+        else:
+            step = _instance(src, SHAPES[shape][1], SHAPES[shape][0])
         inst = dict(step, template_args=targs, output_types=[*step["output_types"], "int64_t"])
         with tempfile.TemporaryDirectory() as tmp:
             cu = Path(tmp) / "probe.cu"
             cu.write_text(wrap(probe, [inst]))
             proc = subprocess.run([compiler, "-arch=sm_90", "-std=c++17", "-I", str(STUB), "-cubin", "-o",
                                    str(Path(tmp) / "p.cubin"), str(cu)], capture_output=True, text=True)
-        print(f"{shape} {kind} {rows}:{threads}:{stages}: {'compiled' if proc.returncode == 0 else proc.stderr[-1500:]}")
+        print(f"{shape} {kind} {rows}:{threads}:{stages} {'+'.join(defines)}: {'compiled' if proc.returncode == 0 else proc.stderr[-1500:]}")
 
 
 def main() -> None:

@@ -799,11 +799,14 @@ constexpr const char* kPersistentHeader = R"(
 #ifndef VC_STAMP
 #define VC_STAMP(event, round)
 #endif
-// An experiment's switch (qmv_timeline.py's QMV_TIMELINE_DEFINES): 1 asks for a block's first tile
-// alone, and for each next first-round tile once the one before it is in, instead of all STAGES at
-// the start. 0 in the extension's kernels.
+// 1 (the kernels'): a streamed walk asks for its block's first tile alone, and for each next
+// first-round tile once the one before it is in, instead of all STAGES at the start. With every
+// block's STAGES tiles asked for at once (out_proj: 24 MB), the prologue's loads of x and the norm's
+// partials came in behind them; ramped, the integer-MMA kernel's prologue at out_proj took 4.7
+// instead of 6.7 us and its walk ended 1.2 us sooner (qmv_timeline.py, H200, 2026-12-04). 0 (a
+// probe's define) asks for all STAGES at the start.
 #ifndef VC_RAMP
-#define VC_RAMP 0
+#define VC_RAMP 1
 #endif
 
 namespace vc_stream {
@@ -846,7 +849,7 @@ __device__ __forceinline__ void sum_groups(const Partials<NP, M, THREADS>& p, fl
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       // through an empty asm, so that no add is folded next to the partial's load: there it waited on
-      // the load ahead of thread 0's first bulk copies, which the block's copies then waited on
+      // the load ahead of warp 0's first bulk copies, which the block's copies then waited on
       // (vc_qmv_stream at out_proj, sm_90 SASS, 2026-12-04)
       float v = p.v[j][m];
 #ifdef __CUDA_ARCH__
@@ -924,8 +927,8 @@ __device__ __forceinline__ void store_tile(const float* red, int stride, int til
 // by the copy engine instead of the threads' loads. The twelfth session's profile of the block
 // layout at the N = 4480 shapes: 2 blocks an SM, each thread one round trip to memory, then its
 // math and the block sum with nothing in flight (48% of stalls on the L1TEX scoreboard, 2.1
-// waves). Here a block stays on its SM and walks tiles (ROWS consecutive rows, whole K): one
-// thread asks for the next STAGES tiles' weights, scales and biases with cp.async.bulk into shared
+// waves). Here a block stays on its SM and walks tiles (ROWS consecutive rows, whole K): a
+// warp asks for the next STAGES tiles' weights, scales and biases with cp.async.bulk into shared
 // memory (an mbarrier a stage counts their bytes), so the bytes in flight do not cost registers;
 // every thread keeps its chunks of x in registers for all tiles (loaded once, already split into
 // the pair form of vc_gemv::pair_word, the input norm's scale folded in), and reads each tile's
@@ -1044,34 +1047,57 @@ struct Stage {
                 S_ROW_STRIDE % 16 == 0)), "padded scale rows are bulk copied a row at a time");
 };
 
-// Tile `tile`'s weight rows, scales and biases into stage `st` (laid out as S, a Stage): by the
-// copy engine (bulk, thread 0 only; one copy for unpadded rows, one a row for padded ones), or
-// (every pointer not 16-byte aligned) by the block's threads, word by word.
+// Bulk copy c of tile `tile` into stage st (laid out as S): the weight rows (one copy, or one a row
+// where they are padded), then the scales, then the biases (likewise). COPIES of them.
+template <typename S>
+struct TileCopies {
+  static constexpr int W = S::ROW_STRIDE != S::ROW_BYTES ? S::ROWS : 1;
+  static constexpr int SCALE = S::S_PADDED ? S::ROWS : 1;  // each for the scales and the biases
+  static constexpr int COPIES = W + 2 * SCALE;
+
+  static __device__ __forceinline__ void copy(int c, unsigned char* st, const unsigned char* w,
+                                              const unsigned char* s, const unsigned char* b, int tile,
+                                              unsigned long long* bar) {
+    if (c < W) {
+      const unsigned char* wt = w + static_cast<size_t>(tile) * S::W_BYTES;
+      if constexpr (W == 1) {
+        bulk_copy(st, wt, S::W_BYTES, bar);
+      } else {
+        bulk_copy(st + c * S::ROW_STRIDE, wt + c * S::ROW_BYTES, S::ROW_BYTES, bar);
+      }
+      return;
+    }
+    const int j = c - W, r = j % SCALE;
+    const bool biases = j >= SCALE;
+    const unsigned char* src = (biases ? b : s) + static_cast<size_t>(tile) * S::S_BYTES + r * S::S_ROW_BYTES;
+    bulk_copy(st + (biases ? S::BIASES : S::SCALES) + r * S::S_ROW_STRIDE, src, SCALE == 1 ? S::S_BYTES : S::S_ROW_BYTES,
+              bar);
+  }
+};
+
+// Tile `tile`'s bulk copies into stage st, spread over the lanes of one warp (all 32 calling): lane 0
+// arms the barrier for the tile's bytes, then lane l issues copies l, l + 32, ... One thread issuing
+// a padded slab's 48 copies (the integer-MMA kernel at out_proj) held its warp, and with it the
+// tile's store, for their whole issue.
+template <typename S>
+__device__ __forceinline__ void fetch_bulk(unsigned char* st, const unsigned char* w, const unsigned char* s,
+                                           const unsigned char* b, int tile, unsigned long long* bar, int lane) {
+  if (lane == 0) {
+    bar_expect(bar, S::W_BYTES + 2 * S::S_BYTES);
+  }
+  __syncwarp();
+  for (int c = lane; c < TileCopies<S>::COPIES; c += 32) TileCopies<S>::copy(c, st, w, s, b, tile, bar);
+}
+
+// Tile `tile`'s weight rows, scales and biases into stage `st` by the block's threads, word by word
+// (the pointers not 16-byte aligned for bulk copies), laid out as S.
 template <typename S, int THREADS>
-__device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w, const unsigned char* s,
-                                      const unsigned char* b, int tile, bool bulk, unsigned long long* bar) {
+__device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned char* w, const unsigned char* s,
+                                            const unsigned char* b, int tile) {
   constexpr bool PADDED = S::ROW_STRIDE != S::ROW_BYTES;
   const unsigned char* wt = w + static_cast<size_t>(tile) * S::W_BYTES;
   const unsigned char* st_src = s + static_cast<size_t>(tile) * S::S_BYTES;
   const unsigned char* bt_src = b + static_cast<size_t>(tile) * S::S_BYTES;
-  if (bulk) {
-    bar_expect(bar, S::W_BYTES + 2 * S::S_BYTES);
-    if constexpr (PADDED) {
-      for (int r = 0; r < S::ROWS; ++r) bulk_copy(st + r * S::ROW_STRIDE, wt + r * S::ROW_BYTES, S::ROW_BYTES, bar);
-    } else {
-      bulk_copy(st, wt, S::W_BYTES, bar);
-    }
-    if constexpr (S::S_PADDED) {
-      for (int r = 0; r < S::ROWS; ++r) {
-        bulk_copy(st + S::SCALES + r * S::S_ROW_STRIDE, st_src + r * S::S_ROW_BYTES, S::S_ROW_BYTES, bar);
-        bulk_copy(st + S::BIASES + r * S::S_ROW_STRIDE, bt_src + r * S::S_ROW_BYTES, S::S_ROW_BYTES, bar);
-      }
-    } else {
-      bulk_copy(st + S::SCALES, st_src, S::S_BYTES, bar);
-      bulk_copy(st + S::BIASES, bt_src, S::S_BYTES, bar);
-    }
-    return;
-  }
   // scales and biases are 2-byte types at least; the weight words 4 bytes
   for (int o = 2 * static_cast<int>(threadIdx.x); o < S::W_BYTES; o += 2 * THREADS) {
     const int to = PADDED ? o / S::ROW_BYTES * S::ROW_STRIDE + o % S::ROW_BYTES : o;
@@ -1084,19 +1110,36 @@ __device__ __forceinline__ void fetch(unsigned char* st, const unsigned char* w,
   }
 }
 
-// Thread 0 of a block on the bulk path: the stages' barriers and counts set up, and the block's first
-// STAGES tiles (of `tiles`: blockIdx.x, + gridDim.x, ...) asked for. The block's other threads see
-// them after its next barrier.
-template <int STAGES, typename S, int THREADS>
+// Warp 0 of a block on the bulk path (all its lanes): the stages' barriers and counts set up, and the
+// block's first tiles (of `tiles`: blockIdx.x, + gridDim.x, ...) asked for: the first alone with
+// VC_RAMP (walk_tiles asks for the others), else STAGES of them. The block's other threads see the
+// barriers after its next barrier.
+template <int STAGES, typename S>
 __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars, unsigned int* arrived,
                                             unsigned char* stages, const unsigned char* wb, const unsigned char* sb,
-                                            const unsigned char* bb) {
-  for (int s = 0; s < STAGES; ++s) {
-    bar_init(&bars[s]);
-    arrived[s] = 0u;
+                                            const unsigned char* bb, int lane) {
+  if (lane == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      bar_init(&bars[s]);
+      arrived[s] = 0u;
+    }
   }
+  __syncwarp();
   for (int s = 0; s < (VC_RAMP ? 1 : STAGES) && s < tiles; ++s) {
-    fetch<S, THREADS>(stages + s * S::BYTES, wb, sb, bb, blockIdx.x + s * gridDim.x, true, &bars[s]);
+    fetch_bulk<S>(stages + s * S::BYTES, wb, sb, bb, static_cast<int>(blockIdx.x) + s * static_cast<int>(gridDim.x),
+                  &bars[s], lane);
+  }
+}
+
+// With VC_RAMP, warp 0 (all its lanes) once round i's tile is in: round i + 1's first tile asked for,
+// while the first round lasts.
+template <int STAGES, typename S>
+__device__ __forceinline__ void ramp_tiles(int i, int tiles, unsigned long long* bars, unsigned char* stages,
+                                           const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
+                                           int lane) {
+  if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 < STAGES && i + 1 < tiles) {
+    fetch_bulk<S>(stages + (i + 1) * S::BYTES, wb, sb, bb,
+                  static_cast<int>(blockIdx.x) + (i + 1) * static_cast<int>(gridDim.x), &bars[i + 1], lane);
   }
 }
 
@@ -1114,9 +1157,10 @@ __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(int i, int tile
 // shared memory; `tiles` of them:
 // blockIdx.x, + gridDim.x, ...). `sums(st, b)` computes this thread's share of the tile in stage st
 // and leaves its warp's ROWS x M sums in red buffer b (red: buffers of WARPS x ROWS x M floats, one a
-// stage, two at least). Bulk (start_tiles asked for the first stages): no block barrier a tile; a
-// warp waits only for its tile's mbarrier, and the last warp done with a tile (last_warp) totals it,
-// asks for the tile STAGES ahead into the stage and stores it. Otherwise (pointers not 16-byte
+// stage, two at least). Bulk (start_tiles asked for the first tiles, ramp_tiles asks for the rest of
+// the first round): no block barrier a tile; a warp waits only for its tile's mbarrier, and the last
+// warp done with a tile (last_warp) totals it, asks for the tile STAGES ahead into the stage and
+// stores it. Otherwise (pointers not 16-byte
 // aligned) the block copies each tile itself into stage 0, behind barriers, and warp 0 stores it.
 // first_tail: stream_tail(0, ...), which the kernel asks for with x, before its first tiles.
 template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE, typename TO, typename Sums>
@@ -1144,21 +1188,15 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
       next_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(i + 1, tiles, lane, bias, residual, next_w);
       bar_wait(&bars[s], (i / STAGES) & 1);
       VC_STAMP(1, i);
-      if constexpr (VC_RAMP != 0) {
-        if (threadIdx.x == 0 && i + 1 < STAGES && i + 1 < tiles) {
-          fetch<S, THREADS>(stages + (i + 1) * S::BYTES, wb, sb, bb, tile + static_cast<int>(gridDim.x), true,
-                            &bars[i + 1]);
-        }
-      }
+      ramp_tiles<STAGES, S>(i, tiles, bars, stages, wb, sb, bb, lane);
       sums(stages + s * S::BYTES, s);
       VC_STAMP(2, i);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
         const float v = tile_total<SUMS, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
         __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
-        if (lane == 0 && i + STAGES < tiles) {
-          reads_before_copies();
-          fetch<S, THREADS>(stages + s * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
-                                           true, &bars[s]);
+        if (i + STAGES < tiles) {
+          reads_before_copies();  // each lane, before its copies
+          fetch_bulk<S>(stages + s * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x), &bars[s], lane);
         }
         store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, tile, TILES, tail, out, normed, partials);
         VC_STAMP(3, i);
@@ -1170,7 +1208,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
     const int tile = blockIdx.x + i * gridDim.x;
     const auto tail =
         vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
-    fetch<S, THREADS>(stages, wb, sb, bb, tile, false, nullptr);
+    fetch_words<S, THREADS>(stages, wb, sb, bb, tile);
     __syncthreads();
     sums(stages, i & 1);  // red double-buffered: a warp may write the next tile's before warp 0 reads this one's
     __syncthreads();      // the stage read and the sums written by every thread
@@ -1241,8 +1279,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   const auto first_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
-  if (threadIdx.x == 0 && bulk) {
-    start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, smem, wb, sb, bb);
+  if (threadIdx.x < 32 && bulk) {
+    start_tiles<STAGES, S>(tiles, bars, arrived, smem, wb, sb, bb, lane);
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
@@ -1672,7 +1710,7 @@ __device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight
 )";
 
 // The integer-MMA product on the streamed layout's tiles (vc_qmv_imma_stream): 16-row slabs come
-// by bulk copies into shared memory (as vc_qmv_stream's tiles: one thread asks for the next STAGES),
+// by bulk copies into shared memory (as vc_qmv_stream's tiles: warp 0 asks for the next ones),
 // x's expansion is built once a block (as vc_qmv_imma's), and each warp takes its groups of a slab
 // (w, w + WARPS, ...) from shared memory: no global load, no address math a group beyond an offset.
 // No block barrier a slab: the last warp done with one totals it, refills its stage and stores it.
@@ -1738,8 +1776,8 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   const auto first_tail =
       vc_stream::stream_tail<16, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
-  if (threadIdx.x == 0 && bulk) {
-    vc_stream::start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, stages, wb, sb, bb);
+  if (threadIdx.x < 32 && bulk) {
+    vc_stream::start_tiles<STAGES, S>(tiles, bars, arrived, stages, wb, sb, bb, lane);
   }
   if constexpr (NORM == 2) {
     vc_stream::sum_groups<NP, NG, M, THREADS>(norm_partials, &red[1][0][0], SUMS, group_total);

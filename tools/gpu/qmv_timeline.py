@@ -115,8 +115,8 @@ PROBE = """
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
   const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
-  if (threadIdx.x == 0) {
-    vc_stream::start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, vc_stages, wb, sb, bb);
+  if (threadIdx.x < 32) {
+    vc_stream::start_tiles<STAGES, S>(tiles, bars, arrived, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x));
   }
   __syncthreads();
   VC_STAMP(0, 0);
@@ -126,17 +126,14 @@ PROBE = """
     const int tile = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
     vc_stream::bar_wait(&bars[st], (i / STAGES) & 1);
     VC_STAMP(1, i);
-    if (VC_RAMP != 0 && threadIdx.x == 0 && i + 1 < STAGES && i + 1 < tiles) {
-      vc_stream::fetch<S, THREADS>(vc_stages + (i + 1) * S::BYTES, wb, sb, bb, tile + static_cast<int>(gridDim.x),
-                                   true, &bars[i + 1]);
-    }
+    vc_stream::ramp_tiles<STAGES, S>(i, tiles, bars, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x & 31));
     fold ^= reinterpret_cast<const unsigned int*>(vc_stages + st * S::BYTES)[threadIdx.x];
     __syncthreads();
     VC_STAMP(2, i);
-    if (threadIdx.x == 0 && i + STAGES < tiles) {
+    if (threadIdx.x < 32 && i + STAGES < tiles) {
       vc_stream::reads_before_copies();
-      vc_stream::fetch<S, THREADS>(vc_stages + st * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
-                                   true, &bars[st]);
+      vc_stream::fetch_bulk<S>(vc_stages + st * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
+                               &bars[st], static_cast<int>(threadIdx.x));
     }
   }
   if (fold == 0x9E3779B9u) {

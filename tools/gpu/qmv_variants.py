@@ -148,21 +148,22 @@ TMA_PROBE = """
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    vc_stream::start_tiles<STAGES, S, THREADS>(tiles, bars, arrived, vc_stages, wb, sb, bb);
+  if (threadIdx.x < 32) {
+    vc_stream::start_tiles<STAGES, S>(tiles, bars, arrived, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x));
   }
   unsigned int fold = xs == 1.5f ? 1u : 0u;  // x in before the walk, as the product's pair form needs it
   __syncthreads();
   for (int i = 0; i < tiles; ++i) {
     const int st = i % STAGES;
+    const int tile = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
     vc_stream::bar_wait(&bars[st], (i / STAGES) & 1);
+    vc_stream::ramp_tiles<STAGES, S>(i, tiles, bars, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x & 31));
     fold ^= reinterpret_cast<const unsigned int*>(vc_stages + st * S::BYTES)[threadIdx.x];
     __syncthreads();
-    if (threadIdx.x == 0 && i + STAGES < tiles) {
+    if (threadIdx.x < 32 && i + STAGES < tiles) {
       vc_stream::reads_before_copies();
-      vc_stream::fetch<S, THREADS>(vc_stages + st * S::BYTES, wb, sb, bb,
-                                   static_cast<int>(blockIdx.x) + (i + STAGES) * static_cast<int>(gridDim.x), true,
-                                   &bars[st]);
+      vc_stream::fetch_bulk<S>(vc_stages + st * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
+                               &bars[st], static_cast<int>(threadIdx.x));
     }
   }
   if (fold == 0x9E3779B9u) {

@@ -696,7 +696,7 @@ const CudaSource& qmv_imma_stream_emit_source() {
       imma_stream_header(),
       {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
-          qmv_imma_stream_instance(true, f, 10240, 4480, 1, 12, 2, 0, 640, 8),
+          qmv_imma_stream_instance(true, f, 10240, 4480, 1, 8, 2, 0, 640, 8),
           qmv_imma_stream_instance(true, f, 15680, 4480, 1, 8, 2),
       },
   });
@@ -882,30 +882,29 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
   return ImmaLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem, imma > 1 ? imma : kImmaInflight};
 }
 
-// vc_qmv_imma_stream's launch: 8 warps a block (fewer where K has fewer 64-wide groups, 12 at K >=
-// 8192), the expansion and `stages` 16-row slabs in shared memory. forced (`imma` > 0 with `stages` > 0): refused
+// vc_qmv_imma_stream's launch: 8 warps a block (fewer where K has fewer 64-wide groups), the
+// expansion and `stages` 16-row slabs in shared memory. forced (`imma` > 0 with `stages` > 0): refused
 // with a reason where the kernel cannot take it; else (the default's pick) nothing there.
 struct ImmaStreamLaunch {
   int warps, blocks, smem, stages;
 };
 
 // Whether the default (`stages` and `imma` 0) takes vc_qmv_imma_stream (2 stages): one row, the wide
-// outputs of a 4480-wide input (the mamba in_proj, the MLP up_proj) and the wide inputs where it
-// fits (the mamba out_proj; the MLP down_proj's K = 15680 does not: the float streamed layout
-// there). Nsight Compute on the H200, f32 x, one launch, against the float streamed layout (2
-// stages): 2026-12-03, in_proj 22656x4480 26.05 -> 21.50 us (warp instructions 12.5 M -> 7.8 M; 3
-// stages 22.59, 16 warps 23.10), up_proj 15680x4480 20.90 -> 16.48 us; 2026-12-04, once its scale
-// rows were padded off each other's banks, out_proj 4480x10240 16.90 against 17.31 (8 warps) and
-// 16.70 (12 warps: one block an SM, 227 KiB of shared memory, 72 bytes spare).
-bool default_imma_stream(int k, int n, int m) { return m == 1 && ((n >= 8192 && k < 8192) || k >= 8192); }
+// outputs of a 4480-wide input (the mamba in_proj, the MLP up_proj). Nsight Compute on the H200,
+// 2026-12-03, f32 x, one launch, against the float streamed layout (2 stages): in_proj 22656x4480
+// 26.05 -> 21.50 us (warp instructions 12.5 M -> 7.8 M; 3 stages 22.59, 16 warps 23.10), up_proj
+// 15680x4480 20.90 -> 16.48 us. out_proj's K = 10240 leaves one block an SM (its slabs and x's
+// expansion in 226.9 of 227 KiB): there it lost on 2026-12-04 too, with its scale rows padded and
+// both walks ramped (qmv_timeline.py on one machine: the last slab stored at 14.7 us with 12 warps
+// against the float layout's 12.1; ncu with 10 warps 17.73 against 15.39). down_proj's K = 15680 does
+// not fit: the float one there.
+bool default_imma_stream(int k, int n, int m) { return m == 1 && n >= 8192 && k < 8192; }
 
 std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                                  bool takes_norm, int prenorm_groups, int threads, int stages,
                                                  int blocks_per_sm, bool forced, int device_index,
                                                  const char* who) {
-  // 8 warps a block (fewer where K has fewer groups), 12 at K >= 8192 (one block an SM: more warps to
-  // share a slab's groups; out_proj 17.31 -> 16.70 us, 2026-12-04)
-  const int warps = threads > 0 ? threads / 32 : k >= 8192 ? 12 : std::max(1, std::min(8, k / 64));
+  const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
   const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
   const int row_stride = (k / 8) % 16 == 0 ? k / 2 + 32 : k / 2;  // padded as the kernel's Stage

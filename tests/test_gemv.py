@@ -169,11 +169,11 @@ def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
 
 
 def _imma_stream_fits(k: int, rows: int, stages: int = 2) -> bool:
-    """Whether the streamed integer-MMA layout's shared memory takes K (its default warps: 8, 12 at K
-    >= 8192; bfloat16 scales): x's expansion and `stages` 16-row slabs with their scales and biases,
-    and its own arrays, in 227 KB (the MLP down_proj's K = 15680 does not)."""
+    """Whether the streamed integer-MMA layout's shared memory takes K (8 warps, bfloat16 scales): x's
+    expansion and `stages` 16-row slabs with their scales and biases, and its own arrays, in 227 KB
+    (the MLP down_proj's K = 15680 does not)."""
     groups = k // 64
-    warps = 12 if k >= 8192 else min(8, groups)
+    warps = min(8, groups)
     expansion = -(-groups * (64 * 4 * rows + 20 * rows) // 128) * 128
     row_stride = k // 2 + (32 if (k // 8) % 16 == 0 else 0)  # rows padded off each other's banks
     scale_row = groups * 2 + (16 if (groups * 2) % 32 == 0 else 0)  # likewise the scale rows
@@ -187,14 +187,12 @@ IMMA_STREAMED, STREAMED, BLOCK = {"imma": 1, "stages": 2}, {"stages": 2}, {"stag
 
 @needs_cuda
 @pytest.mark.parametrize("n,k,layout", [(22656, 4480, IMMA_STREAMED), (15680, 4480, IMMA_STREAMED),
-                                        (4480, 10240, IMMA_STREAMED), (4480, 15680, STREAMED),
-                                        (4480, 4480, BLOCK)])
+                                        (4480, 10240, STREAMED), (4480, 15680, STREAMED), (4480, 4480, BLOCK)])
 def test_default_layout_at_the_step_shapes(n, k, layout):
     """One row: the default takes the streamed integer-MMA layout at the wide outputs of K = 4480
-    (the mamba in_proj, the MLP up_proj) and at the mamba out_proj's K = 10240, the float streamed
-    layout where that does not fit (the MLP down_proj's K = 15680) and the block layout below: the
-    same bits as that layout asked for, and not those of the other two (the three round
-    differently)."""
+    (the mamba in_proj, the MLP up_proj), the float streamed layout at K >= 8192 (the mamba
+    out_proj, the MLP down_proj) and the block layout below: the same bits as that layout asked
+    for, and not those of the other two (the three round differently)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n)
     x = _x((1, k), mx.float32, seed=3)
     default = np.array(quantized_matvec(x, w, s, b))

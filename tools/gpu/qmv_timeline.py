@@ -281,6 +281,12 @@ def _span(stamps: np.ndarray) -> float:
     return float(stamps[..., 2].max() - stamps[..., 0].min())
 
 
+# A warp that ends this long after the first start (ns) is counted apart: some launches held a few
+# warps (or every block at its first loads) ~200-400 us, far past any kernel's own time; likely the
+# first touch of a freshly allocated output in MLX's managed memory (not seen under ncu).
+STALLED_NS = 100_000
+
+
 def report(tag: str, stamps: np.ndarray) -> None:
     """Times in us from the first warp's start: each warp's global start plus its cycles at the median
     clock rate of all warps (the global timer's steps are coarse; the cycle counts are per SM).
@@ -294,8 +300,10 @@ def report(tag: str, stamps: np.ndarray) -> None:
         return np.where(c > 0, start + (c - c0) / rate / 1e3, np.nan)
 
     end = start + (c1 - c0) / rate / 1e3
+    stalled = int((end * 1e3 > STALLED_NS).sum())
     print(f"== {tag}: {stamps.shape[0]} blocks x {stamps.shape[1]} warps, span {_span(stamps) / 1e3:.2f} us, "
-          f"{rate:.2f} GHz\n  start {_pcts(start)}  prologue done {_pcts(at(0, 0))}  warp ends {_pcts(end)}")
+          f"{rate:.2f} GHz" + (f", {stalled} warps past {STALLED_NS // 1000} us" if stalled else "")
+          + f"\n  start {_pcts(start)}  prologue done {_pcts(at(0, 0))}  warp ends {_pcts(end)}")
     prev = at(0, 0)
     for r in range(ROUNDS):
         tin, summed, stored = at(1, r), at(2, r), at(3, r)

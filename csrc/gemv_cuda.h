@@ -808,6 +808,13 @@ constexpr const char* kPersistentHeader = R"(
 #ifndef VC_RAMP
 #define VC_RAMP 1
 #endif
+// An experiment's switch, 0 in the extension (qmv_timeline.py's defines set it): 1 has vc_qmv_stream
+// load float32 x coalesced, a warp's 32 chunks at once, and hand each lane its chunk through its
+// second stage's buffer (free until the ramp asks for that stage's tile), instead of each lane
+// reading its chunk's 128 bytes itself (32 cache lines an instruction). See StagedX.
+#ifndef VC_STAGE_X
+#define VC_STAGE_X 0
+#endif
 
 namespace vc_stream {
 
@@ -1138,6 +1145,7 @@ __device__ __forceinline__ void ramp_tiles(int i, int tiles, unsigned long long*
                                            const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
                                            int lane) {
   if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 < STAGES && i + 1 < tiles) {
+    reads_before_copies();  // the stage may have held the prologue's x (VC_STAGE_X)
     fetch_bulk<S>(stages + (i + 1) * S::BYTES, wb, sb, bb,
                   static_cast<int>(blockIdx.x) + (i + 1) * static_cast<int>(gridDim.x), &bars[i + 1], lane);
   }
@@ -1217,6 +1225,73 @@ __device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long l
   }
 }
 
+// Float32 x's chunks (32 values each; lane l of warp w takes chunk w x 32 + l + j x THREADS, j <
+// CPT) loaded coalesced: the warp's 32 chunks of round j are 4 KB of x, float4 i x 32 + lane of them
+// a lane's i-th load (4 cache lines an instruction, against 32 when each lane reads its own chunk).
+// `spread` then hands them round through shared memory (the warp's 4 KB slices at `region`,
+// float4 slots swizzled so that neither the writes nor the reads share banks) into the lane's own
+// chunks. Loaded before the first tiles are asked for, spread after.
+template <typename T>
+struct IsFloat {
+  static constexpr bool value = false;
+};
+template <>
+struct IsFloat<float> {
+  static constexpr bool value = true;
+};
+
+template <int K, int M, int CPT, int THREADS>
+struct StagedX {
+  static constexpr int CHUNKS = K / 32;
+  static constexpr int BYTES = THREADS / 32 * CPT * M * 4096;  // the block's slices
+  float4 raw[CPT][M][8];
+
+  static __device__ __forceinline__ int slot(int chunk, int q) { return chunk * 8 + (q ^ (chunk & 7)); }
+
+  __device__ __forceinline__ void load(const float* x, int lane, int warp) {
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+      const int first = warp * 32 + j * THREADS;  // the warp's first chunk of round j
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float4* src = reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * K) + first * 8;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int f = i * 32 + lane;
+          raw[j][m][i] = first + (f >> 3) < CHUNKS ? src[f] : float4{0.0f, 0.0f, 0.0f, 0.0f};
+        }
+      }
+    }
+  }
+
+  // xv[j][m][k][0..7]: the lane's chunk j, row m, values 8k..8k + 7, as vc_gemv::load_x<8> leaves them.
+  __device__ __forceinline__ void spread(float4* region, int lane, int warp, float (&xv)[CPT][M][4][8]) const {
+    float4* mine = region + warp * CPT * M * 256;
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float4* slice = mine + (j * M + m) * 256;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int f = i * 32 + lane;
+          slice[slot(f >> 3, f & 7)] = raw[j][m][i];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const float4 v = slice[slot(lane, q)];
+          float* out = &xv[j][m][q >> 1][(q & 1) * 4];
+          out[0] = v.x;
+          out[1] = v.y;
+          out[2] = v.z;
+          out[3] = v.w;
+        }
+      }
+    }
+  }
+};
+
 // out[m, row] for the streamed matvec's tiles: NORM 0 (x as it is) or 2 (x normalized by its
 // producer: norm_w holds NP partial sums of squares an input row in NG groups, see vc_gemv::qmv_block),
 // the epilogue of vc_gemv::finish, and with EMIT the next norm's input as vc_qmv_emit writes it
@@ -1264,13 +1339,28 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // kernel's warp time on the H200 (Nsight Compute's samples, 2026-12-03).
   float xv[CPT][M][4][8];
   const bool vec = vc_gemv::aligned16(x);
+  // VC_STAGE_X: float32 x through the second stage's buffer, where the block's slices fit (the
+  // bulk path's ramp asks for that stage's tile only once the walk starts; the block's own copies
+  // use the first stage alone)
+  using SX = StagedX<K, M, CPT, THREADS>;
+  constexpr bool STAGE_X = VC_STAGE_X != 0 && VC_RAMP != 0 && IsFloat<TX>::value && SX::BYTES <= S::BYTES;
+  const bool staged = STAGE_X && vec;
+  SX sx;
+  if (staged) {
+    if constexpr (STAGE_X) {
+      sx.load(reinterpret_cast<const float*>(x), lane, warp);
+    }
+  } else {
 #pragma unroll
-  for (int j = 0; j < CPT; ++j) {
-    const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
+    for (int j = 0; j < CPT; ++j) {
+      const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+      for (int m = 0; m < M; ++m) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) vc_gemv::load_x<8>(x + static_cast<size_t>(m) * K + c * CHUNK + k * 8, xv[j][m][k], vec);
+        for (int k = 0; k < 4; ++k) {
+          vc_gemv::load_x<8>(x + static_cast<size_t>(m) * K + c * CHUNK + k * 8, xv[j][m][k], vec);
+        }
+      }
     }
   }
   Partials<NORM == 2 ? NP : 1, M, THREADS> norm_partials;
@@ -1285,6 +1375,11 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
     sum_groups<NP, NG, M, THREADS>(norm_partials, &group_scratch[0][0], NGM, group_total);
+  }
+  if constexpr (STAGE_X) {
+    if (staged) {
+      sx.spread(reinterpret_cast<float4*>(smem + S::BYTES), lane, warp, xv);
+    }
   }
   // x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per chunk the
   // offset the pairs add and the sum of the x they saw.

@@ -105,7 +105,7 @@ void write(const std::string& path, const std::vector<T>& v) {
 """
 
 
-def build(cases: dict[str, Case], tmp: Path) -> Path:
+def build(cases: dict[str, Case], tmp: Path, defines: tuple[str, ...] = ()) -> Path:
     headers = []
     for c in cases.values():
         if c.source["header"] not in headers:
@@ -120,8 +120,8 @@ def build(cases: dict[str, Case], tmp: Path) -> Path:
     text = "\n".join(['#include "cuda_emu.h"', IO, *headers, *(c.cpp(n) for n, c in cases.items()), *main])
     cpp, exe = tmp / "kernels.cpp", tmp / "kernels"
     cpp.write_text(text)
-    proc = subprocess.run([shutil.which("g++"), "-std=c++20", "-O1", "-pthread", "-I", str(EMU), "-o", str(exe),
-                           str(cpp)], capture_output=True, text=True)
+    proc = subprocess.run([shutil.which("g++"), "-std=c++20", "-O1", "-pthread", *(f"-D{d}" for d in defines), "-I",
+                           str(EMU), "-o", str(exe), str(cpp)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return exe
 
@@ -761,6 +761,9 @@ def emulated(tmp_path_factory):
         # one done with a tile stores it and refills the stage): 3 warps, 3 stages wrapping twice;
         # two emitting warps with two rows of a group-normed input
         "stream_warps_drift": stream_case(96, 3072, 1, 8, 96, 3, 2),
+        # two chunks a thread and two rows of x in a stage's bytes (VC_STAGE_X's slices fit it), the
+        # second round's chunks ending inside a warp's slice
+        "stream_m2_two_chunks_16_rows": stream_case(32, 3840, 2, 16, 64, 2, 2),
         "stream_emit_warps_m2": stream_case(64, 2048, 2, 4, 64, 2, 3, np_=16, ng=4, emit=True),
         # the integer-MMA layout: slabs wrapping round a grid of 3 (uneven groups a warp), two rows of
         # unaligned bfloat16 x with a residual, a misaligned weight with a bias and squared ReLU, tiny
@@ -913,6 +916,7 @@ def _check_persistent(emulated, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["stream_q4", "stream_m2_two_chunks", "stream_own_copies", "stream_prenormed_groups",
                                   "stream_emit_prenormed", "stream_emit_m2", "stream_warps_drift",
+                                  "stream_m2_two_chunks_16_rows",
                                   "stream_emit_warps_m2", "stream_emit_two_rows_eight_groups",
                                   "stream_m2_two_rows_four_groups"])
 def test_streamed_matvec_kernels_emulated(emulated, name):
@@ -920,6 +924,47 @@ def test_streamed_matvec_kernels_emulated(emulated, name):
     out^2 a tile): the tiles a block walks, the stages it reuses (refilled by whichever warp is
     done last), the input norm folded into x."""
     _check_persistent(emulated, name)
+
+
+STREAM_CASES = ["stream_q4", "stream_own_copies", "stream_emit_prenormed", "stream_warps_drift",
+                "stream_m2_two_chunks_16_rows", "stream_m2_two_chunks", "stream_emit_warps_m2"]
+X_STAGED = ["stream_own_copies", "stream_emit_prenormed", "stream_warps_drift", "stream_m2_two_chunks_16_rows"]
+
+
+def _x_staged(case: Case) -> bool:
+    """Whether vc_qmv_stream stages x under VC_STAGE_X (its StagedX condition): float32 x, 16-byte
+    aligned, the block's 4 KB slices a warp, chunk round and row inside one stage."""
+    a = case.template_args
+    k, rows, threads, m = a["K"], a["ROWS"], a["THREADS"], a["M"]
+    chunks_a_thread = -(-(k // 32) // threads)
+    stage = rows * k // 2 + 2 * rows * (k // 64) * 2
+    return a["TX"] == mx.float32 and case.offsets[0] == 0 and threads // 32 * chunks_a_thread * m * 4096 <= stage
+
+
+@pytest.fixture(scope="module")
+def emulated_staged_x(emulated, tmp_path_factory):
+    """The stream cases built again with VC_STAGE_X=1 (x loaded coalesced, handed round through the
+    second stage's buffer)."""
+    _, cases, _, _, _ = emulated
+    tmp = tmp_path_factory.mktemp("cuda_emu_staged_x")
+    picked = {name: cases[name] for name in STREAM_CASES}
+    return build(picked, tmp, ("VC_STAGE_X=1",)), picked, tmp
+
+
+@pytest.mark.parametrize("name", STREAM_CASES)
+def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_staged_x, name):
+    """VC_STAGE_X changes how x reaches each lane, not its values: the outputs are bit-identical to the
+    default build's, where the staging applies (float32 x, aligned, its slices inside a stage:
+    X_STAGED, one on the block's own copies, one with two chunks a thread and two rows) and
+    where it does not (bfloat16 or misaligned x, slices past a stage: the last three)."""
+    exe, cases, _, _, tmp = emulated
+    staged, _, staged_tmp = emulated_staged_x
+    assert _x_staged(cases[name]) == (name in X_STAGED)
+    want = run(exe, name, cases[name], tmp)
+    got = run(staged, name, cases[name], staged_tmp)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
 
 
 @pytest.mark.parametrize("name", ["imma_q4", "imma_batches", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",

@@ -43,6 +43,11 @@ from bench_gemv import random_q4  # noqa: E402
 
 from voicechat.kernels import ext  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the streamed walk's loads alone (a block's tiles asked for as vc_stream::walk_tiles does, each
+# touched once in, its stage refilled), with its stamps; XLOAD 0: no prologue
+from qmv_variants import TMA_PROBE as PROBE  # noqa: E402
+
 SM_COUNT, SMEM_PER_SM = 132, 232448  # the H200's (as csrc/gemv.cpp)
 ROUNDS, EVENTS = 4, 4  # tiles a block recorded; events: prologue, in, summed, stored
 SLOTS = 4 + EVENTS * ROUNDS  # global timer and cycle count at start and end, then the events
@@ -103,45 +108,6 @@ BODY_AFTER = f"""
   }}
 """
 
-# the streamed walk's loads alone (a block's tiles asked for as vc_stream::walk_tiles does, each
-# touched once in, its stage refilled): when tiles land with nothing else in the way
-PROBE = """
-  constexpr int GROUPS = K / 64;
-  using S = vc_stream::Stage<ROWS, K / 2, K / 2, ROWS * GROUPS * 2>;
-  constexpr int TILES = N / ROWS;
-  VC_DYNAMIC_SMEM(vc_stages);
-  __shared__ unsigned long long bars[STAGES];
-  __shared__ unsigned int arrived[STAGES];
-  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
-  const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
-  const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
-  const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
-  if (threadIdx.x < 32) {
-    vc_stream::start_tiles<STAGES, S>(tiles, bars, arrived, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x));
-  }
-  __syncthreads();
-  VC_STAMP(0, 0);
-  unsigned int fold = 0u;
-  for (int i = 0; i < tiles; ++i) {
-    const int st = i % STAGES;
-    const int tile = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
-    vc_stream::bar_wait(&bars[st], (i / STAGES) & 1);
-    VC_STAMP(1, i);
-    vc_stream::ramp_tiles<STAGES, S>(i, tiles, bars, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x & 31));
-    fold ^= reinterpret_cast<const unsigned int*>(vc_stages + st * S::BYTES)[threadIdx.x];
-    __syncthreads();
-    VC_STAMP(2, i);
-    if (threadIdx.x < 32 && i + STAGES < tiles) {
-      vc_stream::reads_before_copies();
-      vc_stream::fetch_bulk<S>(vc_stages + st * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
-                               &bars[st], static_cast<int>(threadIdx.x));
-    }
-  }
-  if (fold == 0x9E3779B9u) {
-    out[blockIdx.x] = static_cast<float>(fold);  // keeps the reads
-  }
-"""
-
 DTYPES = {"float": mx.float32, "__nv_bfloat16": mx.bfloat16, "__half": mx.float16}
 
 
@@ -185,7 +151,8 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int) -> dict
         smem = stages * (rows * k // 2 + 2 * rows * (k // 64) * 2)
         per_sm = max(1, min(2048 // threads, SMEM_PER_SM // (smem + 1024)))
         return dict(blocks=min(n // rows, SM_COUNT * per_sm), threads=threads, smem=smem, rows=rows,
-                    template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("STAGES", stages)])
+                    template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("STAGES", stages),
+                              ("XLOAD", 0)])
     if kind == "tma":
         stage = rows * k // 2 + 2 * rows * (k // 64) * 2
         smem = stages * stage

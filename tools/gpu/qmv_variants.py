@@ -128,7 +128,8 @@ STREAM = """
 """
 
 # the tmaprobe kinds: the streamed walk's bulk copies alone (XLOAD 1: x's K floats loaded and waited
-# for first, as the streamed kernels' prologue)
+# for first, as the streamed kernels' prologue). Its VC_STAMPs are empty here; qmv_timeline.py's
+# probe kind defines them.
 TMA_PROBE = """
   constexpr int GROUPS = K / 64;
   using S = vc_stream::Stage<ROWS, K / 2, K / 2, ROWS * GROUPS * 2>;
@@ -153,13 +154,16 @@ TMA_PROBE = """
   }
   unsigned int fold = xs == 1.5f ? 1u : 0u;  // x in before the walk, as the product's pair form needs it
   __syncthreads();
+  VC_STAMP(0, 0);
   for (int i = 0; i < tiles; ++i) {
     const int st = i % STAGES;
     const int tile = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
     vc_stream::bar_wait(&bars[st], (i / STAGES) & 1);
+    VC_STAMP(1, i);
     vc_stream::ramp_tiles<STAGES, S>(i, tiles, bars, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x & 31));
     fold ^= reinterpret_cast<const unsigned int*>(vc_stages + st * S::BYTES)[threadIdx.x];
     __syncthreads();
+    VC_STAMP(2, i);
     if (threadIdx.x < 32 && i + STAGES < tiles) {
       vc_stream::reads_before_copies();
       vc_stream::fetch_bulk<S>(vc_stages + st * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),

@@ -802,9 +802,10 @@ constexpr const char* kPersistentHeader = R"(
 // 1 (the kernels'): a streamed walk asks for its block's first tile alone, and for each next
 // first-round tile once the one before it is in, instead of all STAGES at the start. With every
 // block's STAGES tiles asked for at once (out_proj: 24 MB), the prologue's loads of x and the norm's
-// partials came in behind them; ramped, the integer-MMA kernel's prologue at out_proj took 4.7
-// instead of 6.7 us and its walk ended 1.2 us sooner (qmv_timeline.py, H200, 2026-12-04). 0 (a
-// probe's define) asks for all STAGES at the start.
+// partials came in behind them. Ramped (qmv_timeline.py, H200, 2026-12-04, one machine, p50): the
+// integer-MMA kernel's prologue at out_proj 4.2 instead of 6.7 us, the float out_proj's last tile
+// stored at 12.1 instead of 13.7 us, down_proj's at 15.3 instead of 16.2. 0 (a probe's define) asks
+// for all STAGES at the start.
 #ifndef VC_RAMP
 #define VC_RAMP 1
 #endif
@@ -1634,9 +1635,9 @@ __device__ __forceinline__ void expand_items(const XItems<K, M, THREADS>& items,
     for (int l = 0; l < LEVELS; ++l) lo[l] = hi[l] = 0u;
     // |y| <= 64 at every level: adding 1.5 x 2^23 rounds it to the nearest integer (ties to even, as
     // rintf) and leaves that integer's two's complement in the sum's low mantissa bits, so its byte
-    // is the sum's low byte. rintf and the float-to-int conversion each ran at 16 a cycle an SM, and
-    // with 8 values x 4 levels of them every item they were most of the prologue (out_proj's
-    // expansion, H200, 2026-12-04: ~6.5 us before a block's first slab product).
+    // is the sum's low byte. rintf and the float-to-int conversion each run at 16 a cycle an SM, 8
+    // values x 4 levels of each an item: with two blocks an SM expanding x they bound the prologue
+    // (H200, 2026-12-04, across machines: in_proj 20.7-21.7 -> 18.4 us, up_proj 15.7-16.3 -> 14.9).
     constexpr float ROUNDER = 12582912.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {

@@ -14,15 +14,16 @@ before each launch, so the weights come from DRAM as in the decode step.
 
   PYTHONPATH=python python tools/gpu/qmv_timeline.py [--nvcc]
 
-QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2:VC_RAMP=1" picks the variants
+QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2:VC_RAMP=0" picks the variants
 (shape:kind:rows:threads:stages[:NAME=VALUE+...]; kind tma = vc_qmv_stream, immatma =
 vc_qmv_imma_stream, whose rows are 16 whatever the field says, probe = the streamed walk's bulk
 copies alone, no prologue and no product, as qmv_variants.py's tmaprobe; the optional sixth field
 defines macros ahead of the kernel's text: VC_RAMP=0 asks for every first-round tile at the start,
-VC_STAGE_X=1 has vc_qmv_stream load x coalesced through its second stage's buffer). QMV_TIMELINE_LAUNCHES (3) the
-launches a variant (the one with the shortest span is reported); QMV_TIMELINE_L2=1 writes x, the
-norm's partials and the residual anew after the sweep, as the decode step leaves them in the L2.
---nvcc compiles each variant's text for sm_90 with nvcc here (no GPU).
+VC_STAGE_X=1 has vc_qmv_stream load x coalesced through its second stage's buffer).
+QMV_TIMELINE_LAUNCHES (3) the launches a variant (the one with the shortest span is reported);
+QMV_TIMELINE_L2=1 writes x, the norm's partials and the residual anew after the sweep, as the decode
+step leaves them in the L2. --nvcc compiles each variant's text for sm_90 with nvcc here (no GPU).
+tools/gpu/timeline.sh runs it on the GPU machine.
 """
 
 from __future__ import annotations

@@ -1019,11 +1019,12 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   // A group-norm prologue keeps each step's sums apart until the groups' scales are known: with
   // several steps a thread that costs registers (the Mamba out_proj, 4480x10240 with 8 groups: 168
   // registers at 160 threads, 2 steps each, against 80 at 320 threads, one step each: 29.6 against
-  // 27.0 us under Nsight Compute on the H200). So such a launch takes one step a thread.
+  // 27.0 us under Nsight Compute on the H200). So such a launch takes one step a thread: the float
+  // layouts' threads (float_threads); the integer-MMA layouts keep their own warps (given 320
+  // threads at out_proj, 10 warps against their 8, until 2026-12-04).
   const int chunks = k * bits / 128;
-  if (prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512) {
-    threads = 32 * ((chunks + 31) / 32);
-  }
+  const int float_threads =
+      prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512 ? 32 * ((chunks + 31) / 32) : threads;
   const bool grouped = row_groups > 1;  // the block layout, asked for by its row groups
   const bool forced_imma_stream = imma > 0 && stages > 0 && warps <= 0 && !grouped;
   const bool default_layout = imma == 0 && stages == 0 && warps <= 0 && rows_per_block <= 0 && !grouped;
@@ -1055,7 +1056,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const auto streamed = warps > 0 || grouped ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
                                                 !norm_weight, prenorm ? prenorm->groups : 1, rows_per_block,
-                                                threads, stages, blocks_per_sm, s.device.index, who);
+                                                float_threads, stages, blocks_per_sm, s.device.index, who);
   if (streamed) {
     const StreamLaunch& l = *streamed;
     return launch_persistent(qmv_stream_source(), qmv_stream_emit_source(),
@@ -1064,7 +1065,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                              l.rows, l.blocks, l.threads, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
                              norm_eps, out_dtype, s);
   }
-  Launch l = pick_launch(chunks, n, rows_per_block, threads, block_only || grouped ? 0 : warps);
+  Launch l = pick_launch(chunks, n, rows_per_block, float_threads, block_only || grouped ? 0 : warps);
   l.row_groups = grouped ? row_groups : l.warps == 0 && !next_norm ? auto_row_groups : 1;
   const bool warp = l.warps > 0;
   // x and the residual go in with their own shapes (the kernel reads them flat, row-contiguous as

@@ -1044,7 +1044,7 @@ template <int ROWS_, int ROW_BYTES_, int ROW_STRIDE_, int S_BYTES_, int S_ROW_ST
 struct Stage {
   static constexpr int ROWS = ROWS_, ROW_BYTES = ROW_BYTES_, ROW_STRIDE = ROW_STRIDE_, S_BYTES = S_BYTES_;
   static constexpr int S_ROW_BYTES = S_BYTES / ROWS, S_ROW_STRIDE = S_ROW_STRIDE_;
-  static constexpr bool S_PADDED = S_ROW_STRIDE != S_ROW_BYTES;
+  static constexpr bool W_PADDED = ROW_STRIDE != ROW_BYTES, S_PADDED = S_ROW_STRIDE != S_ROW_BYTES;
   static constexpr int W_BYTES = ROWS * ROW_BYTES;  // the weight bytes of a tile
   static constexpr int SCALES = ROWS * ROW_STRIDE;  // where its scales start
   static constexpr int BIASES = SCALES + ROWS * S_ROW_STRIDE;
@@ -1059,7 +1059,7 @@ struct Stage {
 // where they are padded), then the scales, then the biases (likewise). COPIES of them.
 template <typename S>
 struct TileCopies {
-  static constexpr int W = S::ROW_STRIDE != S::ROW_BYTES ? S::ROWS : 1;
+  static constexpr int W = S::W_PADDED ? S::ROWS : 1;
   static constexpr int SCALE = S::S_PADDED ? S::ROWS : 1;  // each for the scales and the biases
   static constexpr int COPIES = W + 2 * SCALE;
 
@@ -1102,13 +1102,12 @@ __device__ __forceinline__ void fetch_bulk(unsigned char* st, const unsigned cha
 template <typename S, int THREADS>
 __device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned char* w, const unsigned char* s,
                                             const unsigned char* b, int tile) {
-  constexpr bool PADDED = S::ROW_STRIDE != S::ROW_BYTES;
   const unsigned char* wt = w + static_cast<size_t>(tile) * S::W_BYTES;
   const unsigned char* st_src = s + static_cast<size_t>(tile) * S::S_BYTES;
   const unsigned char* bt_src = b + static_cast<size_t>(tile) * S::S_BYTES;
   // scales and biases are 2-byte types at least; the weight words 4 bytes
   for (int o = 2 * static_cast<int>(threadIdx.x); o < S::W_BYTES; o += 2 * THREADS) {
-    const int to = PADDED ? o / S::ROW_BYTES * S::ROW_STRIDE + o % S::ROW_BYTES : o;
+    const int to = S::W_PADDED ? o / S::ROW_BYTES * S::ROW_STRIDE + o % S::ROW_BYTES : o;
     *reinterpret_cast<unsigned short*>(st + to) = *reinterpret_cast<const unsigned short*>(wt + o);
   }
   for (int o = 2 * static_cast<int>(threadIdx.x); o < S::S_BYTES; o += 2 * THREADS) {

@@ -47,7 +47,7 @@ from voicechat.kernels import ext  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the streamed walk's loads alone (a block's tiles asked for as vc_stream::walk_tiles does, each
 # touched once in, its stage refilled), with its stamps; XLOAD 0: no prologue
-from qmv_variants import TMA_PROBE as PROBE  # noqa: E402
+from qmv_variants import TMA_PROBE as PROBE, tma_probe_launch  # noqa: E402
 
 SM_COUNT, SMEM_PER_SM = 132, 232448  # the H200's (as csrc/gemv.cpp)
 ROUNDS, EVENTS = 4, 4  # tiles a block recorded; events: prologue, in, summed, stored
@@ -149,9 +149,8 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int) -> dict
     n, k, groups, _ = SHAPES[shape]
     ng = max(groups, 1)
     if kind == "probe":
-        smem = stages * (rows * k // 2 + 2 * rows * (k // 64) * 2)
-        per_sm = max(1, min(2048 // threads, SMEM_PER_SM // (smem + 1024)))
-        return dict(blocks=min(n // rows, SM_COUNT * per_sm), threads=threads, smem=smem, rows=rows,
+        blocks, smem = tma_probe_launch(n, k, rows, stages)
+        return dict(blocks=blocks, threads=threads, smem=smem, rows=rows,
                     template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("STAGES", stages),
                               ("XLOAD", 0)])
     if kind == "tma":

@@ -271,10 +271,16 @@ def _tma_template(n: int, k: int, v) -> list:
             ("XLOAD", TMA_PROBE_KINDS[kind])]
 
 
+def tma_probe_launch(n: int, k: int, rows: int, stages: int, per_sm: int = 0) -> tuple[int, int]:
+    """(blocks, dynamic shared memory) of the tmaprobe kernel: STAGES tiles of `rows` rows a block,
+    as many blocks an SM as fit (or per_sm)."""
+    smem = stages * (rows * k // 2 + 2 * rows * (k // 64) * 2)
+    return min(n // rows, SM_COUNT * (per_sm if per_sm > 0 else max(1, 232448 // (smem + 1024)))), smem
+
+
 def _tma_probe(n: int, k: int, v, tensors):
     _, rows, threads, stages, *per_sm = v
-    smem = stages * (rows * k // 2 + 2 * rows * (k // 64) * 2)
-    blocks = min(n // rows, SM_COUNT * (per_sm[0] if per_sm and per_sm[0] > 0 else max(1, 232448 // (smem + 1024))))
+    blocks, smem = tma_probe_launch(n, k, rows, stages, per_sm[0] if per_sm else 0)
     x, w, s, b = tensors[:4]
     return _tma_probe_kernel(smem)(
         inputs=[x, w, s, b], grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),

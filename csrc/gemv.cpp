@@ -278,10 +278,11 @@ CudaInstance persistent_instance(bool emit, const char* tx, std::vector<Template
 }
 
 CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m, int rows, int threads, int stages,
-                                 int epi = 0, int np = 0, int ng = 1) {
+                                 int xs, int epi = 0, int np = 0, int ng = 1) {
   return persistent_instance(emit, tx,
                              {{"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
-                              {"ROWS", int_arg(rows)}, {"THREADS", int_arg(threads)}, {"STAGES", int_arg(stages)}},
+                              {"ROWS", int_arg(rows)}, {"THREADS", int_arg(threads)}, {"STAGES", int_arg(stages)},
+                              {"XS", int_arg(xs)}},
                              epi, np, ng);
 }
 
@@ -302,10 +303,10 @@ const CudaSource& qmv_stream_source() {
       {
           // mamba in_proj and mlp up_proj (squared ReLU) on a mamba out_proj's emitted norm input (560
           // partials); plain, two rows of bfloat16 x; q_proj after an MLP down_proj (two rows)
-          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 560),
-          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 560),
-          qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4),
-          qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 560),
+          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 0, 560),
+          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 2, 560),
+          qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4, 0),
+          qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 0, 560),
       },
   });
   return src;
@@ -321,11 +322,12 @@ const CudaSource& qmv_stream_emit_source() {
       stream_header(),
       {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
-          // (one chunk a thread, or two), attention o_proj (two rows)
-          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 0, 640, 8),
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2),
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2),
-          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3),
+          // (one chunk a thread, or two), attention o_proj (two rows); x staged in its own region (the
+          // first and third) or through a stage
+          qmv_stream_instance(true, f, 10240, 4480, 1, 4, 320, 2, 2, 0, 640, 8),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2),
+          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0),
       },
   });
   return src;
@@ -715,9 +717,36 @@ int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
   return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + groups * m * 4 + 256;
 }
 
+// stage_x: how float32 x reaches each lane (vc_stream::StagedX): 0 each lane loads its own chunk,
+// 1 loaded coalesced and handed round through the second stage's buffer, 2 the same through a region
+// of its own past the stages (smem includes it).
 struct StreamLaunch {
-  int rows, threads, stages, blocks, smem;
+  int rows, threads, stages, blocks, smem, stage_x;
 };
+
+// The float layouts' threads where a call leaves them to the default (threads 0) and x is a
+// group-normed input (quantized_matvec_impl says why): one 16-byte chunk of K a thread.
+int one_step_threads(int chunks, int prenorm_groups, int threads) {
+  return prenorm_groups > 1 && threads <= 0 && chunks <= 512 ? 32 * ((chunks + 31) / 32) : threads;
+}
+
+// VOICECHAT_QMV_STAGE_X: pick_stream's stage_x (an A/B on the GPU without a rebuild): unset or "auto"
+// -1 (its own pick), 0, 1 or 2 that mode wherever the kernel can take it (2 may cost an SM a block).
+// Read once; a bad value is an error at every streamed launch.
+int stage_x_setting() {
+  static const int mode = [] {
+    const char* value = std::getenv("VOICECHAT_QMV_STAGE_X");
+    if (value == nullptr || *value == '\0' || std::string(value) == "auto") {
+      return -1;
+    }
+    const std::string v(value);
+    return v == "0" ? 0 : v == "1" ? 1 : v == "2" ? 2 : -2;
+  }();
+  if (mode == -2) {
+    throw std::invalid_argument("VOICECHAT_QMV_STAGE_X must be auto, 0, 1 or 2");
+  }
+  return mode;
+}
 
 // The default for `stages` = 0: how many tiles a vc_qmv_stream block keeps in flight at this
 // shape, or 0 for the block layout (vc_qmv). Nsight Compute on the H200, the step's instances, float32
@@ -747,10 +776,11 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
-// rows / threads / blocks_per_sm: overrides (0 = auto).
+// rows / threads / blocks_per_sm: overrides (0 = auto); stage_x: -1 auto, else that mode where it
+// applies (float32 x; 1 where x's slices fit in a stage); bulk: the GPU has bulk copies.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
-                                        bool takes_norm, int prenorm_groups, int rows, int threads, int stages,
-                                        int blocks_per_sm, int device_index, const char* who) {
+                                        bool x_float32, bool takes_norm, int prenorm_groups, int rows, int threads,
+                                        int stages, int blocks_per_sm, int stage_x, bool bulk, const char* who) {
   const bool forced = stages > 0;
   if (stages == 0) {
     stages = default_stream_stages(k, n, m);
@@ -758,7 +788,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   if (stages <= 0) {
     return std::nullopt;
   }
-  rows = rows > 0 ? rows : 8;
+  const bool auto_rows = rows <= 0;
+  rows = auto_rows ? 8 : rows;
   const int chunks = k / 32;
   if (threads <= 0) {
     threads = chunks <= 512 ? 32 * ((chunks + 31) / 32) : 32 * ((chunks + 63) / 64);
@@ -766,7 +797,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   const int stage = rows * k / 2 + 2 * rows * (k / group_size) * scale_bytes;
   // its own arrays, and every warp's share of the norm's group totals (apart from a tile's sums)
   const int own = stream_static_smem(stages, threads, rows, m, prenorm_groups) + (threads / 32) * prenorm_groups * m * 4;
-  const char* why = !bulk_copies(device_index)                  ? "a GPU with bulk copies (sm_90 or newer)"
+  const char* why = !bulk                                       ? "a GPU with bulk copies (sm_90 or newer)"
                     : bits != 4                                 ? "4-bit weights only"
                     : !takes_norm                               ? "no RMSNorm prologue (norm_weight)"
                     : group_size % 32 != 0                      ? "a group of whole 16-byte chunks"
@@ -783,9 +814,46 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     }
     return std::nullopt;
   }
-  const int smem = stages * stage;
-  const int per_sm = blocks_per_sm > 0 ? blocks_per_sm : std::max(1, std::min(2048 / threads, kSmemPerSm / (smem + own)));
-  return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem};
+  // x staged (vc_stream::StagedX: a warp's 4 KB slices for each of its chunk rounds and rows)
+  const int x_bytes = threads / 32 * ((chunks + threads - 1) / threads) * m * 4096;
+  // The launch with tiles of r rows and x's mode (< 0: through the second stage's buffer where the
+  // slices fit in it, else in their own region where that fits and leaves the SM two blocks (or the
+  // one it had), else not staged; a mode asked for where it does not fit: not staged).
+  auto launch_at = [&](int r, int mode) {
+    const int tile = r * k / 2 + 2 * r * (k / group_size) * scale_bytes;
+    const int own_r = stream_static_smem(stages, threads, r, m, prenorm_groups) + (threads / 32) * prenorm_groups * m * 4;
+    auto fit = [&](int bytes) { return std::max(1, std::min(2048 / threads, kSmemPerSm / (bytes + own_r))); };
+    int smem = stages * tile;
+    const int plain = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
+    const bool own_fits = smem + x_bytes + own_r <= kSmemPerSm;
+    if (!x_float32) {
+      mode = 0;
+    } else if (mode < 0) {
+      mode = x_bytes <= tile ? 1 : own_fits && fit(smem + x_bytes) >= std::min(plain, 2) ? 2 : 0;
+    } else if ((mode == 1 && x_bytes > tile) || (mode == 2 && !own_fits)) {
+      mode = 0;
+    }
+    int per_sm = plain;
+    if (mode == 2) {
+      smem += x_bytes;
+      per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
+    }
+    return StreamLaunch{r, threads, stages, std::min(n / r, kSmCount * per_sm), smem, mode};
+  };
+  const StreamLaunch eight = launch_at(rows, stage_x);
+  // Tiles of 4 rows by default where x's slices then take their own region with two blocks an SM:
+  // the mamba out_proj (Nsight Compute on the H200, 2026-12-04, f32 x, ncu's clocks): 13.31 us,
+  // against 14.50 with 8-row tiles and x through a stage, 16.06 / 18.98 unstaged with 8 / 4 rows (8
+  // rows with x in its own region, one block an SM: 14.05). The MLP down_proj's 4-row tiles would
+  // leave one block an SM: 8 rows there (17.76 us with x through a stage, 17.95 in its own region,
+  // 19.68 unstaged).
+  if (auto_rows && m == 1 && k >= 8192 && n % 4 == 0 && (4 * (k / group_size) * scale_bytes) % 16 == 0) {
+    const StreamLaunch four = launch_at(4, stage_x);
+    if (four.stage_x == 2 && four.blocks >= std::min(n / 4, 2 * kSmCount)) {
+      return four;
+    }
+  }
+  return eight;
 }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its
@@ -902,7 +970,7 @@ bool default_imma_stream(int k, int n, int m) { return m == 1 && n >= 8192 && k 
 
 std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                                  bool takes_norm, int prenorm_groups, int threads, int stages,
-                                                 int blocks_per_sm, bool forced, int device_index,
+                                                 int blocks_per_sm, bool forced, bool imma_and_bulk,
                                                  const char* who) {
   const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
@@ -912,8 +980,7 @@ std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_
   const int slab = 16 * row_stride + 2 * 16 * (scale_row % 32 == 0 ? scale_row + 16 : scale_row);
   const int smem = expansion + stages * slab;
   const int own = stream_static_smem(stages, 32 * warps, 16, m, prenorm_groups);  // its own arrays, as the float one's
-  const char* why = !integer_mma(device_index) || !bulk_copies(device_index)
-                        ? "a GPU with integer MMA and bulk copies (sm_90 or newer)"
+  const char* why = !imma_and_bulk ? "a GPU with integer MMA and bulk copies (sm_90 or newer)"
                         : imma_shape_refusal(k, n, m, group_size, bits, takes_norm, prenorm_groups, threads, warps);
   if (!why) {
     why = prenorm_groups > 16                     ? "16 prenorm groups at most (a slab's rows hold their totals)"
@@ -1023,8 +1090,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   // layouts' threads (float_threads); the integer-MMA layouts keep their own warps (given 320
   // threads at out_proj, 10 warps against their 8, until 2026-12-04).
   const int chunks = k * bits / 128;
-  const int float_threads =
-      prenorm && prenorm->groups > 1 && threads <= 0 && chunks <= 512 ? 32 * ((chunks + 31) / 32) : threads;
+  const int float_threads = one_step_threads(chunks, prenorm ? prenorm->groups : 1, threads);
   const bool grouped = row_groups > 1;  // the block layout, asked for by its row groups
   const bool forced_imma_stream = imma > 0 && stages > 0 && warps <= 0 && !grouped;
   const bool default_layout = imma == 0 && stages == 0 && warps <= 0 && rows_per_block <= 0 && !grouped;
@@ -1032,7 +1098,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
       forced_imma_stream || (default_layout && default_imma_stream(k, n, m))
           ? pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
                              prenorm ? prenorm->groups : 1, threads, forced_imma_stream ? stages : 2, blocks_per_sm,
-                             forced_imma_stream, s.device.index, who)
+                             forced_imma_stream, integer_mma(s.device.index) && bulk_copies(s.device.index), who)
           : std::nullopt;
   if (imma_streamed) {
     const ImmaStreamLaunch& l = *imma_streamed;
@@ -1055,13 +1121,14 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   const auto streamed = warps > 0 || grouped ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
-                                                !norm_weight, prenorm ? prenorm->groups : 1, rows_per_block,
-                                                float_threads, stages, blocks_per_sm, s.device.index, who);
+                                                x.dtype() == mx::float32, !norm_weight, prenorm ? prenorm->groups : 1,
+                                                rows_per_block, float_threads, stages, blocks_per_sm,
+                                                stage_x_setting(), bulk_copies(s.device.index), who);
   if (streamed) {
     const StreamLaunch& l = *streamed;
     return launch_persistent(qmv_stream_source(), qmv_stream_emit_source(),
                              {{"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
-                              {"THREADS", l.threads}, {"STAGES", l.stages}},
+                              {"THREADS", l.threads}, {"STAGES", l.stages}, {"XS", l.stage_x}},
                              l.rows, l.blocks, l.threads, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
                              norm_eps, out_dtype, s);
   }
@@ -1307,6 +1374,29 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
 
 // ---------------------------------------------------------------- bindings
 
+// The streamed layouts' launches as quantized_matvec picks them on an sm_90 GPU (4-bit, group 64,
+// bfloat16 scales, no RMSNorm weight), for the tools and tests that launch or size those kernels
+// themselves: a dict of the launch, None where the default keeps another layout (stream_launch with
+// stages 0), ValueError where the kernel cannot take a forced launch.
+py::object stream_launch(int k, int n, int m, bool x_float32, int prenorm_groups, int rows, int threads, int stages,
+                         int blocks_per_sm, int stage_x) {
+  const auto l = pick_stream(k, n, m, 64, 4, 2, x_float32, true, prenorm_groups, rows,
+                             one_step_threads(k / 32, prenorm_groups, threads), stages, blocks_per_sm,
+                             stage_x < 0 ? stage_x_setting() : stage_x, true, "stream_launch");
+  if (!l) {
+    return py::none();
+  }
+  return py::dict(py::arg("rows") = l->rows, py::arg("threads") = l->threads, py::arg("stages") = l->stages,
+                  py::arg("blocks") = l->blocks, py::arg("smem") = l->smem, py::arg("stage_x") = l->stage_x);
+}
+
+py::dict imma_stream_launch(int k, int n, int m, int prenorm_groups, int threads, int stages, int blocks_per_sm) {
+  const auto l = pick_imma_stream(k, n, m, 64, 4, 2, true, prenorm_groups, threads, stages, blocks_per_sm, true, true,
+                                  "imma_stream_launch");
+  return py::dict(py::arg("warps") = l->warps, py::arg("blocks") = l->blocks, py::arg("smem") = l->smem,
+                  py::arg("stages") = l->stages);
+}
+
 py::tuple launch_config(const std::string& kind, int k, int n, int bits, int itemsize) {
   const int chunks = kind == "dense" ? k * itemsize / 16 : k * bits / 128;
   Launch l = pick_launch(chunks, n, 0, 0, kind == "argmax" ? 0 : -1);
@@ -1385,6 +1475,18 @@ void bind(py::module_& m) {
   m.def("gemv_launch_config", &launch_config, py::arg("kind"), py::arg("k"), py::arg("n"), py::arg("bits") = 4,
         py::arg("itemsize") = 2, "(rows per block or per warp, threads per block, warps per block (0: block layout)) the kernels "
         "pick for a shape.");
+  m.def("stream_launch", &stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1, py::arg("x_float32") = true,
+        py::arg("prenorm_groups") = 1, py::arg("rows") = 0, py::arg("threads") = 0, py::arg("stages") = 0,
+        py::arg("blocks_per_sm") = 0, py::arg("stage_x") = -1,
+        "The float streamed layout's launch as quantized_matvec picks it on an sm_90 GPU (4-bit, group 64, "
+        "bfloat16 scales): {rows, threads, stages, blocks, smem (dynamic bytes), stage_x}. stages 0: the "
+        "float layouts' default, None where that is the block layout; ValueError where a forced launch "
+        "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
+        "pick), 0 / 1 / 2 that mode where the kernel takes it.");
+  m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
+        py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
+        "The streamed integer-MMA layout's launch (quantized_matvec(..., imma=1, stages=...)) on an sm_90 GPU: "
+        "{warps, blocks, smem, stages}; ValueError where the kernel cannot take it.");
 }
 
 }  // namespace

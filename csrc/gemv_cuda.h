@@ -809,13 +809,6 @@ constexpr const char* kPersistentHeader = R"(
 #ifndef VC_RAMP
 #define VC_RAMP 1
 #endif
-// An experiment's switch, 0 in the extension (qmv_timeline.py's defines set it): 1 has vc_qmv_stream
-// load float32 x coalesced, a warp's 32 chunks at once, and hand each lane its chunk through its
-// second stage's buffer (free until the ramp asks for that stage's tile), instead of each lane
-// reading its chunk's 128 bytes itself (32 cache lines an instruction). See StagedX.
-#ifndef VC_STAGE_X
-#define VC_STAGE_X 0
-#endif
 
 namespace vc_stream {
 
@@ -1145,7 +1138,6 @@ __device__ __forceinline__ void ramp_tiles(int i, int tiles, unsigned long long*
                                            const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
                                            int lane) {
   if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 < STAGES && i + 1 < tiles) {
-    reads_before_copies();  // the stage may have held the prologue's x (VC_STAGE_X)
     fetch_bulk<S>(stages + (i + 1) * S::BYTES, wb, sb, bb,
                   static_cast<int>(blockIdx.x) + (i + 1) * static_cast<int>(gridDim.x), &bars[i + 1], lane);
   }
@@ -1295,10 +1287,11 @@ struct StagedX {
 // out[m, row] for the streamed matvec's tiles: NORM 0 (x as it is) or 2 (x normalized by its
 // producer: norm_w holds NP partial sums of squares an input row in NG groups, see vc_gemv::qmv_block),
 // the epilogue of vc_gemv::finish, and with EMIT the next norm's input as vc_qmv_emit writes it
-// (partials: one a tile). N a multiple of ROWS. The dynamic shared memory `smem` holds STAGES tiles.
-template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int EPI, bool HAS_BIAS, int NORM,
-          int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
-          typename TE>
+// (partials: one a tile). N a multiple of ROWS. The dynamic shared memory `smem` holds STAGES tiles
+// (and with XS 2, x's slices past them).
+template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int EPI, bool HAS_BIAS,
+          int NORM, int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN,
+          typename TO, typename TE>
 __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weight, const TS* scales,
                                            const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                            float eps, TO* out, const TE* next_w, float* normed, float* partials,
@@ -1339,11 +1332,13 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // kernel's warp time on the H200 (Nsight Compute's samples, 2026-12-03).
   float xv[CPT][M][4][8];
   const bool vec = vc_gemv::aligned16(x);
-  // VC_STAGE_X: float32 x through the second stage's buffer, where the block's slices fit (the
-  // bulk path's ramp asks for that stage's tile only once the walk starts; the block's own copies
-  // use the first stage alone)
+  // XS (gemv.cpp's pick_stream): float32 x loaded coalesced and handed to each lane through shared
+  // memory (StagedX): 1 through the second stage's buffer, where the block's slices fit (the bulk
+  // path's ramp asks for that stage's tile only once the walk starts; the block's own copies use the
+  // first stage alone), 2 through a region of its own past the stages.
   using SX = StagedX<K, M, CPT, THREADS>;
-  constexpr bool STAGE_X = VC_STAGE_X != 0 && VC_RAMP != 0 && IsFloat<TX>::value && SX::BYTES <= S::BYTES;
+  constexpr bool STAGE_X =
+      IsFloat<TX>::value && (XS == 2 || (XS == 1 && VC_RAMP != 0 && SX::BYTES <= S::BYTES));
   const bool staged = STAGE_X && vec;
   SX sx;
   if (staged) {
@@ -1378,7 +1373,10 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   if constexpr (STAGE_X) {
     if (staged) {
-      sx.spread(reinterpret_cast<float4*>(smem + S::BYTES), lane, warp, xv);
+      sx.spread(reinterpret_cast<float4*>(smem + (XS == 2 ? STAGES : 1) * S::BYTES), lane, warp, xv);
+      // each thread's accesses to the staged x ordered before the copy engine's writes into the
+      // stage (after the block's next barrier)
+      if constexpr (XS == 1) reads_before_copies();
     }
   }
   // x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per chunk the
@@ -1967,23 +1965,24 @@ constexpr const char* kQmvImmaEmitSource = R"(
 
 // y = the 4-bit matvec of kQmvSource (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a
 // persistent grid, STAGES tiles of ROWS rows in flight a block by bulk copies (dynamic shared memory:
-// STAGES * the tile's bytes). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES, EPI, HAS_BIAS, NORM,
-// NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TO.
+// STAGES * the tile's bytes, + x's slices with XS 2). Template args: GROUP, K, N, M, ROWS, THREADS,
+// STAGES, XS (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS,
+// TB, TR, TN, TO.
 constexpr const char* kQmvStreamSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_stages);
 )";
 
 // kQmvStreamSource with EMIT (as kQmvEmitSource: out = product + residual, normed = out * next_w, and
-// each tile's partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES, HAS_BIAS,
+// each tile's partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES, XS, HAS_BIAS,
 // NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvStreamEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_stages);
 )";
 

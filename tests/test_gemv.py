@@ -140,10 +140,16 @@ def test_quantized_full_size_equals_mlx(n, k, dtype, rows):
     _check_quantized(n, k, dtype, rows)
 
 
-def _stream_stages(k: int, most: int = 4) -> int:
-    """The most tiles of 8 rows (4-bit, group 64, bfloat16 scales) a streamed block keeps in flight
-    inside 227 KB of shared memory, up to `most`."""
-    return min(most, (232448 - 4096) // (8 * k // 2 + 2 * 8 * (k // 64) * 2))
+def _stream_stages(n: int, k: int, rows: int, most: int = 4) -> int:
+    """The most tiles (4-bit, group 64, bfloat16 scales) a streamed block keeps in flight inside 227 KB
+    of shared memory, up to `most`, as the extension judges it."""
+    for stages in range(most, 2, -1):
+        try:
+            ext.stream_launch(k, n, rows, stages=stages)
+            return stages
+        except ValueError:
+            pass
+    return 2
 
 
 PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2}}
@@ -159,8 +165,8 @@ def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
     integer MMA (x as int8 block floating point terms on the tensor cores), and the two together."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
-    launch = PERSISTENT[layout] or {"stages": _stream_stages(k)}
-    if layout == "integer_mma_streamed" and not _imma_stream_fits(k, rows):
+    launch = PERSISTENT[layout] or {"stages": _stream_stages(n, k, rows)}
+    if layout == "integer_mma_streamed" and not _imma_stream_fits(n, k, rows):
         with pytest.raises(ValueError, match="inside 227 KB of shared memory"):
             quantized_matvec(x, w, s, b, **launch)
         return
@@ -168,18 +174,72 @@ def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
     assert_close(got, reference(quantized_matvec_reference, x, w, s, b))
 
 
-def _imma_stream_fits(k: int, rows: int, stages: int = 2) -> bool:
-    """Whether the streamed integer-MMA layout's shared memory takes K (8 warps, bfloat16 scales): x's
-    expansion and `stages` 16-row slabs with their scales and biases, and its own arrays, in 227 KB
-    (the MLP down_proj's K = 15680 does not)."""
-    groups = k // 64
-    warps = min(8, groups)
-    expansion = -(-groups * (64 * 4 * rows + 20 * rows) // 128) * 128
-    row_stride = k // 2 + (32 if (k // 8) % 16 == 0 else 0)  # rows padded off each other's banks
-    scale_row = groups * 2 + (16 if (groups * 2) % 32 == 0 else 0)  # likewise the scale rows
-    slab = 16 * row_stride + 2 * 16 * scale_row
-    own = stages * (warps * 16 * rows * 4 + 12) + rows * 4 + 256  # its own arrays, one norm group
-    return expansion + stages * slab + own <= 232448
+def _imma_stream_fits(n: int, k: int, rows: int, stages: int = 2) -> bool:
+    """Whether the streamed integer-MMA layout's shared memory takes K (x's expansion and `stages`
+    16-row slabs in 227 KB; the MLP down_proj's K = 15680 does not), as the extension judges it."""
+    try:
+        ext.imma_stream_launch(k, n, rows, 1, 0, stages)
+    except ValueError:
+        return False
+    return True
+
+
+def test_stream_launch_stages_x_where_its_slices_fit():
+    """The float streamed layout's pick of how float32 x reaches each lane (stage_x): through its
+    second stage where a block's x slices (4 KB a warp) fit in one, else in a region of their own
+    where that leaves an SM two blocks (or its one), else each lane loads its own chunk; bfloat16 x
+    never. At K >= 8192, 4-row tiles where x's own region then leaves two blocks an SM."""
+    down = ext.stream_launch(15680, 4480)  # the MLP down_proj: 16 warps' slices in a 70 KB stage
+    assert (down["stage_x"], down["smem"], down["blocks"]) == (1, 2 * 70560, 132)
+    assert ext.stream_launch(15680, 4480, x_float32=False)["stage_x"] == 0
+    own = ext.stream_launch(15680, 4480, stage_x=2)  # 64 KB more, still one block an SM
+    assert (own["stage_x"], own["smem"], own["blocks"]) == (2, 2 * 70560 + 16 * 4096, 132)
+    # the mamba out_proj: 4-row tiles, x in its own region, two blocks an SM (8-row tiles would fit
+    # it beside their stages at one block an SM only)
+    out = ext.stream_launch(10240, 4480, prenorm_groups=8)
+    assert (out["rows"], out["stage_x"], out["smem"], out["blocks"]) == (4, 2, 2 * 23040 + 10 * 4096, 264)
+    eight = ext.stream_launch(10240, 4480, prenorm_groups=8, stage_x=1)  # through a stage: 8-row tiles
+    assert (eight["rows"], eight["stage_x"], eight["smem"], eight["blocks"]) == (8, 1, 2 * 46080, 264)
+    assert ext.stream_launch(10240, 4480, prenorm_groups=8, stage_x=0)["rows"] == 8
+    assert ext.stream_launch(10240, 4480, prenorm_groups=8, rows=8, stage_x=2)["blocks"] == 132
+    # K = 4480: 5 warps' 20 KB outgrow an 8-row stage (19.7 KB): their own region, which leaves the SM
+    # 3 blocks of its 5 (2 stages), 2 of 2 (4 stages); 8-row tiles (K < 8192)
+    two = ext.stream_launch(4480, 22656, stages=2)
+    assert (two["rows"], two["stage_x"], two["smem"], two["blocks"]) == (8, 2, 2 * 20160 + 5 * 4096, 3 * 132)
+    four = ext.stream_launch(4480, 22656, stages=4)
+    assert (four["stage_x"], four["smem"], four["blocks"]) == (2, 4 * 20160 + 5 * 4096, 264)
+    assert ext.stream_launch(4480, 22656, stages=2, blocks_per_sm=4)["blocks"] == 4 * 132
+    # two rows of x at down_proj: 128 KB of slices fit neither a stage nor beside 2-3 of them
+    assert ext.stream_launch(15680, 4480, 2, stages=3)["stage_x"] == 0
+    assert ext.stream_launch(15680, 4480, 2, stages=2, stage_x=2)["stage_x"] == 0
+    # whatever the shape, rows, stages and mode: a block's shared memory inside the SM's 227 KB
+    for n, k in LLM_FULL:
+        for m in (1, 2):
+            for stages in (2, 3, 4):
+                for mode in (-1, 0, 1, 2):
+                    try:
+                        launch = ext.stream_launch(k, n, m, True, 1, 0, 0, stages, 0, mode)
+                    except ValueError:
+                        continue
+                    assert launch["smem"] + 4096 <= 232448, (n, k, m, stages, mode, launch)
+    assert ext.stream_launch(4480, 4480) is None  # the block layout's shape
+    with pytest.raises(ValueError, match="streamed layout takes"):
+        ext.stream_launch(4480, 22656, stages=20)
+
+
+def test_stage_x_setting_from_the_environment():
+    """VOICECHAT_QMV_STAGE_X forces a mode where it applies (the default's pick otherwise); a bad value
+    is one clear error."""
+    code = ("from voicechat.kernels import ext\n"
+            "print(ext.stream_launch(15680, 4480)['stage_x'], ext.stream_launch(15680, 4480, stage_x=1)['stage_x'])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for value, want in [("0", "0 1"), ("2", "2 1"), ("auto", "1 1")]:
+        done = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_STAGE_X": value},
+                              capture_output=True, text=True, timeout=120)
+        assert done.stdout.split() == want.split(), done.stderr
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_STAGE_X": "3"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "VOICECHAT_QMV_STAGE_X must be auto, 0, 1 or 2" in bad.stderr
 
 
 IMMA_STREAMED, STREAMED, BLOCK = {"imma": 1, "stages": 2}, {"stages": 2}, {"stages": -1}
@@ -198,7 +258,7 @@ def test_default_layout_at_the_step_shapes(n, k, layout):
     default = np.array(quantized_matvec(x, w, s, b))
     np.testing.assert_array_equal(default, np.array(quantized_matvec(x, w, s, b, **layout)))
     for other in (IMMA_STREAMED, STREAMED, BLOCK):
-        if other is not layout and (other is not IMMA_STREAMED or _imma_stream_fits(k, 1)):
+        if other is not layout and (other is not IMMA_STREAMED or _imma_stream_fits(n, k, 1)):
             assert not np.array_equal(default, np.array(quantized_matvec(x, w, s, b, **other))), other
     # two rows keep the block layout at every shape
     x2 = _x((2, k), mx.float32, seed=4)
@@ -721,9 +781,12 @@ def test_stacked_linears_keep_their_class_and_cost_no_memory():
     mx.clear_cache()
     layers = [use_gemv(nn.Linear(512, 512, bias=False)) for _ in range(3)]
     mx.eval([layer.parameters() for layer in layers])
+    # on a GPU stream the replaced buffers are released once the stream's work is done: wait for it
+    mx.synchronize()
     before = mx.get_active_memory()
     stacked = stack_linears(layers)
     assert type(stacked) is GemvLinear
+    mx.synchronize()
     grown = mx.get_active_memory() - before
     assert grown < 512 * 512 * 4  # one stack replaces three weights (it would be 3x that with copies)
     with pytest.raises(TypeError):

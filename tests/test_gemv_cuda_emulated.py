@@ -9,6 +9,7 @@ the hardware (alignment faults, speed): those need the CUDA run of tests/test_ge
 
 from __future__ import annotations
 
+import copy
 import shutil
 import subprocess
 from pathlib import Path
@@ -313,11 +314,11 @@ def _persistent_case(source, layout, n, k, m, rows, blocks, threads, x_dtype, ep
 
 
 def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1,
-                emit=False, x_offset=0, w_offset=0):
+                emit=False, x_offset=0, w_offset=0, xs=0):
     """vc_qmv_stream (or _emit): a persistent grid of `blocks` blocks walking the N / rows tiles,
     `stages` of them in flight; w_offset > 0 misaligns the weight, so the block copies tiles itself
-    instead of the copy engine's bulk copies."""
-    layout = dict(GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages)
+    instead of the copy engine's bulk copies; xs the way float32 x reaches each lane (XS)."""
+    layout = dict(GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages, XS=xs)
     return _persistent_case("vc_qmv_stream", layout, n, k, m, rows, blocks, threads, x_dtype, epi, bias_dtype, np_,
                             ng, emit, x_offset, w_offset)
 
@@ -761,7 +762,7 @@ def emulated(tmp_path_factory):
         # one done with a tile stores it and refills the stage): 3 warps, 3 stages wrapping twice;
         # two emitting warps with two rows of a group-normed input
         "stream_warps_drift": stream_case(96, 3072, 1, 8, 96, 3, 2),
-        # two chunks a thread and two rows of x in a stage's bytes (VC_STAGE_X's slices fit it), the
+        # two chunks a thread and two rows of x in a stage's bytes (x's staged slices fit it), the
         # second round's chunks ending inside a warp's slice
         "stream_m2_two_chunks_16_rows": stream_case(32, 3840, 2, 16, 64, 2, 2),
         "stream_emit_warps_m2": stream_case(64, 2048, 2, 4, 64, 2, 3, np_=16, ng=4, emit=True),
@@ -928,40 +929,50 @@ def test_streamed_matvec_kernels_emulated(emulated, name):
 
 STREAM_CASES = ["stream_q4", "stream_own_copies", "stream_emit_prenormed", "stream_warps_drift",
                 "stream_m2_two_chunks_16_rows", "stream_m2_two_chunks", "stream_emit_warps_m2"]
-X_STAGED = ["stream_own_copies", "stream_emit_prenormed", "stream_warps_drift", "stream_m2_two_chunks_16_rows"]
+# where the kernel stages x: float32 x, 16-byte aligned, and with XS 1 the block's 4 KB slices (a
+# warp, chunk round and row) inside one stage
+X_STAGED = {1: ["stream_own_copies", "stream_emit_prenormed", "stream_warps_drift", "stream_m2_two_chunks_16_rows"],
+            2: ["stream_q4", "stream_own_copies", "stream_emit_prenormed", "stream_warps_drift",
+                "stream_m2_two_chunks_16_rows", "stream_emit_warps_m2"]}
 
 
-def _x_staged(case: Case) -> bool:
-    """Whether vc_qmv_stream stages x under VC_STAGE_X (its StagedX condition): float32 x, 16-byte
-    aligned, the block's 4 KB slices a warp, chunk round and row inside one stage."""
+def _x_staged(case: Case, xs: int) -> bool:
+    """Whether vc_qmv_stream stages x in this case with XS = xs: its float32 and alignment checks, and
+    for XS 1 the slices' fit in a stage as the extension's own pick (ext.stream_launch) judges it."""
     a = case.template_args
-    k, rows, threads, m = a["K"], a["ROWS"], a["THREADS"], a["M"]
-    chunks_a_thread = -(-(k // 32) // threads)
-    stage = rows * k // 2 + 2 * rows * (k // 64) * 2
-    return a["TX"] == mx.float32 and case.offsets[0] == 0 and threads // 32 * chunks_a_thread * m * 4096 <= stage
+    if a["TX"] != mx.float32 or case.offsets[0] != 0:
+        return False
+    return xs == 2 or ext.stream_launch(a["K"], a["N"], a["M"], True, 1, a["ROWS"], a["THREADS"], a["STAGES"], 1,
+                                        1)["stage_x"] == 1
 
 
 @pytest.fixture(scope="module")
 def emulated_staged_x(emulated, tmp_path_factory):
-    """The stream cases built again with VC_STAGE_X=1 (x loaded coalesced, handed round through the
-    second stage's buffer)."""
+    """The stream cases built again with XS 1 (x loaded coalesced and handed round through the
+    second stage's buffer) and XS 2 (through a region past the stages)."""
     _, cases, _, _, _ = emulated
     tmp = tmp_path_factory.mktemp("cuda_emu_staged_x")
-    picked = {name: cases[name] for name in STREAM_CASES}
-    return build(picked, tmp, ("VC_STAGE_X=1",)), picked, tmp
+    picked = {}
+    for name in STREAM_CASES:
+        for xs in (1, 2):
+            staged = copy.copy(cases[name])
+            staged.template_args = {**cases[name].template_args, "XS": xs}
+            picked[f"{name}_xs{xs}"] = staged
+    return build(picked, tmp), picked, tmp
 
 
+@pytest.mark.parametrize("xs", [1, 2])
 @pytest.mark.parametrize("name", STREAM_CASES)
-def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_staged_x, name):
-    """VC_STAGE_X changes how x reaches each lane, not its values: the outputs are bit-identical to the
-    default build's, where the staging applies (float32 x, aligned, its slices inside a stage:
-    X_STAGED, one on the block's own copies, one with two chunks a thread and two rows) and
-    where it does not (bfloat16 or misaligned x, slices past a stage: the last three)."""
+def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_staged_x, name, xs):
+    """Staging x changes how it reaches each lane, not its values: the outputs are bit-identical to
+    the unstaged build's, where the kernel stages it (X_STAGED: one on the block's own copies, one
+    with two chunks a thread and two rows) and where it does not (bfloat16 or misaligned x; with XS
+    1, slices past a stage)."""
     exe, cases, _, _, tmp = emulated
-    staged, _, staged_tmp = emulated_staged_x
-    assert _x_staged(cases[name]) == (name in X_STAGED)
+    staged, picked, staged_tmp = emulated_staged_x
+    assert _x_staged(cases[name], xs) == (name in X_STAGED[xs])
     want = run(exe, name, cases[name], tmp)
-    got = run(staged, name, cases[name], staged_tmp)
+    got = run(staged, f"{name}_xs{xs}", picked[f"{name}_xs{xs}"], staged_tmp)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)

@@ -1,6 +1,6 @@
 """tools/gpu/qmv_timeline.py off the GPU: its report reads stamps as the probe writes them, and its
-kernel texts (the streamed kernels with the stamps defined, and with the experiments' switches
-VC_STAGE_X=1 / VC_RAMP=0, which only this tool turns on) compile for sm_90 with nvcc."""
+kernel texts (the streamed kernels with the stamps defined, with each way of staging x, and with
+VC_RAMP=0, which only this tool turns on) compile for sm_90 with nvcc."""
 
 import shutil
 import sys
@@ -54,8 +54,9 @@ def test_report_counts_warps_a_launch_held(capsys):
     assert "1 warps past 100 us" in capsys.readouterr().out.splitlines()[0]
 
 
-@pytest.mark.parametrize("variant", ["out_proj:tma:8:320:2:VC_STAGE_X=1", "down_proj:tma:8:512:2:VC_STAGE_X=1+VC_RAMP=0",
-                                     "out_proj:immatma:0:256:2:VC_RAMP=0", "out_proj:probe:8:320:2"])
+@pytest.mark.parametrize("variant", ["out_proj:tma:8:320:2", "down_proj:tma:8:512:2:XS=2+VC_RAMP=0",
+                                     "down_proj:tma:8:512:2:XS=0", "out_proj:immatma:0:256:2:VC_RAMP=0",
+                                     "out_proj:probe:8:320:2"])
 def test_the_timeline_kernels_compile_for_sm90(variant, monkeypatch, capsys):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")

@@ -18,8 +18,9 @@ QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2:VC_RAMP=0" picks the
 (shape:kind:rows:threads:stages[:NAME=VALUE+...]; kind tma = vc_qmv_stream, immatma =
 vc_qmv_imma_stream, whose rows are 16 whatever the field says, probe = the streamed walk's bulk
 copies alone, no prologue and no product, as qmv_variants.py's tmaprobe; the optional sixth field
-defines macros ahead of the kernel's text: VC_RAMP=0 asks for every first-round tile at the start,
-VC_STAGE_X=1 has vc_qmv_stream load x coalesced through its second stage's buffer).
+defines macros ahead of the kernel's text, VC_RAMP=0 asking for every first-round tile at the start;
+XS=0|1|2 among them is vc_qmv_stream's stage_x instead: how float32 x reaches each lane, see
+ext.stream_launch, whose pick it is otherwise).
 QMV_TIMELINE_LAUNCHES (3) the launches a variant (the one with the shortest span is reported);
 QMV_TIMELINE_L2=1 writes x, the norm's partials and the residual anew after the sweep, as the decode
 step leaves them in the L2. --nvcc compiles each variant's text for sm_90 with nvcc here (no GPU).
@@ -49,7 +50,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # touched once in, its stage refilled), with its stamps; XLOAD 0: no prologue
 from qmv_variants import TMA_PROBE as PROBE, tma_probe_launch  # noqa: E402
 
-SM_COUNT, SMEM_PER_SM = 132, 232448  # the H200's (as csrc/gemv.cpp)
 ROUNDS, EVENTS = 4, 4  # tiles a block recorded; events: prologue, in, summed, stored
 SLOTS = 4 + EVENTS * ROUNDS  # global timer and cycle count at start and end, then the events
 MAX_WARPS = 32
@@ -144,8 +144,9 @@ def _template(src: dict, k: int, n: int, overrides: dict) -> list:
     return out
 
 
-def _launch(shape: str, kind: str, rows: int, threads: int, stages: int) -> dict:
-    """Grid, block and shared memory as csrc/gemv.cpp picks them (pick_stream / pick_imma_stream)."""
+def _launch(shape: str, kind: str, rows: int, threads: int, stages: int, stage_x: int = -1) -> dict:
+    """Grid, block and shared memory as the extension picks them (ext.stream_launch /
+    ext.imma_stream_launch); stage_x -1 the extension's own."""
     n, k, groups, _ = SHAPES[shape]
     ng = max(groups, 1)
     if kind == "probe":
@@ -154,31 +155,26 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int) -> dict
                     template=[("K", k), ("N", n), ("ROWS", rows), ("THREADS", threads), ("STAGES", stages),
                               ("XLOAD", 0)])
     if kind == "tma":
-        stage = rows * k // 2 + 2 * rows * (k // 64) * 2
-        smem = stages * stage
-        own = max(stages, 2) * (threads // 32) * rows * 4 + stages * 12 + ng * 4 + 256 + (threads // 32) * ng * 4
-        per_sm = max(1, min(2048 // threads, SMEM_PER_SM // (smem + own)))
-        return dict(blocks=min(n // rows, SM_COUNT * per_sm), threads=threads, smem=smem, rows=rows,
-                    overrides={"ROWS": rows, "THREADS": threads, "STAGES": stages})
-    warps = threads // 32
-    g = k // 64
-    expansion = (g * (64 * 4 + 20) + 127) // 128 * 128
-    row_stride = k // 2 + 32 if (k // 8) % 16 == 0 else k // 2
-    scale_row = g * 2 + 16 if (g * 2) % 32 == 0 else g * 2
-    smem = expansion + stages * (16 * row_stride + 2 * 16 * scale_row)
-    own = max(stages, 2) * warps * 16 * 4 + stages * 12 + ng * 4 + 256
-    per_sm = max(1, min(2048 // threads, 65536 // (96 * threads), SMEM_PER_SM // (smem + own)))
-    return dict(blocks=min(n // 16, SM_COUNT * per_sm), threads=threads, smem=smem, rows=16,
-                overrides={"WARPS": warps, "STAGES": stages})
+        l = ext.stream_launch(k, n, 1, True, ng, rows, threads, stages, 0, stage_x)
+        return dict(blocks=l["blocks"], threads=l["threads"], smem=l["smem"], rows=l["rows"],
+                    overrides={"ROWS": l["rows"], "THREADS": l["threads"], "STAGES": stages, "XS": l["stage_x"]})
+    l = ext.imma_stream_launch(k, n, 1, ng, threads, stages, 0)
+    return dict(blocks=l["blocks"], threads=32 * l["warps"], smem=l["smem"], rows=16,
+                overrides={"WARPS": l["warps"], "STAGES": stages})
 
 
 def _variants() -> list:
+    """(shape, kind, rows, threads, stages, macros, stage_x) a variant; XS=n among the sixth field's
+    names is the launch's stage_x (-1 where not: the extension's own), the rest macros."""
     out = []
     for item in filter(None, os.environ.get("QMV_TIMELINE", DEFAULT_VARIANTS).split(",")):
         f = item.split(":")
         if len(f) not in (5, 6) or f[0] not in SHAPES or f[1] not in ("tma", "immatma", "probe"):
             raise SystemExit(f"QMV_TIMELINE: {item!r} is not shape:tma|immatma|probe:rows:threads:stages[:defines]")
-        out.append((f[0], f[1], *map(int, f[2:5]), tuple(filter(None, f[5].split("+"))) if len(f) == 6 else ()))
+        names = tuple(filter(None, f[5].split("+"))) if len(f) == 6 else ()
+        stage_x = [int(d[3:]) for d in names if d.startswith("XS=")]
+        out.append((f[0], f[1], *map(int, f[2:5]), tuple(d for d in names if not d.startswith("XS=")),
+                    stage_x[-1] if stage_x else -1))
     return out
 
 
@@ -301,10 +297,11 @@ def run() -> None:
     launches = int(os.environ.get("QMV_TIMELINE_LAUNCHES", "3"))
     in_l2 = os.environ.get("QMV_TIMELINE_L2") == "1"
     tensors = {}
-    for shape, kind, rows, threads, stages, defines in _variants():
+    for shape, kind, rows, threads, stages, defines, stage_x in _variants():
         t = tensors.setdefault(shape, _tensors(shape))
-        launch = _launch(shape, kind, rows, threads, stages)
-        tag = (f"{shape} {kind} rows {launch['rows']} threads {threads} stages {stages}"
+        launch = _launch(shape, kind, rows, threads, stages, stage_x)
+        xs = f" XS={launch['overrides']['XS']}" if kind == "tma" else ""
+        tag = (f"{shape} {kind} rows {launch['rows']} threads {threads} stages {stages}{xs}"
                + "".join(f" {d}" for d in defines) + (" (inputs in L2)" if in_l2 else ""))
         want = None if kind == "probe" else _ext_outputs(shape, kind, rows, threads, stages, t)
         if want is not None:
@@ -331,8 +328,8 @@ def nvcc() -> None:
 
     compiler = shutil.which("nvcc") or sys.exit("nvcc is not installed")
     names = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
-    for shape, kind, rows, threads, stages, defines in _variants():
-        launch = _launch(shape, kind, rows, threads, stages)
+    for shape, kind, rows, threads, stages, defines, stage_x in _variants():
+        launch = _launch(shape, kind, rows, threads, stages, stage_x)
         src, header, body, template = _kernel_parts(shape, kind, launch, defines,
                                                     640 if SHAPES[shape][2] > 1 else 560 if SHAPES[shape][2] else 0)
         targs = [(name, f"bool:{str(v).lower()}" if isinstance(v, bool) else f"int:{v}" if isinstance(v, int)

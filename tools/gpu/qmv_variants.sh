@@ -4,6 +4,7 @@
 # kernel time, registers, grid, achieved occupancy and DRAM throughput. Prints one line a kernel and
 # grid. NCU_CACHE=none with QMV_INPUTS_IN_L2=1: the caches as the decode step leaves them (weights
 # from DRAM, x and the norm's partials from the L2; see qmv_variants.py).
+# NCU_KERNELS: the kernels profiled (ncu -k; default regex:vc_probe|qmv, e.g. regex:qmv_stream).
 #   export OUT; bash tools/gpu/qmv_variants.sh
 set -uo pipefail
 # Nsight Compute tells kernels apart by name: through MLX's launch (ours names every one vc_kernel)
@@ -14,7 +15,7 @@ NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 metrics=gpu__time_duration.sum,launch__registers_per_thread,launch__grid_size,launch__block_size
 metrics+=,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,dram__bytes_read.sum,sm__cycles_elapsed.avg.per_second
-timeout -s INT "${NCU_LIMIT:-200}" "$NCU" --clock-control none --cache-control "${NCU_CACHE:-all}" -k "regex:vc_probe|qmv" --metrics "$metrics" \
+timeout -s INT "${NCU_LIMIT:-200}" "$NCU" --clock-control none --cache-control "${NCU_CACHE:-all}" -k "${NCU_KERNELS:-regex:vc_probe|qmv}" --metrics "$metrics" \
   --csv --page raw --print-units base python3 tools/gpu/qmv_variants.py > "$OUT/qmv_variants.csv" 2> "$OUT/qmv_variants.err"
 python3 - "$OUT/qmv_variants.csv" <<'PY'
 import csv

@@ -2,7 +2,7 @@
 # On the lent H200, after a build (tools/gpu/session.sh with PARTS=none): tools/gpu/qmv_timeline.py's
 # warp-by-warp timelines of the streamed 4-bit kernels, the whole log in $OUT/timeline.log and a short
 # form (the rounds past the first and the last left out) on stdout.
-#   export OUT; QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:tma:8:320:2:VC_STAGE_X=1" bash tools/gpu/timeline.sh
+#   export OUT; QMV_TIMELINE="down_proj:tma:8:512:2:XS=0,down_proj:tma:8:512:2" bash tools/gpu/timeline.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 export PYTHONPATH=${GEMV_PYTHONPATH:-/tmp/site2:/tmp/site} PYTHONUNBUFFERED=1 MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/ptx-ab}

@@ -246,8 +246,10 @@ def _span(stamps: np.ndarray) -> float:
 
 
 # A warp that ends this long after the first start (ns) is counted apart: some launches held a few
-# warps (or every block at its first loads) ~200-400 us, far past any kernel's own time; likely the
-# first touch of a freshly allocated output in MLX's managed memory (not seen under ncu).
+# warps (or every block at its first loads) ~200-400 us, far past any kernel's own time, and with x
+# staged at out_proj (XS 1) a third of the warps 100-650 us in ~100 us quanta in every launch
+# (2026-12-04), while ncu timed the same kernels without stamps at 13-14.5 us: something of this
+# probe's, not of the kernels; why is open.
 STALLED_NS = 100_000
 
 

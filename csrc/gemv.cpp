@@ -322,9 +322,9 @@ const CudaSource& qmv_stream_emit_source() {
       stream_header(),
       {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
-          // (one chunk a thread, or two), attention o_proj (two rows); x staged in its own region (the
-          // first and third) or through a stage
-          qmv_stream_instance(true, f, 10240, 4480, 1, 4, 320, 2, 2, 0, 640, 8),
+          // (one chunk a thread, or two), attention o_proj (two rows); x staged through a stage (the
+          // first two) or in its own region
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 0, 640, 8),
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1),
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2),
           qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0),
@@ -788,8 +788,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   if (stages <= 0) {
     return std::nullopt;
   }
-  const bool auto_rows = rows <= 0;
-  rows = auto_rows ? 8 : rows;
+  rows = rows > 0 ? rows : 8;
   const int chunks = k / 32;
   if (threads <= 0) {
     threads = chunks <= 512 ? 32 * ((chunks + 31) / 32) : 32 * ((chunks + 63) / 64);
@@ -814,46 +813,29 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     }
     return std::nullopt;
   }
-  // x staged (vc_stream::StagedX: a warp's 4 KB slices for each of its chunk rounds and rows)
+  int smem = stages * stage;
+  auto fit = [&](int bytes) { return std::max(1, std::min(2048 / threads, kSmemPerSm / (bytes + own))); };
+  int per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
+  // x staged (vc_stream::StagedX: a warp's 4 KB slices for each of its chunk rounds and rows): by
+  // default through the second stage's buffer where the slices fit in it, else in their own region
+  // where that leaves the SM its blocks, else not; a mode asked for where it does not fit: not staged.
+  // Nsight Compute on the H200, 2026-12-04, f32 x, one row: the mamba out_proj 15.10 -> 13.34 us (8
+  // rows, 1), the MLP down_proj 19.68 / 20.64 -> 17.57 / 17.76 (1; 17.95 with 2). 4-row tiles with x
+  // in its own region at out_proj (two blocks an SM): 13.09 / 13.31, within 2%: not taken.
   const int x_bytes = threads / 32 * ((chunks + threads - 1) / threads) * m * 4096;
-  // The launch with tiles of r rows and x's mode (< 0: through the second stage's buffer where the
-  // slices fit in it, else in their own region where that fits and leaves the SM two blocks (or the
-  // one it had), else not staged; a mode asked for where it does not fit: not staged).
-  auto launch_at = [&](int r, int mode) {
-    const int tile = r * k / 2 + 2 * r * (k / group_size) * scale_bytes;
-    const int own_r = stream_static_smem(stages, threads, r, m, prenorm_groups) + (threads / 32) * prenorm_groups * m * 4;
-    auto fit = [&](int bytes) { return std::max(1, std::min(2048 / threads, kSmemPerSm / (bytes + own_r))); };
-    int smem = stages * tile;
-    const int plain = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
-    const bool own_fits = smem + x_bytes + own_r <= kSmemPerSm;
-    if (!x_float32) {
-      mode = 0;
-    } else if (mode < 0) {
-      mode = x_bytes <= tile ? 1 : own_fits && fit(smem + x_bytes) >= std::min(plain, 2) ? 2 : 0;
-    } else if ((mode == 1 && x_bytes > tile) || (mode == 2 && !own_fits)) {
-      mode = 0;
-    }
-    int per_sm = plain;
-    if (mode == 2) {
-      smem += x_bytes;
-      per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
-    }
-    return StreamLaunch{r, threads, stages, std::min(n / r, kSmCount * per_sm), smem, mode};
-  };
-  const StreamLaunch eight = launch_at(rows, stage_x);
-  // Tiles of 4 rows by default where x's slices then take their own region with two blocks an SM:
-  // the mamba out_proj (Nsight Compute on the H200, 2026-12-04, f32 x, ncu's clocks): 13.31 us,
-  // against 14.50 with 8-row tiles and x through a stage, 16.06 / 18.98 unstaged with 8 / 4 rows (8
-  // rows with x in its own region, one block an SM: 14.05). The MLP down_proj's 4-row tiles would
-  // leave one block an SM: 8 rows there (17.76 us with x through a stage, 17.95 in its own region,
-  // 19.68 unstaged).
-  if (auto_rows && m == 1 && k >= 8192 && n % 4 == 0 && (4 * (k / group_size) * scale_bytes) % 16 == 0) {
-    const StreamLaunch four = launch_at(4, stage_x);
-    if (four.stage_x == 2 && four.blocks >= std::min(n / 4, 2 * kSmCount)) {
-      return four;
-    }
+  const bool own_fits = (smem + x_bytes + own) * (stage_x == 2 ? 1 : per_sm) <= kSmemPerSm;
+  if (!x_float32) {
+    stage_x = 0;
+  } else if (stage_x < 0) {
+    stage_x = x_bytes <= stage ? 1 : own_fits ? 2 : 0;
+  } else if ((stage_x == 1 && x_bytes > stage) || (stage_x == 2 && !own_fits)) {
+    stage_x = 0;
   }
-  return eight;
+  if (stage_x == 2) {
+    smem += x_bytes;
+    per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
+  }
+  return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem, stage_x};
 }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its

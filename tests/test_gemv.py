@@ -187,28 +187,20 @@ def _imma_stream_fits(n: int, k: int, rows: int, stages: int = 2) -> bool:
 def test_stream_launch_stages_x_where_its_slices_fit():
     """The float streamed layout's pick of how float32 x reaches each lane (stage_x): through its
     second stage where a block's x slices (4 KB a warp) fit in one, else in a region of their own
-    where that leaves an SM two blocks (or its one), else each lane loads its own chunk; bfloat16 x
-    never. At K >= 8192, 4-row tiles where x's own region then leaves two blocks an SM."""
+    where that leaves the SM its blocks, else each lane loads its own chunk; bfloat16 x never."""
     down = ext.stream_launch(15680, 4480)  # the MLP down_proj: 16 warps' slices in a 70 KB stage
-    assert (down["stage_x"], down["smem"], down["blocks"]) == (1, 2 * 70560, 132)
+    assert (down["rows"], down["stage_x"], down["smem"], down["blocks"]) == (8, 1, 2 * 70560, 132)
     assert ext.stream_launch(15680, 4480, x_float32=False)["stage_x"] == 0
     own = ext.stream_launch(15680, 4480, stage_x=2)  # 64 KB more, still one block an SM
     assert (own["stage_x"], own["smem"], own["blocks"]) == (2, 2 * 70560 + 16 * 4096, 132)
-    # the mamba out_proj: 4-row tiles, x in its own region, two blocks an SM (8-row tiles would fit
-    # it beside their stages at one block an SM only)
-    out = ext.stream_launch(10240, 4480, prenorm_groups=8)
-    assert (out["rows"], out["stage_x"], out["smem"], out["blocks"]) == (4, 2, 2 * 23040 + 10 * 4096, 264)
-    eight = ext.stream_launch(10240, 4480, prenorm_groups=8, stage_x=1)  # through a stage: 8-row tiles
-    assert (eight["rows"], eight["stage_x"], eight["smem"], eight["blocks"]) == (8, 1, 2 * 46080, 264)
-    assert ext.stream_launch(10240, 4480, prenorm_groups=8, stage_x=0)["rows"] == 8
-    assert ext.stream_launch(10240, 4480, prenorm_groups=8, rows=8, stage_x=2)["blocks"] == 132
-    # K = 4480: 5 warps' 20 KB outgrow an 8-row stage (19.7 KB): their own region, which leaves the SM
-    # 3 blocks of its 5 (2 stages), 2 of 2 (4 stages); 8-row tiles (K < 8192)
-    two = ext.stream_launch(4480, 22656, stages=2)
-    assert (two["rows"], two["stage_x"], two["smem"], two["blocks"]) == (8, 2, 2 * 20160 + 5 * 4096, 3 * 132)
+    out = ext.stream_launch(10240, 4480, prenorm_groups=8)  # the mamba out_proj: two blocks an SM
+    assert (out["rows"], out["stage_x"], out["smem"], out["blocks"]) == (8, 1, 2 * 46080, 264)
+    assert ext.stream_launch(10240, 4480, prenorm_groups=8, stage_x=2)["blocks"] == 132  # asked for: one an SM
+    # K = 4480: 5 warps' 20 KB outgrow an 8-row stage (19.7 KB); beside 2 stages their own region
+    # would cost the SM blocks (5 -> 3), beside 4 it leaves the 2 they have
+    assert ext.stream_launch(4480, 22656, stages=2)["stage_x"] == 0
     four = ext.stream_launch(4480, 22656, stages=4)
     assert (four["stage_x"], four["smem"], four["blocks"]) == (2, 4 * 20160 + 5 * 4096, 264)
-    assert ext.stream_launch(4480, 22656, stages=2, blocks_per_sm=4)["blocks"] == 4 * 132
     # two rows of x at down_proj: 128 KB of slices fit neither a stage nor beside 2-3 of them
     assert ext.stream_launch(15680, 4480, 2, stages=3)["stage_x"] == 0
     assert ext.stream_launch(15680, 4480, 2, stages=2, stage_x=2)["stage_x"] == 0

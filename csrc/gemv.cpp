@@ -656,10 +656,10 @@ const CudaSource& qmv_imma_emit_source() {
 
 // vc_qmv_imma_stream's instances (persistent_instance's), LEVELS 4.
 CudaInstance qmv_imma_stream_instance(bool emit, const char* tx, int k, int n, int m, int warps, int stages,
-                                      int epi = 0, int np = 0, int ng = 1) {
+                                      int slab, int epi = 0, int np = 0, int ng = 1) {
   return persistent_instance(emit, tx,
                              {{"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)}, {"WARPS", int_arg(warps)},
-                              {"LEVELS", int_arg(4)}, {"STAGES", int_arg(stages)}},
+                              {"LEVELS", int_arg(4)}, {"STAGES", int_arg(stages)}, {"SLAB", int_arg(slab)}},
                              epi, np, ng);
 }
 
@@ -679,10 +679,11 @@ const CudaSource& qmv_imma_stream_source() {
       imma_stream_header(),
       {
           // mamba in_proj and mlp up_proj (squared ReLU) on an emitted norm input (280 partials);
-          // plain, two rows of bfloat16 x
-          qmv_imma_stream_instance(false, f, 4480, 22656, 1, 8, 2, 0, 280),
-          qmv_imma_stream_instance(false, f, 4480, 15680, 1, 8, 2, 2, 280),
-          qmv_imma_stream_instance(false, bf, 4480, 22656, 2, 8, 2),
+          // plain, two rows of bfloat16 x; 8-row slabs with a bias (squared ReLU)
+          qmv_imma_stream_instance(false, f, 4480, 22656, 1, 8, 2, 16, 0, 280),
+          qmv_imma_stream_instance(false, f, 4480, 15680, 1, 8, 2, 16, 2, 280),
+          qmv_imma_stream_instance(false, bf, 4480, 22656, 2, 8, 2, 16),
+          qmv_imma_stream_instance(false, f, 4480, 15680, 1, 8, 2, 8, 2, 280),
       },
   });
   return src;
@@ -698,8 +699,9 @@ const CudaSource& qmv_imma_stream_emit_source() {
       imma_stream_header(),
       {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
-          qmv_imma_stream_instance(true, f, 10240, 4480, 1, 8, 2, 0, 640, 8),
-          qmv_imma_stream_instance(true, f, 15680, 4480, 1, 8, 2),
+          // (8-row slabs: 16 do not fit its shared memory)
+          qmv_imma_stream_instance(true, f, 10240, 4480, 1, 8, 2, 16, 0, 640, 8),
+          qmv_imma_stream_instance(true, f, 15680, 4480, 1, 8, 2, 8),
       },
   });
   return src;
@@ -936,7 +938,7 @@ std::optional<ImmaLaunch> pick_imma(int k, int n, int m, int group_size, int bit
 // expansion and `stages` 16-row slabs in shared memory. forced (`imma` > 0 with `stages` > 0): refused
 // with a reason where the kernel cannot take it; else (the default's pick) nothing there.
 struct ImmaStreamLaunch {
-  int warps, blocks, smem, stages;
+  int warps, blocks, smem, stages, slab;
 };
 
 // Whether the default (`stages` and `imma` 0) takes vc_qmv_imma_stream (2 stages): one row, the wide
@@ -950,22 +952,27 @@ struct ImmaStreamLaunch {
 // not fit: the float one there.
 bool default_imma_stream(int k, int n, int m) { return m == 1 && n >= 8192 && k < 8192; }
 
+// rows: a slab's (0 = 16; 8, for one row of x, takes the weights as the MMA's B operand: not the
+// default anywhere until measured on a GPU).
 std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
-                                                 bool takes_norm, int prenorm_groups, int threads, int stages,
-                                                 int blocks_per_sm, bool forced, bool imma_and_bulk,
+                                                 bool takes_norm, int prenorm_groups, int rows, int threads,
+                                                 int stages, int blocks_per_sm, bool forced, bool imma_and_bulk,
                                                  const char* who) {
   const int warps = threads > 0 ? threads / 32 : std::max(1, std::min(8, k / 64));
   const int groups = k / 64;
+  const int slab_rows = rows > 0 ? rows : 16;
   const int expansion = (groups * (64 * kImmaLevels * m + 20 * m) + 127) / 128 * 128;
   const int row_stride = (k / 8) % 16 == 0 ? k / 2 + 32 : k / 2;  // padded as the kernel's Stage
   const int scale_row = groups * scale_bytes;
-  const int slab = 16 * row_stride + 2 * 16 * (scale_row % 32 == 0 ? scale_row + 16 : scale_row);
+  const int slab = slab_rows * row_stride + 2 * slab_rows * (scale_row % 32 == 0 ? scale_row + 16 : scale_row);
   const int smem = expansion + stages * slab;
-  const int own = stream_static_smem(stages, 32 * warps, 16, m, prenorm_groups);  // its own arrays, as the float one's
+  // its own arrays, as the float one's
+  const int own = stream_static_smem(stages, 32 * warps, slab_rows, m, prenorm_groups);
   const char* why = !imma_and_bulk ? "a GPU with integer MMA and bulk copies (sm_90 or newer)"
                         : imma_shape_refusal(k, n, m, group_size, bits, takes_norm, prenorm_groups, threads, warps);
   if (!why) {
-    why = prenorm_groups > 16                     ? "16 prenorm groups at most (a slab's rows hold their totals)"
+    why = slab_rows != 16 && (slab_rows != 8 || m != 1) ? "slabs of 16 rows, or of 8 for one row of x"
+          : prenorm_groups > slab_rows ? "as many prenorm groups as a slab's rows at most (they hold their totals)"
           : stages < 2 || smem + own > kSmemPerSm ? "2 stages at least, inside 227 KB of shared memory"
                                                   : nullptr;
   }
@@ -979,7 +986,7 @@ std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_
   const int per_sm = blocks_per_sm > 0 ? blocks_per_sm
                                        : std::max(1, std::min({2048 / (32 * warps), 65536 / (96 * 32 * warps),
                                                                kSmemPerSm / (smem + own)}));
-  return ImmaStreamLaunch{warps, std::min(n / 16, kSmCount * per_sm), smem, stages};
+  return ImmaStreamLaunch{warps, std::min(n / slab_rows, kSmCount * per_sm), smem, stages, slab_rows};
 }
 
 // The block layout's row groups a block where a call leaves them to the default (row_groups 0):
@@ -1079,16 +1086,17 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const auto imma_streamed =
       forced_imma_stream || (default_layout && default_imma_stream(k, n, m))
           ? pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
-                             prenorm ? prenorm->groups : 1, threads, forced_imma_stream ? stages : 2, blocks_per_sm,
+                             prenorm ? prenorm->groups : 1, forced_imma_stream ? rows_per_block : 0, threads,
+                             forced_imma_stream ? stages : 2, blocks_per_sm,
                              forced_imma_stream, integer_mma(s.device.index) && bulk_copies(s.device.index), who)
           : std::nullopt;
   if (imma_streamed) {
     const ImmaStreamLaunch& l = *imma_streamed;
     return launch_persistent(qmv_imma_stream_source(), qmv_imma_stream_emit_source(),
                              {{"K", k}, {"N", n}, {"M", m}, {"WARPS", l.warps}, {"LEVELS", kImmaLevels},
-                              {"STAGES", l.stages}},
-                             16, l.blocks, 32 * l.warps, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
-                             norm_eps, out_dtype, s);
+                              {"STAGES", l.stages}, {"SLAB", l.slab}},
+                             l.slab, l.blocks, 32 * l.warps, l.smem, x, w, scales, biases, bias, epi, prenorm,
+                             next_norm, norm_eps, out_dtype, s);
   }
   const auto mma = warps > 0 || grouped ? std::nullopt
                              : pick_imma(k, n, m, group_size, bits, !norm_weight, prenorm ? prenorm->groups : 1,
@@ -1372,11 +1380,12 @@ py::object stream_launch(int k, int n, int m, bool x_float32, int prenorm_groups
                   py::arg("blocks") = l->blocks, py::arg("smem") = l->smem, py::arg("stage_x") = l->stage_x);
 }
 
-py::dict imma_stream_launch(int k, int n, int m, int prenorm_groups, int threads, int stages, int blocks_per_sm) {
-  const auto l = pick_imma_stream(k, n, m, 64, 4, 2, true, prenorm_groups, threads, stages, blocks_per_sm, true, true,
-                                  "imma_stream_launch");
+py::dict imma_stream_launch(int k, int n, int m, int prenorm_groups, int threads, int stages, int blocks_per_sm,
+                            int rows) {
+  const auto l = pick_imma_stream(k, n, m, 64, 4, 2, true, prenorm_groups, rows, threads, stages, blocks_per_sm, true,
+                                  true, "imma_stream_launch");
   return py::dict(py::arg("warps") = l->warps, py::arg("blocks") = l->blocks, py::arg("smem") = l->smem,
-                  py::arg("stages") = l->stages);
+                  py::arg("stages") = l->stages, py::arg("rows") = l->slab);
 }
 
 py::tuple launch_config(const std::string& kind, int k, int n, int bits, int itemsize) {
@@ -1423,7 +1432,8 @@ void bind(py::module_& m) {
         "16-row slabs on the tensor cores, x as a block floating point expansion; threads and blocks_per_sm "
         "steer it): -1 never, > 0 always (an error where it cannot take the call); 1 with the default number of "
         "64-wide groups in flight a warp, 2-16 that many; with stages > 0 as well, on the streamed layout's "
-        "tiles. 0 (with stages and rows_per_block 0): the default picks, the streamed integer MMA for one "
+        "tiles (rows_per_block 0 / 16: 16-row slabs; 8, for one row of x: 8-row slabs with the weights as the "
+        "MMA's other operand, which fit where 16 rows do not). 0 (with stages and rows_per_block 0): the default picks, the streamed integer MMA for one "
         "row where K < 8192 and N >= 8192. row_groups (block layout): each "
         "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
         "block layout, the streamed and integer-MMA ones never).");
@@ -1436,7 +1446,8 @@ void bind(py::module_& m) {
         "[out, normed, partials]: out = x @ dequantize(w).T (+ bias) + residual, and the next RMSNorm's input "
         "left for its matvec: normed = out * next_norm (float32) and partials [..., P] (float32) whose sum "
         "is each row's sum of out^2 (pass both as that matvec's x and prenormed). One CUDA launch; MLX ops "
-        "elsewhere (P = 1 there; P = N / rows_per_block in the streamed layout, see quantized_matvec's stages; N / 16 with imma).");
+        "elsewhere (P = 1 there; P = N / rows_per_block in the streamed layout, see quantized_matvec's stages; "
+        "N / 16 with imma, N / 8 with its 8-row slabs).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",
@@ -1467,8 +1478,10 @@ void bind(py::module_& m) {
         "pick), 0 / 1 / 2 that mode where the kernel takes it.");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
-        "The streamed integer-MMA layout's launch (quantized_matvec(..., imma=1, stages=...)) on an sm_90 GPU: "
-        "{warps, blocks, smem, stages}; ValueError where the kernel cannot take it.");
+        py::arg("rows") = 0,
+        "The streamed integer-MMA layout's launch (quantized_matvec(..., imma=1, stages=..., rows_per_block=rows)) "
+        "on an sm_90 GPU: {warps, blocks, smem, stages, rows (a slab's: 16, or 8 for one row of x)}; ValueError "
+        "where the kernel cannot take it.");
 }
 
 }  // namespace

@@ -1482,8 +1482,17 @@ __device__ __forceinline__ void mma(int* d, const unsigned int* a, const unsigne
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// The same with a signed A and an unsigned B (.s8.u8): x's terms as A, the weights' nibbles as B.
+__device__ __forceinline__ void mma_signed_a(int* d, const unsigned int* a, const unsigned int* b) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 #else
 inline void mma(int* d, const unsigned int* a, const unsigned int* b) { cuda_emu::mma_m16n8k32_u8s8(d, a, b); }
+inline void mma_signed_a(int* d, const unsigned int* a, const unsigned int* b) {
+  cuda_emu::mma_m16n8k32_s8u8(d, a, b);
+}
 #endif
 
 __device__ __forceinline__ uint2 load_words(const uint2* p) {
@@ -1564,6 +1573,55 @@ struct LaneTerms {
       acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
       acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
     }
+  }
+};
+
+// One lane's side of an 8-row slab's products (lane 4g + t), one row of x: the MMA's roles swapped, so
+// that 8 weight rows fill its 8 columns (B: column g = the slab's row g, the lane's words 2t, 2t + 1 of
+// a group, nibbles as they stand) and x's terms its rows (A: row g = level g of the expansion, zero
+// past LEVELS). C's row g, columns 2t, 2t + 1 is then level g of rows 2t and 2t + 1. Lanes g >= 4 (no
+// level) add the bias terms instead: rows 2t, 2t + 1's biases times x's sum over quarter g - 4 of
+// the group (words 2q, 2q + 1). Summed over g (the lanes of one t), a lane's two sums are its rows'.
+template <int K, int LEVELS>
+struct LaneTerms8 {
+  using L = Layout<K, 1, LEVELS>;
+  const uint2* terms;
+  const float* per_group;  // factors (level lanes) or quarter sums (bias lanes), 4 floats a group apart
+  int t, g, offset;
+  bool has_term;
+  float weight;  // a level lane's 128^-level (0 past LEVELS); a bias lane's 1
+  unsigned int bias_lane;
+
+  __device__ LaneTerms8(const unsigned char* smem, int lane)
+      : terms(reinterpret_cast<const uint2*>(smem + L::TERMS)),
+        per_group(reinterpret_cast<const float*>(smem + ((lane >> 2) >= 4 ? L::SUMS : L::FACTORS))),
+        t(lane & 3),
+        g(lane >> 2),
+        offset((lane >> 2) >= 4 ? (lane >> 2) - 4 : 0),
+        has_term((lane >> 2) < LEVELS),
+        weight((lane >> 2) >= 4        ? 1.0f
+               : (lane >> 2) < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * (lane >> 2)) << 23)
+                                      : 0.0f),
+        bias_lane((lane >> 2) >= 4 ? 1u : 0u) {}
+
+  // acc[h] (row 2t + h) += 64-wide group grp's share: w the lane's row's words 2t, 2t + 1 of the
+  // group, c0 / c1 rows 2t / 2t + 1's scales (level lanes) or biases (bias lanes).
+  __device__ __forceinline__ void add_group(float (&acc)[2], uint2 w, int grp, float c0, float c1) const {
+    constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
+    int c[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int step = 0; step < 2; ++step) {
+      const unsigned int v = step ? w.y : w.x;
+      const unsigned int b[2] = {v & NIBBLES, (v >> 4) & NIBBLES};
+      const uint2 at = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + g] : uint2{0u, 0u};
+      const unsigned int a[4] = {at.x, 0u, at.y, 0u};
+      mma_signed_a(c, a, b);
+    }
+    // a level lane: 2^E times its level's weight, times its integer sums; a bias lane: the quarter's
+    // sum, times 1 (its C is zero: A's rows past LEVELS are)
+    const float f = per_group[grp * (bias_lane ? 4 : 1) + offset] * weight;
+    acc[0] = fmaf(c0 * f, small_int_float(c[0] + static_cast<int>(bias_lane)), acc[0]);
+    acc[1] = fmaf(c1 * f, small_int_float(c[1] + static_cast<int>(bias_lane)), acc[1]);
   }
 };
 
@@ -1815,11 +1873,13 @@ constexpr const char* kImmaStreamHeader = R"(
 #define VC_IMMA_STREAM_HEADER
 namespace vc_imma {
 
-// out[m, row] for the slabs a block walks (b, b + grid, ...), STAGES of them in flight; NORM 0 / 2,
-// the epilogue of vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The dynamic shared
-// memory holds x's expansion (Layout::BYTES, rounded up to 128) and then the STAGES slabs.
-template <int K, int N, int M, int WARPS, int LEVELS, int STAGES, int EPI, bool HAS_BIAS, int NORM, int NP, int NG,
-          bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
+// out[m, row] for the slabs of SLAB rows a block walks (b, b + grid, ...), STAGES of them in flight;
+// NORM 0 / 2, the epilogue of vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The
+// dynamic shared memory holds x's expansion (Layout::BYTES, rounded up to 128) and then the STAGES
+// slabs. SLAB 16: the weights as the MMA's A (LaneTerms); 8 (one row of x): the weights as its B
+// (LaneTerms8), so that half the slab's bytes fit where 16 rows do not (the MLP down_proj).
+template <int K, int N, int M, int WARPS, int LEVELS, int STAGES, int SLAB, int EPI, bool HAS_BIAS, int NORM, int NP,
+          int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int* weight, const TS* scales,
                                                 const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                                 float eps, TO* out, const TE* next_w, float* normed, float* partials,
@@ -1827,23 +1887,24 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   using L = Layout<K, M, LEVELS>;
   constexpr int THREADS = WARPS * 32;
   constexpr int GROUPS = L::GROUPS;
-  constexpr int TILES = N / 16;
-  constexpr int SUMS = 16 * M;
-  // A warp reads 8 bytes a lane from rows g and g + 8 (g = lane / 4) at once: rows 4 words of banks
-  // apart in a half warp (a stride of 8 words mod 16) keep those reads conflict-free; K / 8 words
-  // a row that are a multiple of 16 (K a multiple of 128) would put 2 or 4 of those rows on the same
-  // banks, so they are padded by 8 words. The lanes' scale and bias loads read one row each (8 rows,
+  constexpr int TILES = N / SLAB;
+  constexpr int SUMS = SLAB * M;
+  // A warp reads 8 bytes a lane from rows g and g + 8 (g = lane / 4; with SLAB 8 from row g alone)
+  // at once: rows 4 words of banks apart in a half warp (a stride of 8 words mod 16) keep those reads
+  // conflict-free; K / 8 words a row that are a multiple of 16 (K a multiple of 128) would put 2 or 4
+  // of those rows on the same banks, so they are padded by 8 words. The lanes' scale and bias loads read one row each (8 rows,
   // 4 lanes a row): rows a multiple of 8 words apart would share 4 banks (4-way conflicts on 4 loads a
   // group, half the slab product's shared-memory traffic at out_proj, K = 10240), so those are padded
   // by 4 words.
   constexpr int ROW_BYTES = K / 2;
   constexpr int S_ROW_BYTES = GROUPS * static_cast<int>(sizeof(TS));
-  using S = vc_stream::Stage<16, ROW_BYTES, (ROW_BYTES / 4) % 16 == 0 ? ROW_BYTES + 32 : ROW_BYTES, 16 * S_ROW_BYTES,
-                             S_ROW_BYTES % 32 == 0 ? S_ROW_BYTES + 16 : S_ROW_BYTES>;
+  using S = vc_stream::Stage<SLAB, ROW_BYTES, (ROW_BYTES / 4) % 16 == 0 ? ROW_BYTES + 32 : ROW_BYTES,
+                             SLAB * S_ROW_BYTES, S_ROW_BYTES % 32 == 0 ? S_ROW_BYTES + 16 : S_ROW_BYTES>;
   constexpr int SROW = S::S_ROW_STRIDE / static_cast<int>(sizeof(TS));  // a scale row's stride in TS
   constexpr int FIRST = (L::BYTES + 127) / 128 * 128;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
-  static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
+  static_assert(K % 64 == 0 && N % SLAB == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "slabs of 64-wide groups");
+  static_assert(SLAB == 16 || (SLAB == 8 && M == 1), "16-row slabs, or 8-row ones for one row of x");
   static_assert(WARPS <= GROUPS, "a group at least for every warp: a warp without one would idle");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
@@ -1867,7 +1928,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
     norm_partials = vc_stream::load_partials<NP, M, THREADS>(norm_w);
   }
   const auto first_tail =
-      vc_stream::stream_tail<16, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
+      vc_stream::stream_tail<SLAB, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x < 32 && bulk) {
     vc_stream::start_tiles<STAGES, S>(tiles, bars, arrived, stages, wb, sb, bb, lane);
@@ -1885,6 +1946,33 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   });
   __syncthreads();  // the expansion and the barriers' init seen by every thread
   VC_STAMP(0, 0);
+  // 8-row slabs: this warp's sums of the slab in stage st, rows 2t and 2t + 1 (totalled over the
+  // lanes of one t), into red[b].
+  if constexpr (SLAB == 8) {
+    const LaneTerms8<K, LEVELS> lt(smem, lane);
+    auto slab_sums = [&](const unsigned char* st, int b) {
+      float acc[2] = {0.0f, 0.0f};
+      const unsigned char* w_row = st + g * S::ROW_STRIDE + t * 8;  // row g: the lane's 8 bytes of a group's 32
+      // rows 2t, 2t + 1's scales (level lanes) or biases (bias lanes)
+      const TS* coef = reinterpret_cast<const TS*>(st + (g >= 4 ? S::BIASES : S::SCALES)) + 2 * t * SROW;
+#pragma unroll 3
+      for (int grp = warp; grp < GROUPS; grp += WARPS) {
+        lt.add_group(acc, *reinterpret_cast<const uint2*>(w_row + grp * 32), grp, static_cast<float>(coef[grp]),
+                     static_cast<float>(coef[SROW + grp]));
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 4);
+        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 8);
+        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 16);
+        if (g == 0) red[b][warp][2 * t + h] = acc[h];
+      }
+    };
+    vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0],
+                                                                       stages, wb, sb, bb, bias, residual, next_w,
+                                                                       out, normed, partials, first_tail, slab_sums);
+    return;
+  }
   const LaneTerms<K, M, LEVELS> lt(smem, lane);
   // This warp's sums of the slab in stage st, rows g and g + 8 (totalled by the quad), into red[b].
   auto slab_sums = [&](const unsigned char* st, int b) {
@@ -1923,22 +2011,23 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
 )";
 
 // y = the 4-bit matvec through vc_imma::qmv_imma_stream: NORM 0 or 2, EPI, HAS_BIAS. Template args: K,
-// N, M, WARPS, LEVELS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TO.
+// N, M, WARPS, LEVELS, STAGES, SLAB, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR,
+// TN, TO.
 constexpr const char* kQmvImmaStreamSource = R"(
   VC_DYNAMIC_SMEM(vc_smem);
   const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, SLAB, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_smem);
 )";
 
 // kQmvImmaStreamSource with EMIT (out = product + residual, normed = out * next_w, a partial sum of
-// out^2 a slab). Template args: K, N, M, WARPS, LEVELS, STAGES, HAS_BIAS, NORM, NP, NG, EPS_BITS, and
+// out^2 a slab). Template args: K, N, M, WARPS, LEVELS, STAGES, SLAB, HAS_BIAS, NORM, NP, NG, EPS_BITS, and
 // the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvImmaStreamEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_smem);
   const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, SLAB, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_smem);
 )";
 

@@ -152,7 +152,8 @@ def _stream_stages(n: int, k: int, rows: int, most: int = 4) -> int:
     return 2
 
 
-PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2}}
+PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2},
+              "integer_mma_streamed_8_rows": {"imma": 1, "stages": 2, "rows_per_block": 8}}
 
 
 @needs_cuda
@@ -162,10 +163,15 @@ PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streame
 @pytest.mark.parametrize("n,k", LLM_FULL)
 def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
     """The persistent 4-bit layouts at every LLM shape: streamed (bulk copies into shared memory),
-    integer MMA (x as int8 block floating point terms on the tensor cores), and the two together."""
+    integer MMA (x as int8 block floating point terms on the tensor cores), and the two together (16-row
+    slabs, or 8-row ones with the weights as the MMA's other operand, for one row of x)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
     launch = PERSISTENT[layout] or {"stages": _stream_stages(n, k, rows)}
+    if layout == "integer_mma_streamed_8_rows" and rows == 2:
+        with pytest.raises(ValueError, match="or of 8 for one row of x"):
+            quantized_matvec(x, w, s, b, **launch)
+        return
     if layout == "integer_mma_streamed" and not _imma_stream_fits(n, k, rows):
         with pytest.raises(ValueError, match="inside 227 KB of shared memory"):
             quantized_matvec(x, w, s, b, **launch)
@@ -217,6 +223,19 @@ def test_stream_launch_stages_x_where_its_slices_fit():
     assert ext.stream_launch(4480, 4480) is None  # the block layout's shape
     with pytest.raises(ValueError, match="streamed layout takes"):
         ext.stream_launch(4480, 22656, stages=20)
+
+
+def test_imma_stream_launch_takes_8_row_slabs_for_one_row():
+    """The streamed integer-MMA layout's 8-row slabs (one row of x) fit the MLP down_proj's K = 15680,
+    whose 16-row ones do not: x's expansion (245 groups x 276 bytes) and two slabs of 8 rows."""
+    with pytest.raises(ValueError, match="inside 227 KB"):
+        ext.imma_stream_launch(15680, 4480)
+    down = ext.imma_stream_launch(15680, 4480, rows=8)
+    assert (down["rows"], down["smem"], down["blocks"]) == (8, 67712 + 2 * (8 * 7840 + 2 * 8 * 490), 132)
+    assert ext.imma_stream_launch(4480, 22656)["rows"] == 16
+    for bad, why in [(dict(m=2, rows=8), "or of 8 for one row of x"), (dict(rows=12), "slabs of 16 rows")]:
+        with pytest.raises(ValueError, match=why):
+            ext.imma_stream_launch(4480, 22656, **bad)
 
 
 def test_stage_x_setting_from_the_environment():

@@ -334,13 +334,14 @@ def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None
 
 
 def imma_stream_case(n, k, m, warps, stages, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1,
-                     emit=False, x_offset=0, w_offset=0, x_scale=1.0):
-    """vc_qmv_imma_stream (or _emit): a persistent grid of `blocks` blocks walking the N / 16 slabs,
-    `stages` of them in flight by bulk copies, `warps` warps splitting each slab's groups, x in four
-    int8 terms; w_offset > 0 misaligns the weight, so the block copies slabs itself."""
-    layout = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=4, STAGES=stages)
-    return _persistent_case("vc_qmv_imma_stream", layout, n, k, m, 16, blocks, 32 * warps, x_dtype, epi, bias_dtype,
-                            np_, ng, emit, x_offset, w_offset, x_scale)
+                     emit=False, x_offset=0, w_offset=0, x_scale=1.0, slab=16, levels=4):
+    """vc_qmv_imma_stream (or _emit): a persistent grid of `blocks` blocks walking the N / slab slabs
+    (16 rows, or 8 with the weights as the MMA's B operand), `stages` of them in flight by bulk
+    copies, `warps` warps splitting each slab's groups, x in `levels` int8 terms; w_offset > 0
+    misaligns the weight, so the block copies slabs itself."""
+    layout = dict(K=k, N=n, M=m, WARPS=warps, LEVELS=levels, STAGES=stages, SLAB=slab)
+    return _persistent_case("vc_qmv_imma_stream", layout, n, k, m, slab, blocks, 32 * warps, x_dtype, epi,
+                            bias_dtype, np_, ng, emit, x_offset, w_offset, x_scale)
 
 
 def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset=0, warps=0, epi=0, pro=0):
@@ -792,6 +793,18 @@ def emulated(tmp_path_factory):
         "imma_stream_huge_x": imma_stream_case(32, 320, 1, 2, 2, 1, x_scale=1e30),
         "imma_stream_prenormed_groups": imma_stream_case(64, 1024, 2, 2, 2, 3, np_=8, ng=4),
         "imma_stream_emit_prenormed": imma_stream_case(64, 2048, 1, 4, 2, 2, np_=16, ng=8, emit=True),
+        # 8-row slabs (the weights as the MMA's B operand, one row of x): slabs wrapping round (10 over
+        # 3 blocks, uneven groups a warp), unaligned bfloat16 x with a residual, a misaligned weight (the
+        # block's own copies) with a bias and squared ReLU on padded rows (K = 1024), huge and tiny x,
+        # three levels (a level lane without a term), a group-normed input, emitting with 8 groups
+        "imma_stream8_q4": imma_stream_case(80, 640, 1, 3, 2, 3, slab=8),
+        "imma_stream8_bf16": imma_stream_case(40, 1024, 1, 4, 3, 2, mx.bfloat16, epi=1, x_offset=1, slab=8),
+        "imma_stream8_own_copies_padded": imma_stream_case(48, 1024, 1, 2, 2, 2, epi=2, bias_dtype=mx.float32,
+                                                           w_offset=1, slab=8),
+        "imma_stream8_huge_x": imma_stream_case(32, 320, 1, 2, 2, 1, x_scale=1e30, slab=8),
+        "imma_stream8_tiny_x_three_levels": imma_stream_case(24, 256, 1, 2, 2, 2, x_scale=1e-30, slab=8, levels=3),
+        "imma_stream8_prenormed_groups": imma_stream_case(64, 1024, 1, 2, 2, 3, np_=8, ng=4, slab=8),
+        "imma_stream8_emit_prenormed": imma_stream_case(64, 2048, 1, 4, 2, 2, np_=16, ng=8, emit=True, slab=8),
         "emit_m2": emit_case(37, 640, 2, 4, 32),
         "emit_tail": emit_case(10, 4480, 1, 8, 160),
         "emit_prenormed_groups": emit_case(16, 1280, 1, 8, 32, np_=20, ng=4),
@@ -989,12 +1002,16 @@ def test_integer_mma_matvec_kernels_emulated(emulated, name):
 
 @pytest.mark.parametrize("name", ["imma_stream_q4", "imma_stream_m2_bf16", "imma_stream_own_copies",
                                   "imma_stream_own_copies_padded", "imma_stream_huge_x",
-                                  "imma_stream_prenormed_groups", "imma_stream_emit_prenormed"])
+                                  "imma_stream_prenormed_groups", "imma_stream_emit_prenormed",
+                                  "imma_stream8_q4", "imma_stream8_bf16", "imma_stream8_own_copies_padded",
+                                  "imma_stream8_huge_x", "imma_stream8_tiny_x_three_levels",
+                                  "imma_stream8_prenormed_groups", "imma_stream8_emit_prenormed"])
 def test_streamed_integer_mma_matvec_kernels_emulated(emulated, name):
     """vc_qmv_imma_stream equals MLX's product (and, emitting, the next norm's input and a partial sum
     of out^2 a slab): the slabs by bulk copy and their stages' reuse, each warp's groups of a slab
     from shared memory (scale rows padded where K is a multiple of 1024), the last warp's store, and
-    the block's own copies where the weight is misaligned."""
+    the block's own copies where the weight is misaligned; with 8-row slabs (imma_stream8_*) the
+    weights as the MMA's B operand, x's levels as its A rows and the bias lanes."""
     _check_persistent(emulated, name)
 
 

@@ -16,7 +16,7 @@ before each launch, so the weights come from DRAM as in the decode step.
 
 QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2:VC_RAMP=0" picks the variants
 (shape:kind:rows:threads:stages[:NAME=VALUE+...]; kind tma = vc_qmv_stream, immatma =
-vc_qmv_imma_stream, whose rows are 16 whatever the field says, probe = the streamed walk's bulk
+vc_qmv_imma_stream, whose slabs have 8 rows where the field says 8 and 16 otherwise, probe = the streamed walk's bulk
 copies alone, no prologue and no product, as qmv_variants.py's tmaprobe; the optional sixth field
 defines macros ahead of the kernel's text, VC_RAMP=0 asking for every first-round tile at the start;
 XS=0|1|2 among them is vc_qmv_stream's stage_x instead: how float32 x reaches each lane, see
@@ -158,9 +158,9 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int, stage_x
         l = ext.stream_launch(k, n, 1, True, ng, rows, threads, stages, 0, stage_x)
         return dict(blocks=l["blocks"], threads=l["threads"], smem=l["smem"], rows=l["rows"],
                     overrides={"ROWS": l["rows"], "THREADS": l["threads"], "STAGES": stages, "XS": l["stage_x"]})
-    l = ext.imma_stream_launch(k, n, 1, ng, threads, stages, 0)
-    return dict(blocks=l["blocks"], threads=32 * l["warps"], smem=l["smem"], rows=16,
-                overrides={"WARPS": l["warps"], "STAGES": stages})
+    l = ext.imma_stream_launch(k, n, 1, ng, threads, stages, 0, 8 if rows == 8 else 0)
+    return dict(blocks=l["blocks"], threads=32 * l["warps"], smem=l["smem"], rows=l["rows"],
+                overrides={"WARPS": l["warps"], "STAGES": stages, "SLAB": l["rows"]})
 
 
 def _variants() -> list:
@@ -204,8 +204,8 @@ def _ext_outputs(shape: str, kind: str, rows: int, threads: int, stages: int, t)
     n, k, groups, emit = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = t
     pre = dict(prenormed=partials, prenorm_groups=groups) if groups else {}
-    launch = dict(imma=1, stages=stages, threads=threads) if kind == "immatma" else dict(
-        rows_per_block=rows, threads=threads, stages=stages)
+    launch = dict(imma=1, stages=stages, threads=threads, rows_per_block=8 if rows == 8 else 0) if kind == "immatma" \
+        else dict(rows_per_block=rows, threads=threads, stages=stages)
     if emit:
         return list(ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **pre, **launch))
     return [ext.quantized_matvec(x, w, s, b, None, 64, 4, **pre, **launch)]

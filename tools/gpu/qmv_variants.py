@@ -19,8 +19,9 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
            (1: the default groups in flight a warp, 2-16 that many); rows and threads are ignored
   tma      the same through the streamed layout (bulk copies into shared memory) at (rows, threads;
            0: its defaults); its fourth field is quantized_matvec's stages (tiles in flight a block)
-  immatma  the integer-MMA product on the streamed layout's bulk-copied 16-row slabs (imma=1 with
-           stages); its fourth field is the stages; rows ignored, threads 0: 8 warps
+  immatma  the integer-MMA product on the streamed layout's bulk-copied slabs (imma=1 with stages);
+           its fourth field is the stages; rows 8: 8-row slabs (the weights as the MMA's B operand),
+           else 16; threads 0: 8 warps
   tmaprobe the streamed layout's loads and nothing else (vc_stream's bulk copies, STAGES tiles of
            rows in flight a block, each tile's bytes touched once in, then the stage refilled): what
            its walk can stream; its fourth field is the stages. tmaprobex: every block first loads
@@ -314,7 +315,7 @@ def _ext_call(shape: str, v, tensors):
     if kind == "tma":
         launch.update(stages=row_groups)
     if kind == "immatma":
-        launch = dict(imma=1, stages=row_groups, threads=threads)
+        launch = dict(imma=1, stages=row_groups, threads=threads, rows_per_block=8 if rows == 8 else 0)
     if per_sm:
         launch.update(blocks_per_sm=per_sm[0])
     if emit:

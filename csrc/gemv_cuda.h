@@ -1342,9 +1342,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   const bool staged = STAGE_X && vec;
   SX sx;
   if (staged) {
-    if constexpr (STAGE_X) {
-      sx.load(reinterpret_cast<const float*>(x), lane, warp);
-    }
+    sx.load(reinterpret_cast<const float*>(x), lane, warp);
   } else {
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
@@ -1371,13 +1369,11 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   if constexpr (NORM == 2) {
     sum_groups<NP, NG, M, THREADS>(norm_partials, &group_scratch[0][0], NGM, group_total);
   }
-  if constexpr (STAGE_X) {
-    if (staged) {
-      sx.spread(reinterpret_cast<float4*>(smem + (XS == 2 ? STAGES : 1) * S::BYTES), lane, warp, xv);
-      // each thread's accesses to the staged x ordered before the copy engine's writes into the
-      // stage (after the block's next barrier)
-      if constexpr (XS == 1) reads_before_copies();
-    }
+  if (staged) {
+    sx.spread(reinterpret_cast<float4*>(smem + (XS == 2 ? STAGES : 1) * S::BYTES), lane, warp, xv);
+    // each thread's accesses to the staged x ordered before the copy engine's writes into the stage
+    // (after the block's next barrier)
+    if constexpr (XS == 1) reads_before_copies();
   }
   // x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per chunk the
   // offset the pairs add and the sum of the x they saw.
@@ -1946,11 +1942,16 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   });
   __syncthreads();  // the expansion and the barriers' init seen by every thread
   VC_STAMP(0, 0);
+  auto walk = [&](auto slab_sums) {
+    vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0],
+                                                                       stages, wb, sb, bb, bias, residual, next_w,
+                                                                       out, normed, partials, first_tail, slab_sums);
+  };
   // 8-row slabs: this warp's sums of the slab in stage st, rows 2t and 2t + 1 (totalled over the
   // lanes of one t), into red[b].
   if constexpr (SLAB == 8) {
     const LaneTerms8<K, LEVELS> lt(smem, lane);
-    auto slab_sums = [&](const unsigned char* st, int b) {
+    walk([&](const unsigned char* st, int b) {
       float acc[2] = {0.0f, 0.0f};
       const unsigned char* w_row = st + g * S::ROW_STRIDE + t * 8;  // row g: the lane's 8 bytes of a group's 32
       // rows 2t, 2t + 1's scales (level lanes) or biases (bias lanes)
@@ -1967,15 +1968,12 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
         acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 16);
         if (g == 0) red[b][warp][2 * t + h] = acc[h];
       }
-    };
-    vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0],
-                                                                       stages, wb, sb, bb, bias, residual, next_w,
-                                                                       out, normed, partials, first_tail, slab_sums);
+    });
     return;
   }
   const LaneTerms<K, M, LEVELS> lt(smem, lane);
   // This warp's sums of the slab in stage st, rows g and g + 8 (totalled by the quad), into red[b].
-  auto slab_sums = [&](const unsigned char* st, int b) {
+  walk([&](const unsigned char* st, int b) {
     float acc[2][M];
     const unsigned char* w_lo = st + g * S::ROW_STRIDE + t * 8;  // row g: the lane's 8 bytes of a group's 32
     const unsigned char* w_hi = w_lo + 8 * S::ROW_STRIDE;         // row g + 8
@@ -2000,10 +1998,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
         if (t == 0) red[b][warp][(g + 8 * h) * M + m] = acc[h][m];
       }
     }
-  };
-  vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0],
-                                                                     stages, wb, sb, bb, bias, residual, next_w, out,
-                                                                     normed, partials, first_tail, slab_sums);
+  });
 }
 
 }  // namespace vc_imma

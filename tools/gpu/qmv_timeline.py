@@ -48,19 +48,14 @@ from voicechat.kernels import ext  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the streamed walk's loads alone (a block's tiles asked for as vc_stream::walk_tiles does, each
 # touched once in, its stage refilled), with its stamps; XLOAD 0: no prologue
-from qmv_variants import TMA_PROBE as PROBE, tma_probe_launch  # noqa: E402
+from qmv_variants import SHAPES as VARIANT_SHAPES, TMA_PROBE as PROBE, tma_probe_launch  # noqa: E402
 
 ROUNDS, EVENTS = 4, 4  # tiles a block recorded; events: prologue, in, summed, stored
 SLOTS = 4 + EVENTS * ROUNDS  # global timer and cycle count at start and end, then the events
 MAX_WARPS = 32
 
-# name: (N, K, prenorm groups (0: none), emit), as tools/gpu/qmv_variants.py's
-SHAPES = {
-    "out_proj": (4480, 10240, 8, True),
-    "down_proj": (4480, 15680, 0, True),
-    "in_proj": (22656, 4480, 1, False),
-    "up_proj": (15680, 4480, 1, False),
-}
+# name: (N, K, prenorm groups (0: none), emit), from tools/gpu/qmv_variants.py's
+SHAPES = {name: (n, k, groups, emit) for name, (n, k, (groups, emit, _)) in VARIANT_SHAPES.items()}
 DEFAULT_VARIANTS = ("out_proj:tma:8:320:2,out_proj:immatma:0:256:2,out_proj:immatma:0:512:2,"
                     "down_proj:tma:8:512:2,in_proj:immatma:0:256:2")
 

@@ -278,11 +278,11 @@ CudaInstance persistent_instance(bool emit, const char* tx, std::vector<Template
 }
 
 CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m, int rows, int threads, int stages,
-                                 int xs, int epi = 0, int np = 0, int ng = 1) {
+                                 int xs, int split, int epi = 0, int np = 0, int ng = 1) {
   return persistent_instance(emit, tx,
                              {{"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
                               {"ROWS", int_arg(rows)}, {"THREADS", int_arg(threads)}, {"STAGES", int_arg(stages)},
-                              {"XS", int_arg(xs)}},
+                              {"XS", int_arg(xs)}, {"SPLIT", int_arg(split)}},
                              epi, np, ng);
 }
 
@@ -301,12 +301,13 @@ const CudaSource& qmv_stream_source() {
       gemv_cuda::kQmvStreamSource,
       stream_header(),
       {
-          // mamba in_proj and mlp up_proj (squared ReLU) on a mamba out_proj's emitted norm input (560
-          // partials); plain, two rows of bfloat16 x; q_proj after an MLP down_proj (two rows)
-          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 0, 560),
-          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 2, 560),
-          qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4, 0),
-          qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 0, 560),
+          // mamba in_proj and mlp up_proj (squared ReLU) on a mamba out_proj's emitted norm input (784
+          // partials: 528 tiles', 256 parts'); plain, two rows of bfloat16 x; q_proj after an MLP
+          // down_proj (656 partials); SPLIT as pick_stream's
+          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 1, 0, 784),
+          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 2, 2, 784),
+          qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4, 0, 1),
+          qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 1, 0, 656),
       },
   });
   return src;
@@ -324,10 +325,10 @@ const CudaSource& qmv_stream_emit_source() {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
           // (one chunk a thread, or two), attention o_proj (two rows); x staged through a stage (the
           // first two) or in its own region
-          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 0, 640, 8),
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1),
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2),
-          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0),
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 8, 0, 640, 8),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2, 4),
+          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 2),
       },
   });
   return src;
@@ -721,9 +722,10 @@ int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
 
 // stage_x: how float32 x reaches each lane (vc_stream::StagedX): 0 each lane loads its own chunk,
 // 1 loaded coalesced and handed round through the second stage's buffer, 2 the same through a region
-// of its own past the stages (smem includes it).
+// of its own past the stages (smem includes it). split: the parts each last-round tile is cut into
+// (vc_stream::Walk); partials: the emitting kernel's partial sums a row of x (a tile's or a part's).
 struct StreamLaunch {
-  int rows, threads, stages, blocks, smem, stage_x;
+  int rows, threads, stages, blocks, smem, stage_x, split, partials;
 };
 
 // The float layouts' threads where a call leaves them to the default (threads 0) and x is a
@@ -748,6 +750,34 @@ int stage_x_setting() {
     throw std::invalid_argument("VOICECHAT_QMV_STAGE_X must be auto, 0, 1 or 2");
   }
   return mode;
+}
+
+// VOICECHAT_QMV_SPLIT: "1" keeps the last round's tiles whole (an A/B on the GPU without a rebuild);
+// unset or "auto" split_last_round's pick. Read once; a bad value is an error at every streamed launch.
+bool splits_last_round() {
+  static const int mode = [] {
+    const char* value = std::getenv("VOICECHAT_QMV_SPLIT");
+    const std::string v(value ? value : "");
+    return v.empty() || v == "auto" ? 1 : v == "1" ? 0 : -1;
+  }();
+  if (mode < 0) {
+    throw std::invalid_argument("VOICECHAT_QMV_SPLIT must be auto or 1");
+  }
+  return mode == 1;
+}
+
+// The parts each of the last round's tiles is cut into (vc_stream::Walk), for `tiles` tiles of `rows`
+// rows over `blocks` blocks: the most (a power of two, rows / parts rows at least one) that leave
+// every part a block of its own. The walk's time is its longest block's: at the MLP down_proj (560
+// 8-row tiles, 132 blocks) 28 of the blocks took a fifth tile while 104 waited; cut in 4, 112 blocks
+// take a quarter tile each.
+int split_last_round(int tiles, int blocks, int rows) {
+  const int left = tiles % blocks;
+  int split = 1;
+  while (left > 0 && rows % (2 * split) == 0 && left * 2 * split <= blocks) {
+    split *= 2;
+  }
+  return split;
 }
 
 // The default for `stages` = 0: how many tiles a vc_qmv_stream block keeps in flight at this
@@ -837,16 +867,19 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     smem += x_bytes;
     per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
   }
-  return StreamLaunch{rows, threads, stages, std::min(n / rows, kSmCount * per_sm), smem, stage_x};
+  const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
+  const int split = splits_last_round() ? split_last_round(tiles, blocks, rows) : 1;
+  return StreamLaunch{rows,    threads, stages, blocks, smem, stage_x,
+                      split, tiles / blocks * blocks + tiles % blocks * split};
 }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its
-// leading template args, `plain` / `emitting` its two sources, `rows` a tile's (one partial each when
-// emitting), `blocks` x `threads` the grid, `smem` its dynamic shared memory. [out] or [out, normed,
-// partials].
+// leading template args, `plain` / `emitting` its two sources, `partial_count` the emitting kernel's
+// partials a row of x, `blocks` x `threads` the grid, `smem` its dynamic shared memory. [out] or [out,
+// normed, partials].
 std::vector<mx::array> launch_persistent(const CudaSource& plain, const CudaSource& emitting,
                                          std::vector<std::pair<std::string, mx::fast::TemplateArg>> layout,
-                                         int rows, int blocks, int threads, int smem, const mx::array& x,
+                                         int partial_count, int blocks, int threads, int smem, const mx::array& x,
                                          const mx::array& w, const mx::array& scales, const mx::array& biases,
                                          const std::optional<mx::array>& bias, const Epilogue& epi,
                                          const std::optional<Prenorm>& prenorm,
@@ -872,7 +905,7 @@ std::vector<mx::array> launch_persistent(const CudaSource& plain, const CudaSour
   inputs.push_back(*next_norm);
   args.emplace_back("TE", next_norm->dtype());
   args.emplace_back("TO", out_dtype);
-  return kernel(emitting, smem)(inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, n / rows)},
+  return kernel(emitting, smem)(inputs, {out_shape(x, n), out_shape(x, n), out_shape(x, partial_count)},
                                 {out_dtype, mx::float32, mx::float32}, grid, block, args, std::nullopt, false, s);
 }
 
@@ -1095,7 +1128,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
     return launch_persistent(qmv_imma_stream_source(), qmv_imma_stream_emit_source(),
                              {{"K", k}, {"N", n}, {"M", m}, {"WARPS", l.warps}, {"LEVELS", kImmaLevels},
                               {"STAGES", l.stages}, {"SLAB", l.slab}},
-                             l.slab, l.blocks, 32 * l.warps, l.smem, x, w, scales, biases, bias, epi, prenorm,
+                             n / l.slab, l.blocks, 32 * l.warps, l.smem, x, w, scales, biases, bias, epi, prenorm,
                              next_norm, norm_eps, out_dtype, s);
   }
   const auto mma = warps > 0 || grouped ? std::nullopt
@@ -1105,8 +1138,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
     return launch_persistent(qmv_imma_source(), qmv_imma_emit_source(),
                              {{"K", k}, {"N", n}, {"M", m}, {"WARPS", mma->warps}, {"LEVELS", kImmaLevels},
                               {"INFLIGHT", mma->inflight}},
-                             16,
-                             mma->blocks, 32 * mma->warps, mma->smem, x, w, scales, biases, bias, epi, prenorm,
+                             n / 16, mma->blocks, 32 * mma->warps, mma->smem, x, w, scales, biases, bias, epi, prenorm,
                              next_norm, norm_eps, out_dtype, s);
   }
   const auto streamed = warps > 0 || grouped ? std::nullopt
@@ -1118,8 +1150,8 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
     const StreamLaunch& l = *streamed;
     return launch_persistent(qmv_stream_source(), qmv_stream_emit_source(),
                              {{"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
-                              {"THREADS", l.threads}, {"STAGES", l.stages}, {"XS", l.stage_x}},
-                             l.rows, l.blocks, l.threads, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
+                              {"THREADS", l.threads}, {"STAGES", l.stages}, {"XS", l.stage_x}, {"SPLIT", l.split}},
+                             l.partials, l.blocks, l.threads, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
                              norm_eps, out_dtype, s);
   }
   Launch l = pick_launch(chunks, n, rows_per_block, float_threads, block_only || grouped ? 0 : warps);
@@ -1377,7 +1409,8 @@ py::object stream_launch(int k, int n, int m, bool x_float32, int prenorm_groups
     return py::none();
   }
   return py::dict(py::arg("rows") = l->rows, py::arg("threads") = l->threads, py::arg("stages") = l->stages,
-                  py::arg("blocks") = l->blocks, py::arg("smem") = l->smem, py::arg("stage_x") = l->stage_x);
+                  py::arg("blocks") = l->blocks, py::arg("smem") = l->smem, py::arg("stage_x") = l->stage_x,
+                  py::arg("split") = l->split, py::arg("partials") = l->partials);
 }
 
 py::dict imma_stream_launch(int k, int n, int m, int prenorm_groups, int threads, int stages, int blocks_per_sm,
@@ -1472,10 +1505,11 @@ void bind(py::module_& m) {
         py::arg("prenorm_groups") = 1, py::arg("rows") = 0, py::arg("threads") = 0, py::arg("stages") = 0,
         py::arg("blocks_per_sm") = 0, py::arg("stage_x") = -1,
         "The float streamed layout's launch as quantized_matvec picks it on an sm_90 GPU (4-bit, group 64, "
-        "bfloat16 scales): {rows, threads, stages, blocks, smem (dynamic bytes), stage_x}. stages 0: the "
+        "bfloat16 scales): {rows, threads, stages, blocks, smem (dynamic bytes), stage_x, split (the parts a "
+        "last-round tile is cut into), partials (the emitting kernel's partial sums a row of x)}. stages 0: the "
         "float layouts' default, None where that is the block layout; ValueError where a forced launch "
         "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
-        "pick), 0 / 1 / 2 that mode where the kernel takes it.");
+        "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto or 1).");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
         py::arg("rows") = 0,

@@ -25,6 +25,12 @@ constexpr const char* kCommonHeader = R"(
 #define VC_GEMV_COMMON
 namespace vc_gemv {
 
+// A compile-time int as a value (a generic lambda's template argument; no <type_traits> in NVRTC).
+template <int V>
+struct Int {
+  static constexpr int value = V;
+};
+
 // Two bfloat16 / float16 values of a word (element 0 in the low half), or one float32.
 __device__ __forceinline__ void unpack_dense(unsigned int v, float* q, const __nv_bfloat16*) {
   q[0] = __uint_as_float(v << 16);
@@ -892,31 +898,33 @@ __device__ __forceinline__ float tile_total(const float* red, int stride, int la
   return v;
 }
 
-// A tile's totals (ROWS rows, `tile` of `tiles`) stored by one warp, all 32 lanes calling: lane l's
-// total v is row tile x ROWS + l / M, input row l % M, stored through vc_gemv::finish's epilogue, or
-// with EMIT as vc_gemv::emit_rows (a partial a tile). tail: the lane's vc_gemv::Tail for that row.
+// The totals of ROWS rows from row0 on (a tile, or a part of one) stored by one warp, all 32 lanes
+// calling: lane l's total v is row row0 + l / M, input row l % M, stored through vc_gemv::finish's
+// epilogue, or with EMIT as vc_gemv::emit_rows (their partial is p of np). tail: the lane's
+// vc_gemv::Tail for that row.
 template <int M, int ROWS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
-__device__ __forceinline__ void store_totals(float v, int lane, int tile, int tiles, const TL& tail, TO* out,
+__device__ __forceinline__ void store_totals(float v, int lane, int row0, int p, int np, const TL& tail, TO* out,
                                              float* normed, float* partials) {
   constexpr int SUMS = ROWS * M;
-  const int row = tile * ROWS + lane / M;
+  const int row = row0 + lane / M;
   if constexpr (EMIT) {
-    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, tile, tiles);
+    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, p, np);
   } else if (lane < SUMS) {
     vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
   }
 }
 
-// The end of a persistent kernel's tile in warp 0: tile_total, then store_totals. tail: the
-// thread's vc_gemv::row_tail for the tile, loaded before its product.
+// The end of a persistent kernel's tile (or part of one: ROWS rows from row0, partial p of np) in
+// warp 0: tile_total, then store_totals. tail: the thread's vc_gemv::row_tail for those rows, loaded
+// before their product.
 template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
-__device__ __forceinline__ void store_tile(const float* red, int stride, int tile, int tiles, const TL& tail, TO* out,
-                                           float* normed, float* partials) {
+__device__ __forceinline__ void store_tile(const float* red, int stride, int row0, int p, int np, const TL& tail,
+                                           TO* out, float* normed, float* partials) {
   if (threadIdx.x >= 32) {
     return;
   }
   const int lane = static_cast<int>(threadIdx.x);
-  store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(tile_total<ROWS * M, WARPS>(red, stride, lane), lane, tile, tiles,
+  store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(tile_total<ROWS * M, WARPS>(red, stride, lane), lane, row0, p, np,
                                                 tail, out, normed, partials);
 }
 
@@ -1090,6 +1098,61 @@ __device__ __forceinline__ void fetch_bulk(unsigned char* st, const unsigned cha
   for (int c = lane; c < TileCopies<S>::COPIES; c += 32) TileCopies<S>::copy(c, st, w, s, b, tile, bar);
 }
 
+// The bulk copies of part q of tile `tile` (its weight rows q x PART_ROWS on, into their place in
+// stage st, and the whole tile's scales and biases: their rows need not be whole 16 bytes), spread
+// over the lanes of one warp as fetch_bulk's.
+template <typename S, int PART_ROWS>
+__device__ __forceinline__ void fetch_part(unsigned char* st, const unsigned char* w, const unsigned char* s,
+                                           const unsigned char* b, int tile, int q, unsigned long long* bar, int lane) {
+  static_assert(!S::W_PADDED, "a part's weight rows in one copy");
+  constexpr int BYTES = PART_ROWS * S::ROW_BYTES;
+  if (lane == 0) {
+    bar_expect(bar, BYTES + 2 * S::S_BYTES);
+  }
+  __syncwarp();
+  for (int c = lane; c < TileCopies<S>::COPIES; c += 32) {
+    if (c == 0) {
+      bulk_copy(st + q * BYTES, w + static_cast<size_t>(tile) * S::W_BYTES + q * BYTES, BYTES, bar);
+    } else {
+      TileCopies<S>::copy(c, st, w, s, b, tile, bar);
+    }
+  }
+}
+
+// The items a persistent block walks (tiles of S::ROWS rows, TILES of them): whole rounds (tile
+// blockIdx.x + i x gridDim.x, i < rounds), then the `left` tiles of the last round. With SPLIT 1
+// each of those goes whole to one of the first `left` blocks; with SPLIT > 1 each is cut into SPLIT
+// parts of PART_ROWS rows, one for each of the first left x SPLIT blocks, so that the round costs
+// those blocks a part instead of a tile while the others wait (gemv.cpp's split_last_round picks it).
+// An item's totals are partial p of np when emitting: the tiles', then the parts', in row order.
+template <typename S, int TILES, int SPLIT_>
+struct Walk {
+  static constexpr int ROWS = S::ROWS, SPLIT = SPLIT_, PART_ROWS = ROWS / SPLIT_;
+  static_assert(SPLIT_ >= 1 && ROWS % SPLIT_ == 0, "a tile cut into parts of whole rows");
+  int b, g, rounds, left, count;
+
+  __device__ __forceinline__ Walk()
+      : b(static_cast<int>(blockIdx.x)), g(static_cast<int>(gridDim.x)), rounds(TILES / g), left(TILES - rounds * g),
+        count(rounds + (b < left * SPLIT ? 1 : 0)) {}
+  __device__ __forceinline__ bool part(int i) const { return SPLIT > 1 && i >= rounds; }
+  __device__ __forceinline__ int tile(int i) const { return i < rounds ? b + i * g : rounds * g + b / SPLIT; }
+  __device__ __forceinline__ int q() const { return b % SPLIT; }  // the block's part of its last tile
+  __device__ __forceinline__ int row0(int i) const { return part(i) ? rounds * g * ROWS + b * PART_ROWS : tile(i) * ROWS; }
+  __device__ __forceinline__ int p(int i) const { return i < rounds ? tile(i) : rounds * g + b; }
+  __device__ __forceinline__ int np() const { return rounds * g + left * SPLIT; }
+  // Item i's bulk copies into stage st (one warp, all its lanes).
+  __device__ __forceinline__ void fetch(int i, unsigned char* st, const unsigned char* wb, const unsigned char* sb,
+                                        const unsigned char* bb, unsigned long long* bar, int lane) const {
+    if constexpr (SPLIT > 1) {
+      if (part(i)) {
+        fetch_part<S, PART_ROWS>(st, wb, sb, bb, tile(i), q(), bar, lane);
+        return;
+      }
+    }
+    fetch_bulk<S>(st, wb, sb, bb, tile(i), bar, lane);
+  }
+};
+
 // Tile `tile`'s weight rows, scales and biases into stage `st` by the block's threads, word by word
 // (the pointers not 16-byte aligned for bulk copies), laid out as S.
 template <typename S, int THREADS>
@@ -1111,11 +1174,10 @@ __device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned ch
 }
 
 // Warp 0 of a block on the bulk path (all its lanes): the stages' barriers and counts set up, and the
-// block's first tiles (of `tiles`: blockIdx.x, + gridDim.x, ...) asked for: the first alone with
-// VC_RAMP (walk_tiles asks for the others), else STAGES of them. The block's other threads see the
-// barriers after its next barrier.
-template <int STAGES, typename S>
-__device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars, unsigned int* arrived,
+// block's first items (of its Walk) asked for: the first alone with VC_RAMP (walk_tiles asks for the
+// others), else STAGES of them. The block's other threads see the barriers after its next barrier.
+template <int STAGES, typename S, typename W>
+__device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* bars, unsigned int* arrived,
                                             unsigned char* stages, const unsigned char* wb, const unsigned char* sb,
                                             const unsigned char* bb, int lane) {
   if (lane == 0) {
@@ -1125,95 +1187,121 @@ __device__ __forceinline__ void start_tiles(int tiles, unsigned long long* bars,
     }
   }
   __syncwarp();
-  for (int s = 0; s < (VC_RAMP ? 1 : STAGES) && s < tiles; ++s) {
-    fetch_bulk<S>(stages + s * S::BYTES, wb, sb, bb, static_cast<int>(blockIdx.x) + s * static_cast<int>(gridDim.x),
-                  &bars[s], lane);
+  for (int s = 0; s < (VC_RAMP ? 1 : STAGES) && s < walk.count; ++s) {
+    walk.fetch(s, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
   }
 }
 
 // With VC_RAMP, warp 0 (all its lanes) once round i's tile is in: round i + 1's first tile asked for,
 // while the first round lasts.
-template <int STAGES, typename S>
-__device__ __forceinline__ void ramp_tiles(int i, int tiles, unsigned long long* bars, unsigned char* stages,
+template <int STAGES, typename S, typename W>
+__device__ __forceinline__ void ramp_tiles(int i, const W& walk, unsigned long long* bars, unsigned char* stages,
                                            const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
                                            int lane) {
-  if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 < STAGES && i + 1 < tiles) {
-    fetch_bulk<S>(stages + (i + 1) * S::BYTES, wb, sb, bb,
-                  static_cast<int>(blockIdx.x) + (i + 1) * static_cast<int>(gridDim.x), &bars[i + 1], lane);
+  if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 < STAGES && i + 1 < walk.count) {
+    walk.fetch(i + 1, stages + (i + 1) * S::BYTES, wb, sb, bb, &bars[i + 1], lane);
   }
 }
 
-// The Tail that lane `lane` stores for round i's tile of this block (its output row when its warp
-// stores the tile): zeros past the block's tiles and for lanes past the tile's sums.
-template <int ROWS, int M, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE>
-__device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(int i, int tiles, int lane, const TB* bias,
+// The Tail that lane `lane` stores for item i of this block's Walk (its output row when its warp
+// stores the item): zeros past the block's items and for lanes past the item's sums.
+template <int M, int EPI, bool HAS_BIAS, bool EMIT, int N, typename W, typename TB, typename TR, typename TE>
+__device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(const W& walk, int i, int lane, const TB* bias,
                                                                 const TR* residual, const TE* next_w) {
-  const int row0 = (static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x)) * ROWS;
-  return i < tiles ? vc_gemv::slot_tail<ROWS, M, EPI, HAS_BIAS>(lane, bias, residual, row0, N, EMIT ? next_w : nullptr)
-                   : vc_gemv::zero_tail<TB, TR, TE>();
+  if (i >= walk.count) {
+    return vc_gemv::zero_tail<TB, TR, TE>();
+  }
+  const TE* nw = EMIT ? next_w : nullptr;
+  return walk.part(i) ? vc_gemv::slot_tail<W::PART_ROWS, M, EPI, HAS_BIAS>(lane, bias, residual, walk.row0(i), N, nw)
+                      : vc_gemv::slot_tail<W::ROWS, M, EPI, HAS_BIAS>(lane, bias, residual, walk.row0(i), N, nw);
 }
 
-// A streamed kernel's walk over its block's tiles (S::ROWS rows each, whole K, laid out as S in
-// shared memory; `tiles` of them:
-// blockIdx.x, + gridDim.x, ...). `sums(st, b)` computes this thread's share of the tile in stage st
-// and leaves its warp's ROWS x M sums in red buffer b (red: buffers of WARPS x ROWS x M floats, one a
-// stage, two at least). Bulk (start_tiles asked for the first tiles, ramp_tiles asks for the rest of
-// the first round): no block barrier a tile; a warp waits only for its tile's mbarrier, and the last
-// warp done with a tile (last_warp) totals it, asks for the tile STAGES ahead into the stage and
-// stores it. Otherwise (pointers not 16-byte
-// aligned) the block copies each tile itself into stage 0, behind barriers, and warp 0 stores it.
-// first_tail: stream_tail(0, ...), which the kernel asks for with x, before its first tiles.
-template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE, typename TO, typename Sums>
-__device__ __forceinline__ void walk_tiles(bool bulk, int tiles, unsigned long long* bars, unsigned int* arrived,
+// A streamed kernel's walk over its block's items (`walk`, a Walk: tiles of S::ROWS rows, whole K,
+// laid out as S in shared memory, and with SPLIT > 1 a part of a last-round tile). `sums(st, b)`
+// computes this thread's share of the tile in stage st and leaves its warp's ROWS x M sums in red
+// buffer b (red: buffers of WARPS x ROWS x M floats, one a stage, two at least); `part_sums(st, b,
+// q)` the same for part q of it (PART_ROWS x M sums, the tile's rows q x PART_ROWS on; never called
+// with SPLIT 1). Bulk (start_tiles asked for the first items, ramp_tiles asks for the rest of the
+// first round): no block barrier an item; a warp waits only for its item's mbarrier, and the last
+// warp done with an item (last_warp) totals it, asks for the item STAGES ahead into the stage and
+// stores it. Otherwise (pointers not 16-byte aligned) the block copies each item's whole tile itself
+// into stage 0, behind barriers, and warp 0 stores it. first_tail: stream_tail(walk, 0, ...), which
+// the kernel asks for with x, before its first tiles.
+template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename W, typename TB,
+          typename TR, typename TE, typename TO, typename Sums, typename PartSums>
+__device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned long long* bars, unsigned int* arrived,
                                            float* red, unsigned char* stages, const unsigned char* wb,
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
                                            const TR* residual, const TE* next_w, TO* out, float* normed,
                                            float* partials, const vc_gemv::Tail<TB, TR, TE>& first_tail,
-                                           Sums sums) {
-  constexpr int ROWS = S::ROWS;
+                                           Sums sums, PartSums part_sums) {
+  constexpr int ROWS = S::ROWS, PART_ROWS = W::PART_ROWS;
   constexpr int SUMS = ROWS * M;
-  constexpr int TILES = N / ROWS;
   constexpr int THREADS = WARPS * 32;
   const int lane = threadIdx.x & 31;
   if (bulk) {
-    // This lane's Tail of round i's tile, asked for a tile ahead so that its trip to memory overlaps
-    // a tile's product. Round 0's came with x: asked for here, behind the first tiles' bulk copies,
-    // it came in after them, and the copy into `tail` held every warp until then (20% of out_proj's
-    // warp samples on the H200, 2026-12-04).
+    // This lane's Tail of item i, asked for an item ahead so that its trip to memory overlaps an
+    // item's product. Item 0's came with x: asked for here, behind the first tiles' bulk copies, it
+    // came in after them, and the copy into `tail` held every warp until then (20% of out_proj's warp
+    // samples on the H200, 2026-12-04).
     auto next_tail = first_tail;
-    for (int i = 0; i < tiles; ++i) {
-      const int tile = blockIdx.x + i * gridDim.x;
+    for (int i = 0; i < walk.count; ++i) {
       const int s = i % STAGES;
+      const bool part = walk.part(i);
       const auto tail = next_tail;
-      next_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(i + 1, tiles, lane, bias, residual, next_w);
+      next_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, i + 1, lane, bias, residual, next_w);
       bar_wait(&bars[s], (i / STAGES) & 1);
       VC_STAMP(1, i);
-      ramp_tiles<STAGES, S>(i, tiles, bars, stages, wb, sb, bb, lane);
-      sums(stages + s * S::BYTES, s);
+      ramp_tiles<STAGES, S>(i, walk, bars, stages, wb, sb, bb, lane);
+      if (part) {
+        part_sums(stages + s * S::BYTES, s, walk.q());
+      } else {
+        sums(stages + s * S::BYTES, s);
+      }
       VC_STAMP(2, i);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-        const float v = tile_total<SUMS, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
+        const float* rs = red + s * WARPS * SUMS;
+        const float v = part ? tile_total<PART_ROWS * M, WARPS>(rs, SUMS, lane) : tile_total<SUMS, WARPS>(rs, SUMS, lane);
         __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
-        if (i + STAGES < tiles) {
+        if (i + STAGES < walk.count) {
           reads_before_copies();  // each lane, before its copies
-          fetch_bulk<S>(stages + s * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x), &bars[s], lane);
+          walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
         }
-        store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, tile, TILES, tail, out, normed, partials);
+        if (part) {
+          store_totals<M, PART_ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out,
+                                                             normed, partials);
+        } else {
+          store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
+                                                        partials);
+        }
         VC_STAMP(3, i);
       }
     }
     return;
   }
-  for (int i = 0; i < tiles; ++i) {
-    const int tile = blockIdx.x + i * gridDim.x;
-    const auto tail =
-        vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, tile * ROWS, N, EMIT ? next_w : nullptr);
-    fetch_words<S, THREADS>(stages, wb, sb, bb, tile);
+  for (int i = 0; i < walk.count; ++i) {
+    const bool part = walk.part(i);
+    const int row0 = walk.row0(i);
+    const TE* nw = EMIT ? next_w : nullptr;
+    const auto tail = part ? vc_gemv::row_tail<PART_ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, nw)
+                           : vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, nw);
+    fetch_words<S, THREADS>(stages, wb, sb, bb, walk.tile(i));
     __syncthreads();
-    sums(stages, i & 1);  // red double-buffered: a warp may write the next tile's before warp 0 reads this one's
-    __syncthreads();      // the stage read and the sums written by every thread
-    store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, tile, TILES, tail, out,
-                                                      normed, partials);
+    // red double-buffered: a warp may write the next item's before warp 0 reads this one's
+    if (part) {
+      part_sums(stages, i & 1, walk.q());
+    } else {
+      sums(stages, i & 1);
+    }
+    __syncthreads();  // the stage read and the sums written by every thread
+    float* rs = red + (i & 1) * WARPS * SUMS;
+    if (part) {
+      store_tile<M, PART_ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(rs, SUMS, row0, walk.p(i), walk.np(), tail, out, normed,
+                                                              partials);
+    } else {
+      store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(rs, SUMS, row0, walk.p(i), walk.np(), tail, out, normed,
+                                                         partials);
+    }
   }
 }
 
@@ -1287,11 +1375,12 @@ struct StagedX {
 // out[m, row] for the streamed matvec's tiles: NORM 0 (x as it is) or 2 (x normalized by its
 // producer: norm_w holds NP partial sums of squares an input row in NG groups, see vc_gemv::qmv_block),
 // the epilogue of vc_gemv::finish, and with EMIT the next norm's input as vc_qmv_emit writes it
-// (partials: one a tile). N a multiple of ROWS. The dynamic shared memory `smem` holds STAGES tiles
+// (partials: one a tile, and one a part of a split last-round tile). N a multiple of ROWS. SPLIT: the
+// parts a last-round tile is cut into (Walk). The dynamic shared memory `smem` holds STAGES tiles
 // (and with XS 2, x's slices past them).
-template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int EPI, bool HAS_BIAS,
-          int NORM, int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN,
-          typename TO, typename TE>
+template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int SPLIT, int EPI,
+          bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR,
+          typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weight, const TS* scales,
                                            const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                            float eps, TO* out, const TE* next_w, float* normed, float* partials,
@@ -1322,7 +1411,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const Walk<S, TILES, SPLIT> walk;
   const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
@@ -1360,10 +1449,10 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   if constexpr (NORM == 2) {
     norm_partials = load_partials<NP, M, THREADS>(norm_w);
   }
-  const auto first_tail = stream_tail<ROWS, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
+  const auto first_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, 0, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x < 32 && bulk) {
-    start_tiles<STAGES, S>(tiles, bars, arrived, smem, wb, sb, bb, lane);
+    start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane);
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
@@ -1404,17 +1493,19 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   __syncthreads();  // the barriers' init seen by every thread
   VC_STAMP(0, 0);
-  // This warp's sums of the tile in stage st (each thread's, folded over the warp: see fold_sums)
-  // into red[b][warp].
-  constexpr int LOG = SUMS >= 32 ? 5 : SUMS >= 16 ? 4 : SUMS >= 8 ? 3 : SUMS >= 4 ? 2 : SUMS >= 2 ? 1 : 0;
-  static_assert(SUMS == 1 << LOG, "ROWS x M a power of two");
-  auto tile_sums = [&](const unsigned char* st, int b) {
-    float acc[ROWS][M];
+  // This warp's sums of R rows of the tile in stage st, its rows r0 on (each thread's, folded over
+  // the warp: see fold_sums), into red[b][warp].
+  auto row_sums = [&](auto rows, const unsigned char* st, int b, int r0) {
+    constexpr int R = decltype(rows)::value;
+    constexpr int RM = R * M;
+    constexpr int LOG = RM >= 32 ? 5 : RM >= 16 ? 4 : RM >= 8 ? 3 : RM >= 4 ? 2 : RM >= 2 ? 1 : 0;
+    static_assert(RM == 1 << LOG, "a tile's (and a part's) rows x M a power of two");
+    float acc[R][M];
     const uint4* w4 = reinterpret_cast<const uint4*>(st);
     const TS* tscale = reinterpret_cast<const TS*>(st + S::SCALES);
     const TS* tbias = reinterpret_cast<const TS*>(st + S::BIASES);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < R; ++r) {
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
     }
@@ -1424,8 +1515,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       if (c < CHUNKS) {
         const int g = c * CHUNK / GROUP;
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          const uint4 wv = w4[r * CHUNKS + c];
+        for (int r = 0; r < R; ++r) {
+          const uint4 wv = w4[(r0 + r) * CHUNKS + c];
           float dot[M];
 #pragma unroll
           for (int m = 0; m < M; ++m) dot[m] = -offset[j][m];
@@ -1437,21 +1528,23 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
             vc_gemv::pair_fma<2, M>(v, xh[j][k], xl[j][k], dot);
             vc_gemv::pair_fma<3, M>(v, xh[j][k], xl[j][k], dot);
           }
-          const float scale = static_cast<float>(tscale[r * GROUPS + g]);
-          const float bias_g = static_cast<float>(tbias[r * GROUPS + g]);
+          const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
+          const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
 #pragma unroll
           for (int m = 0; m < M; ++m) acc[r][m] += fmaf(scale, dot[m], bias_g * xsum[j][m]);
         }
       }
     }
-    const float v = fold_sums<SUMS, 16>(&acc[0][0], lane);
-    if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp][(lane >> (5 - LOG)) & (SUMS - 1)] = v;
+    const float v = fold_sums<RM, 16>(&acc[0][0], lane);
+    if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp][(lane >> (5 - LOG)) & (RM - 1)] = v;
   };
+  using W = Walk<S, TILES, SPLIT>;
   // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
   // 2026-12-03): see walk_tiles.
-  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0], smem, wb, sb,
-                                                          bb, bias, residual, next_w, out, normed, partials,
-                                                          first_tail, tile_sums);
+  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
+      bulk, walk, bars, arrived, &red[0][0][0], smem, wb, sb, bb, bias, residual, next_w, out, normed, partials,
+      first_tail, [&](const unsigned char* st, int b) { row_sums(vc_gemv::Int<ROWS>{}, st, b, 0); },
+      [&](const unsigned char* st, int b, int q) { row_sums(vc_gemv::Int<W::PART_ROWS>{}, st, b, q * W::PART_ROWS); });
 }
 
 }  // namespace vc_stream
@@ -1742,8 +1835,8 @@ __device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 
     }
   }
   __syncthreads();
-  vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[0][0], SUMS, slab, N / 16, tail, out, normed,
-                                                              partials);
+  vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[0][0], SUMS, slab * 16, slab, N / 16, tail, out,
+                                                              normed, partials);
 }
 
 // out[m, row] for 16-row slabs, a persistent grid (block b: slabs b, b + grid, ...), the block's warps
@@ -1911,7 +2004,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const vc_stream::Walk<S, TILES, 1> slabs;
   const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
@@ -1924,10 +2017,10 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
     norm_partials = vc_stream::load_partials<NP, M, THREADS>(norm_w);
   }
   const auto first_tail =
-      vc_stream::stream_tail<SLAB, M, EPI, HAS_BIAS, EMIT, N>(0, tiles, lane, bias, residual, next_w);
+      vc_stream::stream_tail<M, EPI, HAS_BIAS, EMIT, N>(slabs, 0, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
   if (threadIdx.x < 32 && bulk) {
-    vc_stream::start_tiles<STAGES, S>(tiles, bars, arrived, stages, wb, sb, bb, lane);
+    vc_stream::start_tiles<STAGES, S>(slabs, bars, arrived, stages, wb, sb, bb, lane);
   }
   if constexpr (NORM == 2) {
     vc_stream::sum_groups<NP, NG, M, THREADS>(norm_partials, &red[1][0][0], SUMS, group_total);
@@ -1943,9 +2036,9 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   __syncthreads();  // the expansion and the barriers' init seen by every thread
   VC_STAMP(0, 0);
   auto walk = [&](auto slab_sums) {
-    vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, tiles, bars, arrived, &red[0][0][0],
-                                                                       stages, wb, sb, bb, bias, residual, next_w,
-                                                                       out, normed, partials, first_tail, slab_sums);
+    vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
+        bulk, slabs, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
+        first_tail, slab_sums, [](const unsigned char*, int, int) {});  // whole slabs only: no parts
   };
   // 8-row slabs: this warp's sums of the slab in stage st, rows 2t and 2t + 1 (totalled over the
   // lanes of one t), into red[b].
@@ -2050,23 +2143,23 @@ constexpr const char* kQmvImmaEmitSource = R"(
 // y = the 4-bit matvec of kQmvSource (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a
 // persistent grid, STAGES tiles of ROWS rows in flight a block by bulk copies (dynamic shared memory:
 // STAGES * the tile's bytes, + x's slices with XS 2). Template args: GROUP, K, N, M, ROWS, THREADS,
-// STAGES, XS (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS,
-// TB, TR, TN, TO.
+// STAGES, XS, SPLIT (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX,
+// TS, TB, TR, TN, TO.
 constexpr const char* kQmvStreamSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_stages);
 )";
 
 // kQmvStreamSource with EMIT (as kQmvEmitSource: out = product + residual, normed = out * next_w, and
-// each tile's partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES, XS, HAS_BIAS,
-// NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
+// each tile's (and part's) partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES,
+// XS, SPLIT, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvStreamEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_stages);
 )";
 

@@ -253,6 +253,36 @@ def test_stage_x_setting_from_the_environment():
     assert bad.returncode != 0 and "VOICECHAT_QMV_STAGE_X must be auto, 0, 1 or 2" in bad.stderr
 
 
+def test_stream_launch_splits_the_last_rounds_tiles():
+    """The last round's tiles are cut into parts (a power of two, whole rows) so that each part has a
+    block of its own: the emitting kernel then writes a partial a tile of the whole rounds and one a
+    part. A grid the tiles fill evenly, or a last round too full to split, keeps whole tiles."""
+    down = ext.stream_launch(15680, 4480)  # 560 tiles over 132 blocks: 528 + 32 tiles in 4 parts
+    assert (down["blocks"], down["split"], down["partials"]) == (132, 4, 528 + 32 * 4)
+    out = ext.stream_launch(10240, 4480, prenorm_groups=8)  # 264 blocks: 528 + 32 tiles in 8 one-row parts
+    assert (out["blocks"], out["split"], out["partials"]) == (264, 8, 528 + 32 * 8)
+    four = ext.stream_launch(10240, 4480, prenorm_groups=8, rows=4)  # 1120 tiles over 528 blocks: 4 parts at most
+    assert (four["blocks"], four["split"], four["partials"]) == (528, 4, 1056 + 64 * 4)
+    full = ext.stream_launch(4480, 22656, stages=4)  # 2832 tiles over 264 blocks: 192 left, no room to split
+    assert (full["blocks"], full["split"], full["partials"]) == (264, 1, 2832)
+    even = ext.stream_launch(15680, 1056)  # 132 tiles: one round, nothing left
+    assert (even["blocks"], even["split"], even["partials"]) == (132, 1, 132)
+
+
+def test_split_setting_from_the_environment():
+    """VOICECHAT_QMV_SPLIT=1 keeps the last round's tiles whole (auto: split); a bad value is one
+    clear error."""
+    code = "from voicechat.kernels import ext\nl = ext.stream_launch(15680, 4480)\nprint(l['split'], l['partials'])"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for value, want in [("1", "1 560"), ("auto", "4 656")]:
+        done = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_SPLIT": value},
+                              capture_output=True, text=True, timeout=120)
+        assert done.stdout.split() == want.split(), done.stderr
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_SPLIT": "2"},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "VOICECHAT_QMV_SPLIT must be auto or 1" in bad.stderr
+
+
 IMMA_STREAMED, STREAMED, BLOCK = {"imma": 1, "stages": 2}, {"stages": 2}, {"stages": -1}
 
 

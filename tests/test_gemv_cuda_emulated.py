@@ -277,12 +277,20 @@ def emit_case(n, k, m, rows, threads, x_dtype=mx.float32, np_=0, ng=1, next_dtyp
     return case, ref
 
 
+def _partial_rows(n, rows, blocks, split):
+    """The rows each partial of an emitting persistent kernel sums, in order: a tile's `rows` for
+    each tile of the grid's whole rounds, then rows / split for each part of the last round's tiles."""
+    tiles = n // rows
+    whole = tiles // blocks * blocks
+    return [rows] * whole + [rows // split] * ((tiles - whole) * split)
+
+
 def _persistent_case(source, layout, n, k, m, rows, blocks, threads, x_dtype, epi, bias_dtype, np_, ng, emit,
-                     x_offset, w_offset, x_scale=1.0):
+                     x_offset, w_offset, x_scale=1.0, split=1):
     """A persistent 4-bit kernel's launch (`source` or its _emit twin, `layout` its leading template
-    args, tiles of `rows` rows: one partial each when emitting) and MLX's product it must equal: the
-    input plain or normalized by its producer (np_ partials in ng groups), w_offset > 0 a misaligned
-    weight."""
+    args, tiles of `rows` rows, the last round's cut in `split` parts: one partial each when emitting)
+    and MLX's product it must equal: the input plain or normalized by its producer (np_ partials in
+    ng groups), w_offset > 0 a misaligned weight."""
     w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=n + k)
     if np_:
         x, partials, normed = _prenormed_inputs(k, m, np_, ng, x_dtype, seed=k)
@@ -299,28 +307,32 @@ def _persistent_case(source, layout, n, k, m, rows, blocks, threads, x_dtype, ep
                 TS=mx.bfloat16, TB=bias_dtype or mx.bfloat16, TR=residual.dtype, TN=partials.dtype, TO=mx.float32)
     inputs = [x, w, s, b, bias if bias is not None else s, residual, partials]
     outputs = [("float", (m, n))]
+    sizes = _partial_rows(n, rows, blocks, split)
     if emit:
         args["TE"] = mx.float32
         inputs.append(next_w)
-        outputs += [("float", (m, n)), ("float", (m, n // rows))]
+        outputs += [("float", (m, n)), ("float", (m, len(sizes)))]
     case = Case(source + "_emit" if emit else source, args, inputs, outputs, blocks, threads,
                 [x_offset, w_offset] + [0] * (len(inputs) - 2))
     with mx.stream(mx.cpu):
         ref = mx.quantized_matmul(normed.astype(mx.float32), w, s, b, transpose=True, group_size=64, bits=4)
         ref = _epilogue_ref(ref if bias is None else ref + bias, 1 if emit else epi, residual)
         if emit:
-            ref = (ref, ref * next_w, mx.square(ref).reshape(m, n // rows, rows).sum(-1))
+            ends = np.cumsum(sizes)
+            sq = np.square(np.array(ref))
+            ref = (ref, ref * next_w, mx.array(np.stack([sq[:, e - r:e].sum(-1) for r, e in zip(sizes, ends)], -1)))
     return case, ref
 
 
 def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1,
-                emit=False, x_offset=0, w_offset=0, xs=0):
+                emit=False, x_offset=0, w_offset=0, xs=0, split=1):
     """vc_qmv_stream (or _emit): a persistent grid of `blocks` blocks walking the N / rows tiles,
-    `stages` of them in flight; w_offset > 0 misaligns the weight, so the block copies tiles itself
-    instead of the copy engine's bulk copies; xs the way float32 x reaches each lane (XS)."""
-    layout = dict(GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages, XS=xs)
+    `stages` of them in flight, each of the last round's tiles cut into `split` parts (one a block);
+    w_offset > 0 misaligns the weight, so the block copies tiles itself instead of the copy engine's
+    bulk copies; xs the way float32 x reaches each lane (XS)."""
+    layout = dict(GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages, XS=xs, SPLIT=split)
     return _persistent_case("vc_qmv_stream", layout, n, k, m, rows, blocks, threads, x_dtype, epi, bias_dtype, np_,
-                            ng, emit, x_offset, w_offset)
+                            ng, emit, x_offset, w_offset, split=split)
 
 
 def imma_case(n, k, m, warps, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1, emit=False,
@@ -767,6 +779,16 @@ def emulated(tmp_path_factory):
         # second round's chunks ending inside a warp's slice
         "stream_m2_two_chunks_16_rows": stream_case(32, 3840, 2, 16, 64, 2, 2),
         "stream_emit_warps_m2": stream_case(64, 2048, 2, 4, 64, 2, 3, np_=16, ng=4, emit=True),
+        # the last round's tiles cut into parts (vc_stream::Walk, split as gemv.cpp's split_last_round
+        # picks it for the grid): 9 tiles over 4 blocks (the ninth in 4 parts of 2 rows); emitting two
+        # rows of x, 7 tiles over 3 blocks (the seventh in halves: 8 partials); the block's own copies
+        # (a misaligned weight) with a bias and squared ReLU, 5 tiles over 4 blocks; 3 warps drifting
+        # over 3 stages, 11 tiles over 5 blocks
+        "stream_split_parts": stream_case(72, 640, 1, 8, 32, 2, 4, split=4),
+        "stream_emit_split_m2": stream_case(28, 1024, 2, 4, 32, 2, 3, emit=True, split=2),
+        "stream_split_own_copies": stream_case(40, 1024, 1, 8, 32, 2, 4, epi=2, bias_dtype=mx.float32, w_offset=1,
+                                               split=4),
+        "stream_split_warps_drift": stream_case(88, 3072, 1, 8, 96, 3, 5, np_=16, ng=4, split=4),
         # the integer-MMA layout: slabs wrapping round a grid of 3 (uneven groups a warp), two rows of
         # unaligned bfloat16 x with a residual, a misaligned weight with a bias and squared ReLU, tiny
         # and huge x (the expansion's exponents), a group-normalized input, emitting; batches of
@@ -932,7 +954,8 @@ def _check_persistent(emulated, name: str) -> None:
                                   "stream_emit_prenormed", "stream_emit_m2", "stream_warps_drift",
                                   "stream_m2_two_chunks_16_rows",
                                   "stream_emit_warps_m2", "stream_emit_two_rows_eight_groups",
-                                  "stream_m2_two_rows_four_groups"])
+                                  "stream_m2_two_rows_four_groups", "stream_split_parts", "stream_emit_split_m2",
+                                  "stream_split_own_copies", "stream_split_warps_drift"])
 def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a tile): the tiles a block walks, the stages it reuses (refilled by whichever warp is

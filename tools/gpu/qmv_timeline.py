@@ -151,10 +151,11 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int, stage_x
                               ("XLOAD", 0)])
     if kind == "tma":
         l = ext.stream_launch(k, n, 1, True, ng, rows, threads, stages, 0, stage_x)
-        return dict(blocks=l["blocks"], threads=l["threads"], smem=l["smem"], rows=l["rows"],
-                    overrides={"ROWS": l["rows"], "THREADS": l["threads"], "STAGES": stages, "XS": l["stage_x"]})
+        return dict(blocks=l["blocks"], threads=l["threads"], smem=l["smem"], rows=l["rows"], partials=l["partials"],
+                    overrides={"ROWS": l["rows"], "THREADS": l["threads"], "STAGES": stages, "XS": l["stage_x"],
+                               "SPLIT": l["split"]})
     l = ext.imma_stream_launch(k, n, 1, ng, threads, stages, 0, 8 if rows == 8 else 0)
-    return dict(blocks=l["blocks"], threads=32 * l["warps"], smem=l["smem"], rows=l["rows"],
+    return dict(blocks=l["blocks"], threads=32 * l["warps"], smem=l["smem"], rows=l["rows"], partials=n // l["rows"],
                 overrides={"WARPS": l["warps"], "STAGES": stages, "SLAB": l["rows"]})
 
 
@@ -219,7 +220,7 @@ def _probe_outputs(shape: str, kind: str, launch: dict, defines: tuple, t) -> tu
         inputs, shapes, emit = inputs[:4], [(launch["blocks"],)], False
     elif emit:
         inputs.append(next_w)
-        shapes += [(1, n), (1, n // launch["rows"])]
+        shapes += [(1, n), (1, launch["partials"])]
         dtypes += [mx.float32, mx.float32]
     blocks, threads = launch["blocks"], launch["threads"]
     outs = kernel(inputs=inputs, grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1), template=template,

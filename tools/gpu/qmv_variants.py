@@ -138,7 +138,7 @@ TMA_PROBE = """
   VC_DYNAMIC_SMEM(vc_stages);
   __shared__ unsigned long long bars[STAGES];
   __shared__ unsigned int arrived[STAGES];
-  const int tiles = (TILES - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+  const vc_stream::Walk<S, TILES, 1> walk;  // whole tiles: blockIdx.x, + gridDim.x, ...
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
   const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
@@ -151,24 +151,22 @@ TMA_PROBE = """
   }
   __syncthreads();
   if (threadIdx.x < 32) {
-    vc_stream::start_tiles<STAGES, S>(tiles, bars, arrived, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x));
+    vc_stream::start_tiles<STAGES, S>(walk, bars, arrived, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x));
   }
   unsigned int fold = xs == 1.5f ? 1u : 0u;  // x in before the walk, as the product's pair form needs it
   __syncthreads();
   VC_STAMP(0, 0);
-  for (int i = 0; i < tiles; ++i) {
+  for (int i = 0; i < walk.count; ++i) {
     const int st = i % STAGES;
-    const int tile = static_cast<int>(blockIdx.x) + i * static_cast<int>(gridDim.x);
     vc_stream::bar_wait(&bars[st], (i / STAGES) & 1);
     VC_STAMP(1, i);
-    vc_stream::ramp_tiles<STAGES, S>(i, tiles, bars, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x & 31));
+    vc_stream::ramp_tiles<STAGES, S>(i, walk, bars, vc_stages, wb, sb, bb, static_cast<int>(threadIdx.x & 31));
     fold ^= reinterpret_cast<const unsigned int*>(vc_stages + st * S::BYTES)[threadIdx.x];
     __syncthreads();
     VC_STAMP(2, i);
-    if (threadIdx.x < 32 && i + STAGES < tiles) {
+    if (threadIdx.x < 32 && i + STAGES < walk.count) {
       vc_stream::reads_before_copies();
-      vc_stream::fetch_bulk<S>(vc_stages + st * S::BYTES, wb, sb, bb, tile + STAGES * static_cast<int>(gridDim.x),
-                               &bars[st], static_cast<int>(threadIdx.x));
+      walk.fetch(i + STAGES, vc_stages + st * S::BYTES, wb, sb, bb, &bars[st], static_cast<int>(threadIdx.x));
     }
   }
   if (fold == 0x9E3779B9u) {

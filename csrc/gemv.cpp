@@ -301,11 +301,11 @@ const CudaSource& qmv_stream_source() {
       gemv_cuda::kQmvStreamSource,
       stream_header(),
       {
-          // mamba in_proj and mlp up_proj (squared ReLU) on a mamba out_proj's emitted norm input (784
-          // partials: 528 tiles', 256 parts'); plain, two rows of bfloat16 x; q_proj after an MLP
-          // down_proj (656 partials); SPLIT as pick_stream's
-          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 1, 0, 784),
-          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 2, 2, 784),
+          // mamba in_proj and mlp up_proj (squared ReLU) on a mamba out_proj's emitted norm input (560
+          // partials); plain, two rows of bfloat16 x; q_proj after an MLP down_proj (656 partials: 528
+          // tiles', 128 parts'); SPLIT as pick_stream's
+          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 1, 0, 560),
+          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 1, 2, 560),
           qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4, 0, 1),
           qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 1, 0, 656),
       },
@@ -325,10 +325,10 @@ const CudaSource& qmv_stream_emit_source() {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
           // (one chunk a thread, or two), attention o_proj (two rows); x staged through a stage (the
           // first two) or in its own region
-          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 8, 0, 640, 8),
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 0, 640, 8),
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4),
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2, 4),
-          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 2),
+          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 1),
       },
   });
   return src;
@@ -767,14 +767,16 @@ bool splits_last_round() {
 }
 
 // The parts each of the last round's tiles is cut into (vc_stream::Walk), for `tiles` tiles of `rows`
-// rows over `blocks` blocks: the most (a power of two, rows / parts rows at least one) that leave
-// every part a block of its own. The walk's time is its longest block's: at the MLP down_proj (560
-// 8-row tiles, 132 blocks) 28 of the blocks took a fifth tile while 104 waited; cut in 4, 112 blocks
-// take a quarter tile each.
-int split_last_round(int tiles, int blocks, int rows) {
+// rows over `blocks` blocks, `per_sm` an SM: with one block an SM, the most (a power of two, rows /
+// parts rows at least one) that leave every part a block of its own. The walk's time is its longest
+// block's: at the MLP down_proj (560 8-row tiles, 132 blocks) 32 blocks took a fifth tile while 100
+// waited; cut in 4, 128 blocks take a quarter tile each. Nsight Compute on the H200 (2026-12-04, f32
+// x, one row): down_proj 17.73 -> 17.09 us; the mamba out_proj (264 blocks, two an SM, where a block
+// left alone on its SM has all its issue slots) 13.09 -> 13.28 with 8 one-row parts: whole there.
+int split_last_round(int tiles, int blocks, int rows, int per_sm) {
   const int left = tiles % blocks;
   int split = 1;
-  while (left > 0 && rows % (2 * split) == 0 && left * 2 * split <= blocks) {
+  while (per_sm == 1 && left > 0 && rows % (2 * split) == 0 && left * 2 * split <= blocks) {
     split *= 2;
   }
   return split;
@@ -868,7 +870,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
   }
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
-  const int split = splits_last_round() ? split_last_round(tiles, blocks, rows) : 1;
+  const int split = splits_last_round() ? split_last_round(tiles, blocks, rows, per_sm) : 1;
   return StreamLaunch{rows,    threads, stages, blocks, smem, stage_x,
                       split, tiles / blocks * blocks + tiles % blocks * split};
 }

@@ -254,19 +254,24 @@ def test_stage_x_setting_from_the_environment():
 
 
 def test_stream_launch_splits_the_last_rounds_tiles():
-    """The last round's tiles are cut into parts (a power of two, whole rows) so that each part has a
-    block of its own: the emitting kernel then writes a partial a tile of the whole rounds and one a
-    part. A grid the tiles fill evenly, or a last round too full to split, keeps whole tiles."""
+    """With one block an SM, the last round's tiles are cut into parts (a power of two, whole rows) so
+    that each part has a block of its own: the emitting kernel then writes a partial a tile of the
+    whole rounds and one a part. Two blocks an SM, a grid the tiles fill evenly, or a last round too
+    full to split keep whole tiles."""
     down = ext.stream_launch(15680, 4480)  # 560 tiles over 132 blocks: 528 + 32 tiles in 4 parts
     assert (down["blocks"], down["split"], down["partials"]) == (132, 4, 528 + 32 * 4)
-    out = ext.stream_launch(10240, 4480, prenorm_groups=8)  # 264 blocks: 528 + 32 tiles in 8 one-row parts
-    assert (out["blocks"], out["split"], out["partials"]) == (264, 8, 528 + 32 * 8)
-    four = ext.stream_launch(10240, 4480, prenorm_groups=8, rows=4)  # 1120 tiles over 528 blocks: 4 parts at most
-    assert (four["blocks"], four["split"], four["partials"]) == (528, 4, 1056 + 64 * 4)
-    full = ext.stream_launch(4480, 22656, stages=4)  # 2832 tiles over 264 blocks: 192 left, no room to split
-    assert (full["blocks"], full["split"], full["partials"]) == (264, 1, 2832)
+    # the mamba out_proj's 264 blocks (two an SM) keep whole tiles; asked for one an SM, 4 parts (8
+    # would want 256 blocks)
+    out = ext.stream_launch(10240, 4480, prenorm_groups=8)
+    assert (out["blocks"], out["split"], out["partials"]) == (264, 1, 560)
+    one = ext.stream_launch(10240, 4480, prenorm_groups=8, blocks_per_sm=1)
+    assert (one["blocks"], one["split"], one["partials"]) == (132, 4, 528 + 32 * 4)
+    big = ext.stream_launch(10240, 4480, prenorm_groups=8, rows=16)  # 280 tiles over 132: 16 left, 8 parts
+    assert (big["blocks"], big["split"], big["partials"]) == (132, 8, 264 + 16 * 8)
     even = ext.stream_launch(15680, 1056)  # 132 tiles: one round, nothing left
     assert (even["blocks"], even["split"], even["partials"]) == (132, 1, 132)
+    wide = ext.stream_launch(4480, 22656, stages=4)  # 264 blocks (two an SM)
+    assert (wide["blocks"], wide["split"], wide["partials"]) == (264, 1, 2832)
 
 
 def test_split_setting_from_the_environment():

@@ -238,18 +238,22 @@ def test_imma_stream_launch_takes_8_row_slabs_for_one_row():
             ext.imma_stream_launch(4480, 22656, **bad)
 
 
+def _printed_under(variable: str, value: str, printed: str) -> subprocess.CompletedProcess:
+    """A fresh process with the environment variable set (the extension reads it once) printing
+    `printed` (an expression over the down_proj launch `l` and `ext`)."""
+    code = f"from voicechat.kernels import ext\nl = ext.stream_launch(15680, 4480)\nprint({printed})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), variable: value}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_stage_x_setting_from_the_environment():
     """VOICECHAT_QMV_STAGE_X forces a mode where it applies (the default's pick otherwise); a bad value
     is one clear error."""
-    code = ("from voicechat.kernels import ext\n"
-            "print(ext.stream_launch(15680, 4480)['stage_x'], ext.stream_launch(15680, 4480, stage_x=1)['stage_x'])")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    printed = "l['stage_x'], ext.stream_launch(15680, 4480, stage_x=1)['stage_x']"
     for value, want in [("0", "0 1"), ("2", "2 1"), ("auto", "1 1")]:
-        done = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_STAGE_X": value},
-                              capture_output=True, text=True, timeout=120)
+        done = _printed_under("VOICECHAT_QMV_STAGE_X", value, printed)
         assert done.stdout.split() == want.split(), done.stderr
-    bad = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_STAGE_X": "3"},
-                         capture_output=True, text=True, timeout=120)
+    bad = _printed_under("VOICECHAT_QMV_STAGE_X", "3", printed)
     assert bad.returncode != 0 and "VOICECHAT_QMV_STAGE_X must be auto, 0, 1 or 2" in bad.stderr
 
 
@@ -277,14 +281,10 @@ def test_stream_launch_splits_the_last_rounds_tiles():
 def test_split_setting_from_the_environment():
     """VOICECHAT_QMV_SPLIT=1 keeps the last round's tiles whole (auto: split); a bad value is one
     clear error."""
-    code = "from voicechat.kernels import ext\nl = ext.stream_launch(15680, 4480)\nprint(l['split'], l['partials'])"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     for value, want in [("1", "1 560"), ("auto", "4 656")]:
-        done = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_SPLIT": value},
-                              capture_output=True, text=True, timeout=120)
+        done = _printed_under("VOICECHAT_QMV_SPLIT", value, "l['split'], l['partials']")
         assert done.stdout.split() == want.split(), done.stderr
-    bad = subprocess.run([sys.executable, "-c", code], env={**env, "VOICECHAT_QMV_SPLIT": "2"},
-                         capture_output=True, text=True, timeout=120)
+    bad = _printed_under("VOICECHAT_QMV_SPLIT", "2", "l['split']")
     assert bad.returncode != 0 and "VOICECHAT_QMV_SPLIT must be auto or 1" in bad.stderr
 
 

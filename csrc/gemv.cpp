@@ -871,8 +871,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   }
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
   const int split = splits_last_round() ? split_last_round(tiles, blocks, rows, per_sm) : 1;
-  return StreamLaunch{rows,    threads, stages, blocks, smem, stage_x,
-                      split, tiles / blocks * blocks + tiles % blocks * split};
+  const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
+  return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials};
 }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its

@@ -1137,7 +1137,9 @@ struct Walk {
   __device__ __forceinline__ bool part(int i) const { return SPLIT > 1 && i >= rounds; }
   __device__ __forceinline__ int tile(int i) const { return i < rounds ? b + i * g : rounds * g + b / SPLIT; }
   __device__ __forceinline__ int q() const { return b % SPLIT; }  // the block's part of its last tile
-  __device__ __forceinline__ int row0(int i) const { return part(i) ? rounds * g * ROWS + b * PART_ROWS : tile(i) * ROWS; }
+  __device__ __forceinline__ int row0(int i) const {
+    return part(i) ? rounds * g * ROWS + b * PART_ROWS : tile(i) * ROWS;
+  }
   __device__ __forceinline__ int p(int i) const { return i < rounds ? tile(i) : rounds * g + b; }
   __device__ __forceinline__ int np() const { return rounds * g + left * SPLIT; }
   // Item i's bulk copies into stage st (one warp, all its lanes).
@@ -1261,7 +1263,8 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       VC_STAMP(2, i);
       if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
         const float* rs = red + s * WARPS * SUMS;
-        const float v = part ? tile_total<PART_ROWS * M, WARPS>(rs, SUMS, lane) : tile_total<SUMS, WARPS>(rs, SUMS, lane);
+        const float v =
+            part ? tile_total<PART_ROWS * M, WARPS>(rs, SUMS, lane) : tile_total<SUMS, WARPS>(rs, SUMS, lane);
         __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
         if (i + STAGES < walk.count) {
           reads_before_copies();  // each lane, before its copies

@@ -958,8 +958,9 @@ def _check_persistent(emulated, name: str) -> None:
                                   "stream_split_own_copies", "stream_split_warps_drift"])
 def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
-    out^2 a tile): the tiles a block walks, the stages it reuses (refilled by whichever warp is
-    done last), the input norm folded into x."""
+    out^2 a tile, and a part of a split last-round tile): the tiles a block walks, the stages it reuses
+    (refilled by whichever warp is done last), the parts' copies and rows, the input norm folded
+    into x."""
     _check_persistent(emulated, name)
 
 

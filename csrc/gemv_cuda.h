@@ -1205,6 +1205,17 @@ __device__ __forceinline__ void ramp_tiles(int i, const W& walk, unsigned long l
   }
 }
 
+// f(vc_gemv::Int<R>{}) with R the rows of item i of a Walk: PART_ROWS for a part, ROWS for a tile.
+template <typename W, typename F>
+__device__ __forceinline__ auto with_rows(const W& walk, int i, F f) {
+  if constexpr (W::SPLIT > 1) {
+    if (walk.part(i)) {
+      return f(vc_gemv::Int<W::PART_ROWS>{});
+    }
+  }
+  return f(vc_gemv::Int<W::ROWS>{});
+}
+
 // The Tail that lane `lane` stores for item i of this block's Walk (its output row when its warp
 // stores the item): zeros past the block's items and for lanes past the item's sums.
 template <int M, int EPI, bool HAS_BIAS, bool EMIT, int N, typename W, typename TB, typename TR, typename TE>
@@ -1213,32 +1224,32 @@ __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(const W& walk, 
   if (i >= walk.count) {
     return vc_gemv::zero_tail<TB, TR, TE>();
   }
-  const TE* nw = EMIT ? next_w : nullptr;
-  return walk.part(i) ? vc_gemv::slot_tail<W::PART_ROWS, M, EPI, HAS_BIAS>(lane, bias, residual, walk.row0(i), N, nw)
-                      : vc_gemv::slot_tail<W::ROWS, M, EPI, HAS_BIAS>(lane, bias, residual, walk.row0(i), N, nw);
+  return with_rows(walk, i, [&](auto rows) {
+    return vc_gemv::slot_tail<decltype(rows)::value, M, EPI, HAS_BIAS>(lane, bias, residual, walk.row0(i), N,
+                                                                      EMIT ? next_w : nullptr);
+  });
 }
 
 // A streamed kernel's walk over its block's items (`walk`, a Walk: tiles of S::ROWS rows, whole K,
-// laid out as S in shared memory, and with SPLIT > 1 a part of a last-round tile). `sums(st, b)`
-// computes this thread's share of the tile in stage st and leaves its warp's ROWS x M sums in red
-// buffer b (red: buffers of WARPS x ROWS x M floats, one a stage, two at least); `part_sums(st, b,
-// q)` the same for part q of it (PART_ROWS x M sums, the tile's rows q x PART_ROWS on; never called
-// with SPLIT 1). Bulk (start_tiles asked for the first items, ramp_tiles asks for the rest of the
-// first round): no block barrier an item; a warp waits only for its item's mbarrier, and the last
-// warp done with an item (last_warp) totals it, asks for the item STAGES ahead into the stage and
-// stores it. Otherwise (pointers not 16-byte aligned) the block copies each item's whole tile itself
-// into stage 0, behind barriers, and warp 0 stores it. first_tail: stream_tail(walk, 0, ...), which
-// the kernel asks for with x, before its first tiles.
+// laid out as S in shared memory, and with SPLIT > 1 a part of a last-round tile). `sums(rows, st, b,
+// r0)` computes this thread's share of the item's R rows (rows: vc_gemv::Int<R>, R = ROWS or
+// PART_ROWS) in stage st, the tile's rows r0 on, and leaves its warp's R x M sums in red buffer b
+// (red: buffers of WARPS x ROWS x M floats, one a stage, two at least). Bulk (start_tiles asked for
+// the first items, ramp_tiles asks for the rest of the first round): no block barrier an item; a warp
+// waits only for its item's mbarrier, and the last warp done with an item (last_warp) totals it,
+// asks for the item STAGES ahead into the stage and stores it. Otherwise (pointers not 16-byte
+// aligned) the block copies each item's whole tile itself into stage 0, behind barriers, and warp 0
+// stores it. first_tail: stream_tail(walk, 0, ...), which the kernel asks for with x, before its
+// first tiles.
 template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename W, typename TB,
-          typename TR, typename TE, typename TO, typename Sums, typename PartSums>
+          typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned long long* bars, unsigned int* arrived,
                                            float* red, unsigned char* stages, const unsigned char* wb,
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
                                            const TR* residual, const TE* next_w, TO* out, float* normed,
                                            float* partials, const vc_gemv::Tail<TB, TR, TE>& first_tail,
-                                           Sums sums, PartSums part_sums) {
-  constexpr int ROWS = S::ROWS, PART_ROWS = W::PART_ROWS;
-  constexpr int SUMS = ROWS * M;
+                                           Sums sums) {
+  constexpr int SUMS = S::ROWS * M;
   constexpr int THREADS = WARPS * 32;
   const int lane = threadIdx.x & 31;
   if (bulk) {
@@ -1249,62 +1260,43 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
     auto next_tail = first_tail;
     for (int i = 0; i < walk.count; ++i) {
       const int s = i % STAGES;
-      const bool part = walk.part(i);
       const auto tail = next_tail;
       next_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, i + 1, lane, bias, residual, next_w);
       bar_wait(&bars[s], (i / STAGES) & 1);
       VC_STAMP(1, i);
       ramp_tiles<STAGES, S>(i, walk, bars, stages, wb, sb, bb, lane);
-      if (part) {
-        part_sums(stages + s * S::BYTES, s, walk.q());
-      } else {
-        sums(stages + s * S::BYTES, s);
-      }
-      VC_STAMP(2, i);
-      if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-        const float* rs = red + s * WARPS * SUMS;
-        const float v =
-            part ? tile_total<PART_ROWS * M, WARPS>(rs, SUMS, lane) : tile_total<SUMS, WARPS>(rs, SUMS, lane);
-        __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
-        if (i + STAGES < walk.count) {
-          reads_before_copies();  // each lane, before its copies
-          walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
+      with_rows(walk, i, [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        sums(rows, stages + s * S::BYTES, s, walk.part(i) ? walk.q() * R : 0);
+        VC_STAMP(2, i);
+        if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
+          const float v = tile_total<R * M, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
+          __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
+          if (i + STAGES < walk.count) {
+            reads_before_copies();  // each lane, before its copies
+            walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
+          }
+          store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
+                                                     partials);
+          VC_STAMP(3, i);
         }
-        if (part) {
-          store_totals<M, PART_ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out,
-                                                             normed, partials);
-        } else {
-          store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
-                                                        partials);
-        }
-        VC_STAMP(3, i);
-      }
+      });
     }
     return;
   }
   for (int i = 0; i < walk.count; ++i) {
-    const bool part = walk.part(i);
-    const int row0 = walk.row0(i);
-    const TE* nw = EMIT ? next_w : nullptr;
-    const auto tail = part ? vc_gemv::row_tail<PART_ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, nw)
-                           : vc_gemv::row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, nw);
-    fetch_words<S, THREADS>(stages, wb, sb, bb, walk.tile(i));
-    __syncthreads();
-    // red double-buffered: a warp may write the next item's before warp 0 reads this one's
-    if (part) {
-      part_sums(stages, i & 1, walk.q());
-    } else {
-      sums(stages, i & 1);
-    }
-    __syncthreads();  // the stage read and the sums written by every thread
-    float* rs = red + (i & 1) * WARPS * SUMS;
-    if (part) {
-      store_tile<M, PART_ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(rs, SUMS, row0, walk.p(i), walk.np(), tail, out, normed,
-                                                              partials);
-    } else {
-      store_tile<M, ROWS, WARPS, EPI, HAS_BIAS, EMIT, N>(rs, SUMS, row0, walk.p(i), walk.np(), tail, out, normed,
-                                                         partials);
-    }
+    with_rows(walk, i, [&](auto rows) {
+      constexpr int R = decltype(rows)::value;
+      const int row0 = walk.row0(i);
+      const auto tail = vc_gemv::row_tail<R, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
+      fetch_words<S, THREADS>(stages, wb, sb, bb, walk.tile(i));
+      __syncthreads();
+      // red double-buffered: a warp may write the next item's before warp 0 reads this one's
+      sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0);
+      __syncthreads();  // the stage read and the sums written by every thread
+      store_tile<M, R, WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i), walk.np(),
+                                                      tail, out, normed, partials);
+    });
   }
 }
 
@@ -1541,13 +1533,11 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     const float v = fold_sums<RM, 16>(&acc[0][0], lane);
     if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp][(lane >> (5 - LOG)) & (RM - 1)] = v;
   };
-  using W = Walk<S, TILES, SPLIT>;
   // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
   // 2026-12-03): see walk_tiles.
-  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
-      bulk, walk, bars, arrived, &red[0][0][0], smem, wb, sb, bb, bias, residual, next_w, out, normed, partials,
-      first_tail, [&](const unsigned char* st, int b) { row_sums(vc_gemv::Int<ROWS>{}, st, b, 0); },
-      [&](const unsigned char* st, int b, int q) { row_sums(vc_gemv::Int<W::PART_ROWS>{}, st, b, q * W::PART_ROWS); });
+  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, walk, bars, arrived, &red[0][0][0], smem, wb, sb,
+                                                          bb, bias, residual, next_w, out, normed, partials,
+                                                          first_tail, row_sums);
 }
 
 }  // namespace vc_stream
@@ -2041,7 +2031,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   auto walk = [&](auto slab_sums) {
     vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
         bulk, slabs, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
-        first_tail, slab_sums, [](const unsigned char*, int, int) {});  // whole slabs only: no parts
+        first_tail, [&](auto, const unsigned char* st, int b, int) { slab_sums(st, b); });  // whole slabs only
   };
   // 8-row slabs: this warp's sums of the slab in stage st, rows 2t and 2t + 1 (totalled over the
   // lanes of one t), into red[b].

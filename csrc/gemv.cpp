@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <initializer_list>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -734,36 +735,43 @@ int one_step_threads(int chunks, int prenorm_groups, int threads) {
   return prenorm_groups > 1 && threads <= 0 && chunks <= 512 ? 32 * ((chunks + 31) / 32) : threads;
 }
 
-// VOICECHAT_QMV_STAGE_X: pick_stream's stage_x (an A/B on the GPU without a rebuild): unset or "auto"
-// -1 (its own pick), 0, 1 or 2 that mode wherever the kernel can take it (2 may cost an SM a block).
-// Read once; a bad value is an error at every streamed launch.
-int stage_x_setting() {
-  static const int mode = [] {
-    const char* value = std::getenv("VOICECHAT_QMV_STAGE_X");
-    if (value == nullptr || *value == '\0' || std::string(value) == "auto") {
-      return -1;
+// An A/B switch of the streamed launch (set on the GPU without a rebuild): the index of environment
+// variable `name`'s value among `choices`, -1 where it is unset, empty or "auto", -2 for anything else.
+int ab_switch(const char* name, std::initializer_list<const char*> choices) {
+  const char* value = std::getenv(name);
+  const std::string v(value ? value : "");
+  if (v.empty() || v == "auto") {
+    return -1;
+  }
+  int index = 0;
+  for (const char* choice : choices) {
+    if (v == choice) {
+      return index;
     }
-    const std::string v(value);
-    return v == "0" ? 0 : v == "1" ? 1 : v == "2" ? 2 : -2;
-  }();
+    ++index;
+  }
+  return -2;
+}
+
+// A switch's reading (ab_switch), refused with one line at every launch that asks where it was bad.
+int checked_switch(int mode, const char* name, const char* expected) {
   if (mode == -2) {
-    throw std::invalid_argument("VOICECHAT_QMV_STAGE_X must be auto, 0, 1 or 2");
+    throw std::invalid_argument(std::string(name) + " must be " + expected);
   }
   return mode;
 }
 
-// VOICECHAT_QMV_SPLIT: "1" keeps the last round's tiles whole (an A/B on the GPU without a rebuild);
-// unset or "auto" split_last_round's pick. Read once; a bad value is an error at every streamed launch.
+// VOICECHAT_QMV_STAGE_X: pick_stream's stage_x: -1 (auto) its own pick, 0, 1 or 2 that mode wherever
+// the kernel can take it (2 may cost an SM a block). Read once.
+int stage_x_setting() {
+  static const int mode = ab_switch("VOICECHAT_QMV_STAGE_X", {"0", "1", "2"});
+  return checked_switch(mode, "VOICECHAT_QMV_STAGE_X", "auto, 0, 1 or 2");
+}
+
+// VOICECHAT_QMV_SPLIT: "1" keeps the last round's tiles whole; auto: split_last_round's pick. Read once.
 bool splits_last_round() {
-  static const int mode = [] {
-    const char* value = std::getenv("VOICECHAT_QMV_SPLIT");
-    const std::string v(value ? value : "");
-    return v.empty() || v == "auto" ? 1 : v == "1" ? 0 : -1;
-  }();
-  if (mode < 0) {
-    throw std::invalid_argument("VOICECHAT_QMV_SPLIT must be auto or 1");
-  }
-  return mode == 1;
+  static const int mode = ab_switch("VOICECHAT_QMV_SPLIT", {"1"});
+  return checked_switch(mode, "VOICECHAT_QMV_SPLIT", "auto or 1") < 0;
 }
 
 // The parts each of the last round's tiles is cut into (vc_stream::Walk), for `tiles` tiles of `rows`
@@ -1481,8 +1489,9 @@ void bind(py::module_& m) {
         "[out, normed, partials]: out = x @ dequantize(w).T (+ bias) + residual, and the next RMSNorm's input "
         "left for its matvec: normed = out * next_norm (float32) and partials [..., P] (float32) whose sum "
         "is each row's sum of out^2 (pass both as that matvec's x and prenormed). One CUDA launch; MLX ops "
-        "elsewhere (P = 1 there; P = N / rows_per_block in the streamed layout, see quantized_matvec's stages; "
-        "N / 16 with imma, N / 8 with its 8-row slabs).");
+        "elsewhere (P = 1 there; P = N / rows_per_block in the streamed layout, see quantized_matvec's stages, "
+        "N / 16 with imma, N / 8 with its 8-row slabs; the float streamed layout's last round cut in parts adds a "
+        "partial a part: stream_launch's partials).");
   m.def("dense_matvec", &dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("warps") = -1,
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",

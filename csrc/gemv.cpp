@@ -39,6 +39,7 @@ namespace {
 
 constexpr int kMaxRows = 2;        // input rows the kernels take (decode: batch 1, or 2)
 constexpr int kMaxRowGroups = 64;  // the block layout's row groups a block (quantized_matvec's row_groups)
+constexpr int kMaxDp4aLevels = 4;  // quantized_matvec's dp4a: int8 terms of x (vc_stream::qmv_stream's LEVELS)
 constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a block takes
 // Row groups a two-head argmax block walks. 1: each block a matvec block of the plain layout (8
 // rows), its loads not waiting on the block sum of the group before (8 groups of 4 rows a block
@@ -279,11 +280,11 @@ CudaInstance persistent_instance(bool emit, const char* tx, std::vector<Template
 }
 
 CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int m, int rows, int threads, int stages,
-                                 int xs, int split, int epi = 0, int np = 0, int ng = 1) {
+                                 int xs, int split, int levels, int epi = 0, int np = 0, int ng = 1) {
   return persistent_instance(emit, tx,
                              {{"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
                               {"ROWS", int_arg(rows)}, {"THREADS", int_arg(threads)}, {"STAGES", int_arg(stages)},
-                              {"XS", int_arg(xs)}, {"SPLIT", int_arg(split)}},
+                              {"XS", int_arg(xs)}, {"SPLIT", int_arg(split)}, {"LEVELS", int_arg(levels)}},
                              epi, np, ng);
 }
 
@@ -305,10 +306,10 @@ const CudaSource& qmv_stream_source() {
           // mamba in_proj and mlp up_proj (squared ReLU) on a mamba out_proj's emitted norm input (560
           // partials); plain, two rows of bfloat16 x; q_proj after an MLP down_proj (656 partials: 528
           // tiles', 128 parts'); SPLIT as pick_stream's
-          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 1, 0, 560),
-          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 1, 2, 560),
-          qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4, 0, 1),
-          qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 1, 0, 656),
+          qmv_stream_instance(false, f, 4480, 22656, 1, 8, 160, 4, 0, 1, 0, 0, 560),
+          qmv_stream_instance(false, f, 4480, 15680, 1, 8, 160, 4, 2, 1, 0, 2, 560),
+          qmv_stream_instance(false, bf, 4480, 22656, 2, 8, 160, 4, 0, 1, 0),
+          qmv_stream_instance(false, f, 4480, 5120, 2, 8, 160, 3, 0, 1, 0, 0, 656),
       },
   });
   return src;
@@ -326,10 +327,13 @@ const CudaSource& qmv_stream_emit_source() {
           // mamba out_proj on the conv + scan's gated output (640 partials in 8 groups), MLP down_proj
           // (one chunk a thread, or two), attention o_proj (two rows); x staged through a stage (the
           // first two) or in its own region
-          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 0, 640, 8),
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4),
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2, 4),
-          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 1),
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 0, 0, 640, 8),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 0),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2, 4, 0),
+          qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 1, 0),
+          // the integer dot products (quantized_matvec's dp4a) at down_proj and the mamba out_proj
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 4),
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 4, 0, 640, 8),
       },
   });
   return src;
@@ -726,7 +730,7 @@ int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
 // of its own past the stages (smem includes it). split: the parts each last-round tile is cut into
 // (vc_stream::Walk); partials: the emitting kernel's partial sums a row of x (a tile's or a part's).
 struct StreamLaunch {
-  int rows, threads, stages, blocks, smem, stage_x, split, partials;
+  int rows, threads, stages, blocks, smem, stage_x, split, partials, levels;
 };
 
 // The float layouts' threads where a call leaves them to the default (threads 0) and x is a
@@ -819,10 +823,12 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto); stage_x: -1 auto, else that mode where it
-// applies (float32 x; 1 where x's slices fit in a stage); bulk: the GPU has bulk copies.
+// applies (float32 x; 1 where x's slices fit in a stage); dp4a: the product's int8 terms of x (1-4,
+// vc_stream::qmv_stream's LEVELS), else the pair form; bulk: the GPU has bulk copies.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                         bool x_float32, bool takes_norm, int prenorm_groups, int rows, int threads,
-                                        int stages, int blocks_per_sm, int stage_x, bool bulk, const char* who) {
+                                        int stages, int blocks_per_sm, int stage_x, int dp4a, bool bulk,
+                                        const char* who) {
   const bool forced = stages > 0;
   if (stages == 0) {
     stages = default_stream_stages(k, n, m);
@@ -880,7 +886,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
   const int split = splits_last_round() ? split_last_round(tiles, blocks, rows, per_sm) : 1;
   const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
-  return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials};
+  return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials, dp4a > 0 ? dp4a : 0};
 }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its
@@ -1061,7 +1067,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                                              const std::optional<mx::array>& norm_weight, float norm_eps,
                                              const std::optional<Prenorm>& prenorm,
                                              const std::optional<mx::array>& next_norm, int stages,
-                                             int blocks_per_sm, int imma, int row_groups, mx::Stream s) {
+                                             int blocks_per_sm, int imma, int row_groups, int dp4a, mx::Stream s) {
   const char* who = next_norm ? "quantized_matvec_emit_norm" : "quantized_matvec";
   const auto [n, k] = check_quantized(x, w, scales, biases, group_size, bits);
   const Epilogue epi = make_epilogue(residual, activation, n, who);
@@ -1072,6 +1078,10 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   if (row_groups > 1 && (warps > 0 || stages > 0 || imma > 0)) {
     fail("row_groups > 1 takes the block layout (warps 0 or -1, no stages, no imma)");
+  }
+  if (dp4a > kMaxDp4aLevels || (dp4a > 0 && (warps > 0 || imma > 0 || row_groups > 1 || stages < 0))) {
+    fail("dp4a must be at most " + std::to_string(kMaxDp4aLevels) +
+         " and takes the float streamed layout (no warps, imma or row_groups; stages >= 0)");
   }
   if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != k || !float_dtype(norm_weight->dtype()))) {
     fail("norm_weight must be a float array [K] with K = " + std::to_string(k));
@@ -1125,7 +1135,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const int float_threads = one_step_threads(chunks, prenorm ? prenorm->groups : 1, threads);
   const bool grouped = row_groups > 1;  // the block layout, asked for by its row groups
   const bool forced_imma_stream = imma > 0 && stages > 0 && warps <= 0 && !grouped;
-  const bool default_layout = imma == 0 && stages == 0 && warps <= 0 && rows_per_block <= 0 && !grouped;
+  const bool default_layout = imma == 0 && stages == 0 && warps <= 0 && rows_per_block <= 0 && !grouped && dp4a <= 0;
   const auto imma_streamed =
       forced_imma_stream || (default_layout && default_imma_stream(k, n, m))
           ? pick_imma_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()), !norm_weight,
@@ -1141,7 +1151,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
                              n / l.slab, l.blocks, 32 * l.warps, l.smem, x, w, scales, biases, bias, epi, prenorm,
                              next_norm, norm_eps, out_dtype, s);
   }
-  const auto mma = warps > 0 || grouped ? std::nullopt
+  const auto mma = warps > 0 || grouped || dp4a > 0 ? std::nullopt
                              : pick_imma(k, n, m, group_size, bits, !norm_weight, prenorm ? prenorm->groups : 1,
                                          threads, imma, blocks_per_sm, s.device.index, who);
   if (mma) {
@@ -1154,13 +1164,18 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const auto streamed = warps > 0 || grouped ? std::nullopt
                                   : pick_stream(k, n, m, group_size, bits, static_cast<int>(scales.itemsize()),
                                                 x.dtype() == mx::float32, !norm_weight, prenorm ? prenorm->groups : 1,
-                                                rows_per_block, float_threads, stages, blocks_per_sm,
-                                                stage_x_setting(), bulk_copies(s.device.index), who);
+                                                rows_per_block, float_threads, dp4a > 0 && stages == 0 ? 2 : stages,
+                                                blocks_per_sm, stage_x_setting(), dp4a,
+                                                bulk_copies(s.device.index), who);
+  if (dp4a > 0 && !streamed) {
+    fail("dp4a takes the float streamed layout, which this GPU or call does not");
+  }
   if (streamed) {
     const StreamLaunch& l = *streamed;
     return launch_persistent(qmv_stream_source(), qmv_stream_emit_source(),
                              {{"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows},
-                              {"THREADS", l.threads}, {"STAGES", l.stages}, {"XS", l.stage_x}, {"SPLIT", l.split}},
+                              {"THREADS", l.threads}, {"STAGES", l.stages}, {"XS", l.stage_x}, {"SPLIT", l.split},
+                              {"LEVELS", l.levels}},
                              l.partials, l.blocks, l.threads, l.smem, x, w, scales, biases, bias, epi, prenorm, next_norm,
                              norm_eps, out_dtype, s);
   }
@@ -1215,10 +1230,10 @@ mx::array quantized_matvec(const mx::array& x, const mx::array& w, const mx::arr
                            int threads, int warps, const std::optional<mx::array>& residual,
                            const std::string& activation, const std::optional<mx::array>& norm_weight, float norm_eps,
                            const std::optional<mx::array>& prenormed, int prenorm_groups, int stages,
-                           int blocks_per_sm, int imma, int row_groups, mx::StreamOrDevice s) {
+                           int blocks_per_sm, int imma, int row_groups, int dp4a, mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, warps, residual,
                                activation, norm_weight, norm_eps, make_prenorm(prenormed, prenorm_groups),
-                               std::nullopt, stages, blocks_per_sm, imma, row_groups, mx::to_stream(s))[0];
+                               std::nullopt, stages, blocks_per_sm, imma, row_groups, dp4a, mx::to_stream(s))[0];
 }
 
 std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -1226,11 +1241,11 @@ std::vector<mx::array> quantized_matvec_emit_norm(const mx::array& x, const mx::
                                                   const mx::array& next_norm, const std::optional<mx::array>& bias,
                                                   int group_size, int bits, const std::optional<mx::array>& prenormed,
                                                   int prenorm_groups, float norm_eps, int rows_per_block, int threads,
-                                                  int stages, int blocks_per_sm, int imma,
+                                                  int stages, int blocks_per_sm, int imma, int dp4a,
                                                   mx::StreamOrDevice s) {
   return quantized_matvec_impl(x, w, scales, biases, bias, group_size, bits, rows_per_block, threads, 0, residual, "",
                                std::nullopt, norm_eps, make_prenorm(prenormed, prenorm_groups), next_norm, stages,
-                               blocks_per_sm, imma, 1, mx::to_stream(s));
+                               blocks_per_sm, imma, 1, dp4a, mx::to_stream(s));
 }
 
 // ---------------------------------------------------------------- dense matvec
@@ -1411,16 +1426,16 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
 // themselves: a dict of the launch, None where the default keeps another layout (stream_launch with
 // stages 0), ValueError where the kernel cannot take a forced launch.
 py::object stream_launch(int k, int n, int m, bool x_float32, int prenorm_groups, int rows, int threads, int stages,
-                         int blocks_per_sm, int stage_x) {
+                         int blocks_per_sm, int stage_x, int dp4a) {
   const auto l = pick_stream(k, n, m, 64, 4, 2, x_float32, true, prenorm_groups, rows,
                              one_step_threads(k / 32, prenorm_groups, threads), stages, blocks_per_sm,
-                             stage_x < 0 ? stage_x_setting() : stage_x, true, "stream_launch");
+                             stage_x < 0 ? stage_x_setting() : stage_x, dp4a, true, "stream_launch");
   if (!l) {
     return py::none();
   }
   return py::dict(py::arg("rows") = l->rows, py::arg("threads") = l->threads, py::arg("stages") = l->stages,
                   py::arg("blocks") = l->blocks, py::arg("smem") = l->smem, py::arg("stage_x") = l->stage_x,
-                  py::arg("split") = l->split, py::arg("partials") = l->partials);
+                  py::arg("split") = l->split, py::arg("partials") = l->partials, py::arg("levels") = l->levels);
 }
 
 py::dict imma_stream_launch(int k, int n, int m, int prenorm_groups, int threads, int stages, int blocks_per_sm,
@@ -1460,7 +1475,8 @@ void bind(py::module_& m) {
         py::arg("threads") = 0, py::arg("warps") = -1, py::arg("residual") = py::none(),
         py::arg("activation") = "", py::arg("norm_weight") = py::none(), py::arg("norm_eps") = 1e-5f,
         py::arg("prenormed") = py::none(), py::arg("prenorm_groups") = 1, py::arg("stages") = 0,
-        py::arg("blocks_per_sm") = 0, py::arg("imma") = 0, py::arg("row_groups") = 0, py::arg("stream") = py::none(),
+        py::arg("blocks_per_sm") = 0, py::arg("imma") = 0, py::arg("row_groups") = 0, py::arg("dp4a") = 0,
+        py::arg("stream") = py::none(),
         "x @ dequantize(w).T (+ bias), then relu(.)^2 (activation='relu_squared') or + residual, for 1-2 "
         "rows of x: our CUDA kernel (one launch, the epilogue included) on a CUDA stream, "
         "mx.quantized_matmul and MLX ops elsewhere. Launch overrides: rows_per_block / threads (0 = auto), "
@@ -1479,13 +1495,15 @@ void bind(py::module_& m) {
         "MMA's other operand, which fit where 16 rows do not). 0 (with stages and rows_per_block 0): the default picks, the streamed integer MMA for one "
         "row where K < 8192 and N >= 8192. row_groups (block layout): each "
         "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
-        "block layout, the streamed and integer-MMA ones never).");
+        "block layout, the streamed and integer-MMA ones never). dp4a (1-4): the float streamed layout with its "
+        "products as integer dot products (dp4a), each thread's 32 values of x as that many int8 terms (6 + 7 "
+        "(dp4a - 1) bits below their largest |x|); 0 / -1: the float pair form.");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),
         py::arg("prenorm_groups") = 1, py::arg("norm_eps") = 1e-5f, py::arg("rows_per_block") = 0,
         py::arg("threads") = 0, py::arg("stages") = 0, py::arg("blocks_per_sm") = 0, py::arg("imma") = 0,
-        py::arg("stream") = py::none(),
+        py::arg("dp4a") = 0, py::arg("stream") = py::none(),
         "[out, normed, partials]: out = x @ dequantize(w).T (+ bias) + residual, and the next RMSNorm's input "
         "left for its matvec: normed = out * next_norm (float32) and partials [..., P] (float32) whose sum "
         "is each row's sum of out^2 (pass both as that matvec's x and prenormed). One CUDA launch; MLX ops "
@@ -1514,13 +1532,14 @@ void bind(py::module_& m) {
         "pick for a shape.");
   m.def("stream_launch", &stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1, py::arg("x_float32") = true,
         py::arg("prenorm_groups") = 1, py::arg("rows") = 0, py::arg("threads") = 0, py::arg("stages") = 0,
-        py::arg("blocks_per_sm") = 0, py::arg("stage_x") = -1,
+        py::arg("blocks_per_sm") = 0, py::arg("stage_x") = -1, py::arg("dp4a") = 0,
         "The float streamed layout's launch as quantized_matvec picks it on an sm_90 GPU (4-bit, group 64, "
         "bfloat16 scales): {rows, threads, stages, blocks, smem (dynamic bytes), stage_x, split (the parts a "
         "last-round tile is cut into), partials (the emitting kernel's partial sums a row of x)}. stages 0: the "
         "float layouts' default, None where that is the block layout; ValueError where a forced launch "
         "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
-        "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto or 1).");
+        "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto or 1). "
+        "levels: dp4a's (0: the pair form).");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
         py::arg("rows") = 0,

@@ -816,6 +816,70 @@ constexpr const char* kPersistentHeader = R"(
 #define VC_RAMP 1
 #endif
 
+// x as block floating point (the integer products' input, vc_imma's and the streamed layout's
+// dp4a product): values v with |v| <= top as 2^E (p0 + p1 / 128 + p2 / 128^2 ...), int8 p with
+// |p| <= 64 (LEVELS terms, 6 + 7 (LEVELS - 1) bits below top).
+namespace vc_levels {
+
+// 2^-E (down) and 2^E (up) for values up to `top`: top / 2^E in [32, 64), so the first term's |p| <=
+// 64, each next one's too (x 128). (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), E = e -
+// 132; e >= 7 keeps 2^E normal.)
+struct Scale {
+  float down, up;
+};
+__device__ __forceinline__ Scale scale_for(float top) {
+  const int ebits = max(static_cast<int>(__float_as_uint(top) >> 23), 7);
+  return {__uint_as_float(static_cast<unsigned int>(259 - ebits) << 23),
+          __uint_as_float(static_cast<unsigned int>(ebits - 5) << 23)};
+}
+
+// The LEVELS terms of 8 values v (times `down`) as bytes: lo[l] holds level l of v[0], v[2], v[4],
+// v[6] (bytes 0..3), hi[l] of v[1], v[3], v[5], v[7], the order of a packed 4-bit word's nibbles
+// v & 0x0F0F0F0F and (v >> 4) & 0x0F0F0F0F. |y| <= 64 at every level: adding 1.5 x 2^23 rounds it
+// to the nearest integer (ties to even, as rintf) and leaves that integer's two's complement in the
+// sum's low mantissa bits, so its byte is the sum's low byte. rintf and the float-to-int conversion
+// each run at 16 a cycle an SM, 8 values x 4 levels of each an item: with two blocks an SM expanding
+// x they bound vc_imma's prologue (H200, 2026-12-04, across machines: in_proj 20.7-21.7 -> 18.4 us,
+// up_proj 15.7-16.3 -> 14.9).
+template <int LEVELS>
+__device__ __forceinline__ void terms8(const float* v, float down, unsigned int* lo, unsigned int* hi) {
+  constexpr float ROUNDER = 12582912.0f;
+#pragma unroll
+  for (int l = 0; l < LEVELS; ++l) lo[l] = hi[l] = 0u;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    float y = v[i] * down;
+#pragma unroll
+    for (int l = 0; l < LEVELS; ++l) {
+      const float biased = y + ROUNDER;
+      const float r = biased - ROUNDER;
+      const unsigned int byte = __float_as_uint(biased) & 0xFFu;
+      if (i & 1) {
+        hi[l] |= byte << (8 * (i >> 1));
+      } else {
+        lo[l] |= byte << (8 * (i >> 1));
+      }
+      y = (y - r) * 128.0f;
+    }
+  }
+}
+
+// c + the dot product of a's four unsigned bytes with b's four signed ones.
+__device__ __forceinline__ int dp4a(unsigned int a, unsigned int b, int c) {
+#ifdef __CUDA_ARCH__
+  int d;
+  asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  for (int i = 0; i < 4; ++i) {
+    c += static_cast<int>((a >> (8 * i)) & 0xFFu) * static_cast<int>(static_cast<signed char>((b >> (8 * i)) & 0xFFu));
+  }
+  return c;
+#endif
+}
+
+}  // namespace vc_levels
+
 namespace vc_stream {
 
 // NORM 2's partials as this thread reads them for group_totals (its entries i = threadIdx.x, + THREADS,
@@ -1372,8 +1436,11 @@ struct StagedX {
 // the epilogue of vc_gemv::finish, and with EMIT the next norm's input as vc_qmv_emit writes it
 // (partials: one a tile, and one a part of a split last-round tile). N a multiple of ROWS. SPLIT: the
 // parts a last-round tile is cut into (Walk). The dynamic shared memory `smem` holds STAGES tiles
-// (and with XS 2, x's slices past them).
-template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int SPLIT, int EPI,
+// (and with XS 2, x's slices past them). LEVELS 0: the pair form's float products (vc_gemv::pair_fma,
+// 5 instructions a pair of weights); 1-4: integer dot products (dp4a: four weights an instruction a
+// term) with each thread's chunk of x as LEVELS int8 terms (vc_levels: 6 + 7 (LEVELS - 1) bits below
+// the chunk's largest |x|), each row's integer sums of a chunk then scaled in float32.
+template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int SPLIT, int LEVELS, int EPI,
           bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR,
           typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weight, const TS* scales,
@@ -1395,6 +1462,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   static_assert(STAGES >= 2 && SUMS <= 32 && THREADS % 32 == 0, "two stages at least; a tile's sums in one warp");
   static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
   static_assert(NORM == 0 || (NP % NG == 0 && K % NG == 0 && (K / NG) % CHUNK == 0), "NP partials in NG groups");
+  static_assert(LEVELS >= 0 && LEVELS <= 4, "the pair form, or 1-4 int8 terms of x");
   __shared__ unsigned long long bars[STAGES];
   // Bulk path: arrived[s] counts the warps done with stage s's tiles (never reset: round r's last
   // warp sees r * WARPS + WARPS - 1), red[s] holds their sums of its tile.
@@ -1459,9 +1527,13 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     // (after the block's next barrier)
     if constexpr (XS == 1) reads_before_copies();
   }
-  // x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per chunk the
-  // offset the pairs add and the sum of the x they saw.
-  float xh[CPT][4][M][4], xl[CPT][4][M][4], offset[CPT][M], xsum[CPT][M];
+  // LEVELS 0: x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per
+  // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's terms (word k's
+  // lo / hi of vc_levels::terms8, a level each), and per chunk 2^E / 128 times the norm's scale (xup)
+  // and the sum of the scaled x.
+  constexpr int LV = LEVELS > 0 ? LEVELS : 1;
+  float xh[CPT][4][M][4], xl[CPT][4][M][4], offset[CPT][M], xsum[CPT][M], xup[CPT][M];
+  unsigned int tlo[CPT][M][LV][4], thi[CPT][M][LV][4];
 #pragma unroll
   for (int j = 0; j < CPT; ++j) {
     const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
@@ -1471,19 +1543,44 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       if constexpr (NORM == 2) {
         r = rsqrtf(group_total[(c * CHUNK / (K / NG)) * M + m] / static_cast<float>(K / NG) + eps);
       }
-      float hs = 0.0f, ls = 0.0f;
+      if constexpr (LEVELS > 0) {
+        float top = 0.0f, sum = 0.0f;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < 4; ++k) {
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          xh[j][k][m][s] = xv[j][m][k][s + 4] * r;
-          xl[j][k][m][s] = fmaf(-Pair::LO, xh[j][k][m][s], xv[j][m][k][s] * r);
-          hs += xh[j][k][m][s];
-          ls += xl[j][k][m][s];
+          for (int i = 0; i < 8; ++i) {
+            top = fmaxf(top, fabsf(xv[j][m][k][i]));
+            sum += xv[j][m][k][i];
+          }
         }
+        const vc_levels::Scale two_e = vc_levels::scale_for(top);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          unsigned int lo[LV], hi[LV];
+          vc_levels::terms8<LV>(xv[j][m][k], two_e.down, lo, hi);
+#pragma unroll
+          for (int l = 0; l < LV; ++l) {
+            tlo[j][m][l][k] = lo[l];
+            thi[j][m][l][k] = hi[l];
+          }
+        }
+        xup[j][m] = two_e.up * (1.0f / 128.0f) * r;
+        xsum[j][m] = sum * r;
+      } else {
+        float hs = 0.0f, ls = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            xh[j][k][m][s] = xv[j][m][k][s + 4] * r;
+            xl[j][k][m][s] = fmaf(-Pair::LO, xh[j][k][m][s], xv[j][m][k][s] * r);
+            hs += xh[j][k][m][s];
+            ls += xl[j][k][m][s];
+          }
+        }
+        offset[j][m] = fmaf(16.0f + Pair::C, hs, 16.0f * ls);
+        xsum[j][m] = fmaf(1.0f + Pair::LO, hs, ls);
       }
-      offset[j][m] = fmaf(16.0f + Pair::C, hs, 16.0f * ls);
-      xsum[j][m] = fmaf(1.0f + Pair::LO, hs, ls);
     }
   }
   __syncthreads();  // the barriers' init seen by every thread
@@ -1512,21 +1609,58 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const uint4 wv = w4[(r0 + r) * CHUNKS + c];
-          float dot[M];
+          if constexpr (LEVELS > 0) {
+            // each level's integer sum over the chunk (|sum| <= 15 x 64 x 32 < 2^15), then two levels
+            // a word: 128 s0 + s1 and 128 s2 + s3 (< 2^22: exact as floats); the chunk's q . x is
+            // 2^E / 128 ((128 s0 + s1) + (128 s2 + s3) / 2^14)
+            int sums[M][LV];
 #pragma unroll
-          for (int m = 0; m < M; ++m) dot[m] = -offset[j][m];
+            for (int m = 0; m < M; ++m) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const unsigned int v = vc_gemv::word(wv, k);
-            vc_gemv::pair_fma<0, M>(v, xh[j][k], xl[j][k], dot);
-            vc_gemv::pair_fma<1, M>(v, xh[j][k], xl[j][k], dot);
-            vc_gemv::pair_fma<2, M>(v, xh[j][k], xl[j][k], dot);
-            vc_gemv::pair_fma<3, M>(v, xh[j][k], xl[j][k], dot);
+              for (int l = 0; l < LV; ++l) sums[m][l] = 0;
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const unsigned int v = vc_gemv::word(wv, k);
+              const unsigned int lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+              for (int m = 0; m < M; ++m) {
+#pragma unroll
+                for (int l = 0; l < LV; ++l) {
+                  sums[m][l] = vc_levels::dp4a(lo, tlo[j][m][l][k], sums[m][l]);
+                  sums[m][l] = vc_levels::dp4a(hi, thi[j][m][l][k], sums[m][l]);
+                }
+              }
+            }
+            const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
+            const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+              int high = sums[m][0] * 128, low = 0;
+              if constexpr (LV > 1) high += sums[m][1];
+              if constexpr (LV > 2) low = sums[m][2] * 128;
+              if constexpr (LV > 3) low += sums[m][3];
+              float q = static_cast<float>(high);
+              if constexpr (LV > 2) q = fmaf(static_cast<float>(low), 1.0f / 16384.0f, q);
+              acc[r][m] += fmaf(scale * xup[j][m], q, bias_g * xsum[j][m]);
+            }
+          } else {
+            float dot[M];
+#pragma unroll
+            for (int m = 0; m < M; ++m) dot[m] = -offset[j][m];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const unsigned int v = vc_gemv::word(wv, k);
+              vc_gemv::pair_fma<0, M>(v, xh[j][k], xl[j][k], dot);
+              vc_gemv::pair_fma<1, M>(v, xh[j][k], xl[j][k], dot);
+              vc_gemv::pair_fma<2, M>(v, xh[j][k], xl[j][k], dot);
+              vc_gemv::pair_fma<3, M>(v, xh[j][k], xl[j][k], dot);
+            }
+            const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
+            const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] += fmaf(scale, dot[m], bias_g * xsum[j][m]);
           }
-          const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
-          const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
-#pragma unroll
-          for (int m = 0; m < M; ++m) acc[r][m] += fmaf(scale, dot[m], bias_g * xsum[j][m]);
         }
       }
     }
@@ -1762,43 +1896,16 @@ __device__ __forceinline__ void expand_items(const XItems<K, M, THREADS>& items,
     top = valid ? top : 0.0f;
 #pragma unroll
     for (int off = 1; off < 8; off <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
-    // 2^E with top / 2^E in [32, 64): the first term's |p| <= 64, each next one's too (x 128)
-    // (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), E = e - 132; e >= 7 keeps 2^E normal)
-    const int ebits = max(static_cast<int>(__float_as_uint(top) >> 23), 7);
-    const float down = __uint_as_float(static_cast<unsigned int>(259 - ebits) << 23);
-    const float up = __uint_as_float(static_cast<unsigned int>(ebits - 5) << 23);
+    const vc_levels::Scale two_e = vc_levels::scale_for(top);
     unsigned int lo[LEVELS], hi[LEVELS];
-#pragma unroll
-    for (int l = 0; l < LEVELS; ++l) lo[l] = hi[l] = 0u;
-    // |y| <= 64 at every level: adding 1.5 x 2^23 rounds it to the nearest integer (ties to even, as
-    // rintf) and leaves that integer's two's complement in the sum's low mantissa bits, so its byte
-    // is the sum's low byte. rintf and the float-to-int conversion each run at 16 a cycle an SM, 8
-    // values x 4 levels of each an item: with two blocks an SM expanding x they bound the prologue
-    // (H200, 2026-12-04, across machines: in_proj 20.7-21.7 -> 18.4 us, up_proj 15.7-16.3 -> 14.9).
-    constexpr float ROUNDER = 12582912.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      float y = v[i] * down;
-#pragma unroll
-      for (int l = 0; l < LEVELS; ++l) {
-        const float biased = y + ROUNDER;
-        const float r = biased - ROUNDER;
-        const unsigned int byte = __float_as_uint(biased) & 0xFFu;
-        if (i & 1) {
-          hi[l] |= byte << (8 * (i >> 1));
-        } else {
-          lo[l] |= byte << (8 * (i >> 1));
-        }
-        y = (y - r) * 128.0f;
-      }
-    }
+    vc_levels::terms8<LEVELS>(v, two_e.down, lo, hi);
     const float s = scale(grp, m);
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // words 2T, 2T + 1
     if (valid) {
       const int t = word >> 1, step = word & 1;
 #pragma unroll
       for (int l = 0; l < LEVELS; ++l) terms[((grp * 2 + step) * 4 + t) * L::P + l * M + m] = uint2{lo[l], hi[l]};
-      if (word == 0) factors[grp * M + m] = up * s;
+      if (word == 0) factors[grp * M + m] = two_e.up * s;
       if (step == 0) sums[(grp * 4 + t) * M + m] = sum * s;
     }
   }
@@ -2141,7 +2248,7 @@ constexpr const char* kQmvImmaEmitSource = R"(
 constexpr const char* kQmvStreamSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, LEVELS, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_stages);
 )";
@@ -2152,7 +2259,7 @@ constexpr const char* kQmvStreamSource = R"(
 constexpr const char* kQmvStreamEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, LEVELS, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_stages);
 )";
 

@@ -153,7 +153,8 @@ def _stream_stages(n: int, k: int, rows: int, most: int = 4) -> int:
 
 
 PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2},
-              "integer_mma_streamed_8_rows": {"imma": 1, "stages": 2, "rows_per_block": 8}}
+              "integer_mma_streamed_8_rows": {"imma": 1, "stages": 2, "rows_per_block": 8},
+              "streamed_dp4a": {"dp4a": 4}}
 
 
 @needs_cuda
@@ -164,7 +165,8 @@ PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streame
 def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
     """The persistent 4-bit layouts at every LLM shape: streamed (bulk copies into shared memory),
     integer MMA (x as int8 block floating point terms on the tensor cores), and the two together (16-row
-    slabs, or 8-row ones with the weights as the MMA's other operand, for one row of x)."""
+    slabs, or 8-row ones with the weights as the MMA's other operand, for one row of x); the streamed
+    one with integer dot products (dp4a, x in 4 int8 terms)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
     launch = PERSISTENT[layout] or {"stages": _stream_stages(n, k, rows)}
@@ -276,6 +278,20 @@ def test_stream_launch_splits_the_last_rounds_tiles():
     assert (even["blocks"], even["split"], even["partials"]) == (132, 1, 132)
     wide = ext.stream_launch(4480, 22656, stages=4)  # 264 blocks (two an SM)
     assert (wide["blocks"], wide["split"], wide["partials"]) == (264, 1, 2832)
+
+
+def test_dp4a_is_a_streamed_launch_of_its_levels_and_bad_ones_are_errors():
+    """dp4a (the float streamed layout's integer dot products) is a template arg of the streamed
+    launch, the same tiles and grid; a level count past 4 or a layout other than the float streamed
+    one is one clear error, on every backend."""
+    plain, dp = ext.stream_launch(15680, 4480), ext.stream_launch(15680, 4480, dp4a=4)
+    assert (plain["levels"], dp["levels"]) == (0, 4)
+    assert {k: v for k, v in dp.items() if k != "levels"} == {k: v for k, v in plain.items() if k != "levels"}
+    w, s, b = _quantized(16, 128)
+    x = mx.zeros((1, 128))
+    for bad in [dict(dp4a=5), dict(dp4a=4, warps=2), dict(dp4a=4, imma=1), dict(dp4a=3, stages=-1)]:
+        with pytest.raises(ValueError, match="dp4a"):
+            ext.quantized_matvec(x, w, s, b, **bad)
 
 
 def test_split_setting_from_the_environment():
@@ -907,14 +923,19 @@ def _q4(n, k, seed):
     return w, s.astype(mx.bfloat16), b.astype(mx.bfloat16)
 
 
-# the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block and the
-# integer tensor-core one
-LAYOUTS = [{}, {"stages": 3}, {"imma": 1}, {"imma": 1, "stages": 2}] if ON_CUDA else [{}]
+# the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block (and with
+# integer dot products) and the integer tensor-core one
+LAYOUTS = [{}, {"stages": 3}, {"dp4a": 4}, {"imma": 1}, {"imma": 1, "stages": 2}] if ON_CUDA else [{}]
 
 
 def _fits(layout: dict, k: int, n: int) -> dict:
-    """The layout for a K x N product: the integer-MMA one takes K a multiple of 64 and N of 16 only
-    (elsewhere the default's)."""
+    """The layout for a K x N product: the integer-MMA one takes K a multiple of 64 and N of 16 only,
+    the streamed dp4a one the streamed layout's shapes (elsewhere the default's)."""
+    if "dp4a" in layout:
+        try:
+            ext.stream_launch(k, n, 1, stages=2)
+        except ValueError:
+            return {}
     return {} if "imma" in layout and (k % 64 or n % 16) else layout
 
 

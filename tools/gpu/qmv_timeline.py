@@ -153,7 +153,7 @@ def _launch(shape: str, kind: str, rows: int, threads: int, stages: int, stage_x
         l = ext.stream_launch(k, n, 1, True, ng, rows, threads, stages, 0, stage_x)
         return dict(blocks=l["blocks"], threads=l["threads"], smem=l["smem"], rows=l["rows"], partials=l["partials"],
                     overrides={"ROWS": l["rows"], "THREADS": l["threads"], "STAGES": stages, "XS": l["stage_x"],
-                               "SPLIT": l["split"]})
+                               "SPLIT": l["split"], "LEVELS": l["levels"]})
     l = ext.imma_stream_launch(k, n, 1, ng, threads, stages, 0, 8 if rows == 8 else 0)
     return dict(blocks=l["blocks"], threads=32 * l["warps"], smem=l["smem"], rows=l["rows"], partials=n // l["rows"],
                 overrides={"WARPS": l["warps"], "STAGES": stages, "SLAB": l["rows"]})

@@ -22,11 +22,13 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
   immatma  the integer-MMA product on the streamed layout's bulk-copied slabs (imma=1 with stages);
            its fourth field is the stages; rows 8: 8-row slabs (the weights as the MMA's B operand),
            else 16; threads 0: 8 warps
+  dp4a     the float streamed layout with its products as integer dot products (quantized_matvec's
+           dp4a): its fourth field is the levels (x's int8 terms), at 2 stages
   tmaprobe the streamed layout's loads and nothing else (vc_stream's bulk copies, STAGES tiles of
            rows in flight a block, each tile's bytes touched once in, then the stage refilled): what
            its walk can stream; its fourth field is the stages. tmaprobex: every block first loads
            x's K floats and waits for them, as the streamed kernels' prologue does.
-  An optional fifth field (imma, tma, immatma, tmaprobe*) is the blocks an SM (0: as the extension
+  An optional fifth field (imma, tma, immatma, dp4a, tmaprobe*) is the blocks an SM (0: as the extension
   picks).
 
 Tried with it and removed (2026-12-01, commit 65a9609 has the code): a cp.async ring into shared
@@ -176,7 +178,7 @@ TMA_PROBE = """
 TMA_PROBE_KINDS = {"tmaprobe": 0, "tmaprobex": 1}
 SM_COUNT = 132  # the H200's
 # the kinds with a persistent grid, which the blocks-an-SM field sets
-PER_SM_KINDS = ("imma", "tma", "immatma", *TMA_PROBE_KINDS)
+PER_SM_KINDS = ("imma", "tma", "immatma", "dp4a", *TMA_PROBE_KINDS)
 
 # streamxs's staging of x (tried in the block layout's product on the H200, 2026-12-02, and taken out:
 # see docs/developing.md): each warp copies the x chunks its lanes read, coalesced, into float4
@@ -219,7 +221,7 @@ SHAPES = {
 }
 
 # the kinds launched through the extension (the others are the probes': STREAM_FLAGS, TMA_PROBE_KINDS)
-EXT_KINDS = ("ext", "imma", "tma", "immatma")
+EXT_KINDS = ("ext", "imma", "tma", "immatma", "dp4a")
 # (kind, rows, threads, ksplit) per shape; ext's fourth field: row_groups
 DEFAULT = ("ext", 0, 0, 1)
 VARIANTS = {
@@ -288,7 +290,8 @@ def _tma_probe(n: int, k: int, v, tensors):
 
 def _tag(shape: str, v) -> str:
     kind, rows, threads, fourth, *per_sm = v
-    fourth_name = {"ext": "row_groups", "imma": "imma"}.get(kind, "stages" if "tma" in kind else "ksplit")
+    fourth_name = {"ext": "row_groups", "imma": "imma", "dp4a": "levels"}.get(
+        kind, "stages" if "tma" in kind else "ksplit")
     return f"{shape} {kind} rows {rows} threads {threads} {fourth_name} {fourth}" + (
         f" per_sm {per_sm[0]}" if per_sm else "")
 
@@ -304,7 +307,8 @@ def _args(n: int, k: int, v) -> dict:
 
 def _ext_call(shape: str, v, tensors):
     """The step's instance of `shape` through the extension at v's rows and threads (kind ext), or
-    through its integer-MMA layout (kind imma), its streamed one (kind tma) or both (kind immatma)."""
+    through its integer-MMA layout (kind imma), its streamed one (kind tma), both (kind immatma) or the
+    streamed one's integer dot products (kind dp4a)."""
     kind, rows, threads, row_groups, *per_sm = v
     _, _, (groups, emit, activation) = SHAPES[shape]
     x, w, s, b, partials, residual, next_w = tensors
@@ -314,13 +318,15 @@ def _ext_call(shape: str, v, tensors):
         launch.update(stages=row_groups)
     if kind == "immatma":
         launch = dict(imma=1, stages=row_groups, threads=threads, rows_per_block=8 if rows == 8 else 0)
+    if kind == "dp4a":
+        launch.update(dp4a=row_groups)
     if per_sm:
         launch.update(blocks_per_sm=per_sm[0])
     if emit:
         if kind == "ext" and row_groups > 1:
             raise SystemExit(f"{shape}: the emitting matvec takes no row_groups")
         return ext.quantized_matvec_emit_norm(x, w, s, b, residual, next_w, None, 64, 4, **pre, **launch)
-    if kind in ("imma", "tma", "immatma"):
+    if kind in ("imma", "tma", "immatma", "dp4a"):
         return [ext.quantized_matvec(x, w, s, b, None, 64, 4, activation=activation, **pre, **launch)]
     if row_groups > 1:
         launch.update(row_groups=row_groups)

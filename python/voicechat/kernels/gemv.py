@@ -119,7 +119,7 @@ def _prenorm_args(x) -> tuple[mx.array, dict]:
 
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
                      squared_relu: bool = False, norm=None, stages: int = 0, imma: int = 0, row_groups: int = 0,
-                     rows_per_block: int = 0, stream=None):
+                     rows_per_block: int = 0, dp4a: int = 0, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
     `x` [..., K] or `Prenormed` (its scales applied in the same launch), w packed uint32
     [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input is `rms_norm(x, weight, eps)`,
@@ -138,7 +138,9 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     never takes an integer-MMA layout.
     `row_groups` > 1: the block layout, each block computing that many groups of `rows_per_block`
     rows (1, 2, 4 or 8; 0 the default) one after the other (the same bits; never faster on the H200,
-    so never the default). Only the CUDA path reads these."""
+    so never the default). `dp4a` 1-4: the float streamed layout with its products as integer dot
+    products, each thread's 32 values of x as that many int8 terms (6 + 7 (dp4a - 1) bits below
+    their largest |x|); 0: the pair form. Only the CUDA path reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu, norm=norm)
@@ -149,7 +151,7 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
                                 activation=_activation(squared_relu), norm_weight=norm_weight,
                                 norm_eps=float(norm_eps), stages=stages, imma=imma, row_groups=row_groups,
-                                rows_per_block=rows_per_block, stream=stream, **pre)
+                                rows_per_block=rows_per_block, dp4a=dp4a, stream=stream, **pre)
 
 
 def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size: int = 64,
@@ -160,18 +162,19 @@ def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_no
 
 
 def quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, group_size: int = 64, bits: int = 4, *,
-                               bias=None, eps: float = 1e-5, stages: int = 0, imma: int = 0, stream=None):
+                               bias=None, eps: float = 1e-5, stages: int = 0, imma: int = 0, dp4a: int = 0,
+                               stream=None):
     """`(out, Prenormed)`: `out = x @ dequantize(w).T (+ bias) + residual` as `quantized_matvec`'s, and
     `rms_norm(out, next_norm, eps)` left for the next quantized matvec to apply (the next block's
-    input norm, formed by no launch of its own). One launch on a CUDA GPU; `stages` and `imma` as
-    `quantized_matvec`'s."""
+    input norm, formed by no launch of its own). One launch on a CUDA GPU; `stages`, `imma` and
+    `dp4a` as `quantized_matvec`'s."""
     if use_reference():
         return quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size, bits,
                                                     bias=bias, eps=eps)
     x, pre = _prenorm_args(x)
     out, weighted, partials = ext.quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, bias,
                                                              group_size, bits, stages=stages, imma=imma,
-                                                             stream=stream,
+                                                             dp4a=dp4a, stream=stream,
                                                              **pre)
     return out, Prenormed(weighted, partials, 1, eps)
 

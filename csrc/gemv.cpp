@@ -40,6 +40,12 @@ namespace {
 constexpr int kMaxRows = 2;        // input rows the kernels take (decode: batch 1, or 2)
 constexpr int kMaxRowGroups = 64;  // the block layout's row groups a block (quantized_matvec's row_groups)
 constexpr int kMaxDp4aLevels = 4;  // quantized_matvec's dp4a: int8 terms of x (vc_stream::qmv_stream's LEVELS)
+// The float streamed layout's default product for one row of x: integer dot products with x in 4 int8
+// terms (27 bits below each 32 values' largest |x|, as the integer MMA's expansion), against the
+// pair form's 5 instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, one machine,
+// f32 x, one row): the MLP down_proj 16.74 -> 15.20 us (3 terms: 15.01), the mamba out_proj 13.15 ->
+// 11.78 (3: 11.14). Two rows keep the pair form (not measured).
+constexpr int kDefaultDp4aLevels = 4;
 constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a block takes
 // Row groups a two-head argmax block walks. 1: each block a matvec block of the plain layout (8
 // rows), its loads not waiting on the block sum of the group before (8 groups of 4 rows a block
@@ -824,7 +830,8 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto); stage_x: -1 auto, else that mode where it
 // applies (float32 x; 1 where x's slices fit in a stage); dp4a: the product's int8 terms of x (1-4,
-// vc_stream::qmv_stream's LEVELS), else the pair form; bulk: the GPU has bulk copies.
+// vc_stream::qmv_stream's LEVELS), 0 the default's (kDefaultDp4aLevels for one row of x, else the
+// pair form), < 0 the pair form; bulk: the GPU has bulk copies.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                         bool x_float32, bool takes_norm, int prenorm_groups, int rows, int threads,
                                         int stages, int blocks_per_sm, int stage_x, int dp4a, bool bulk,
@@ -886,7 +893,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
   const int split = splits_last_round() ? split_last_round(tiles, blocks, rows, per_sm) : 1;
   const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
-  return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials, dp4a > 0 ? dp4a : 0};
+  const int levels = dp4a > 0 ? dp4a : dp4a == 0 && m == 1 ? kDefaultDp4aLevels : 0;
+  return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials, levels};
 }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its
@@ -1497,7 +1505,8 @@ void bind(py::module_& m) {
         "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
         "block layout, the streamed and integer-MMA ones never). dp4a (1-4): the float streamed layout with its "
         "products as integer dot products (dp4a), each thread's 32 values of x as that many int8 terms (6 + 7 "
-        "(dp4a - 1) bits below their largest |x|); 0 / -1: the float pair form.");
+        "(dp4a - 1) bits below their largest |x|); -1: the float pair form (5 instructions a pair of weights); 0: "
+        "the default, dp4a 4 for one row of x, else the pair form.");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),
@@ -1539,7 +1548,7 @@ void bind(py::module_& m) {
         "float layouts' default, None where that is the block layout; ValueError where a forced launch "
         "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
         "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto or 1). "
-        "levels: dp4a's (0: the pair form).");
+        "levels: the product's int8 terms of x (quantized_matvec's dp4a; 0: the pair form).");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
         py::arg("rows") = 0,

@@ -152,9 +152,9 @@ def _stream_stages(n: int, k: int, rows: int, most: int = 4) -> int:
     return 2
 
 
-PERSISTENT = {"streamed": None, "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2},
-              "integer_mma_streamed_8_rows": {"imma": 1, "stages": 2, "rows_per_block": 8},
-              "streamed_dp4a": {"dp4a": 4}}
+PERSISTENT = {"streamed": {}, "streamed_pair_form": {"dp4a": -1}, "streamed_dp4a_3_terms": {"dp4a": 3},
+              "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2},
+              "integer_mma_streamed_8_rows": {"imma": 1, "stages": 2, "rows_per_block": 8}}
 
 
 @needs_cuda
@@ -166,10 +166,13 @@ def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
     """The persistent 4-bit layouts at every LLM shape: streamed (bulk copies into shared memory),
     integer MMA (x as int8 block floating point terms on the tensor cores), and the two together (16-row
     slabs, or 8-row ones with the weights as the MMA's other operand, for one row of x); the streamed
-    one with integer dot products (dp4a, x in 4 int8 terms)."""
+    one's products as integer dot products (x in 4 int8 terms: its default for one row; 3 terms) and
+    in the float pair form (its default for two rows)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
-    launch = PERSISTENT[layout] or {"stages": _stream_stages(n, k, rows)}
+    launch = PERSISTENT[layout]
+    if "imma" not in launch:
+        launch = {"stages": _stream_stages(n, k, rows), **launch}
     if layout == "integer_mma_streamed_8_rows" and rows == 2:
         with pytest.raises(ValueError, match="or of 8 for one row of x"):
             quantized_matvec(x, w, s, b, **launch)
@@ -282,10 +285,12 @@ def test_stream_launch_splits_the_last_rounds_tiles():
 
 def test_dp4a_is_a_streamed_launch_of_its_levels_and_bad_ones_are_errors():
     """dp4a (the float streamed layout's integer dot products) is a template arg of the streamed
-    launch, the same tiles and grid; a level count past 4 or a layout other than the float streamed
-    one is one clear error, on every backend."""
-    plain, dp = ext.stream_launch(15680, 4480), ext.stream_launch(15680, 4480, dp4a=4)
-    assert (plain["levels"], dp["levels"]) == (0, 4)
+    launch, the same tiles and grid: by default 4 int8 terms of x for one row, the pair form (0) for
+    two or with dp4a -1; a level count past 4 or a layout other than the float streamed one is one
+    clear error, on every backend."""
+    plain, dp = ext.stream_launch(15680, 4480, dp4a=-1), ext.stream_launch(15680, 4480)
+    assert (plain["levels"], dp["levels"], ext.stream_launch(15680, 4480, dp4a=3)["levels"]) == (0, 4, 3)
+    assert ext.stream_launch(5120, 4480, 2, stages=3)["levels"] == 0
     assert {k: v for k, v in dp.items() if k != "levels"} == {k: v for k, v in plain.items() if k != "levels"}
     w, s, b = _quantized(16, 128)
     x = mx.zeros((1, 128))
@@ -305,6 +310,7 @@ def test_split_setting_from_the_environment():
 
 
 IMMA_STREAMED, STREAMED, BLOCK = {"imma": 1, "stages": 2}, {"stages": 2}, {"stages": -1}
+PAIR_FORM = {"stages": 2, "dp4a": -1}  # the float streamed layout's products without the integer dot products
 
 
 @needs_cuda
@@ -313,13 +319,14 @@ IMMA_STREAMED, STREAMED, BLOCK = {"imma": 1, "stages": 2}, {"stages": 2}, {"stag
 def test_default_layout_at_the_step_shapes(n, k, layout):
     """One row: the default takes the streamed integer-MMA layout at the wide outputs of K = 4480
     (the mamba in_proj, the MLP up_proj), the float streamed layout at K >= 8192 (the mamba
-    out_proj, the MLP down_proj) and the block layout below: the same bits as that layout asked
-    for, and not those of the other two (the three round differently)."""
+    out_proj, the MLP down_proj; its integer dot products) and the block layout below: the same bits
+    as that layout asked for, and not those of the others (they round differently; the float
+    streamed layout's pair form among them)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n)
     x = _x((1, k), mx.float32, seed=3)
     default = np.array(quantized_matvec(x, w, s, b))
     np.testing.assert_array_equal(default, np.array(quantized_matvec(x, w, s, b, **layout)))
-    for other in (IMMA_STREAMED, STREAMED, BLOCK):
+    for other in (IMMA_STREAMED, STREAMED, BLOCK, PAIR_FORM):
         if other is not layout and (other is not IMMA_STREAMED or _imma_stream_fits(n, k, 1)):
             assert not np.array_equal(default, np.array(quantized_matvec(x, w, s, b, **other))), other
     # two rows keep the block layout at every shape
@@ -923,19 +930,14 @@ def _q4(n, k, seed):
     return w, s.astype(mx.bfloat16), b.astype(mx.bfloat16)
 
 
-# the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block (and with
-# integer dot products) and the integer tensor-core one
-LAYOUTS = [{}, {"stages": 3}, {"dp4a": 4}, {"imma": 1}, {"imma": 1, "stages": 2}] if ON_CUDA else [{}]
+# the block layout, and (on a CUDA GPU) the streamed one with 3 tiles in flight a block (its integer
+# dot products for one row of x, and its pair form) and the integer tensor-core one
+LAYOUTS = [{}, {"stages": 3}, {"stages": 3, "dp4a": -1}, {"imma": 1}, {"imma": 1, "stages": 2}] if ON_CUDA else [{}]
 
 
 def _fits(layout: dict, k: int, n: int) -> dict:
-    """The layout for a K x N product: the integer-MMA one takes K a multiple of 64 and N of 16 only,
-    the streamed dp4a one the streamed layout's shapes (elsewhere the default's)."""
-    if "dp4a" in layout:
-        try:
-            ext.stream_launch(k, n, 1, stages=2)
-        except ValueError:
-            return {}
+    """The layout for a K x N product: the integer-MMA one takes K a multiple of 64 and N of 16 only
+    (elsewhere the default's)."""
     return {} if "imma" in layout and (k % 64 or n % 16) else layout
 
 

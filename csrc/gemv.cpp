@@ -39,12 +39,14 @@ namespace {
 
 constexpr int kMaxRows = 2;        // input rows the kernels take (decode: batch 1, or 2)
 constexpr int kMaxRowGroups = 64;  // the block layout's row groups a block (quantized_matvec's row_groups)
-constexpr int kMaxDp4aLevels = 4;  // quantized_matvec's dp4a: int8 terms of x (vc_stream::qmv_stream's LEVELS)
-// The float streamed layout's default product for one row of x: integer dot products with x in 4 int8
-// terms (27 bits below each 32 values' largest |x|, as the integer MMA's expansion), against the
-// pair form's 5 instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, one machine,
-// f32 x, one row): the MLP down_proj 16.74 -> 15.20 us (3 terms: 15.01), the mamba out_proj 13.15 ->
-// 11.78 (3: 11.14). Two rows keep the pair form (not measured).
+// quantized_matvec's dp4a: x's integers in 3 or 4 bytes (vc_stream::qmv_stream's LEVELS; 1-2 bytes, 7 or 15
+// bits, would fall short of float32 products)
+constexpr int kMinDp4aLevels = 3, kMaxDp4aLevels = 4;
+// The float streamed layout's default product for one row of x: integer dot products with each 32
+// values of x as integers of 4 bytes (31 bits below their largest |x|), against the pair form's 5
+// instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, one machine, f32 x, one
+// row), with x first as the integer MMA's base-128 terms: the MLP down_proj 16.74 -> 15.20 us, the
+// mamba out_proj 13.15 -> 11.78. Two rows keep the pair form (not measured).
 constexpr int kDefaultDp4aLevels = 4;
 constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a block takes
 // Row groups a two-head argmax block walks. 1: each block a matvec block of the plain layout (8
@@ -829,7 +831,7 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto); stage_x: -1 auto, else that mode where it
-// applies (float32 x; 1 where x's slices fit in a stage); dp4a: the product's int8 terms of x (1-4,
+// applies (float32 x; 1 where x's slices fit in a stage); dp4a: the bytes of x's integers (1-4,
 // vc_stream::qmv_stream's LEVELS), 0 the default's (kDefaultDp4aLevels for one row of x, else the
 // pair form), < 0 the pair form; bulk: the GPU has bulk copies.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
@@ -1087,9 +1089,10 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   if (row_groups > 1 && (warps > 0 || stages > 0 || imma > 0)) {
     fail("row_groups > 1 takes the block layout (warps 0 or -1, no stages, no imma)");
   }
-  if (dp4a > kMaxDp4aLevels || (dp4a > 0 && (warps > 0 || imma > 0 || row_groups > 1 || stages < 0))) {
-    fail("dp4a must be at most " + std::to_string(kMaxDp4aLevels) +
-         " and takes the float streamed layout (no warps, imma or row_groups; stages >= 0)");
+  if ((dp4a > 0 && dp4a < kMinDp4aLevels) || dp4a > kMaxDp4aLevels ||
+      (dp4a > 0 && (warps > 0 || imma > 0 || row_groups > 1 || stages < 0))) {
+    fail("dp4a must be -1, 0, 3 or 4 and takes the float streamed layout (no warps, imma or row_groups; "
+         "stages >= 0)");
   }
   if (norm_weight && (norm_weight->ndim() != 1 || norm_weight->shape(0) != k || !float_dtype(norm_weight->dtype()))) {
     fail("norm_weight must be a float array [K] with K = " + std::to_string(k));
@@ -1503,9 +1506,9 @@ void bind(py::module_& m) {
         "MMA's other operand, which fit where 16 rows do not). 0 (with stages and rows_per_block 0): the default picks, the streamed integer MMA for one "
         "row where K < 8192 and N >= 8192. row_groups (block layout): each "
         "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
-        "block layout, the streamed and integer-MMA ones never). dp4a (1-4): the float streamed layout with its "
-        "products as integer dot products (dp4a), each thread's 32 values of x as that many int8 terms (6 + 7 "
-        "(dp4a - 1) bits below their largest |x|); -1: the float pair form (5 instructions a pair of weights); 0: "
+        "block layout, the streamed and integer-MMA ones never). dp4a (3 or 4): the float streamed layout with its "
+        "products as integer dot products (dp4a), each thread's 32 values of x as integers of that many bytes "
+        "(8 dp4a - 1 bits below their largest |x|); -1: the float pair form (5 instructions a pair of weights); 0: "
         "the default, dp4a 4 for one row of x, else the pair form.");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
@@ -1548,7 +1551,7 @@ void bind(py::module_& m) {
         "float layouts' default, None where that is the block layout; ValueError where a forced launch "
         "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
         "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto or 1). "
-        "levels: the product's int8 terms of x (quantized_matvec's dp4a; 0: the pair form).");
+        "levels: the bytes of x's integers in the product (quantized_matvec's dp4a; 0: the pair form).");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
         py::arg("rows") = 0,

@@ -43,11 +43,12 @@ constexpr int kMaxRowGroups = 64;  // the block layout's row groups a block (qua
 // bits, would fall short of float32 products)
 constexpr int kMinDp4aLevels = 3, kMaxDp4aLevels = 4;
 // The float streamed layout's default product for one row of x: integer dot products with each 32
-// values of x as integers of 4 bytes (31 bits below their largest |x|), against the pair form's 5
-// instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, one machine, f32 x, one
-// row), with x first as the integer MMA's base-128 terms: the MLP down_proj 16.74 -> 15.20 us, the
-// mamba out_proj 13.15 -> 11.78. Two rows keep the pair form (not measured).
-constexpr int kDefaultDp4aLevels = 4;
+// values of x as integers of 3 bytes (22 bits below their largest |x|, rounded by one FFMA), against
+// the pair form's 5 instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, f32 x, one
+// row): the pair form / x as the integer MMA's base-128 terms (4) / 4 bytes (F2I) / 3 bytes (F2I):
+// the MLP down_proj 16.32-16.74 / 15.07-15.20 / 15.39 / 14.85 us, the mamba out_proj 13.15-13.28 /
+// 11.68-11.78 / 12.42 / 11.84. Two rows keep the pair form (not measured).
+constexpr int kDefaultDp4aLevels = 3;
 constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a block takes
 // Row groups a two-head argmax block walks. 1: each block a matvec block of the plain layout (8
 // rows), its loads not waiting on the block sum of the group before (8 groups of 4 rows a block
@@ -340,8 +341,8 @@ const CudaSource& qmv_stream_emit_source() {
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2, 4, 0),
           qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 1, 0),
           // the integer dot products (quantized_matvec's dp4a) at down_proj and the mamba out_proj
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 4),
-          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 4, 0, 640, 8),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 3),
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 3, 0, 640, 8),
       },
   });
   return src;
@@ -1508,8 +1509,8 @@ void bind(py::module_& m) {
         "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
         "block layout, the streamed and integer-MMA ones never). dp4a (3 or 4): the float streamed layout with its "
         "products as integer dot products (dp4a), each thread's 32 values of x as integers of that many bytes "
-        "(8 dp4a - 1 bits below their largest |x|); -1: the float pair form (5 instructions a pair of weights); 0: "
-        "the default, dp4a 4 for one row of x, else the pair form.");
+        "(8 dp4a - 2 bits below their largest |x|); -1: the float pair form (5 instructions a pair of weights); 0: "
+        "the default, dp4a 3 for one row of x, else the pair form.");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),

@@ -892,26 +892,36 @@ __device__ __forceinline__ int dp4a_unsigned(unsigned int a, unsigned int b, int
 }
 
 // x in BYTES bytes (the streamed layout's dp4a product): values v with |v| <= top as integers n =
-// round(v * 2^s), s picked so that top * 2^s lies in [2^(8 BYTES - 2), 2^(8 BYTES - 1)): n fits BYTES
-// bytes, two's complement, its top byte signed and the others unsigned (8 BYTES - 1 bits below top's
+// round(v * 2^s), s picked so that top * 2^s lies in [2^(8 BYTES - 3), 2^(8 BYTES - 2)): n fits BYTES
+// bytes, two's complement, its top byte signed and the others unsigned (8 BYTES - 2 bits below top's
 // leading one). to_int = 2^s, from_int = 2^(8 (BYTES - 2) - s) (2^-s for one byte): the factor of
-// byte_total's float. (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), s = 8 BYTES + 125
+// byte_total's float. (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), s = 8 BYTES + 124
 // - e; e >= 8 BYTES + 6 keeps both factors normal, tiny x then keep fewer bits.)
 template <int BYTES>
 __device__ __forceinline__ Scale byte_scale(float top) {
   const int e = max(static_cast<int>(__float_as_uint(top) >> 23), 8 * BYTES + 6);
   constexpr int SHIFT = BYTES >= 2 ? 8 * (BYTES - 2) : 0;
-  return {__uint_as_float(static_cast<unsigned int>(8 * BYTES + 252 - e) << 23),
-          __uint_as_float(static_cast<unsigned int>(SHIFT - 8 * BYTES + 2 + e) << 23)};
+  return {__uint_as_float(static_cast<unsigned int>(8 * BYTES + 251 - e) << 23),
+          __uint_as_float(static_cast<unsigned int>(SHIFT - 8 * BYTES + 3 + e) << 23)};
 }
 
-// round(v) as an int, ties to even (v * 2^s is exact: only values below 2^23 have a fraction).
-__device__ __forceinline__ int round_int(float v) {
+// round(v * to_int) as an int, ties to even (the product is exact: only values below 2^23 have a
+// fraction), |v * to_int| < 2^(8 BYTES - 2). Up to 3 bytes (below 2^22) one FFMA adds 1.5 x 2^23,
+// which rounds it and leaves the integer in the sum's low bits (bits - 0x4B400000), all on the FMA
+// and ALU pipes; 4 bytes take the conversion unit's F2I, at 16 a cycle an SM: with x's 32 values a
+// thread it held the mamba out_proj's prologue (H200, 2026-12-04: 12.42 us with 4 bytes, 11.84 with 3
+// through F2I).
+template <int BYTES>
+__device__ __forceinline__ int to_int(float v, float to_int_scale) {
+  if constexpr (BYTES <= 3) {
+    return static_cast<int>(__float_as_uint(fmaf(v, to_int_scale, 12582912.0f)) - 0x4B400000u);
+  } else {
 #ifdef __CUDA_ARCH__
-  return __float2int_rn(v);
+    return __float2int_rn(v * to_int_scale);
 #else
-  return static_cast<int>(std::nearbyint(v));
+    return static_cast<int>(std::nearbyint(v * to_int_scale));
 #endif
+  }
 }
 
 // The byte planes of four words: plane[b] holds byte b of a, b2, c, d (bytes 0..3), a 4 x 4 byte
@@ -1512,7 +1522,7 @@ struct StagedX {
 // parts a last-round tile is cut into (Walk). The dynamic shared memory `smem` holds STAGES tiles
 // (and with XS 2, x's slices past them). LEVELS 0: the pair form's float products (vc_gemv::pair_fma,
 // 5 instructions a pair of weights); 1-4: integer dot products (dp4a: four weights an instruction a
-// byte) with each thread's chunk of x as integers of LEVELS bytes (vc_levels::byte_scale: 8 LEVELS - 1
+// byte) with each thread's chunk of x as integers of LEVELS bytes (vc_levels::byte_scale: 8 LEVELS - 2
 // bits below the chunk's largest |x|), each row's integer sums of a chunk then scaled in float32.
 template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int SPLIT, int LEVELS, int EPI,
           bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR,
@@ -1634,7 +1644,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
           unsigned int n[8], lo[4], hi[4];
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            n[i] = static_cast<unsigned int>(vc_levels::round_int(xv[j][m][k][i] * two_s.to_int));
+            n[i] = static_cast<unsigned int>(vc_levels::to_int<LV>(xv[j][m][k][i], two_s.to_int));
           }
           vc_levels::byte_planes(n[0], n[2], n[4], n[6], lo);
           vc_levels::byte_planes(n[1], n[3], n[5], n[7], hi);

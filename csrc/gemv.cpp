@@ -39,16 +39,15 @@ namespace {
 
 constexpr int kMaxRows = 2;        // input rows the kernels take (decode: batch 1, or 2)
 constexpr int kMaxRowGroups = 64;  // the block layout's row groups a block (quantized_matvec's row_groups)
-// quantized_matvec's dp4a: x's integers in 3 or 4 bytes (vc_stream::qmv_stream's LEVELS; 1-2 bytes, 7 or 15
-// bits, would fall short of float32 products)
+// quantized_matvec's dp4a: x in 3 or 4 int8 terms (vc_stream::qmv_stream's LEVELS; 1-2 terms, 6 or 13 bits,
+// would fall short of float32 products)
 constexpr int kMinDp4aLevels = 3, kMaxDp4aLevels = 4;
-// The float streamed layout's default product for one row of x: integer dot products with each 32
-// values of x as integers of 3 bytes (22 bits below their largest |x|, rounded by one FFMA), against
-// the pair form's 5 instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, f32 x, one
-// row): the pair form / x as the integer MMA's base-128 terms (4) / 4 bytes (F2I) / 3 bytes (F2I):
-// the MLP down_proj 16.32-16.74 / 15.07-15.20 / 15.39 / 14.85 us, the mamba out_proj 13.15-13.28 /
-// 11.68-11.78 / 12.42 / 11.84. Two rows keep the pair form (not measured).
-constexpr int kDefaultDp4aLevels = 3;
+// The float streamed layout's default product for one row of x: integer dot products with x in 4 int8
+// terms (27 bits below each 32 values' largest |x|, as the integer MMA's expansion), against the
+// pair form's 5 instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, f32 x, one
+// row; two machines): the MLP down_proj 16.74 -> 15.20 / 15.07 us (3 terms: 15.01), the mamba
+// out_proj 13.15 -> 11.78 / 11.68 (3: 11.14). Two rows keep the pair form (not measured).
+constexpr int kDefaultDp4aLevels = 4;
 constexpr int kSmCount = 132;      // H100 / H200; only steers how many rows a block takes
 // Row groups a two-head argmax block walks. 1: each block a matvec block of the plain layout (8
 // rows), its loads not waiting on the block sum of the group before (8 groups of 4 rows a block
@@ -341,8 +340,8 @@ const CudaSource& qmv_stream_emit_source() {
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2, 4, 0),
           qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 1, 0),
           // the integer dot products (quantized_matvec's dp4a) at down_proj and the mamba out_proj
-          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 3),
-          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 3, 0, 640, 8),
+          qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 4),
+          qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 4, 0, 640, 8),
       },
   });
   return src;
@@ -832,7 +831,7 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto); stage_x: -1 auto, else that mode where it
-// applies (float32 x; 1 where x's slices fit in a stage); dp4a: the bytes of x's integers (1-4,
+// applies (float32 x; 1 where x's slices fit in a stage); dp4a: the product's int8 terms of x (1-4,
 // vc_stream::qmv_stream's LEVELS), 0 the default's (kDefaultDp4aLevels for one row of x, else the
 // pair form), < 0 the pair form; bulk: the GPU has bulk copies.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
@@ -1508,9 +1507,9 @@ void bind(py::module_& m) {
         "row where K < 8192 and N >= 8192. row_groups (block layout): each "
         "block computes that many groups of rows_per_block rows one after the other (0 / 1: one; > 1 takes the "
         "block layout, the streamed and integer-MMA ones never). dp4a (3 or 4): the float streamed layout with its "
-        "products as integer dot products (dp4a), each thread's 32 values of x as integers of that many bytes "
-        "(8 dp4a - 2 bits below their largest |x|); -1: the float pair form (5 instructions a pair of weights); 0: "
-        "the default, dp4a 3 for one row of x, else the pair form.");
+        "products as integer dot products (dp4a), each thread's 32 values of x as that many int8 terms (6 + 7 "
+        "(dp4a - 1) bits below their largest |x|); -1: the float pair form (5 instructions a pair of weights); 0: "
+        "the default, dp4a 4 for one row of x, else the pair form.");
   m.def("quantized_matvec_emit_norm", &quantized_matvec_emit_norm, py::arg("x"), py::arg("w"), py::arg("scales"),
         py::arg("biases"), py::arg("residual"), py::arg("next_norm"), py::arg("bias") = py::none(),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("prenormed") = py::none(),
@@ -1552,7 +1551,7 @@ void bind(py::module_& m) {
         "float layouts' default, None where that is the block layout; ValueError where a forced launch "
         "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
         "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto or 1). "
-        "levels: the bytes of x's integers in the product (quantized_matvec's dp4a; 0: the pair form).");
+        "levels: the product's int8 terms of x (quantized_matvec's dp4a; 0: the pair form).");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
         py::arg("rows") = 0,

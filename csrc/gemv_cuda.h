@@ -816,18 +816,17 @@ constexpr const char* kPersistentHeader = R"(
 #define VC_RAMP 1
 #endif
 
-// x as integers for the integer products: vc_imma's block floating point terms (values v with |v| <=
-// top as 2^E (p0 + p1 / 128 + p2 / 128^2 ...), int8 p with |p| <= 64: LEVELS terms, 6 + 7 (LEVELS - 1)
-// bits below top; scale_for, terms8) and the streamed layout's bytes for dp4a (byte_scale).
+// x as block floating point (the integer products' input, vc_imma's and the streamed layout's
+// dp4a product): values v with |v| <= top as 2^E (p0 + p1 / 128 + p2 / 128^2 ...), int8 p with
+// |p| <= 64 (LEVELS terms, 6 + 7 (LEVELS - 1) bits below top).
 namespace vc_levels {
 
+// 2^-E (down) and 2^E (up) for values up to `top`: top / 2^E in [32, 64), so the first term's |p| <=
+// 64, each next one's too (x 128). (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), E = e -
+// 132; e >= 7 keeps 2^E normal.)
 struct Scale {
-  float to_int, from_int;  // x times to_int: in the terms' units; the terms' units times from_int: x
+  float down, up;
 };
-
-// 2^-E (to_int) and 2^E (from_int) for values up to `top`: top / 2^E in [32, 64), so the first term's
-// |p| <= 64, each next one's too (x 128). (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)),
-// E = e - 132; e >= 7 keeps 2^E normal.)
 __device__ __forceinline__ Scale scale_for(float top) {
   const int ebits = max(static_cast<int>(__float_as_uint(top) >> 23), 7);
   return {__uint_as_float(static_cast<unsigned int>(259 - ebits) << 23),
@@ -877,89 +876,6 @@ __device__ __forceinline__ int dp4a(unsigned int a, unsigned int b, int c) {
   }
   return c;
 #endif
-}
-
-// c + the dot product of a's four unsigned bytes with b's four unsigned ones.
-__device__ __forceinline__ int dp4a_unsigned(unsigned int a, unsigned int b, int c) {
-#ifdef __CUDA_ARCH__
-  int d;
-  asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-#else
-  for (int i = 0; i < 4; ++i) c += static_cast<int>(((a >> (8 * i)) & 0xFFu) * ((b >> (8 * i)) & 0xFFu));
-  return c;
-#endif
-}
-
-// x in BYTES bytes (the streamed layout's dp4a product): values v with |v| <= top as integers n =
-// round(v * 2^s), s picked so that top * 2^s lies in [2^(8 BYTES - 3), 2^(8 BYTES - 2)): n fits BYTES
-// bytes, two's complement, its top byte signed and the others unsigned (8 BYTES - 2 bits below top's
-// leading one). to_int = 2^s, from_int = 2^(8 (BYTES - 2) - s) (2^-s for one byte): the factor of
-// byte_total's float. (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), s = 8 BYTES + 124
-// - e; e >= 8 BYTES + 6 keeps both factors normal, tiny x then keep fewer bits.)
-template <int BYTES>
-__device__ __forceinline__ Scale byte_scale(float top) {
-  const int e = max(static_cast<int>(__float_as_uint(top) >> 23), 8 * BYTES + 6);
-  constexpr int SHIFT = BYTES >= 2 ? 8 * (BYTES - 2) : 0;
-  return {__uint_as_float(static_cast<unsigned int>(8 * BYTES + 251 - e) << 23),
-          __uint_as_float(static_cast<unsigned int>(SHIFT - 8 * BYTES + 3 + e) << 23)};
-}
-
-// round(v * to_int) as an int, ties to even (the product is exact: only values below 2^23 have a
-// fraction), |v * to_int| < 2^(8 BYTES - 2). Up to 3 bytes (below 2^22) one FFMA adds 1.5 x 2^23,
-// which rounds it and leaves the integer in the sum's low bits (bits - 0x4B400000), all on the FMA
-// and ALU pipes; 4 bytes take the conversion unit's F2I, at 16 a cycle an SM: with x's 32 values a
-// thread it held the mamba out_proj's prologue (H200, 2026-12-04: 12.42 us with 4 bytes, 11.84 with 3
-// through F2I).
-template <int BYTES>
-__device__ __forceinline__ int to_int(float v, float to_int_scale) {
-  if constexpr (BYTES <= 3) {
-    return static_cast<int>(__float_as_uint(fmaf(v, to_int_scale, 12582912.0f)) - 0x4B400000u);
-  } else {
-#ifdef __CUDA_ARCH__
-    return __float2int_rn(v * to_int_scale);
-#else
-    return static_cast<int>(std::nearbyint(v * to_int_scale));
-#endif
-  }
-}
-
-// The byte planes of four words: plane[b] holds byte b of a, b2, c, d (bytes 0..3), a 4 x 4 byte
-// transpose in eight byte permutes.
-__device__ __forceinline__ void byte_planes(unsigned int a, unsigned int b, unsigned int c, unsigned int d,
-                                            unsigned int* plane) {
-#ifdef __CUDA_ARCH__
-  const unsigned int ab01 = __byte_perm(a, b, 0x5140), ab23 = __byte_perm(a, b, 0x7362);
-  const unsigned int cd01 = __byte_perm(c, d, 0x5140), cd23 = __byte_perm(c, d, 0x7362);
-  plane[0] = __byte_perm(ab01, cd01, 0x5410);
-  plane[1] = __byte_perm(ab01, cd01, 0x7632);
-  plane[2] = __byte_perm(ab23, cd23, 0x5410);
-  plane[3] = __byte_perm(ab23, cd23, 0x7632);
-#else
-  for (int i = 0; i < 4; ++i) {
-    const int sh = 8 * i;
-    plane[i] = ((a >> sh) & 0xFFu) | ((b >> sh) & 0xFFu) << 8 | ((c >> sh) & 0xFFu) << 16 | ((d >> sh) & 0xFFu) << 24;
-  }
-#endif
-}
-
-// sums[b] (a row's dp4a sums of byte b of x's integers, b < BYTES) as the float byte_scale's
-// from_int scales: sum_b sums[b] 2^(8b) / 2^(8 (BYTES - 2)). Bytes paired in integers first (256 s1 + s0 < 2^24
-// with |s| <= 15 x 255 x 32 < 2^17), exact but for the float sum of two pairs (BYTES 3 and 4).
-template <int BYTES>
-__device__ __forceinline__ float byte_total(const int* sums) {
-  if constexpr (BYTES == 1) {
-    return static_cast<float>(sums[0]);
-  } else {
-    const float high = static_cast<float>(sums[BYTES - 1] * 256 + sums[BYTES - 2]);
-    if constexpr (BYTES == 2) {
-      return high;
-    } else if constexpr (BYTES == 3) {
-      return fmaf(static_cast<float>(sums[0]), 1.0f / 256.0f, high);
-    } else {
-      return fmaf(static_cast<float>(sums[1] * 256 + sums[0]), 1.0f / 65536.0f, high);
-    }
-  }
 }
 
 }  // namespace vc_levels
@@ -1522,8 +1438,8 @@ struct StagedX {
 // parts a last-round tile is cut into (Walk). The dynamic shared memory `smem` holds STAGES tiles
 // (and with XS 2, x's slices past them). LEVELS 0: the pair form's float products (vc_gemv::pair_fma,
 // 5 instructions a pair of weights); 1-4: integer dot products (dp4a: four weights an instruction a
-// byte) with each thread's chunk of x as integers of LEVELS bytes (vc_levels::byte_scale: 8 LEVELS - 2
-// bits below the chunk's largest |x|), each row's integer sums of a chunk then scaled in float32.
+// term) with each thread's chunk of x as LEVELS int8 terms (vc_levels: 6 + 7 (LEVELS - 1) bits below
+// the chunk's largest |x|), each row's integer sums of a chunk then scaled in float32.
 template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int SPLIT, int LEVELS, int EPI,
           bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR,
           typename TN, typename TO, typename TE>
@@ -1546,7 +1462,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   static_assert(STAGES >= 2 && SUMS <= 32 && THREADS % 32 == 0, "two stages at least; a tile's sums in one warp");
   static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
   static_assert(NORM == 0 || (NP % NG == 0 && K % NG == 0 && (K / NG) % CHUNK == 0), "NP partials in NG groups");
-  static_assert(LEVELS >= 0 && LEVELS <= 4, "the pair form, or x's integers in 1-4 bytes");
+  static_assert(LEVELS >= 0 && LEVELS <= 4, "the pair form, or 1-4 int8 terms of x");
   __shared__ unsigned long long bars[STAGES];
   // Bulk path: arrived[s] counts the warps done with stage s's tiles (never reset: round r's last
   // warp sees r * WARPS + WARPS - 1), red[s] holds their sums of its tile.
@@ -1612,10 +1528,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     if constexpr (XS == 1) reads_before_copies();
   }
   // LEVELS 0: x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per
-  // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's integers in LEVELS
-  // bytes (vc_levels::byte_scale), byte b of word k's values 0, 2, 4, 6 (tlo) and 1, 3, 5, 7 (thi)
-  // in one word each, the order of a packed word's nibbles v & 0x0F0F0F0F and (v >> 4) & 0x0F0F0F0F;
-  // and per chunk byte_scale's from_int times the norm's scale (xup) and the sum of the scaled x.
+  // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's terms (word k's
+  // lo / hi of vc_levels::terms8, a level each), and per chunk 2^E / 128 times the norm's scale (xup)
+  // and the sum of the scaled x.
   constexpr int LV = LEVELS > 0 ? LEVELS : 1;
   float xh[CPT][4][M][4], xl[CPT][4][M][4], offset[CPT][M], xsum[CPT][M], xup[CPT][M];
   unsigned int tlo[CPT][M][LV][4], thi[CPT][M][LV][4];
@@ -1638,23 +1553,18 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
             sum += xv[j][m][k][i];
           }
         }
-        const vc_levels::Scale two_s = vc_levels::byte_scale<LV>(top);
+        const vc_levels::Scale two_e = vc_levels::scale_for(top);
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          unsigned int n[8], lo[4], hi[4];
+          unsigned int lo[LV], hi[LV];
+          vc_levels::terms8<LV>(xv[j][m][k], two_e.down, lo, hi);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            n[i] = static_cast<unsigned int>(vc_levels::to_int<LV>(xv[j][m][k][i], two_s.to_int));
-          }
-          vc_levels::byte_planes(n[0], n[2], n[4], n[6], lo);
-          vc_levels::byte_planes(n[1], n[3], n[5], n[7], hi);
-#pragma unroll
-          for (int b = 0; b < LV; ++b) {
-            tlo[j][m][b][k] = lo[b];
-            thi[j][m][b][k] = hi[b];
+          for (int l = 0; l < LV; ++l) {
+            tlo[j][m][l][k] = lo[l];
+            thi[j][m][l][k] = hi[l];
           }
         }
-        xup[j][m] = two_s.from_int * r;
+        xup[j][m] = two_e.up * (1.0f / 128.0f) * r;
         xsum[j][m] = sum * r;
       } else {
         float hs = 0.0f, ls = 0.0f;
@@ -1700,8 +1610,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
         for (int r = 0; r < R; ++r) {
           const uint4 wv = w4[(r0 + r) * CHUNKS + c];
           if constexpr (LEVELS > 0) {
-            // each byte's integer sum over the chunk (the top byte signed), then their total
-            // (vc_levels::byte_total) times xup: the chunk's q . x
+            // each level's integer sum over the chunk (|sum| <= 15 x 64 x 32 < 2^15), then two levels
+            // a word: 128 s0 + s1 and 128 s2 + s3 (< 2^22: exact as floats); the chunk's q . x is
+            // 2^E / 128 ((128 s0 + s1) + (128 s2 + s3) / 2^14)
             int sums[M][LV];
 #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -1715,14 +1626,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
 #pragma unroll
               for (int m = 0; m < M; ++m) {
 #pragma unroll
-                for (int b = 0; b < LV; ++b) {
-                  if (b == LV - 1) {
-                    sums[m][b] = vc_levels::dp4a(lo, tlo[j][m][b][k], sums[m][b]);
-                    sums[m][b] = vc_levels::dp4a(hi, thi[j][m][b][k], sums[m][b]);
-                  } else {
-                    sums[m][b] = vc_levels::dp4a_unsigned(lo, tlo[j][m][b][k], sums[m][b]);
-                    sums[m][b] = vc_levels::dp4a_unsigned(hi, thi[j][m][b][k], sums[m][b]);
-                  }
+                for (int l = 0; l < LV; ++l) {
+                  sums[m][l] = vc_levels::dp4a(lo, tlo[j][m][l][k], sums[m][l]);
+                  sums[m][l] = vc_levels::dp4a(hi, thi[j][m][l][k], sums[m][l]);
                 }
               }
             }
@@ -1730,7 +1636,13 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
             const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-              acc[r][m] += fmaf(scale * xup[j][m], vc_levels::byte_total<LV>(sums[m]), bias_g * xsum[j][m]);
+              int high = sums[m][0] * 128, low = 0;
+              if constexpr (LV > 1) high += sums[m][1];
+              if constexpr (LV > 2) low = sums[m][2] * 128;
+              if constexpr (LV > 3) low += sums[m][3];
+              float q = static_cast<float>(high);
+              if constexpr (LV > 2) q = fmaf(static_cast<float>(low), 1.0f / 16384.0f, q);
+              acc[r][m] += fmaf(scale * xup[j][m], q, bias_g * xsum[j][m]);
             }
           } else {
             float dot[M];
@@ -1986,14 +1898,14 @@ __device__ __forceinline__ void expand_items(const XItems<K, M, THREADS>& items,
     for (int off = 1; off < 8; off <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
     const vc_levels::Scale two_e = vc_levels::scale_for(top);
     unsigned int lo[LEVELS], hi[LEVELS];
-    vc_levels::terms8<LEVELS>(v, two_e.to_int, lo, hi);
+    vc_levels::terms8<LEVELS>(v, two_e.down, lo, hi);
     const float s = scale(grp, m);
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // words 2T, 2T + 1
     if (valid) {
       const int t = word >> 1, step = word & 1;
 #pragma unroll
       for (int l = 0; l < LEVELS; ++l) terms[((grp * 2 + step) * 4 + t) * L::P + l * M + m] = uint2{lo[l], hi[l]};
-      if (word == 0) factors[grp * M + m] = two_e.from_int * s;
+      if (word == 0) factors[grp * M + m] = two_e.up * s;
       if (step == 0) sums[(grp * 4 + t) * M + m] = sum * s;
     }
   }

@@ -152,7 +152,7 @@ def _stream_stages(n: int, k: int, rows: int, most: int = 4) -> int:
     return 2
 
 
-PERSISTENT = {"streamed": {}, "streamed_pair_form": {"dp4a": -1}, "streamed_dp4a_4_bytes": {"dp4a": 4},
+PERSISTENT = {"streamed": {}, "streamed_pair_form": {"dp4a": -1}, "streamed_dp4a_3_terms": {"dp4a": 3},
               "integer_mma": {"imma": 1}, "integer_mma_streamed": {"imma": 1, "stages": 2},
               "integer_mma_streamed_8_rows": {"imma": 1, "stages": 2, "rows_per_block": 8}}
 
@@ -166,7 +166,7 @@ def test_persistent_layouts_full_size_equal_mlx(n, k, dtype, rows, layout):
     """The persistent 4-bit layouts at every LLM shape: streamed (bulk copies into shared memory),
     integer MMA (x as int8 block floating point terms on the tensor cores), and the two together (16-row
     slabs, or 8-row ones with the weights as the MMA's other operand, for one row of x); the streamed
-    one's products as integer dot products (x as integers of 3 bytes: its default for one row; 4) and
+    one's products as integer dot products (x in 4 int8 terms: its default for one row; 3 terms) and
     in the float pair form (its default for two rows)."""
     w, s, b = _quantized(n, k, dtype=mx.bfloat16, seed=n + k)
     x = _x((rows, k), dtype, seed=rows)
@@ -285,11 +285,11 @@ def test_stream_launch_splits_the_last_rounds_tiles():
 
 def test_dp4a_is_a_streamed_launch_of_its_levels_and_bad_ones_are_errors():
     """dp4a (the float streamed layout's integer dot products) is a template arg of the streamed
-    launch, the same tiles and grid: by default x's integers in 3 bytes for one row, the pair form (0) for
+    launch, the same tiles and grid: by default 4 int8 terms of x for one row, the pair form (0) for
     two or with dp4a -1; a level count past 4 or a layout other than the float streamed one is one
     clear error, on every backend."""
     plain, dp = ext.stream_launch(15680, 4480, dp4a=-1), ext.stream_launch(15680, 4480)
-    assert (plain["levels"], dp["levels"], ext.stream_launch(15680, 4480, dp4a=4)["levels"]) == (0, 3, 4)
+    assert (plain["levels"], dp["levels"], ext.stream_launch(15680, 4480, dp4a=3)["levels"]) == (0, 4, 3)
     assert ext.stream_launch(5120, 4480, 2, stages=3)["levels"] == 0
     assert {k: v for k, v in dp.items() if k != "levels"} == {k: v for k, v in plain.items() if k != "levels"}
     w, s, b = _quantized(16, 128)

@@ -330,7 +330,7 @@ def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=
     `stages` of them in flight, each of the last round's tiles cut into `split` parts (one a block);
     w_offset > 0 misaligns the weight, so the block copies tiles itself instead of the copy engine's
     bulk copies; xs the way float32 x reaches each lane (XS); levels > 0 the integer dot products
-    with x as integers of that many bytes (LEVELS)."""
+    with x in that many int8 terms (LEVELS)."""
     layout = dict(GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, STAGES=stages, XS=xs, SPLIT=split,
                   LEVELS=levels)
     return _persistent_case("vc_qmv_stream", layout, n, k, m, rows, blocks, threads, x_dtype, epi, bias_dtype, np_,
@@ -791,16 +791,16 @@ def emulated(tmp_path_factory):
         "stream_split_own_copies": stream_case(40, 1024, 1, 8, 32, 2, 4, epi=2, bias_dtype=mx.float32, w_offset=1,
                                                split=4),
         "stream_split_warps_drift": stream_case(88, 3072, 1, 8, 96, 3, 5, np_=16, ng=4, split=4),
-        # the integer dot products (LEVELS: x's integers in bytes): 4 on stages wrapping round; two
-        # chunks a thread with two rows of unaligned bfloat16 x and a residual; 3 bytes emitting on a
-        # group-normed input; 3 with the block's own copies, a bias, squared ReLU and parts; huge and
-        # tiny x (the integers' scales); 3 warps drifting with x staged through a stage
+        # the integer dot products (LEVELS: x in int8 terms): 4 levels on stages wrapping round; two
+        # chunks a thread with two rows of unaligned bfloat16 x and a residual; 3 levels emitting on a
+        # group-normed input; 3 with the block's own copies, a bias, squared ReLU and parts;
+        # huge and tiny x (the terms' exponents); 3 warps drifting with x staged through a stage
         "stream_dp4a_q4": stream_case(64, 640, 1, 8, 32, 2, 3, levels=4),
         "stream_dp4a_m2_two_chunks": stream_case(48, 2048, 2, 8, 32, 3, 2, mx.bfloat16, epi=1, x_offset=1, levels=4),
         "stream_dp4a_emit_prenormed": stream_case(32, 2048, 1, 8, 64, 2, 2, np_=16, ng=8, emit=True, levels=3),
         "stream_dp4a_own_copies_split": stream_case(40, 1024, 1, 8, 32, 2, 4, epi=2, bias_dtype=mx.float32,
                                                     w_offset=1, split=4, levels=3),
-        "stream_dp4a_huge_x": stream_case(32, 640, 1, 8, 32, 2, 2, x_scale=1e30, levels=3),
+        "stream_dp4a_huge_x": stream_case(32, 640, 1, 8, 32, 2, 2, x_scale=1e30, levels=4),
         "stream_dp4a_tiny_x": stream_case(32, 640, 2, 4, 32, 2, 3, x_scale=1e-30, levels=4),
         "stream_dp4a_staged_warps_drift": stream_case(96, 3072, 1, 8, 96, 3, 2, xs=1, levels=4),
         # the integer-MMA layout: slabs wrapping round a grid of 3 (uneven groups a warp), two rows of
@@ -977,7 +977,7 @@ def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a tile, and a part of a split last-round tile): the tiles a block walks, the stages it reuses
     (refilled by whichever warp is done last), the parts' copies and rows, the input norm folded
-    into x; with LEVELS (stream_dp4a_*) the products as integer dot products of x's bytes."""
+    into x; with LEVELS (stream_dp4a_*) the products as integer dot products of x's int8 terms."""
     _check_persistent(emulated, name)
 
 

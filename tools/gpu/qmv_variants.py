@@ -23,7 +23,7 @@ in_proj 22656x4480, up_proj 15680x4480), float32 x, one input row: the program
            its fourth field is the stages; rows 8: 8-row slabs (the weights as the MMA's B operand),
            else 16; threads 0: 8 warps
   dp4a     the float streamed layout with its products as integer dot products (quantized_matvec's
-           dp4a): its fourth field is the bytes of x's integers (-1: the pair form), at 2 stages
+           dp4a): its fourth field is the levels (x's int8 terms), at 2 stages
   tmaprobe the streamed layout's loads and nothing else (vc_stream's bulk copies, STAGES tiles of
            rows in flight a block, each tile's bytes touched once in, then the stage refilled): what
            its walk can stream; its fourth field is the stages. tmaprobex: every block first loads

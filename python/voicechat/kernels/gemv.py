@@ -139,8 +139,8 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     `row_groups` > 1: the block layout, each block computing that many groups of `rows_per_block`
     rows (1, 2, 4 or 8; 0 the default) one after the other (the same bits; never faster on the H200,
     so never the default). `dp4a` 3 or 4: the float streamed layout with its products as integer dot
-    products, each thread's 32 values of x as integers of that many bytes (8 dp4a - 2 bits below
-    their largest |x|); -1: its float pair form; 0: the default (3 bytes for one row of x, else the
+    products, each thread's 32 values of x as that many int8 terms (6 + 7 (dp4a - 1) bits below
+    their largest |x|); -1: its float pair form; 0: the default (4 terms for one row of x, else the
     pair form). Only the CUDA path reads these."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,

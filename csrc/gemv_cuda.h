@@ -2243,8 +2243,8 @@ constexpr const char* kQmvImmaEmitSource = R"(
 // y = the 4-bit matvec of kQmvSource (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a
 // persistent grid, STAGES tiles of ROWS rows in flight a block by bulk copies (dynamic shared memory:
 // STAGES * the tile's bytes, + x's slices with XS 2). Template args: GROUP, K, N, M, ROWS, THREADS,
-// STAGES, XS, SPLIT (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX,
-// TS, TB, TR, TN, TO.
+// STAGES, XS, SPLIT, LEVELS (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the
+// dtypes TX, TS, TB, TR, TN, TO.
 constexpr const char* kQmvStreamSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
@@ -2255,7 +2255,7 @@ constexpr const char* kQmvStreamSource = R"(
 
 // kQmvStreamSource with EMIT (as kQmvEmitSource: out = product + residual, normed = out * next_w, and
 // each tile's (and part's) partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES,
-// XS, SPLIT, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
+// XS, SPLIT, LEVELS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvStreamEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);

@@ -339,7 +339,7 @@ const CudaSource& qmv_stream_emit_source() {
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 0),
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 256, 2, 2, 4, 0),
           qmv_stream_instance(true, f, 5120, 4480, 2, 8, 160, 3, 0, 1, 0),
-          // the integer dot products (quantized_matvec's dp4a) at down_proj and the mamba out_proj
+          // the step's MLP down_proj and mamba out_proj with their default integer dot products (dp4a 4)
           qmv_stream_instance(true, f, 15680, 4480, 1, 8, 512, 2, 1, 4, 4),
           qmv_stream_instance(true, f, 10240, 4480, 1, 8, 320, 2, 1, 1, 4, 0, 640, 8),
       },
@@ -831,8 +831,8 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 // The streamed launch at this shape, or nothing (the block layout then). stages: < 0 never; 0 the
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto); stage_x: -1 auto, else that mode where it
-// applies (float32 x; 1 where x's slices fit in a stage); dp4a: the product's int8 terms of x (1-4,
-// vc_stream::qmv_stream's LEVELS), 0 the default's (kDefaultDp4aLevels for one row of x, else the
+// applies (float32 x; 1 where x's slices fit in a stage); dp4a: the product's int8 terms of x
+// (vc_stream::qmv_stream's LEVELS: 1-4, quantized_matvec takes 3 or 4), 0 the default's (kDefaultDp4aLevels for one row of x, else the
 // pair form), < 0 the pair form; bulk: the GPU has bulk copies.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                         bool x_float32, bool takes_norm, int prenorm_groups, int rows, int threads,

@@ -286,8 +286,8 @@ def test_stream_launch_splits_the_last_rounds_tiles():
 def test_dp4a_is_a_streamed_launch_of_its_levels_and_bad_ones_are_errors():
     """dp4a (the float streamed layout's integer dot products) is a template arg of the streamed
     launch, the same tiles and grid: by default 4 int8 terms of x for one row, the pair form (0) for
-    two or with dp4a -1; a level count other than 3 or 4, or a layout other than the float streamed one, is one
-    clear error, on every backend."""
+    two or with dp4a -1; a level count other than 3 or 4, or a layout other than the float streamed
+    one, is one clear error, on every backend."""
     plain, dp = ext.stream_launch(15680, 4480, dp4a=-1), ext.stream_launch(15680, 4480)
     assert (plain["levels"], dp["levels"], ext.stream_launch(15680, 4480, dp4a=3)["levels"]) == (0, 4, 3)
     assert ext.stream_launch(5120, 4480, 2, stages=3)["levels"] == 0

@@ -1259,12 +1259,12 @@ __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* b
 }
 
 // With VC_RAMP, warp 0 (all its lanes) once round i's tile is in: round i + 1's first tile asked for,
-// while the first round lasts.
+// while the first round lasts, from round `from` on (the kernel asked for the ones before).
 template <int STAGES, typename S, typename W>
 __device__ __forceinline__ void ramp_tiles(int i, const W& walk, unsigned long long* bars, unsigned char* stages,
                                            const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
-                                           int lane) {
-  if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 < STAGES && i + 1 < walk.count) {
+                                           int lane, int from = 1) {
+  if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 >= from && i + 1 < STAGES && i + 1 < walk.count) {
     walk.fetch(i + 1, stages + (i + 1) * S::BYTES, wb, sb, bb, &bars[i + 1], lane);
   }
 }
@@ -1312,7 +1312,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
                                            const TR* residual, const TE* next_w, TO* out, float* normed,
                                            float* partials, const vc_gemv::Tail<TB, TR, TE>& first_tail,
-                                           Sums sums) {
+                                           Sums sums, int ramp_from = 1) {
   constexpr int SUMS = S::ROWS * M;
   constexpr int THREADS = WARPS * 32;
   const int lane = threadIdx.x & 31;
@@ -1328,7 +1328,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       next_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, i + 1, lane, bias, residual, next_w);
       bar_wait(&bars[s], (i / STAGES) & 1);
       VC_STAMP(1, i);
-      ramp_tiles<STAGES, S>(i, walk, bars, stages, wb, sb, bb, lane);
+      ramp_tiles<STAGES, S>(i, walk, bars, stages, wb, sb, bb, lane, ramp_from);
       with_rows(walk, i, [&](auto rows) {
         constexpr int R = decltype(rows)::value;
         sums(rows, stages + s * S::BYTES, s, walk.part(i) ? walk.q() * R : 0);
@@ -1525,7 +1525,17 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     sx.spread(reinterpret_cast<float4*>(smem + (XS == 2 ? STAGES : 1) * S::BYTES), lane, warp, xv);
     // each thread's accesses to the staged x ordered before the copy engine's writes into the stage
     // (after the block's next barrier)
-    if constexpr (XS == 1) reads_before_copies();
+    if constexpr (XS == 1) {
+      reads_before_copies();
+      __syncthreads();
+    }
+  }
+  // With VC_RAMP the second tile is asked for here, once the prologue's loads are in (and x's
+  // staged slices out of its stage), not when the first tile is in: behind the prologue's
+  // expansion that was ~1 us later (out_proj's timelines, H200, 2026-12-04).
+  constexpr int RAMP_FROM = 2;
+  if (VC_RAMP != 0 && bulk && threadIdx.x < 32 && STAGES > 1 && walk.count > 1) {
+    walk.fetch(1, smem + S::BYTES, wb, sb, bb, &bars[1], lane);
   }
   // LEVELS 0: x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per
   // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's terms (word k's
@@ -1671,7 +1681,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // 2026-12-03): see walk_tiles.
   walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, walk, bars, arrived, &red[0][0][0], smem, wb, sb,
                                                           bb, bias, residual, next_w, out, normed, partials,
-                                                          first_tail, row_sums);
+                                                          first_tail, row_sums, RAMP_FROM);
 }
 
 }  // namespace vc_stream

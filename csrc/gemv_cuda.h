@@ -1524,15 +1524,20 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   if (staged) {
     sx.spread(reinterpret_cast<float4*>(smem + (XS == 2 ? STAGES : 1) * S::BYTES), lane, warp, xv);
     // each thread's accesses to the staged x ordered before the copy engine's writes into the stage
-    // (after the block's next barrier)
+    // (after the barrier)
     if constexpr (XS == 1) {
       reads_before_copies();
       __syncthreads();
     }
   }
-  // With VC_RAMP the second tile is asked for here, once the prologue's loads are in (and x's
-  // staged slices out of its stage), not when the first tile is in: behind the prologue's
-  // expansion that was ~1 us later (out_proj's timelines, H200, 2026-12-04).
+  // With VC_RAMP the second tile is asked for here, once the prologue's loads are in (and x's staged
+  // slices out of its stage), not once the first tile is in, which a warp sees only after the
+  // prologue's expansion (~1 us later in out_proj's timelines). Nsight Compute on the H200,
+  // 2026-12-04, f32 x, one row, A/B pairs on three machines: the MLP down_proj 15.23-15.62 ->
+  // 14.85-14.98 us (its 4-5 tiles a block wait on their loads: 2 stages); the mamba out_proj 11.42-11.65
+  // -> 11.62-11.74 (its two rounds' loads fill the DRAM either way; the barrier costs it). Asking
+  // early only where a block walks 4 items or more kept out_proj (11.74 / 11.84 against 11.74) and
+  // gave down_proj less (15.01 / 15.07 against 15.26).
   constexpr int RAMP_FROM = 2;
   if (VC_RAMP != 0 && bulk && threadIdx.x < 32 && STAGES > 1 && walk.count > 1) {
     walk.fetch(1, smem + S::BYTES, wb, sb, bb, &bars[1], lane);

@@ -1530,17 +1530,18 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       __syncthreads();
     }
   }
-  // With VC_RAMP the second tile is asked for here, once the prologue's loads are in (and x's staged
-  // slices out of its stage), not once the first tile is in, which a warp sees only after the
-  // prologue's expansion (~1 us later in out_proj's timelines). Nsight Compute on the H200,
-  // 2026-12-04, f32 x, one row, A/B pairs on three machines: the MLP down_proj 15.23-15.62 ->
-  // 14.85-14.98 us (its 4-5 tiles a block wait on their loads: 2 stages); the mamba out_proj 11.42-11.65
-  // -> 11.62-11.74 (its two rounds' loads fill the DRAM either way; the barrier costs it). Asking
-  // early only where a block walks 4 items or more kept out_proj (11.74 / 11.84 against 11.74) and
-  // gave down_proj less (15.01 / 15.07 against 15.26).
-  constexpr int RAMP_FROM = 2;
-  if (VC_RAMP != 0 && bulk && threadIdx.x < 32 && STAGES > 1 && walk.count > 1) {
-    walk.fetch(1, smem + S::BYTES, wb, sb, bb, &bars[1], lane);
+  // With VC_RAMP the rest of the first round's tiles are asked for here, once the prologue's loads
+  // are in (and x's staged slices out of their stage), not each once the one before it is in, which a
+  // warp sees only after the prologue's expansion (~1 us later in out_proj's timelines). Nsight
+  // Compute on the H200, 2026-12-04, f32 x, one row, 2 stages (the second tile alone asked for here),
+  // A/B pairs on three machines: the MLP down_proj 15.23-15.62 -> 14.85-14.98 us (a block's 4-5 tiles
+  // wait on their loads); the mamba out_proj 11.42-11.65 -> 11.62-11.74 (its two rounds' loads fill
+  // the DRAM either way; the barrier costs it). Asking early only where a block walks 4 items or more
+  // kept out_proj (11.74 / 11.84 against 11.74) and gave down_proj less (15.01 / 15.07 against 15.26).
+  // With 3 stages or more the ramp chained the first round's trips to memory (~3 us each in the
+  // timelines), likely why 3 stages lost at down_proj; asked for at once here: not measured yet.
+  if (VC_RAMP != 0 && bulk && threadIdx.x < 32) {
+    for (int s = 1; s < STAGES && s < walk.count; ++s) walk.fetch(s, smem + s * S::BYTES, wb, sb, bb, &bars[s], lane);
   }
   // LEVELS 0: x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per
   // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's terms (word k's
@@ -1686,7 +1687,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // 2026-12-03): see walk_tiles.
   walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, walk, bars, arrived, &red[0][0][0], smem, wb, sb,
                                                           bb, bias, residual, next_w, out, normed, partials,
-                                                          first_tail, row_sums, RAMP_FROM);
+                                                          first_tail, row_sums, STAGES);
 }
 
 }  // namespace vc_stream

@@ -1240,8 +1240,8 @@ __device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned ch
 }
 
 // Warp 0 of a block on the bulk path (all its lanes): the stages' barriers and counts set up, and the
-// block's first items (of its Walk) asked for: the first alone with VC_RAMP (walk_tiles asks for the
-// others), else STAGES of them. The block's other threads see the barriers after its next barrier.
+// block's first items (of its Walk) asked for: the first alone with VC_RAMP (the kernel, or walk_tiles's
+// ramp_tiles, asks for the others), else STAGES of them. The block's other threads see the barriers after its next barrier.
 template <int STAGES, typename S, typename W>
 __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* bars, unsigned int* arrived,
                                             unsigned char* stages, const unsigned char* wb, const unsigned char* sb,
@@ -1304,7 +1304,8 @@ __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(const W& walk, 
 // asks for the item STAGES ahead into the stage and stores it. Otherwise (pointers not 16-byte
 // aligned) the block copies each item's whole tile itself into stage 0, behind barriers, and warp 0
 // stores it. first_tail: stream_tail(walk, 0, ...), which the kernel asks for with x, before its
-// first tiles.
+// first tiles. ramp_from: the first round's tiles from it on are asked for by ramp_tiles (the kernel
+// asked for the ones before).
 template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename W, typename TB,
           typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned long long* bars, unsigned int* arrived,

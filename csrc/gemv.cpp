@@ -42,6 +42,8 @@ constexpr int kMaxRowGroups = 64;  // the block layout's row groups a block (qua
 // quantized_matvec's dp4a: x in 3 or 4 int8 terms (vc_stream::qmv_stream's LEVELS; 1-2 terms, 6 or 13 bits,
 // would fall short of float32 products)
 constexpr int kMinDp4aLevels = 3, kMaxDp4aLevels = 4;
+// Whether dp4a is one quantized_matvec takes: -1 (or below) the pair form, 0 the default, 3 or 4 terms.
+bool dp4a_taken(int dp4a) { return dp4a <= 0 || (dp4a >= kMinDp4aLevels && dp4a <= kMaxDp4aLevels); }
 // The float streamed layout's default product for one row of x: integer dot products with x in 4 int8
 // terms (27 bits below each 32 values' largest |x|, as the integer MMA's expansion), against the
 // pair form's 5 instructions a pair of weights. Nsight Compute on the H200 (2026-12-04, f32 x, one
@@ -1089,8 +1091,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   if (row_groups > 1 && (warps > 0 || stages > 0 || imma > 0)) {
     fail("row_groups > 1 takes the block layout (warps 0 or -1, no stages, no imma)");
   }
-  if ((dp4a > 0 && dp4a < kMinDp4aLevels) || dp4a > kMaxDp4aLevels ||
-      (dp4a > 0 && (warps > 0 || imma > 0 || row_groups > 1 || stages < 0))) {
+  if (!dp4a_taken(dp4a) || (dp4a > 0 && (warps > 0 || imma > 0 || row_groups > 1 || stages < 0))) {
     fail("dp4a must be -1, 0, 3 or 4 and takes the float streamed layout (no warps, imma or row_groups; "
          "stages >= 0)");
   }
@@ -1438,6 +1439,9 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
 // stages 0), ValueError where the kernel cannot take a forced launch.
 py::object stream_launch(int k, int n, int m, bool x_float32, int prenorm_groups, int rows, int threads, int stages,
                          int blocks_per_sm, int stage_x, int dp4a) {
+  if (!dp4a_taken(dp4a)) {
+    throw std::invalid_argument("stream_launch: dp4a must be -1, 0, 3 or 4");
+  }
   const auto l = pick_stream(k, n, m, 64, 4, 2, x_float32, true, prenorm_groups, rows,
                              one_step_threads(k / 32, prenorm_groups, threads), stages, blocks_per_sm,
                              stage_x < 0 ? stage_x_setting() : stage_x, dp4a, true, "stream_launch");

@@ -297,6 +297,9 @@ def test_dp4a_is_a_streamed_launch_of_its_levels_and_bad_ones_are_errors():
     for bad in [dict(dp4a=5), dict(dp4a=2), dict(dp4a=4, warps=2), dict(dp4a=4, imma=1), dict(dp4a=3, stages=-1)]:
         with pytest.raises(ValueError, match="dp4a"):
             ext.quantized_matvec(x, w, s, b, **bad)
+    for levels in (1, 2, 5):  # the launch helper refuses what quantized_matvec refuses
+        with pytest.raises(ValueError, match="dp4a must be -1, 0, 3 or 4"):
+            ext.stream_launch(15680, 4480, dp4a=levels)
 
 
 def test_split_setting_from_the_environment():

@@ -834,8 +834,9 @@ bool bulk_copies(int device_index) { return compute_capability(device_index) >= 
 // default; > 0 that many tiles in flight (refused with a reason where the kernel cannot take it).
 // rows / threads / blocks_per_sm: overrides (0 = auto); stage_x: -1 auto, else that mode where it
 // applies (float32 x; 1 where x's slices fit in a stage); dp4a: the product's int8 terms of x
-// (vc_stream::qmv_stream's LEVELS: 1-4, quantized_matvec takes 3 or 4), 0 the default's (kDefaultDp4aLevels for one row of x, else the
-// pair form), < 0 the pair form; bulk: the GPU has bulk copies.
+// (vc_stream::qmv_stream's LEVELS: 1-4, quantized_matvec takes 3 or 4), 0 the default's
+// (kDefaultDp4aLevels for one row of x, else the pair form), < 0 the pair form; bulk: the GPU has bulk
+// copies.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                         bool x_float32, bool takes_norm, int prenorm_groups, int rows, int threads,
                                         int stages, int blocks_per_sm, int stage_x, int dp4a, bool bulk,

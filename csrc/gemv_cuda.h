@@ -1241,7 +1241,8 @@ __device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned ch
 
 // Warp 0 of a block on the bulk path (all its lanes): the stages' barriers and counts set up, and the
 // block's first items (of its Walk) asked for: the first alone with VC_RAMP (the kernel, or walk_tiles's
-// ramp_tiles, asks for the others), else STAGES of them. The block's other threads see the barriers after its next barrier.
+// ramp_tiles, asks for the others), else STAGES of them. The block's other threads see the barriers
+// after its next barrier.
 template <int STAGES, typename S, typename W>
 __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* bars, unsigned int* arrived,
                                             unsigned char* stages, const unsigned char* wb, const unsigned char* sb,

@@ -1627,6 +1627,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const uint4 wv = w4[(r0 + r) * CHUNKS + c];
+          const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
+          const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
           if constexpr (LEVELS > 0) {
             // each level's integer sum over the chunk (|sum| <= 15 x 64 x 32 < 2^15), then two levels
             // a word: 128 s0 + s1 and 128 s2 + s3 (< 2^22: exact as floats); the chunk's q . x is
@@ -1650,8 +1652,6 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
                 }
               }
             }
-            const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
-            const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
               int high = sums[m][0] * 128, low = 0;
@@ -1674,8 +1674,6 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
               vc_gemv::pair_fma<2, M>(v, xh[j][k], xl[j][k], dot);
               vc_gemv::pair_fma<3, M>(v, xh[j][k], xl[j][k], dot);
             }
-            const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
-            const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
 #pragma unroll
             for (int m = 0; m < M; ++m) acc[r][m] += fmaf(scale, dot[m], bias_g * xsum[j][m]);
           }

@@ -315,6 +315,7 @@ struct Driver {
   int (*load)(CUmodule*, const void*);
   int (*function)(CUfunction*, CUmodule, const char*);
   int (*attribute)(CUfunction, int, int);
+  int (*get_attribute)(int*, int, CUfunction);
 };
 
 const Driver& driver() {
@@ -325,19 +326,39 @@ const Driver& driver() {
     d.load = reinterpret_cast<decltype(d.load)>(dlsym(lib, "cuModuleLoadData"));
     d.function = reinterpret_cast<decltype(d.function)>(dlsym(lib, "cuModuleGetFunction"));
     d.attribute = reinterpret_cast<decltype(d.attribute)>(dlsym(lib, "cuFuncSetAttribute"));
-    if (!d.load || !d.function || !d.attribute) throw std::runtime_error("own launch: libcuda lacks an entry point");
+    d.get_attribute = reinterpret_cast<decltype(d.get_attribute)>(dlsym(lib, "cuFuncGetAttribute"));
+    if (!d.load || !d.function || !d.attribute || !d.get_attribute) throw std::runtime_error("own launch: libcuda lacks an entry point");
     return d;
   }();
   return api;
 }
 
+// A loaded kernel and what its registers allow: a launch of more threads a block than max_threads
+// does not run, and neither MLX's graph nor ours reports it (2026-12-04: a 2-row down_proj matvec
+// of 154 registers a thread, launched with 512 threads, left its output unwritten).
+struct Loaded {
+  CUfunction fn = nullptr;
+  int registers = 0;
+  int max_threads = 0;
+};
+
+Loaded limits_of(CUfunction fn, const std::string& what) {
+  Loaded k{fn};
+  const Driver& api = driver();
+  if (api.get_attribute(&k.registers, CU_FUNC_ATTRIBUTE_NUM_REGS, fn) != 0 ||
+      api.get_attribute(&k.max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn) != 0) {
+    throw std::runtime_error(what + ": the compiled kernel's registers cannot be read");
+  }
+  return k;
+}
+
 // A kernel by `key` (what tells it apart: device, types, args, shared memory): from this process's
 // table, else the cubin cache, else NVRTC (and into the cache). Modules stay loaded for the process.
 // `text_for(arch)` writes the text, called only on a miss (not at every launch).
-CUfunction loaded_function(const std::string& key, const std::string& what, int smem, const mx::Stream& s,
+Loaded loaded_function(const std::string& key, const std::string& what, int smem, const mx::Stream& s,
                            const std::function<std::string(const std::string&)>& text_for) {
   static std::mutex lock;
-  static auto* loaded = new std::map<std::string, CUfunction>();  // never freed: outlives the runtime
+  static auto* loaded = new std::map<std::string, Loaded>();  // never freed: outlives the runtime
   std::lock_guard<std::mutex> guard(lock);
   if (auto it = loaded->find(key); it != loaded->end()) return it->second;
   auto& device = mx::cu::device(s.device);
@@ -373,11 +394,12 @@ CUfunction loaded_function(const std::string& key, const std::string& what, int 
   if (smem > 48 * 1024 && api.attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem) != 0) {
     throw std::runtime_error(what + ": " + std::to_string(smem) + " bytes of dynamic shared memory refused");
   }
-  loaded->emplace(key, fn);
-  return fn;
+  const Loaded k = limits_of(fn, what);
+  loaded->emplace(key, k);
+  return k;
 }
 
-CUfunction instance_function(const CudaSource& source, const CudaInstance& instance, int smem, const mx::Stream& s) {
+Loaded instance_function(const CudaSource& source, const CudaInstance& instance, int smem, const mx::Stream& s) {
   std::string key = source.name + "|" + std::to_string(s.device.index) + "|" + std::to_string(smem);
   for (const auto& t : instance.input_types) key += "|" + t;
   for (const auto& t : instance.output_types) key += "|" + t;
@@ -406,7 +428,8 @@ mx::array contiguous_copy(mx::cu::CommandEncoder& encoder, const mx::array& in, 
                                 " dimensions (at most " + std::to_string(kCopyMaxDims) + ")");
   }
   CUfunction fn = loaded_function("vc_strided_copy|" + std::to_string(s.device.index), "vc_strided_copy", 0, s,
-                                  strided_copy_text);
+                                  strided_copy_text)
+                      .fn;
   CopyLayout layout{static_cast<int>(in.ndim()), {}, {}};
   for (size_t d = 0; d < in.ndim(); ++d) {
     layout.shape[d] = in.shape(static_cast<int>(d));
@@ -520,6 +543,7 @@ mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int sha
                                    std::vector<std::pair<std::string, mx::fast::TemplateArg>> template_args,
                                    std::optional<float> init_value, bool verbose, mx::StreamOrDevice s_) {
     const auto s = mx::to_stream(s_);
+    std::string too_many_threads;  // said to the caller, not fallen back on: MLX's launch would not run it either
     if (!init_value && !fell_back.load(std::memory_order_relaxed)) {  // (init_value: MLX's launch has it)
       try {
         CudaInstance instance;
@@ -528,24 +552,47 @@ mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int sha
         for (const auto& [name, value] : template_args) {
           instance.template_args.emplace_back(name, template_arg_text(value));
         }
-        CUfunction fn = instance_function(*src, instance, shared_memory, s);
+        const Loaded k = instance_function(*src, instance, shared_memory, s);
         const auto [gx, gy, gz] = grid;
         const auto [tx, ty, tz] = threadgroup;
-        // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
-        const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
-        return mx::array::make_arrays(
-            output_shapes, output_dtypes, std::make_shared<OwnKernel>(s, fn, &src->name, blocks, block, shared_memory),
-            inputs);
+        if (tx * ty * tz > k.max_threads) {
+          too_many_threads = src->name + ": this instance takes " + std::to_string(k.registers) +
+                             " registers a thread, so at most " + std::to_string(k.max_threads) +
+                             " threads a block, and the launch asks for " + std::to_string(tx * ty * tz);
+        } else {
+          // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
+          const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
+          return mx::array::make_arrays(output_shapes, output_dtypes,
+                                        std::make_shared<OwnKernel>(s, k.fn, &src->name, blocks, block, shared_memory),
+                                        inputs);
+        }
       } catch (const std::exception& e) {
         fall_back(src->name, e.what());
       }
     }
+    if (!too_many_threads.empty()) throw std::invalid_argument(too_many_threads);
     return mlx->get()(inputs, output_shapes, output_dtypes, grid, threadgroup, std::move(template_args), init_value,
                       verbose, s);
   };
 }
+
+std::pair<int, int> cubin_limits(const std::string& cubin) {
+  mx::cu::device(mx::Device(mx::Device::gpu, 0)).make_current();
+  const Driver& api = driver();
+  CUmodule module = nullptr;  // left loaded: a tool's and tests' query
+  CUfunction fn = nullptr;
+  if (api.load(&module, cubin.data()) != 0 || api.function(&fn, module, "vc_kernel") != 0) {
+    throw std::invalid_argument("cubin_limits: the cubin does not load, or has no vc_kernel");
+  }
+  const Loaded k = limits_of(fn, "cubin_limits");
+  return {k.registers, k.max_threads};
+}
 #else
 std::optional<std::string> own_launch_fallback() { return std::nullopt; }
+
+std::pair<int, int> cubin_limits(const std::string&) {
+  throw std::runtime_error("cubin_limits: this build has no own kernel launch (a CUDA build with CUDA's headers)");
+}
 
 mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int,
                                                std::function<mx::fast::CustomKernelFunction()>) {
@@ -610,6 +657,10 @@ void bind(py::module_& m) {
       "loaded libmlx's).");
   m.def("own_launch", [] { return py::make_tuple(own_launch_built(), own_launch_wanted()); },
         "(built, wanted): whether this build can launch our kernels itself, and VOICECHAT_OWN_LAUNCH.");
+  m.def(
+      "cubin_limits", [](const py::bytes& cubin) { return cubin_limits(cubin); }, py::arg("cubin"),
+      "(registers a thread, most threads a block) of the vc_kernel in a cubin (nvrtc_cubin's), on GPU 0: "
+      "our launch refuses a block of more threads, which would not run.");
   m.def("own_launch_fallback", &own_launch_fallback,
         "Why this process fell back to MLX's launch after ours failed (the first failure), or None.");
 }

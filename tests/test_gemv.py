@@ -352,6 +352,20 @@ def test_streamed_layout_refuses_what_it_cannot_take():
 
 
 @needs_cuda
+def test_a_block_its_kernel_registers_cannot_take_is_refused_not_launched():
+    """Two rows of x and two chunks of it a thread (K = 32768 at 512 threads) need more registers
+    than a 512-thread block has: such a block does not run, its output stays unwritten and nothing
+    reports it (2026-12-04: a 2-row down_proj launch). Our launch refuses it with the numbers."""
+    if not all(ext.own_launch()):
+        pytest.skip("our own launch is off or not built")
+    w, s, b = _quantized(8, 32768, dtype=mx.bfloat16, seed=3)
+    with pytest.raises(ValueError, match=r"registers a thread, so at most \d+ threads a block, and the launch asks "
+                                         r"for 512"):
+        ext.quantized_matvec(_x((2, 32768), mx.float32), w, s, b, None, 64, 4, stages=2, rows_per_block=4,
+                             threads=512)
+
+
+@needs_cuda
 @pytest.mark.parametrize("rows", [2, 4, 8])
 def test_streamed_tiles_of_fewer_rows_than_the_norm_has_groups(rows):
     """The input norm's group totals have shared memory of their own: tiles of 2 or 4 rows take 8

@@ -264,3 +264,24 @@ def test_an_unwritable_cubin_folder_is_said_once_and_costs_only_compiles(tmp_pat
     assert info["stderr"].count("cannot keep compiled kernels in") == 1, info["stderr"][-2000:]
     for name, want in theirs.items():
         np.testing.assert_allclose(ours[name], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=name)
+
+
+def _block_threads(inst: dict) -> int:
+    """The block an instance's launch takes, where a template arg fixes it (THREADS, or WARPS x 32)."""
+    args = {name: value.split(":", 1)[-1] for name, value in inst["template_args"]}
+    return max(int(args.get("THREADS", 0)), 32 * int(args.get("WARPS", 0)))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="a cubin loads on a CUDA GPU")
+def test_every_registered_instance_takes_its_own_block():
+    """A block of more threads than a kernel's registers allow does not run, and nothing reports it: the
+    registered instances (the step's) of more than 256 threads (below that any kernel fits) compile to
+    kernels that take their THREADS."""
+    if not ext.own_launch()[0]:
+        pytest.skip("this CUDA build has no own launch (no CUDA toolkit headers at build time)")
+    big = [(src["name"], i, _block_threads(inst)) for src in SOURCES for i, inst in enumerate(src["instances"])
+           if _block_threads(inst) > 256]
+    assert big  # the 4-bit matvecs at out_proj / down_proj, the MoG sampler
+    for name, i, threads in big:
+        registers, most = ext.cubin_limits(ext.nvrtc_cubin(ext.own_kernel_text(name, i, "sm_90"), "sm_90"))
+        assert most >= threads, (name, i, registers, most, threads)

@@ -782,10 +782,11 @@ int stage_x_setting() {
   return checked_switch(mode, "VOICECHAT_QMV_STAGE_X", "auto, 0, 1 or 2");
 }
 
-// VOICECHAT_QMV_SPLIT: "1" keeps the last round's tiles whole; auto: split_last_round's pick. Read once.
-bool splits_last_round() {
-  static const int mode = ab_switch("VOICECHAT_QMV_SPLIT", {"1"});
-  return checked_switch(mode, "VOICECHAT_QMV_SPLIT", "auto or 1") < 0;
+// VOICECHAT_QMV_SPLIT: "1" keeps the last round's tiles whole; "any" splits them at any blocks an SM
+// (split_last_round's pick as if one); auto: split_last_round's pick. Read once.
+int split_setting() {
+  static const int mode = ab_switch("VOICECHAT_QMV_SPLIT", {"1", "any"});
+  return checked_switch(mode, "VOICECHAT_QMV_SPLIT", "auto, 1 or any");
 }
 
 // The parts each of the last round's tiles is cut into (vc_stream::Walk), for `tiles` tiles of `rows`
@@ -794,7 +795,10 @@ bool splits_last_round() {
 // block's: at the MLP down_proj (560 8-row tiles, 132 blocks) 32 blocks took a fifth tile while 100
 // waited; cut in 4, 128 blocks take a quarter tile each. Nsight Compute on the H200 (2026-12-04, f32
 // x, one row): down_proj 17.73 -> 17.09 us; the mamba out_proj (264 blocks, two an SM, where a block
-// left alone on its SM has all its issue slots) 13.09 -> 13.28 with 8 one-row parts: whole there.
+// left alone on its SM has all its issue slots) 13.09 -> 13.28 with 8 one-row parts: whole there;
+// again with the first round asked for at once (VOICECHAT_QMV_SPLIT=any, one machine, alternating):
+// 12.16 / 12.13 against 12.03 / 11.87 whole (the parts, asked for as a stage frees, landed at 8.44 us
+// p50 against the 32 whole tiles' 7.83 in the timelines).
 int split_last_round(int tiles, int blocks, int rows, int per_sm) {
   const int left = tiles % blocks;
   int split = 1;
@@ -896,7 +900,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
   }
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
-  const int split = splits_last_round() ? split_last_round(tiles, blocks, rows, per_sm) : 1;
+  const int split_mode = split_setting();
+  const int split = split_mode == 0 ? 1 : split_last_round(tiles, blocks, rows, split_mode == 1 ? 1 : per_sm);
   const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
   const int levels = dp4a > 0 ? dp4a : dp4a == 0 && m == 1 ? kDefaultDp4aLevels : 0;
   return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials, levels};
@@ -1555,7 +1560,7 @@ void bind(py::module_& m) {
         "last-round tile is cut into), partials (the emitting kernel's partial sums a row of x)}. stages 0: the "
         "float layouts' default, None where that is the block layout; ValueError where a forced launch "
         "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
-        "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto or 1). "
+        "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto, 1 or any). "
         "levels: the product's int8 terms of x (quantized_matvec's dp4a; 0: the pair form).");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,

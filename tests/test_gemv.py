@@ -303,13 +303,16 @@ def test_dp4a_is_a_streamed_launch_of_its_levels_and_bad_ones_are_errors():
 
 
 def test_split_setting_from_the_environment():
-    """VOICECHAT_QMV_SPLIT=1 keeps the last round's tiles whole (auto: split); a bad value is one
-    clear error."""
-    for value, want in [("1", "1 560"), ("auto", "4 656")]:
-        done = _printed_under("VOICECHAT_QMV_SPLIT", value, "l['split'], l['partials']")
+    """VOICECHAT_QMV_SPLIT=1 keeps the last round's tiles whole, auto splits them where the grid is one
+    block an SM (down_proj, not out_proj's two), any at any blocks an SM; a bad value is one clear
+    error."""
+    out_proj = "ext.stream_launch(10240, 4480, prenorm_groups=8)"
+    printed = f"l['split'], l['partials'], {out_proj}['split'], {out_proj}['partials']"
+    for value, want in [("1", "1 560 1 560"), ("auto", "4 656 1 560"), ("any", "4 656 8 784")]:
+        done = _printed_under("VOICECHAT_QMV_SPLIT", value, printed)
         assert done.stdout.split() == want.split(), done.stderr
     bad = _printed_under("VOICECHAT_QMV_SPLIT", "2", "l['split']")
-    assert bad.returncode != 0 and "VOICECHAT_QMV_SPLIT must be auto or 1" in bad.stderr
+    assert bad.returncode != 0 and "VOICECHAT_QMV_SPLIT must be auto, 1 or any" in bad.stderr
 
 
 IMMA_STREAMED, STREAMED, BLOCK = {"imma": 1, "stages": 2}, {"stages": 2}, {"stages": -1}

@@ -327,7 +327,9 @@ const Driver& driver() {
     d.function = reinterpret_cast<decltype(d.function)>(dlsym(lib, "cuModuleGetFunction"));
     d.attribute = reinterpret_cast<decltype(d.attribute)>(dlsym(lib, "cuFuncSetAttribute"));
     d.get_attribute = reinterpret_cast<decltype(d.get_attribute)>(dlsym(lib, "cuFuncGetAttribute"));
-    if (!d.load || !d.function || !d.attribute || !d.get_attribute) throw std::runtime_error("own launch: libcuda lacks an entry point");
+    if (!d.load || !d.function || !d.attribute || !d.get_attribute) {
+      throw std::runtime_error("own launch: libcuda lacks an entry point");
+    }
     return d;
   }();
   return api;
@@ -356,7 +358,7 @@ Loaded limits_of(CUfunction fn, const std::string& what) {
 // table, else the cubin cache, else NVRTC (and into the cache). Modules stay loaded for the process.
 // `text_for(arch)` writes the text, called only on a miss (not at every launch).
 Loaded loaded_function(const std::string& key, const std::string& what, int smem, const mx::Stream& s,
-                           const std::function<std::string(const std::string&)>& text_for) {
+                       const std::function<std::string(const std::string&)>& text_for) {
   static std::mutex lock;
   static auto* loaded = new std::map<std::string, Loaded>();  // never freed: outlives the runtime
   std::lock_guard<std::mutex> guard(lock);

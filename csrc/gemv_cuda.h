@@ -815,6 +815,12 @@ constexpr const char* kPersistentHeader = R"(
 #ifndef VC_RAMP
 #define VC_RAMP 1
 #endif
+// 0 (the kernels'): vc_qmv_stream's warp 0 asks for the block's first tile once every thread's loads
+// of x, the norm's partials and the first Tail are issued (see qmv_stream). 1 (a probe's define, for
+// qmv_timeline.py; not measured yet): before its own loads of x, so that the tile's trip starts first.
+#ifndef VC_TILE_FIRST
+#define VC_TILE_FIRST 0
+#endif
 
 // x as block floating point (the integer products' input, vc_imma's and the streamed layout's
 // dp4a product): values v with |v| <= top as 2^E (p0 + p1 / 128 + p2 / 128^2 ...), int8 p with
@@ -1483,7 +1489,12 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
   // This thread's chunks of x and the input norm's partials, loaded before the first tiles are asked
   // for: behind every block's bulk copies (~24 MB at in_proj) they waited ~5 us, a fifth of the
-  // kernel's warp time on the H200 (Nsight Compute's samples, 2026-12-03).
+  // kernel's warp time on the H200 (Nsight Compute's samples, 2026-12-03). With VC_TILE_FIRST the
+  // first tile alone goes ahead of them (out_proj: 12 MB; the stage x is staged through is asked for
+  // after x's spread either way).
+  if (VC_TILE_FIRST != 0 && threadIdx.x < 32 && bulk) {
+    start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane);
+  }
   float xv[CPT][M][4][8];
   const bool vec = vc_gemv::aligned16(x);
   // XS (gemv.cpp's pick_stream): float32 x loaded coalesced and handed to each lane through shared
@@ -1516,7 +1527,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   const auto first_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, 0, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
-  if (threadIdx.x < 32 && bulk) {
+  if (VC_TILE_FIRST == 0 && threadIdx.x < 32 && bulk) {
     start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane);
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.

@@ -1059,6 +1059,33 @@ def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_st
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.fixture(scope="module")
+def emulated_tile_first(emulated, tmp_path_factory):
+    """The stream cases with x staged through the second stage where they take it (XS 1), built with
+    VC_TILE_FIRST=1 (warp 0 asks for the first tile before its loads of x)."""
+    _, cases, _, _, _ = emulated
+    tmp = tmp_path_factory.mktemp("cuda_emu_tile_first")
+    picked = {}
+    for name in STREAM_CASES:
+        first = copy.copy(cases[name])
+        first.template_args = {**cases[name].template_args, "XS": 1}
+        picked[f"{name}_first"] = first
+    return build(picked, tmp, ("VC_TILE_FIRST=1",)), picked, tmp
+
+
+@pytest.mark.parametrize("name", STREAM_CASES)
+def test_streamed_matvec_asking_for_its_first_tile_before_x_gives_the_same_bits(emulated, emulated_tile_first, name):
+    """VC_TILE_FIRST (a timeline probe's define) moves the first tile's request ahead of x's loads,
+    not any value: the outputs are bit-identical to the kernels' own build."""
+    exe, cases, _, _, tmp = emulated
+    first, picked, first_tmp = emulated_tile_first
+    want = run(exe, name, cases[name], tmp)
+    got = run(first, f"{name}_first", picked[f"{name}_first"], first_tmp)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("name", ["imma_q4", "imma_batches", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
                                   "imma_prenormed_groups", "imma_emit_prenormed"])
 def test_integer_mma_matvec_kernels_emulated(emulated, name):

@@ -783,26 +783,26 @@ int stage_x_setting() {
 }
 
 // VOICECHAT_QMV_SPLIT: "1" keeps the last round's tiles whole; "any" splits them at any blocks an SM
-// (split_last_round's pick as if one); auto: split_last_round's pick. Read once.
+// (split_last_round's pick as at one); auto: split_last_round's pick. Read once.
 int split_setting() {
   static const int mode = ab_switch("VOICECHAT_QMV_SPLIT", {"1", "any"});
   return checked_switch(mode, "VOICECHAT_QMV_SPLIT", "auto, 1 or any");
 }
 
 // The parts each of the last round's tiles is cut into (vc_stream::Walk), for `tiles` tiles of `rows`
-// rows over `blocks` blocks, `per_sm` an SM: with one block an SM, the most (a power of two, rows /
-// parts rows at least one) that leave every part a block of its own. The walk's time is its longest
-// block's: at the MLP down_proj (560 8-row tiles, 132 blocks) 32 blocks took a fifth tile while 100
-// waited; cut in 4, 128 blocks take a quarter tile each. Nsight Compute on the H200 (2026-12-04, f32
-// x, one row): down_proj 17.73 -> 17.09 us; the mamba out_proj (264 blocks, two an SM, where a block
-// left alone on its SM has all its issue slots) 13.09 -> 13.28 with 8 one-row parts: whole there;
-// again with the first round asked for at once (VOICECHAT_QMV_SPLIT=any, one machine, alternating):
-// 12.16 / 12.13 against 12.03 / 11.87 whole (the parts, asked for as a stage frees, landed at 8.44 us
-// p50 against the 32 whole tiles' 7.83 in the timelines).
-int split_last_round(int tiles, int blocks, int rows, int per_sm) {
+// rows over `blocks` blocks, where `splits` (one block an SM, or VOICECHAT_QMV_SPLIT=any): the most (a
+// power of two, rows / parts rows at least one) that leave every part a block of its own. The walk's
+// time is its longest block's: at the MLP down_proj (560 8-row tiles, 132 blocks) 32 blocks took a
+// fifth tile while 100 waited; cut in 4, 128 blocks take a quarter tile each. Nsight Compute on the
+// H200 (2026-12-04, f32 x, one row): down_proj 17.73 -> 17.09 us; the mamba out_proj (264 blocks, two
+// an SM, where a block left alone on its SM has all its issue slots) 13.09 -> 13.28 with 8 one-row
+// parts: whole there; again with the first round asked for at once (VOICECHAT_QMV_SPLIT=any, one
+// machine, alternating): 12.16 / 12.13 against 12.03 / 11.87 whole (the parts, asked for as a stage
+// frees, landed at 8.44 us p50 against the 32 whole tiles' 7.83 in the timelines).
+int split_last_round(int tiles, int blocks, int rows, bool splits) {
   const int left = tiles % blocks;
   int split = 1;
-  while (per_sm == 1 && left > 0 && rows % (2 * split) == 0 && left * 2 * split <= blocks) {
+  while (splits && left > 0 && rows % (2 * split) == 0 && left * 2 * split <= blocks) {
     split *= 2;
   }
   return split;
@@ -901,7 +901,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   }
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
   const int split_mode = split_setting();
-  const int split = split_mode == 0 ? 1 : split_last_round(tiles, blocks, rows, split_mode == 1 ? 1 : per_sm);
+  const int split = split_last_round(tiles, blocks, rows, split_mode == 1 || (split_mode < 0 && per_sm == 1));
   const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
   const int levels = dp4a > 0 ? dp4a : dp4a == 0 && m == 1 ? kDefaultDp4aLevels : 0;
   return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials, levels};

@@ -344,6 +344,12 @@ struct Loaded {
   int max_threads = 0;
 };
 
+// A launch of a bigger block than its kernel takes: said to the caller (a ValueError), not fallen back
+// on, since MLX's launch would not run it either.
+struct BlockTooLarge : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
 Loaded limits_of(CUfunction fn, const std::string& what) {
   Loaded k{fn};
   const Driver& api = driver();
@@ -545,7 +551,6 @@ mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int sha
                                    std::vector<std::pair<std::string, mx::fast::TemplateArg>> template_args,
                                    std::optional<float> init_value, bool verbose, mx::StreamOrDevice s_) {
     const auto s = mx::to_stream(s_);
-    std::string too_many_threads;  // said to the caller, not fallen back on: MLX's launch would not run it either
     if (!init_value && !fell_back.load(std::memory_order_relaxed)) {  // (init_value: MLX's launch has it)
       try {
         CudaInstance instance;
@@ -558,21 +563,21 @@ mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int sha
         const auto [gx, gy, gz] = grid;
         const auto [tx, ty, tz] = threadgroup;
         if (tx * ty * tz > k.max_threads) {
-          too_many_threads = src->name + ": this instance takes " + std::to_string(k.registers) +
-                             " registers a thread, so at most " + std::to_string(k.max_threads) +
-                             " threads a block, and the launch asks for " + std::to_string(tx * ty * tz);
-        } else {
-          // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
-          const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
-          return mx::array::make_arrays(output_shapes, output_dtypes,
-                                        std::make_shared<OwnKernel>(s, k.fn, &src->name, blocks, block, shared_memory),
-                                        inputs);
+          throw BlockTooLarge(src->name + ": this instance takes " + std::to_string(k.registers) +
+                              " registers a thread, so at most " + std::to_string(k.max_threads) +
+                              " threads a block, and the launch asks for " + std::to_string(tx * ty * tz));
         }
+        // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
+        const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
+        return mx::array::make_arrays(
+            output_shapes, output_dtypes, std::make_shared<OwnKernel>(s, k.fn, &src->name, blocks, block, shared_memory),
+            inputs);
+      } catch (const BlockTooLarge&) {
+        throw;
       } catch (const std::exception& e) {
         fall_back(src->name, e.what());
       }
     }
-    if (!too_many_threads.empty()) throw std::invalid_argument(too_many_threads);
     return mlx->get()(inputs, output_shapes, output_dtypes, grid, threadgroup, std::move(template_args), init_value,
                       verbose, s);
   };

@@ -736,9 +736,10 @@ int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
 }
 
 // stage_x: how float32 x reaches each lane (vc_stream::StagedX): 0 each lane loads its own chunk,
-// 1 loaded coalesced and handed round through the second stage's buffer, 2 the same through a region
-// of its own past the stages (smem includes it). split: the parts each last-round tile is cut into
-// (vc_stream::Walk); partials: the emitting kernel's partial sums a row of x (a tile's or a part's).
+// 1 loaded coalesced and handed round through the last stages' buffers (the second's at two stages),
+// 2 the same through a region of its own past the stages (smem includes it). split: the parts each
+// last-round tile is cut into (vc_stream::Walk); partials: the emitting kernel's partial sums a row of
+// x (a tile's or a part's).
 struct StreamLaunch {
   int rows, threads, stages, blocks, smem, stage_x, split, partials, levels;
 };
@@ -881,18 +882,23 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   auto fit = [&](int bytes) { return std::max(1, std::min(2048 / threads, kSmemPerSm / (bytes + own))); };
   int per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
   // x staged (vc_stream::StagedX: a warp's 4 KB slices for each of its chunk rounds and rows): by
-  // default through the second stage's buffer where the slices fit in it, else in their own region
-  // where that leaves the SM its blocks, else not; a mode asked for where it does not fit: not staged.
+  // default through the last stages' buffers where the slices fit in one stage, or for one row of x
+  // in all but the first (whose tiles are then asked for at the start, the others after x's spread),
+  // else in their own region where that leaves the SM its blocks, else not; a mode asked for where it
+  // does not fit: not staged.
   // Nsight Compute on the H200, 2026-12-04, f32 x, one row: the mamba out_proj 15.10 -> 13.34 us (8
   // rows, 1), the MLP down_proj 19.68 / 20.64 -> 17.57 / 17.76 (1; 17.95 with 2). 4-row tiles with x
   // in its own region at out_proj (two blocks an SM): 13.09 / 13.31, within 2%: not taken.
   const int x_bytes = threads / 32 * ((chunks + threads - 1) / threads) * m * 4096;
   const bool own_fits = (smem + x_bytes + own) * (stage_x == 2 ? 1 : per_sm) <= kSmemPerSm;
+  // as the kernel's STAGE_X: in one stage, or for one row of x in all but the first (two rows' slices
+  // held across stages took the 2-row down_proj launch at 3 stages to 154-168 registers, 2026-12-04)
+  const bool in_stages = x_bytes <= stage || (m == 1 && x_bytes <= (stages - 1) * stage);
   if (!x_float32) {
     stage_x = 0;
   } else if (stage_x < 0) {
-    stage_x = x_bytes <= stage ? 1 : own_fits ? 2 : 0;
-  } else if ((stage_x == 1 && x_bytes > stage) || (stage_x == 2 && !own_fits)) {
+    stage_x = in_stages ? 1 : own_fits ? 2 : 0;
+  } else if ((stage_x == 1 && !in_stages) || (stage_x == 2 && !own_fits)) {
     stage_x = 0;
   }
   if (stage_x == 2) {

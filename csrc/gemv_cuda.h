@@ -1246,13 +1246,13 @@ __device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned ch
 }
 
 // Warp 0 of a block on the bulk path (all its lanes): the stages' barriers and counts set up, and the
-// block's first items (of its Walk) asked for: the first alone with VC_RAMP (the kernel, or walk_tiles's
-// ramp_tiles, asks for the others), else STAGES of them. The block's other threads see the barriers
-// after its next barrier.
+// block's first items (of its Walk) asked for: with VC_RAMP the first `first` (the stages x is not
+// staged through; the kernel, or walk_tiles's ramp_tiles, asks for the others), else STAGES of them.
+// The block's other threads see the barriers after its next barrier.
 template <int STAGES, typename S, typename W>
 __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* bars, unsigned int* arrived,
                                             unsigned char* stages, const unsigned char* wb, const unsigned char* sb,
-                                            const unsigned char* bb, int lane) {
+                                            const unsigned char* bb, int lane, int first = 1) {
   if (lane == 0) {
     for (int s = 0; s < STAGES; ++s) {
       bar_init(&bars[s]);
@@ -1260,7 +1260,7 @@ __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* b
     }
   }
   __syncwarp();
-  for (int s = 0; s < (VC_RAMP ? 1 : STAGES) && s < walk.count; ++s) {
+  for (int s = 0; s < (VC_RAMP ? first : STAGES) && s < walk.count; ++s) {
     walk.fetch(s, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
   }
 }
@@ -1490,21 +1490,25 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // This thread's chunks of x and the input norm's partials, loaded before the first tiles are asked
   // for: behind every block's bulk copies (~24 MB at in_proj) they waited ~5 us, a fifth of the
   // kernel's warp time on the H200 (Nsight Compute's samples, 2026-12-03). With VC_TILE_FIRST the
-  // first tile alone goes ahead of them (out_proj: 12 MB; the stage x is staged through is asked for
+  // first tiles go ahead of them (out_proj: 12 MB; the stages x is staged through are asked for
   // after x's spread either way).
-  if (VC_TILE_FIRST != 0 && threadIdx.x < 32 && bulk) {
-    start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane);
-  }
   float xv[CPT][M][4][8];
   const bool vec = vc_gemv::aligned16(x);
   // XS (gemv.cpp's pick_stream): float32 x loaded coalesced and handed to each lane through shared
-  // memory (StagedX): 1 through the second stage's buffer, where the block's slices fit (the bulk
-  // path's ramp asks for that stage's tile only once the walk starts; the block's own copies use the
-  // first stage alone), 2 through a region of its own past the stages.
+  // memory (StagedX): 1 through the last X_STAGES stages' buffers, where the block's slices fit in one
+  // stage, or for one row of x in all but the first (the bulk path asks for those stages' tiles only
+  // after x's spread, the others at the start; the block's own copies use the first stage alone), 2
+  // through a region of its own past the stages.
   using SX = StagedX<K, M, CPT, THREADS>;
-  constexpr bool STAGE_X =
-      IsFloat<TX>::value && (XS == 2 || (XS == 1 && VC_RAMP != 0 && SX::BYTES <= S::BYTES));
+  constexpr int X_STAGES = (SX::BYTES + S::BYTES - 1) / S::BYTES;
+  constexpr bool STAGE_X = IsFloat<TX>::value && (XS == 2 || (XS == 1 && VC_RAMP != 0 && X_STAGES < STAGES &&
+                                                              (X_STAGES == 1 || M == 1)));
   const bool staged = STAGE_X && vec;
+  // the first items asked for at the start: the stages x does not pass through
+  const int first = staged && XS == 1 ? STAGES - X_STAGES : 1;
+  if (VC_TILE_FIRST != 0 && threadIdx.x < 32 && bulk) {
+    start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane, first);
+  }
   SX sx;
   if (staged) {
     sx.load(reinterpret_cast<const float*>(x), lane, warp);
@@ -1528,14 +1532,15 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   const auto first_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, 0, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
   if (VC_TILE_FIRST == 0 && threadIdx.x < 32 && bulk) {
-    start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane);
+    start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane, first);
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
   if constexpr (NORM == 2) {
     sum_groups<NP, NG, M, THREADS>(norm_partials, &group_scratch[0][0], NGM, group_total);
   }
   if (staged) {
-    sx.spread(reinterpret_cast<float4*>(smem + (XS == 2 ? STAGES : 1) * S::BYTES), lane, warp, xv);
+    unsigned char* region = smem + (XS == 2 ? STAGES : STAGES - X_STAGES) * S::BYTES;
+    sx.spread(reinterpret_cast<float4*>(region), lane, warp, xv);
     // each thread's accesses to the staged x ordered before the copy engine's writes into the stage
     // (after the barrier)
     if constexpr (XS == 1) {
@@ -1554,7 +1559,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // With 3 stages or more the ramp chained the first round's trips to memory (~3 us each in the
   // timelines), likely why 3 stages lost at down_proj; asked for at once here: not measured yet.
   if (VC_RAMP != 0 && bulk && threadIdx.x < 32) {
-    for (int s = 1; s < STAGES && s < walk.count; ++s) walk.fetch(s, smem + s * S::BYTES, wb, sb, bb, &bars[s], lane);
+    for (int s = first; s < STAGES && s < walk.count; ++s) {
+      walk.fetch(s, smem + s * S::BYTES, wb, sb, bb, &bars[s], lane);
+    }
   }
   // LEVELS 0: x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per
   // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's terms (word k's

@@ -197,8 +197,9 @@ def _imma_stream_fits(n: int, k: int, rows: int, stages: int = 2) -> bool:
 
 def test_stream_launch_stages_x_where_its_slices_fit():
     """The float streamed layout's pick of how float32 x reaches each lane (stage_x): through its
-    second stage where a block's x slices (4 KB a warp) fit in one, else in a region of their own
-    where that leaves the SM its blocks, else each lane loads its own chunk; bfloat16 x never."""
+    last stages where a block's x slices (4 KB a warp) fit in one, or for one row of x in all but
+    the first, else in a region of their own where that leaves the SM its blocks, else each lane
+    loads its own chunk; bfloat16 x never."""
     down = ext.stream_launch(15680, 4480)  # the MLP down_proj: 16 warps' slices in a 70 KB stage
     assert (down["rows"], down["stage_x"], down["smem"], down["blocks"]) == (8, 1, 2 * 70560, 132)
     assert ext.stream_launch(15680, 4480, x_float32=False)["stage_x"] == 0
@@ -208,10 +209,16 @@ def test_stream_launch_stages_x_where_its_slices_fit():
     assert (out["rows"], out["stage_x"], out["smem"], out["blocks"]) == (8, 1, 2 * 46080, 264)
     assert ext.stream_launch(10240, 4480, prenorm_groups=8, stage_x=2)["blocks"] == 132  # asked for: one an SM
     # K = 4480: 5 warps' 20 KB outgrow an 8-row stage (19.7 KB); beside 2 stages their own region
-    # would cost the SM blocks (5 -> 3), beside 4 it leaves the 2 they have
+    # would cost the SM blocks (5 -> 3); with 4 stages they pass through the last two
     assert ext.stream_launch(4480, 22656, stages=2)["stage_x"] == 0
     four = ext.stream_launch(4480, 22656, stages=4)
-    assert (four["stage_x"], four["smem"], four["blocks"]) == (2, 4 * 20160 + 5 * 4096, 264)
+    assert (four["stage_x"], four["smem"], four["blocks"]) == (1, 4 * 20160, 264)
+    assert ext.stream_launch(4480, 22656, stages=4, stage_x=2)["smem"] == 4 * 20160 + 5 * 4096
+    # 4-row tiles at out_proj: 40 KB of slices through the last two of 4 stages of 22.5 KB, not for
+    # two rows of x (80 KB: neither there nor beside the stages at two blocks an SM)
+    out4 = ext.stream_launch(10240, 4480, rows=4, stages=4, prenorm_groups=8)
+    assert (out4["stage_x"], out4["smem"], out4["blocks"]) == (1, 4 * 23040, 264)
+    assert ext.stream_launch(10240, 4480, 2, rows=4, stages=4, prenorm_groups=8)["stage_x"] == 0
     # two rows of x at down_proj: 128 KB of slices fit neither a stage nor beside 2-3 of them
     assert ext.stream_launch(15680, 4480, 2, stages=3)["stage_x"] == 0
     assert ext.stream_launch(15680, 4480, 2, stages=2, stage_x=2)["stage_x"] == 0

@@ -784,6 +784,13 @@ def emulated(tmp_path_factory):
         # second round's chunks ending inside a warp's slice
         "stream_m2_two_chunks_16_rows": stream_case(32, 3840, 2, 16, 64, 2, 2),
         "stream_emit_warps_m2": stream_case(64, 2048, 2, 4, 64, 2, 3, np_=16, ng=4, emit=True),
+        # one row of x whose slices outgrow a 4-row stage: staged (XS 1) through the last two of 4
+        # stages (the first two asked for at the start), 10 tiles over 3 blocks with the integer dot
+        # products; through the last two of 3 (the first alone at the start); 3 warps drifting over 4
+        # stages, 24 tiles over 2 blocks
+        "stream_x_two_stages": stream_case(40, 1024, 1, 4, 32, 4, 3, levels=4),
+        "stream_x_two_of_three_stages": stream_case(40, 1024, 1, 4, 32, 3, 3),
+        "stream_x_two_stages_warps_drift": stream_case(96, 3072, 1, 4, 96, 4, 2),
         # the last round's tiles cut into parts (vc_stream::Walk, split as gemv.cpp's split_last_round
         # picks it for the grid): 9 tiles over 4 blocks (the ninth in 4 parts of 2 rows); emitting two
         # rows of x, 7 tiles over 3 blocks (the seventh in halves: 8 partials); the block's own copies
@@ -1009,12 +1016,15 @@ def test_streamed_products_are_at_least_as_exact_as_mlx(emulated):
 
 
 STREAM_CASES = ["stream_q4", "stream_own_copies", "stream_emit_prenormed", "stream_warps_drift",
-                "stream_m2_two_chunks_16_rows", "stream_m2_two_chunks", "stream_emit_warps_m2"]
+                "stream_m2_two_chunks_16_rows", "stream_m2_two_chunks", "stream_emit_warps_m2", "stream_x_two_stages",
+                "stream_x_two_of_three_stages", "stream_x_two_stages_warps_drift"]
 # where the kernel stages x: float32 x, 16-byte aligned, and with XS 1 the block's 4 KB slices (a
-# warp, chunk round and row) inside one stage
-X_STAGED = {1: ["stream_own_copies", "stream_emit_prenormed", "stream_warps_drift", "stream_m2_two_chunks_16_rows"],
+# warp, chunk round and row) inside one stage, or for one row of x inside all stages but the first
+X_STAGES_TWO = ["stream_x_two_stages", "stream_x_two_of_three_stages", "stream_x_two_stages_warps_drift"]
+X_STAGED = {1: ["stream_own_copies", "stream_emit_prenormed", "stream_warps_drift", "stream_m2_two_chunks_16_rows",
+                *X_STAGES_TWO],
             2: ["stream_q4", "stream_own_copies", "stream_emit_prenormed", "stream_warps_drift",
-                "stream_m2_two_chunks_16_rows", "stream_emit_warps_m2"]}
+                "stream_m2_two_chunks_16_rows", "stream_emit_warps_m2", *X_STAGES_TWO]}
 
 
 def _x_staged(case: Case, xs: int) -> bool:
@@ -1029,8 +1039,8 @@ def _x_staged(case: Case, xs: int) -> bool:
 
 @pytest.fixture(scope="module")
 def emulated_staged_x(emulated, tmp_path_factory):
-    """The stream cases built again with XS 1 (x loaded coalesced and handed round through the
-    second stage's buffer) and XS 2 (through a region past the stages)."""
+    """The stream cases built again with XS 1 (x loaded coalesced and handed round through the last
+    stages' buffers) and XS 2 (through a region past the stages)."""
     _, cases, _, _, _ = emulated
     tmp = tmp_path_factory.mktemp("cuda_emu_staged_x")
     picked = {}
@@ -1047,8 +1057,8 @@ def emulated_staged_x(emulated, tmp_path_factory):
 def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_staged_x, name, xs):
     """Staging x changes how it reaches each lane, not its values: the outputs are bit-identical to
     the unstaged build's, where the kernel stages it (X_STAGED: one on the block's own copies, one
-    with two chunks a thread and two rows) and where it does not (bfloat16 or misaligned x; with XS
-    1, slices past a stage)."""
+    with two chunks a thread and two rows, three through two stages) and where it does not (bfloat16 or
+    misaligned x; with XS 1, slices past a stage for two rows of x, or past all stages but the first)."""
     exe, cases, _, _, tmp = emulated
     staged, picked, staged_tmp = emulated_staged_x
     assert _x_staged(cases[name], xs) == (name in X_STAGED[xs])
@@ -1061,7 +1071,7 @@ def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_st
 
 @pytest.fixture(scope="module")
 def emulated_tile_first(emulated, tmp_path_factory):
-    """The stream cases with x staged through the second stage where they take it (XS 1), built with
+    """The stream cases with x staged through the last stages where they take it (XS 1), built with
     VC_TILE_FIRST=1 (warp 0 asks for the first tile before its loads of x)."""
     _, cases, _, _, _ = emulated
     tmp = tmp_path_factory.mktemp("cuda_emu_tile_first")

@@ -984,7 +984,8 @@ def _check_persistent(emulated, name: str) -> None:
                                   "stream_split_own_copies", "stream_split_warps_drift", "stream_dp4a_q4",
                                   "stream_dp4a_m2_two_chunks", "stream_dp4a_emit_prenormed",
                                   "stream_dp4a_own_copies_split", "stream_dp4a_huge_x", "stream_dp4a_tiny_x",
-                                  "stream_dp4a_staged_warps_drift"])
+                                  "stream_dp4a_staged_warps_drift", "stream_x_two_stages",
+                                  "stream_x_two_of_three_stages", "stream_x_two_stages_warps_drift"])
 def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a tile, and a part of a split last-round tile): the tiles a block walks, the stages it reuses

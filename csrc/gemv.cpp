@@ -739,9 +739,9 @@ int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
 // 1 loaded coalesced and handed round through the last stages' buffers (the second's at two stages),
 // 2 the same through a region of its own past the stages (smem includes it). split: the parts each
 // last-round tile is cut into (vc_stream::Walk); partials: the emitting kernel's partial sums a row of
-// x (a tile's or a part's).
+// x (a tile's or a part's); warp_groups: the kernel's WG (stream_warp_groups).
 struct StreamLaunch {
-  int rows, threads, stages, blocks, smem, stage_x, split, partials, levels;
+  int rows, threads, stages, blocks, smem, stage_x, split, partials, levels, warp_groups;
 };
 
 // The float layouts' threads where a call leaves them to the default (threads 0) and x is a
@@ -809,6 +809,15 @@ int split_last_round(int tiles, int blocks, int rows, bool splits) {
   return split;
 }
 
+// vc_qmv_stream's warp groups (its WG): where a block of `threads` has a whole multiple, two or more, of
+// the warps that K's `chunks` take at a chunk a thread, each group of those takes `rows` / RG rows of
+// every tile (and of every part, `rows` / split), so that one block an SM puts all its warps on each
+// tile; else 1.
+int stream_warp_groups(int chunks, int threads, int rows) {
+  const int kw = (chunks + 31) / 32, warps = threads / 32;
+  return warps >= 2 * kw && warps % kw == 0 && rows % (warps / kw) == 0 ? warps / kw : 1;
+}
+
 // The default for `stages` = 0: how many tiles a vc_qmv_stream block keeps in flight at this
 // shape, or 0 for the block layout (vc_qmv). Nsight Compute on the H200, the step's instances, float32
 // x, one row, block layout against the streamed launch (2 stages): 2026-12-01, out_proj 4480x10240
@@ -859,6 +868,8 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     threads = chunks <= 512 ? 32 * ((chunks + 31) / 32) : 32 * ((chunks + 63) / 64);
   }
   const int stage = rows * k / 2 + 2 * rows * (k / group_size) * scale_bytes;
+  const int wg = threads % 32 == 0 ? stream_warp_groups(chunks, threads, rows) : 1;
+  const int cpt = (chunks + threads / wg - 1) / (threads / wg);  // chunks a thread
   // its own arrays, and every warp's share of the norm's group totals (apart from a tile's sums)
   const int own = stream_static_smem(stages, threads, rows, m, prenorm_groups) + (threads / 32) * prenorm_groups * m * 4;
   const char* why = !bulk                                       ? "a GPU with bulk copies (sm_90 or newer)"
@@ -867,8 +878,9 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
                     : group_size % 32 != 0                      ? "a group of whole 16-byte chunks"
                     : n % rows != 0 || rows * m > 32            ? "N a multiple of rows_per_block, rows x M <= 32"
                     : (rows * (k / group_size) * scale_bytes) % 16 != 0 ? "a tile's scales in whole 16 bytes"
-                    : threads % 32 != 0 || threads > 512 || (chunks + threads - 1) / threads > 2
-                        ? "threads a multiple of 32 up to 512, two chunks of K a thread at most"
+                    : threads % 32 != 0 || threads > (wg > 1 ? 1024 : 512) || cpt > 2
+                        ? "threads a multiple of 32 up to 512 (1024 in warp groups), two chunks of K a thread at "
+                          "most"
                     : stages < 2 || stages * stage + own > kSmemPerSm
                         ? "2 stages at least, their tiles inside 227 KB of shared memory"
                         : nullptr;
@@ -879,7 +891,11 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     return std::nullopt;
   }
   int smem = stages * stage;
-  auto fit = [&](int bytes) { return std::max(1, std::min(2048 / threads, kSmemPerSm / (bytes + own))); };
+  // past 512 threads (warp groups) one block an SM: two would need 64 registers a thread at most, and
+  // the kernel takes 72-96
+  auto fit = [&](int bytes) {
+    return std::max(1, std::min(threads > 512 ? 1 : 2048 / threads, kSmemPerSm / (bytes + own)));
+  };
   int per_sm = blocks_per_sm > 0 ? blocks_per_sm : fit(smem);
   // x staged (vc_stream::StagedX: a warp's 4 KB slices for each of its chunk rounds and rows): by
   // default through the last stages' buffers where the slices fit in one stage, or for one row of x
@@ -889,7 +905,7 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   // Nsight Compute on the H200, 2026-12-04, f32 x, one row: the mamba out_proj 15.10 -> 13.34 us (8
   // rows, 1), the MLP down_proj 19.68 / 20.64 -> 17.57 / 17.76 (1; 17.95 with 2). 4-row tiles with x
   // in its own region at out_proj (two blocks an SM): 13.09 / 13.31, within 2%: not taken.
-  const int x_bytes = threads / 32 * ((chunks + threads - 1) / threads) * m * 4096;
+  const int x_bytes = threads / 32 * cpt * m * 4096;
   const bool own_fits = (smem + x_bytes + own) * (stage_x == 2 ? 1 : per_sm) <= kSmemPerSm;
   // as the kernel's STAGE_X: in one stage, or for one row of x in all but the first (two rows' slices
   // held across stages took the 2-row down_proj launch at 3 stages to 154-168 registers, 2026-12-04)
@@ -907,10 +923,11 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   }
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
   const int split_mode = split_setting();
-  const int split = split_last_round(tiles, blocks, rows, split_mode == 1 || (split_mode < 0 && per_sm == 1));
+  // parts of whole rows for each warp group
+  const int split = split_last_round(tiles, blocks, rows / wg, split_mode == 1 || (split_mode < 0 && per_sm == 1));
   const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
   const int levels = dp4a > 0 ? dp4a : dp4a == 0 && m == 1 ? kDefaultDp4aLevels : 0;
-  return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials, levels};
+  return StreamLaunch{rows, threads, stages, blocks, smem, stage_x, split, partials, levels, wg};
 }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its
@@ -1462,7 +1479,8 @@ py::object stream_launch(int k, int n, int m, bool x_float32, int prenorm_groups
   }
   return py::dict(py::arg("rows") = l->rows, py::arg("threads") = l->threads, py::arg("stages") = l->stages,
                   py::arg("blocks") = l->blocks, py::arg("smem") = l->smem, py::arg("stage_x") = l->stage_x,
-                  py::arg("split") = l->split, py::arg("partials") = l->partials, py::arg("levels") = l->levels);
+                  py::arg("split") = l->split, py::arg("partials") = l->partials, py::arg("levels") = l->levels,
+                  py::arg("warp_groups") = l->warp_groups);
 }
 
 py::dict imma_stream_launch(int k, int n, int m, int prenorm_groups, int threads, int stages, int blocks_per_sm,
@@ -1567,7 +1585,9 @@ void bind(py::module_& m) {
         "float layouts' default, None where that is the block layout; ValueError where a forced launch "
         "cannot be taken. stage_x -1: as quantized_matvec (VOICECHAT_QMV_STAGE_X, else the default's "
         "pick), 0 / 1 / 2 that mode where the kernel takes it. split follows VOICECHAT_QMV_SPLIT (auto, 1 or any). "
-        "levels: the product's int8 terms of x (quantized_matvec's dp4a; 0: the pair form).");
+        "levels: the product's int8 terms of x (quantized_matvec's dp4a; 0: the pair form). warp_groups: "
+        "the groups of warps a tile's rows are shared among (threads a whole multiple, two or more, of the "
+        "32 x ceil(K / 1024) that K takes), else 1.");
   m.def("imma_stream_launch", &imma_stream_launch, py::arg("k"), py::arg("n"), py::arg("m") = 1,
         py::arg("prenorm_groups") = 1, py::arg("threads") = 0, py::arg("stages") = 2, py::arg("blocks_per_sm") = 0,
         py::arg("rows") = 0,

@@ -1312,9 +1312,10 @@ __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(const W& walk, 
 // aligned) the block copies each item's whole tile itself into stage 0, behind barriers, and warp 0
 // stores it. first_tail: stream_tail(walk, 0, ...), which the kernel asks for with x, before its
 // first tiles. ramp_from: the first round's tiles from it on are asked for by ramp_tiles (the kernel
-// asked for the ones before).
-template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename W, typename TB,
-          typename TR, typename TE, typename TO, typename Sums>
+// asked for the ones before). SUM_WARPS: the warps whose rows of a red buffer hold an item's sums (the
+// first; fewer than WARPS where warp groups share a row of red each, see qmv_stream).
+template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, int SUM_WARPS = WARPS,
+          typename W, typename TB, typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned long long* bars, unsigned int* arrived,
                                            float* red, unsigned char* stages, const unsigned char* wb,
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
@@ -1342,7 +1343,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
         sums(rows, stages + s * S::BYTES, s, walk.part(i) ? walk.q() * R : 0);
         VC_STAMP(2, i);
         if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-          const float v = tile_total<R * M, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
+          const float v = tile_total<R * M, SUM_WARPS>(red + s * WARPS * SUMS, SUMS, lane);
           __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
           if (i + STAGES < walk.count) {
             reads_before_copies();  // each lane, before its copies
@@ -1366,8 +1367,8 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       // red double-buffered: a warp may write the next item's before warp 0 reads this one's
       sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0);
       __syncthreads();  // the stage read and the sums written by every thread
-      store_tile<M, R, WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i), walk.np(),
-                                                      tail, out, normed, partials);
+      store_tile<M, R, SUM_WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
+                                                          walk.np(), tail, out, normed, partials);
     });
   }
 }
@@ -1387,18 +1388,20 @@ struct IsFloat<float> {
   static constexpr bool value = true;
 };
 
-template <int K, int M, int CPT, int THREADS>
+template <int K, int M, int CPT, int THREADS, int KT = THREADS>
 struct StagedX {
   static constexpr int CHUNKS = K / 32;
-  static constexpr int BYTES = THREADS / 32 * CPT * M * 4096;  // the block's slices
+  static constexpr int BYTES = THREADS / 32 * CPT * M * 4096;  // the block's slices (every warp's)
   float4 raw[CPT][M][8];
 
   static __device__ __forceinline__ int slot(int chunk, int q) { return chunk * 8 + (q ^ (chunk & 7)); }
 
+  // KT: the threads whose chunks cover K (a warp group's, see qmv_stream); warp w takes the chunks of
+  // warp w % (KT / 32) of the first
   __device__ __forceinline__ void load(const float* x, int lane, int warp) {
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      const int first = warp * 32 + j * THREADS;  // the warp's first chunk of round j
+      const int first = warp % (KT / 32) * 32 + j * KT;  // the warp's first chunk of round j
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float4* src = reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * K) + first * 8;
@@ -1458,12 +1461,19 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   using vc_gemv::Pair;
   constexpr int CHUNK = 32;  // 4-bit values in a 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;
-  constexpr int CPT = (CHUNKS + THREADS - 1) / THREADS;  // chunks a thread
+  constexpr int WARPS = THREADS / 32;
+  // Warp groups: where the block has WG > 1 times the warps that K takes at a chunk a thread (KW), each
+  // group of KW warps takes ROWS / WG rows of every item (its threads the same chunks as the other
+  // groups'), so that one block an SM has as many warps on each item as two blocks of KW warps have
+  // on two (gemv.cpp's stream_warp_groups derives the same).
+  constexpr int KW = (CHUNKS + 31) / 32;
+  constexpr int WG = WARPS >= 2 * KW && WARPS % KW == 0 && (ROWS / SPLIT) % (WARPS / KW) == 0 ? WARPS / KW : 1;
+  constexpr int KT = THREADS / WG, SUM_WARPS = WARPS / WG;  // a warp group's threads and warps
+  constexpr int CPT = (CHUNKS + KT - 1) / KT;  // chunks a thread
   constexpr int GROUPS = K / GROUP;
   constexpr int TILES = N / ROWS;
   // the rows unpadded: a warp reads consecutive chunks of one row
   using S = Stage<ROWS, K / 2, K / 2, ROWS * GROUPS * static_cast<int>(sizeof(TS))>;
-  constexpr int WARPS = THREADS / 32;
   constexpr int SUMS = ROWS * M;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
   static_assert(N % ROWS == 0 && K % GROUP == 0 && GROUP % CHUNK == 0, "whole tiles; a chunk inside a group");
@@ -1482,6 +1492,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
+  const int kt = static_cast<int>(threadIdx.x) % KT, wg = static_cast<int>(threadIdx.x) / KT;  // its warp group
   const Walk<S, TILES, SPLIT> walk;
   const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
@@ -1499,7 +1510,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // stage, or for one row of x in all but the first (the bulk path asks for those stages' tiles only
   // after x's spread, the others at the start; the block's own copies use the first stage alone), 2
   // through a region of its own past the stages.
-  using SX = StagedX<K, M, CPT, THREADS>;
+  using SX = StagedX<K, M, CPT, THREADS, KT>;
   constexpr int X_STAGES = (SX::BYTES + S::BYTES - 1) / S::BYTES;
   constexpr bool STAGE_X = IsFloat<TX>::value && (XS == 2 || (XS == 1 && VC_RAMP != 0 && X_STAGES < STAGES &&
                                                               (X_STAGES == 1 || M == 1)));
@@ -1515,7 +1526,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   } else {
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
+      const int c = min(kt + j * KT, CHUNKS - 1);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -1572,7 +1583,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   unsigned int tlo[CPT][M][LV][4], thi[CPT][M][LV][4];
 #pragma unroll
   for (int j = 0; j < CPT; ++j) {
-    const int c = min(static_cast<int>(threadIdx.x) + j * THREADS, CHUNKS - 1);
+    const int c = min(kt + j * KT, CHUNKS - 1);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float r = 1.0f;
@@ -1621,13 +1632,14 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   __syncthreads();  // the barriers' init seen by every thread
   VC_STAMP(0, 0);
-  // This warp's sums of R rows of the tile in stage st, its rows r0 on (each thread's, folded over
-  // the warp: see fold_sums), into red[b][warp].
-  auto row_sums = [&](auto rows, const unsigned char* st, int b, int r0) {
-    constexpr int R = decltype(rows)::value;
+  // This warp's sums of its warp group's R / WG rows of the R in stage st, the tile's rows r0 on (each
+  // thread's, folded over the warp: see fold_sums), into red[b][warp % SUM_WARPS] at the group's place.
+  auto row_sums = [&](auto rows, const unsigned char* st, int b, int r0_) {
+    constexpr int R = decltype(rows)::value / WG;
     constexpr int RM = R * M;
     constexpr int LOG = RM >= 32 ? 5 : RM >= 16 ? 4 : RM >= 8 ? 3 : RM >= 4 ? 2 : RM >= 2 ? 1 : 0;
     static_assert(RM == 1 << LOG, "a tile's (and a part's) rows x M a power of two");
+    const int r0 = r0_ + wg * R;
     float acc[R][M];
     const uint4* w4 = reinterpret_cast<const uint4*>(st);
     const TS* tscale = reinterpret_cast<const TS*>(st + S::SCALES);
@@ -1639,7 +1651,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     }
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      const int c = static_cast<int>(threadIdx.x) + j * THREADS;
+      const int c = kt + j * KT;
       if (c < CHUNKS) {
         const int g = c * CHUNK / GROUP;
 #pragma unroll
@@ -1699,13 +1711,13 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       }
     }
     const float v = fold_sums<RM, 16>(&acc[0][0], lane);
-    if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp][(lane >> (5 - LOG)) & (RM - 1)] = v;
+    if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp % SUM_WARPS][wg * RM + ((lane >> (5 - LOG)) & (RM - 1))] = v;
   };
   // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
   // 2026-12-03): see walk_tiles.
-  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, walk, bars, arrived, &red[0][0][0], smem, wb, sb,
-                                                          bb, bias, residual, next_w, out, normed, partials,
-                                                          first_tail, row_sums, STAGES);
+  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N, SUM_WARPS>(bulk, walk, bars, arrived, &red[0][0][0], smem,
+                                                                     wb, sb, bb, bias, residual, next_w, out, normed,
+                                                                     partials, first_tail, row_sums, STAGES);
 }
 
 }  // namespace vc_stream

@@ -326,6 +326,21 @@ def _persistent_case(source, layout, n, k, m, rows, blocks, threads, x_dtype, ep
 
 ACCURACY_LEVELS = (0, 3, 4)  # the pair form, x in 3 and 4 int8 terms
 
+# Warp-group cases of vc_qmv_stream: (n, k, m, rows, stages, blocks), threads, the WG the kernel derives
+# from them (K's warps: K / 1024 rounded up), stream_case's keywords. Two groups on 3 stages; on parts
+# of a split last round (one row a group); emitting a group-normed input with x staged through two of
+# 4 stages; 3 warps a group drifting with x staged; four groups of two rows; the block's own copies
+# with a bias and squared ReLU; two rows of unaligned bfloat16 x with a residual.
+WARP_GROUPS = {
+    "stream_wg2": ((40, 1024, 1, 8, 3, 2), 64, 2, dict(levels=4)),
+    "stream_wg2_split": ((72, 640, 1, 8, 2, 4), 64, 2, dict(split=4)),
+    "stream_wg2_emit_staged": ((32, 2048, 1, 8, 4, 2), 128, 2, dict(np_=16, ng=8, emit=True, xs=1, levels=4)),
+    "stream_wg2_warps_drift": ((96, 3072, 1, 8, 3, 2), 192, 2, dict(xs=1, levels=4)),
+    "stream_wg4": ((32, 640, 1, 8, 2, 2), 128, 4, {}),
+    "stream_wg2_own_copies": ((40, 1024, 1, 8, 2, 2), 64, 2, dict(epi=2, bias_dtype=mx.float32, w_offset=1)),
+    "stream_wg2_m2_bf16": ((32, 1024, 2, 8, 2, 2), 64, 2, dict(x_dtype=mx.bfloat16, epi=1, x_offset=1)),
+}
+
 
 def stream_case(n, k, m, rows, threads, stages, blocks, x_dtype=mx.float32, epi=0, bias_dtype=None, np_=0, ng=1,
                 emit=False, x_offset=0, w_offset=0, xs=0, split=1, levels=0, x_scale=1.0):
@@ -791,6 +806,10 @@ def emulated(tmp_path_factory):
         "stream_x_two_stages": stream_case(40, 1024, 1, 4, 32, 4, 3, levels=4),
         "stream_x_two_of_three_stages": stream_case(40, 1024, 1, 4, 32, 3, 3),
         "stream_x_two_stages_warps_drift": stream_case(96, 3072, 1, 4, 96, 4, 2),
+        # warp groups (WG: more warps than K takes, each group of them on its share of every tile's rows),
+        # and each one's twin with a group's threads alone (the same bits, see WARP_GROUPS)
+        **{f"{name}{twin}": stream_case(*shape[:4], threads // (wg if twin else 1), *shape[4:], **kw)
+           for name, (shape, threads, wg, kw) in WARP_GROUPS.items() for twin in ("", "_one_group")},
         # the last round's tiles cut into parts (vc_stream::Walk, split as gemv.cpp's split_last_round
         # picks it for the grid): 9 tiles over 4 blocks (the ninth in 4 parts of 2 rows); emitting two
         # rows of x, 7 tiles over 3 blocks (the seventh in halves: 8 partials); the block's own copies
@@ -1065,6 +1084,24 @@ def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_st
     assert _x_staged(cases[name], xs) == (name in X_STAGED[xs])
     want = run(exe, name, cases[name], tmp)
     got = run(staged, f"{name}_xs{xs}", picked[f"{name}_xs{xs}"], staged_tmp)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("name", list(WARP_GROUPS))
+def test_streamed_warp_groups_emulated(emulated, name):
+    """With warp groups the streamed kernel equals MLX's product and gives exactly the bits of its twin
+    with one group's threads (a row's sums are one group's warps', folded and totalled in the same
+    order), and the extension derives the same WG from the launch."""
+    (n, k, m, rows, stages, _), threads, wg, kw = WARP_GROUPS[name]
+    launch = ext.stream_launch(k, n, m, kw.get("x_dtype", mx.float32) == mx.float32, kw.get("ng", 1), rows, threads,
+                               stages)
+    assert launch["warp_groups"] == wg
+    _check_persistent(emulated, name)
+    exe, cases, _, _, tmp = emulated
+    got = run(exe, name, cases[name], tmp)
+    want = run(exe, f"{name}_one_group", cases[f"{name}_one_group"], tmp)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)

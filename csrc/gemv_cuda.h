@@ -1401,7 +1401,7 @@ struct StagedX {
   __device__ __forceinline__ void load(const float* x, int lane, int warp) {
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      const int first = warp % (KT / 32) * 32 + j * KT;  // the warp's first chunk of round j
+      const int first = (KT < THREADS ? warp % (KT / 32) : warp) * 32 + j * KT;  // the warp's first chunk of round j
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float4* src = reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * K) + first * 8;
@@ -1467,7 +1467,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // groups'), so that one block an SM has as many warps on each item as two blocks of KW warps have
   // on two (gemv.cpp's stream_warp_groups derives the same).
   constexpr int KW = (CHUNKS + 31) / 32;
-  constexpr int WG = WARPS >= 2 * KW && WARPS % KW == 0 && (ROWS / SPLIT) % (WARPS / KW) == 0 ? WARPS / KW : 1;
+  constexpr int WK = WARPS / KW > 0 ? WARPS / KW : 1;  // (no % 0 below where K takes more warps than there are)
+  constexpr int WG = WK >= 2 && WARPS % KW == 0 && (ROWS / SPLIT) % WK == 0 ? WK : 1;
   constexpr int KT = THREADS / WG, SUM_WARPS = WARPS / WG;  // a warp group's threads and warps
   constexpr int CPT = (CHUNKS + KT - 1) / KT;  // chunks a thread
   constexpr int GROUPS = K / GROUP;
@@ -1492,7 +1493,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int kt = static_cast<int>(threadIdx.x) % KT, wg = static_cast<int>(threadIdx.x) / KT;  // its warp group
+  // this thread's place in its warp group, and its group
+  const int kt = WG > 1 ? static_cast<int>(threadIdx.x) % KT : static_cast<int>(threadIdx.x);
+  const int wg = WG > 1 ? static_cast<int>(threadIdx.x) / KT : 0;
   const Walk<S, TILES, SPLIT> walk;
   const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
@@ -1711,7 +1714,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       }
     }
     const float v = fold_sums<RM, 16>(&acc[0][0], lane);
-    if ((lane & ((1 << (5 - LOG)) - 1)) == 0) red[b][warp % SUM_WARPS][wg * RM + ((lane >> (5 - LOG)) & (RM - 1))] = v;
+    if ((lane & ((1 << (5 - LOG)) - 1)) == 0) {
+      red[b][WG > 1 ? warp % SUM_WARPS : warp][wg * RM + ((lane >> (5 - LOG)) & (RM - 1))] = v;
+    }
   };
   // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
   // 2026-12-03): see walk_tiles.

@@ -810,7 +810,7 @@ int split_last_round(int tiles, int blocks, int rows, bool splits) {
 }
 
 // vc_qmv_stream's warp groups (its WG): where a block of `threads` has a whole multiple, two or more, of
-// the warps that K's `chunks` take at a chunk a thread, each group of those takes `rows` / RG rows of
+// the warps that K's `chunks` take at a chunk a thread, each group of those takes `rows` / WG rows of
 // every tile (and of every part, `rows` / split), so that one block an SM puts all its warps on each
 // tile; else 1.
 int stream_warp_groups(int chunks, int threads, int rows) {

@@ -237,6 +237,22 @@ def test_stream_launch_stages_x_where_its_slices_fit():
         ext.stream_launch(4480, 22656, stages=20)
 
 
+def test_stream_launch_takes_warp_groups_where_the_threads_are_a_multiple_of_ks_warps():
+    """Warp groups (the streamed kernel's WG): at out_proj's K (10 warps at a chunk a thread) 640 threads
+    make two groups of 4 rows each, one block an SM, the last round split in parts of whole rows for
+    each group; at K = 4480 four groups; the default's 320 threads one group; threads that are no
+    whole multiple stay at 512 at most, and groups at 1024."""
+    wg = ext.stream_launch(10240, 4480, prenorm_groups=8, threads=640, stages=3)
+    assert (wg["warp_groups"], wg["blocks"], wg["stage_x"], wg["split"]) == (2, 132, 1, 4)
+    assert ext.stream_launch(4480, 22656, threads=640, stages=2)["warp_groups"] == 4  # K = 4480: 5 warps
+    assert ext.stream_launch(10240, 4480, prenorm_groups=8)["warp_groups"] == 1
+    assert ext.stream_launch(10240, 4480, threads=480, stages=2)["warp_groups"] == 1  # 15 warps
+    with pytest.raises(ValueError, match="up to 512"):
+        ext.stream_launch(10240, 4480, threads=608, stages=2)  # 19 warps: no whole multiple of 10
+    with pytest.raises(ValueError, match="1024 in warp groups"):
+        ext.stream_launch(10240, 4480, threads=1280, stages=2)  # four groups of two rows: too many threads
+
+
 def test_imma_stream_launch_takes_8_row_slabs_for_one_row():
     """The streamed integer-MMA layout's 8-row slabs (one row of x) fit the MLP down_proj's K = 15680,
     whose 16-row ones do not: x's expansion (245 groups x 276 bytes) and two slabs of 8 rows."""

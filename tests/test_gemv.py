@@ -839,6 +839,23 @@ def test_launch_overrides_give_the_same_results(rows_per_block, threads, warps):
 
 
 @needs_cuda
+@pytest.mark.parametrize("x_dtype", [mx.float32, mx.bfloat16])
+def test_warp_groups_at_full_size_give_one_groups_bits(x_dtype):
+    """Two warp groups at the mamba out_proj (640 threads, one block an SM, 3 stages, the last round in
+    parts): the product equals MLX's, and is bit for bit the launch of one group's 320 threads."""
+    n, k = 4480, 10240
+    w, s, b = _quantized(n, k, seed=n + k)
+    x = _x((1, k), x_dtype)
+    residual = _x((1, n), mx.float32, seed=5)
+    launch = dict(rows_per_block=8, stages=3, residual=residual)
+    assert ext.stream_launch(k, n, 1, x_dtype == mx.float32, 1, 8, 640, 3)["warp_groups"] == 2
+    got = ext.quantized_matvec(x, w, s, b, threads=640, **launch)
+    one = ext.quantized_matvec(x, w, s, b, threads=320, **launch)
+    np.testing.assert_array_equal(np.array(got), np.array(one))
+    assert_close(got, reference(quantized_matvec_reference, x, w, s, b, residual=residual))
+
+
+@needs_cuda
 def test_the_kernels_run_on_cuda():
     # Launch overrides are only checked on the kernel path: an invalid one proves it is taken.
     w, s, b = _quantized(64, 128)

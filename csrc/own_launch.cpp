@@ -350,6 +350,14 @@ struct BlockTooLarge : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// The vc_kernel of a cubin, loaded into the current context (its module stays loaded), or nullptr.
+CUfunction load_vc_kernel(const std::string& cubin) {
+  const Driver& api = driver();
+  CUmodule module = nullptr;
+  CUfunction fn = nullptr;
+  return api.load(&module, cubin.data()) == 0 && api.function(&fn, module, "vc_kernel") == 0 ? fn : nullptr;
+}
+
 Loaded limits_of(CUfunction fn, const std::string& what) {
   Loaded k{fn};
   const Driver& api = driver();
@@ -393,13 +401,11 @@ Loaded loaded_function(const std::string& key, const std::string& what, int smem
     }
   }
   device.make_current();
-  CUmodule module = nullptr;
-  CUfunction fn = nullptr;
-  const Driver& api = driver();
-  if (api.load(&module, cubin.data()) != 0 || api.function(&fn, module, "vc_kernel") != 0) {
+  CUfunction fn = load_vc_kernel(cubin);
+  if (!fn) {
     throw std::runtime_error(what + ": the compiled kernel did not load");
   }
-  if (smem > 48 * 1024 && api.attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem) != 0) {
+  if (smem > 48 * 1024 && driver().attribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem) != 0) {
     throw std::runtime_error(what + ": " + std::to_string(smem) + " bytes of dynamic shared memory refused");
   }
   const Loaded k = limits_of(fn, what);
@@ -585,10 +591,8 @@ mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int sha
 
 std::pair<int, int> cubin_limits(const std::string& cubin) {
   mx::cu::device(mx::Device(mx::Device::gpu, 0)).make_current();
-  const Driver& api = driver();
-  CUmodule module = nullptr;  // left loaded: a tool's and tests' query
-  CUfunction fn = nullptr;
-  if (api.load(&module, cubin.data()) != 0 || api.function(&fn, module, "vc_kernel") != 0) {
+  CUfunction fn = load_vc_kernel(cubin);  // left loaded: a tool's and tests' query
+  if (!fn) {
     throw std::invalid_argument("cubin_limits: the cubin does not load, or has no vc_kernel");
   }
   const Loaded k = limits_of(fn, "cubin_limits");

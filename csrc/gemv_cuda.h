@@ -821,6 +821,14 @@ constexpr const char* kPersistentHeader = R"(
 #ifndef VC_TILE_FIRST
 #define VC_TILE_FIRST 0
 #endif
+// 0 (the kernels'): vc_qmv_stream asks at the start for every first-round item whose stage x's
+// staged slices do not pass through (see qmv_stream), the others after x's spread. n > 0 (a probe's
+// define, for qmv_timeline.py): at most n at the start, the rest after the spread. Two at the start
+// take the 4-stage warp-group launch at out_proj (8:640:4) with the last round in parts to 119
+// registers under nvcc, more than 640 threads allow; one takes it to 96.
+#ifndef VC_START_ITEMS
+#define VC_START_ITEMS 0
+#endif
 
 // x as block floating point (the integer products' input, vc_imma's and the streamed layout's
 // dp4a product): values v with |v| <= top as 2^E (p0 + p1 / 128 + p2 / 128^2 ...), int8 p with
@@ -1518,8 +1526,10 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   constexpr bool STAGE_X = IsFloat<TX>::value && (XS == 2 || (XS == 1 && VC_RAMP != 0 && X_STAGES < STAGES &&
                                                               (X_STAGES == 1 || M == 1)));
   const bool staged = STAGE_X && vec;
-  // the first items asked for at the start: the stages x does not pass through
-  const int first = staged && XS == 1 ? STAGES - X_STAGES : 1;
+  // the first items asked for at the start: the stages x does not pass through (VC_START_ITEMS, a
+  // probe's define, may ask for fewer)
+  const int free_stages = staged && XS == 1 ? STAGES - X_STAGES : 1;
+  const int first = VC_START_ITEMS > 0 && VC_START_ITEMS < free_stages ? VC_START_ITEMS : free_stages;
   if (VC_TILE_FIRST != 0 && threadIdx.x < 32 && bulk) {
     start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane, first);
   }

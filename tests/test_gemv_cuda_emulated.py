@@ -1134,6 +1134,41 @@ def test_streamed_matvec_asking_for_its_first_tile_before_x_gives_the_same_bits(
         np.testing.assert_array_equal(g, w)
 
 
+# cases whose start asks for two items where x is staged (XS 1): stages - the stages x's slices take
+# (stream_warps_drift: 3 stages, x's 12 KB in one 13.5 KB stage; stream_x_two_stages and its drifting
+# twin: 4 stages, x in two; stream_wg2_emit_staged: two warp groups, 4 stages, x in two)
+START_TWO = ["stream_warps_drift", "stream_x_two_stages", "stream_x_two_stages_warps_drift", "stream_wg2_emit_staged"]
+
+
+@pytest.fixture(scope="module")
+def emulated_start_one(emulated, tmp_path_factory):
+    """START_TWO with x staged through the last stages (XS 1), built with VC_START_ITEMS=1 (one item
+    asked for at the start, the next after x's spread)."""
+    _, cases, _, _, _ = emulated
+    tmp = tmp_path_factory.mktemp("cuda_emu_start_one")
+    picked = {}
+    for name in START_TWO:
+        one = copy.copy(cases[name])
+        one.template_args = {**cases[name].template_args, "XS": 1}
+        picked[f"{name}_start_one"] = one
+    return build(picked, tmp, ("VC_START_ITEMS=1",)), picked, tmp
+
+
+@pytest.mark.parametrize("name", START_TWO)
+def test_streamed_matvec_asking_for_one_item_at_the_start_gives_the_same_bits(emulated, emulated_start_one, name):
+    """VC_START_ITEMS=1 (a timeline probe's define: what fits the 4-stage warp-group launch with parts
+    in 640 threads' registers) moves the second item's request after x's spread, not any value: the
+    outputs are bit-identical to the kernels' own build with x staged the same way."""
+    assert _x_staged(emulated[1][name], 1)
+    exe, cases, _, _, tmp = emulated
+    one, picked, one_tmp = emulated_start_one
+    want = run(exe, name, cases[name], tmp)
+    got = run(one, f"{name}_start_one", picked[f"{name}_start_one"], one_tmp)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.mark.parametrize("name", ["imma_q4", "imma_batches", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",
                                   "imma_prenormed_groups", "imma_emit_prenormed"])
 def test_integer_mma_matvec_kernels_emulated(emulated, name):

@@ -6,7 +6,10 @@
 # Nsight Compute with the last round whole (VOICECHAT_QMV_SPLIT=1), the same with the last round cut
 # into parts (auto: one block an SM), and test_gemv's warp-group cases. Each part's output in $OUT.
 # 8:640:4 with parts needs 119 registers under nvcc, more than 640 threads allow: our launch refuses
-# it with the numbers (docs/developing.md, the thirty-fifth session).
+# it with the numbers (docs/developing.md, the thirty-fifth session), and MLX's launch (the ncu and
+# timeline tools') would leave its output unwritten. Asking for one item at the start (the probe
+# define VC_START_ITEMS=1, 96 registers) fits it: the timeline with parts runs that instead, and ncu
+# with parts runs 8:640:3 alone (qmv_variants.sh cannot pass defines).
 #   export OUT; bash tools/gpu/warp_groups.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -30,11 +33,11 @@ VOICECHAT_QMV_SPLIT=1 GEMV_PYTHONPATH=$PYTHONPATH OUT=$AUX QMV_SHAPES=out_proj Q
 tail -3 "$AUX/qmv_variants.err"
 date +%T
 echo "== timeline, last round in parts"
-OUT=$AUX TL_LIMIT=80 QMV_TIMELINE="$W" bash tools/gpu/timeline.sh 2>&1 | cut -c1-220 | tee "$OUT/timeline_split.txt"
+OUT=$AUX TL_LIMIT=100 QMV_TIMELINE="$O:8:640:3,$O:8:640:4:VC_START_ITEMS=1" bash tools/gpu/timeline.sh 2>&1 | cut -c1-220 | tee "$OUT/timeline_split.txt"
 cp "$AUX/timeline.log" "$OUT/timeline_split.log"
 date +%T
 echo "== ncu, last round in parts"
-GEMV_PYTHONPATH=$PYTHONPATH OUT=$AUX QMV_SHAPES=out_proj QMV_VARIANTS="$W" NCU_KERNELS="regex:qmv_stream_emit" \
+GEMV_PYTHONPATH=$PYTHONPATH OUT=$AUX QMV_SHAPES=out_proj QMV_VARIANTS="$O:8:640:3" NCU_KERNELS="regex:qmv_stream_emit" \
   NCU_LIMIT=100 bash tools/gpu/qmv_variants.sh 2>&1 | grep " us \|rror\|refused" | cut -c1-200 | tee "$OUT/ncu_split.txt"
 tail -3 "$AUX/qmv_variants.err"
 date +%T

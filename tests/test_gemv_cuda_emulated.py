@@ -1107,31 +1107,42 @@ def test_streamed_warp_groups_emulated(emulated, name):
         np.testing.assert_array_equal(g, w)
 
 
+def _staged_build(emulated, tmp_path_factory, names: list[str], define: str, suffix: str):
+    """The cases `names` with x staged through the last stages where they take it (XS 1), built with
+    the probe define `define`; each as `<name>_<suffix>`."""
+    _, cases, _, _, _ = emulated
+    tmp = tmp_path_factory.mktemp(f"cuda_emu_{suffix}")
+    picked = {}
+    for name in names:
+        staged = copy.copy(cases[name])
+        staged.template_args = {**cases[name].template_args, "XS": 1}
+        picked[f"{name}_{suffix}"] = staged
+    return build(picked, tmp, (define,)), picked, tmp
+
+
+def _assert_same_bits_as_built(emulated, other, name: str, suffix: str) -> None:
+    """Case `name` of the kernels' own build and its twin in `other` (a _staged_build) give the same bits."""
+    exe, cases, _, _, tmp = emulated
+    other_exe, picked, other_tmp = other
+    want = run(exe, name, cases[name], tmp)
+    got = run(other_exe, f"{name}_{suffix}", picked[f"{name}_{suffix}"], other_tmp)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 @pytest.fixture(scope="module")
 def emulated_tile_first(emulated, tmp_path_factory):
-    """The stream cases with x staged through the last stages where they take it (XS 1), built with
-    VC_TILE_FIRST=1 (warp 0 asks for the first tile before its loads of x)."""
-    _, cases, _, _, _ = emulated
-    tmp = tmp_path_factory.mktemp("cuda_emu_tile_first")
-    picked = {}
-    for name in STREAM_CASES:
-        first = copy.copy(cases[name])
-        first.template_args = {**cases[name].template_args, "XS": 1}
-        picked[f"{name}_first"] = first
-    return build(picked, tmp, ("VC_TILE_FIRST=1",)), picked, tmp
+    """The stream cases built with VC_TILE_FIRST=1 (warp 0 asks for the first tile before its loads of
+    x)."""
+    return _staged_build(emulated, tmp_path_factory, STREAM_CASES, "VC_TILE_FIRST=1", "first")
 
 
 @pytest.mark.parametrize("name", STREAM_CASES)
 def test_streamed_matvec_asking_for_its_first_tile_before_x_gives_the_same_bits(emulated, emulated_tile_first, name):
     """VC_TILE_FIRST (a timeline probe's define) moves the first tile's request ahead of x's loads,
     not any value: the outputs are bit-identical to the kernels' own build."""
-    exe, cases, _, _, tmp = emulated
-    first, picked, first_tmp = emulated_tile_first
-    want = run(exe, name, cases[name], tmp)
-    got = run(first, f"{name}_first", picked[f"{name}_first"], first_tmp)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+    _assert_same_bits_as_built(emulated, emulated_tile_first, name, "first")
 
 
 # cases whose start asks for two items where x is staged (XS 1): stages - the stages x's slices take
@@ -1142,31 +1153,18 @@ START_TWO = ["stream_warps_drift", "stream_x_two_stages", "stream_x_two_stages_w
 
 @pytest.fixture(scope="module")
 def emulated_start_one(emulated, tmp_path_factory):
-    """START_TWO with x staged through the last stages (XS 1), built with VC_START_ITEMS=1 (one item
-    asked for at the start, the next after x's spread)."""
-    _, cases, _, _, _ = emulated
-    tmp = tmp_path_factory.mktemp("cuda_emu_start_one")
-    picked = {}
-    for name in START_TWO:
-        one = copy.copy(cases[name])
-        one.template_args = {**cases[name].template_args, "XS": 1}
-        picked[f"{name}_start_one"] = one
-    return build(picked, tmp, ("VC_START_ITEMS=1",)), picked, tmp
+    """START_TWO built with VC_START_ITEMS=1 (one item asked for at the start, the next after x's
+    spread)."""
+    return _staged_build(emulated, tmp_path_factory, START_TWO, "VC_START_ITEMS=1", "start_one")
 
 
 @pytest.mark.parametrize("name", START_TWO)
 def test_streamed_matvec_asking_for_one_item_at_the_start_gives_the_same_bits(emulated, emulated_start_one, name):
     """VC_START_ITEMS=1 (a timeline probe's define: what fits the 4-stage warp-group launch with parts
     in 640 threads' registers) moves the second item's request after x's spread, not any value: the
-    outputs are bit-identical to the kernels' own build with x staged the same way."""
+    outputs are bit-identical to the kernels' own build."""
     assert _x_staged(emulated[1][name], 1)
-    exe, cases, _, _, tmp = emulated
-    one, picked, one_tmp = emulated_start_one
-    want = run(exe, name, cases[name], tmp)
-    got = run(one, f"{name}_start_one", picked[f"{name}_start_one"], one_tmp)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g, w)
+    _assert_same_bits_as_built(emulated, emulated_start_one, name, "start_one")
 
 
 @pytest.mark.parametrize("name", ["imma_q4", "imma_batches", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",

@@ -20,8 +20,9 @@ QMV_TIMELINE="out_proj:tma:8:320:2,out_proj:immatma:0:512:2:VC_RAMP=0" picks the
 vc_qmv_imma_stream, whose slabs have 8 rows where the field says 8 and 16 otherwise, probe = the
 streamed walk's bulk copies alone, no prologue and no product, as qmv_variants.py's tmaprobe; the
 optional sixth field defines macros ahead of the kernel's text, VC_RAMP=0 asking for every
-first-round tile at the start, VC_START_ITEMS=1 for one alone (csrc/gemv_cuda.h); XS=0|1|2 among them is vc_qmv_stream's stage_x instead: how float32 x
-reaches each lane, see ext.stream_launch, whose pick it is otherwise).
+first-round tile at the start, VC_START_ITEMS=1 for one alone (csrc/gemv_cuda.h); XS=0|1|2 among
+them is vc_qmv_stream's stage_x instead: how float32 x reaches each lane, see ext.stream_launch,
+whose pick it is otherwise).
 QMV_TIMELINE_LAUNCHES (3) the launches a variant (the one with the shortest span is reported);
 QMV_TIMELINE_L2=1 writes x, the norm's partials and the residual anew after the sweep, as the decode
 step leaves them in the L2. --nvcc compiles each variant's text for sm_90 with nvcc here (no GPU).

@@ -817,7 +817,9 @@ constexpr const char* kPersistentHeader = R"(
 #endif
 // 0 (the kernels'): vc_qmv_stream's warp 0 asks for the block's first tile once every thread's loads
 // of x, the norm's partials and the first Tail are issued (see qmv_stream). 1 (a probe's define, for
-// qmv_timeline.py; not measured yet): before its own loads of x, so that the tile's trip starts first.
+// qmv_timeline.py): before its own loads of x, so that the tile's trip starts first. Timed at out_proj
+// (H200, 2026-12-04, p50): the prologue done at 4.70 us against 3.86, the first tiles in at 5.28
+// against 4.80: worse, so 0 stays.
 #ifndef VC_TILE_FIRST
 #define VC_TILE_FIRST 0
 #endif

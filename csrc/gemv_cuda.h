@@ -1255,6 +1255,17 @@ __device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned ch
   }
 }
 
+// One warp (all its lanes): the bulk copies of the block's items [from, to) (of its Walk, the first
+// round: item s into stage s) asked for.
+template <typename S, typename W>
+__device__ __forceinline__ void ask_for_items(const W& walk, int from, int to, unsigned long long* bars,
+                                              unsigned char* stages, const unsigned char* wb,
+                                              const unsigned char* sb, const unsigned char* bb, int lane) {
+  for (int s = from; s < to && s < walk.count; ++s) {
+    walk.fetch(s, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
+  }
+}
+
 // Warp 0 of a block on the bulk path (all its lanes): the stages' barriers and counts set up, and the
 // block's first items (of its Walk) asked for: with VC_RAMP the first `first` (the stages x is not
 // staged through; the kernel, or walk_tiles's ramp_tiles, asks for the others), else STAGES of them.
@@ -1270,9 +1281,7 @@ __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* b
     }
   }
   __syncwarp();
-  for (int s = 0; s < (VC_RAMP ? first : STAGES) && s < walk.count; ++s) {
-    walk.fetch(s, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
-  }
+  ask_for_items<S>(walk, 0, VC_RAMP ? first : STAGES, bars, stages, wb, sb, bb, lane);
 }
 
 // With VC_RAMP, warp 0 (all its lanes) once round i's tile is in: round i + 1's first tile asked for,
@@ -1585,9 +1594,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // With 3 stages or more the ramp chained the first round's trips to memory (~3 us each in the
   // timelines), likely why 3 stages lost at down_proj; asked for at once here: not measured yet.
   if (VC_RAMP != 0 && bulk && threadIdx.x < 32) {
-    for (int s = first; s < STAGES && s < walk.count; ++s) {
-      walk.fetch(s, smem + s * S::BYTES, wb, sb, bb, &bars[s], lane);
-    }
+    ask_for_items<S>(walk, first, STAGES, bars, smem, wb, sb, bb, lane);
   }
   // LEVELS 0: x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per
   // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's terms (word k's

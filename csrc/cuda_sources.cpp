@@ -188,11 +188,23 @@ mlx::core::fast::CustomKernelFunction mlx_launch(const CudaSource& source, int s
 }  // namespace
 
 mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory) {
+  if (source.cluster > 1) {
+    // MLX's launch would run the blocks as clusters of one: never handed to it
+    const std::string name = source.name;
+    auto refuse = [name]() -> mlx::core::fast::CustomKernelFunction {
+      throw std::runtime_error(name + ": a kernel of thread-block clusters runs only through voicechat's own "
+                               "launch (a CUDA build, VOICECHAT_OWN_LAUNCH not 0, no fallback to MLX's launch)");
+    };
+    if (!own_launch_wanted() || !own_launch_built()) return refuse();
+    return make_own_kernel(source, shared_memory, refuse);
+  }
   if (own_launch_wanted() && own_launch_built()) {
     return make_own_kernel(source, shared_memory, [&source, shared_memory] { return mlx_launch(source, shared_memory); });
   }
   return mlx_launch(source, shared_memory);
 }
+
+bool own_launch_active() { return own_launch_built() && own_launch_wanted() && !own_launch_fallback(); }
 
 bool cuda_build() { return std::string_view(VC_BACKEND) == "cuda"; }
 
@@ -274,6 +286,7 @@ void bind(py::module_& m) {
       d["output_names"] = src.output_names;
       d["source"] = src.source;
       d["header"] = src.header;
+      d["cluster"] = src.cluster;
       py::list instances;
       for (const auto& inst : src.instances) {
         py::dict i;

@@ -29,6 +29,9 @@ struct CudaSource {
   std::string source;  // the kernel body, as given to fast::cuda_kernel
   std::string header;  // code placed before the kernel (device helpers)
   std::vector<CudaInstance> instances;
+  // Blocks a thread-block cluster (1: none). A source of clusters runs only through our own launch,
+  // which asks for them (MLX's custom-kernel launch cannot), and each grid is a whole number of them.
+  int cluster = 1;
 };
 
 // The name MLX compiles `source` under: its name and a hash of its text. MLX keeps compiled kernels
@@ -60,7 +63,12 @@ std::string kernel_text_folder();
 
 // mlx::core::fast::cuda_kernel for `source`, under jit_name(source), launched with `shared_memory`
 // bytes of dynamic shared memory; its texts as launch_text(source, kernel_text_folder()) gives them.
+// A source of clusters gets our own launch or, where that is not to be had, a function that throws.
 mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory = 0);
+
+// Whether a launch made now goes through our own launch (built, wanted, and not fallen back to
+// MLX's): what a source of clusters needs.
+bool own_launch_active();
 
 // CUDA text without its comments, indentation and empty lines (string and character literals kept,
 // a macro's continued lines kept whole): what register_cuda_source stores of a header and a body.

@@ -344,9 +344,10 @@ struct Loaded {
   int max_threads = 0;
 };
 
-// A launch of a bigger block than its kernel takes: said to the caller (a ValueError), not fallen back
-// on, since MLX's launch would not run it either.
-struct BlockTooLarge : std::invalid_argument {
+// A launch its kernel cannot take (a bigger block than its registers allow, a grid that is not a whole
+// number of its clusters): said to the caller (a ValueError), not fallen back on, since MLX's launch
+// would not run it either.
+struct LaunchRefused : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
@@ -469,8 +470,8 @@ mx::array contiguous_copy(mx::cu::CommandEncoder& encoder, const mx::array& in, 
 // the stream's command encoder as MLX adds its own kernels.
 class OwnKernel : public mx::Primitive {
  public:
-  OwnKernel(mx::Stream s, CUfunction fn, const std::string* name, dim3 grid, dim3 block, int smem)
-      : mx::Primitive(s), fn_(fn), name_(name), grid_(grid), block_(block), smem_(smem) {}
+  OwnKernel(mx::Stream s, CUfunction fn, const std::string* name, dim3 grid, dim3 block, int smem, int cluster)
+      : mx::Primitive(s), fn_(fn), name_(name), grid_(grid), block_(block), cluster_(cluster, 1, 1), smem_(smem) {}
 
   void eval_cpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error(*name_ + ": our own kernel launch runs on a CUDA stream only");
@@ -501,7 +502,8 @@ class OwnKernel : public mx::Primitive {
     }
     std::vector<void*> params(pointers.size());
     for (size_t i = 0; i < pointers.size(); ++i) params[i] = &pointers[i];
-    encoder.add_kernel_node_raw(fn_, grid_, block_, dim3(1, 1, 1), static_cast<uint32_t>(smem_), params.data());
+    // (a cluster other than 1 x 1 x 1 becomes the node's cluster-dimension attribute in MLX 0.32.4)
+    encoder.add_kernel_node_raw(fn_, grid_, block_, cluster_, static_cast<uint32_t>(smem_), params.data());
   }
 
   const char* name() const override { return "VoicechatKernel"; }
@@ -509,7 +511,7 @@ class OwnKernel : public mx::Primitive {
  private:
   CUfunction fn_;
   const std::string* name_;  // the source's name, alive for the process (the registry holds it)
-  dim3 grid_, block_;
+  dim3 grid_, block_, cluster_;
   int smem_;
 };
 
@@ -569,16 +571,20 @@ mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int sha
         const auto [gx, gy, gz] = grid;
         const auto [tx, ty, tz] = threadgroup;
         if (tx * ty * tz > k.max_threads) {
-          throw BlockTooLarge(src->name + ": this instance takes " + std::to_string(k.registers) +
+          throw LaunchRefused(src->name + ": this instance takes " + std::to_string(k.registers) +
                               " registers a thread, so at most " + std::to_string(k.max_threads) +
                               " threads a block, and the launch asks for " + std::to_string(tx * ty * tz));
         }
         // MLX's grid counts threads: blocks = ceil(grid / threadgroup) on each axis
         const dim3 blocks((gx + tx - 1) / tx, (gy + ty - 1) / ty, (gz + tz - 1) / tz), block(tx, ty, tz);
+        if (blocks.x % src->cluster != 0) {
+          throw LaunchRefused(src->name + ": " + std::to_string(blocks.x) + " blocks are not a whole number of its " +
+                              std::to_string(src->cluster) + "-block clusters");
+        }
         return mx::array::make_arrays(
-            output_shapes, output_dtypes, std::make_shared<OwnKernel>(s, k.fn, &src->name, blocks, block, shared_memory),
-            inputs);
-      } catch (const BlockTooLarge&) {
+            output_shapes, output_dtypes,
+            std::make_shared<OwnKernel>(s, k.fn, &src->name, blocks, block, shared_memory, src->cluster), inputs);
+      } catch (const LaunchRefused&) {
         throw;
       } catch (const std::exception& e) {
         fall_back(src->name, e.what());

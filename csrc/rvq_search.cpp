@@ -6,12 +6,14 @@
 //
 // Used by the TTS step (one row, 1..22 codebooks per call) and the codec encoder (all 31
 // codebooks over many frames). Everything accumulates in float32; the residual comes back as
-// float32. Paths: CUDA (a launch per codebook over many blocks, for few rows), CPU (a C++ loop for few rows,
+// float32. Paths: CUDA (a launch per codebook over many blocks, for few rows; opt-in, the whole run in
+// one launch of thread-block clusters), CPU (a C++ loop for few rows,
 // BLAS-backed composed ops for many), anything else the composed ops.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
@@ -139,6 +141,8 @@ class RvqSearch : public mx::Primitive {
 // It replaces one block per row that walked every codebook alone (5.8 ms for 22 bf16 codebooks
 // on the H200, where the composed ops took 1.4 ms: one block read 22 MB).
 constexpr const char* kCudaHeader = R"(
+#ifndef VC_RVQ_HEADER
+#define VC_RVQ_HEADER
 namespace vc_rvq {
 
 __device__ __forceinline__ unsigned long long key(float dist, int index) {
@@ -155,6 +159,7 @@ __device__ __forceinline__ int best_code(const unsigned long long* keys, int cou
 }
 
 }  // namespace vc_rvq
+#endif
 )";
 
 // Template args: T (codebooks' type), D, K, NB (blocks per row), THREADS, FIRST (no codebook
@@ -239,6 +244,130 @@ constexpr const char* kCudaFinishSource = R"(
   }
 )";
 
+// The whole run of codebooks in one launch, where our own launch runs it (method "cluster", or "auto"
+// with VOICECHAT_RVQ_CLUSTER=1; not yet timed on a GPU): a thread-block cluster of CB blocks a row,
+// each block scoring its K / CB codewords of a codebook as the step kernel does (a warp a codeword,
+// lanes over D, the same sums in the same order: the same codes and residual bit for bit), putting
+// its best key in its shared memory, and after a cluster barrier every block reads the CB keys
+// (distributed shared memory), takes the code and forms the next residual itself. The cluster's
+// blocks are scheduled together, so the barrier cannot wait on a block that never starts (a spin
+// over global memory could: see the step kernel). Each block first asks the L2 for its share of
+// every codebook of the run. count + 1 launches become one: ~36 fewer launches a TTS frame.
+constexpr const char* kClusterHeader = R"(
+#ifndef VC_CLUSTER_HEADER
+#define VC_CLUSTER_HEADER
+namespace vc_cluster {
+#ifdef __CUDA_ARCH__
+#define VC_CLUSTER_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+__device__ __forceinline__ unsigned int rank() {
+  unsigned int r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every block of the cluster; shared-memory writes before it are seen after it.
+__device__ __forceinline__ void sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The value at `p` (this block's shared memory) in block `r`'s shared memory.
+__device__ __forceinline__ unsigned long long load_remote(const unsigned long long* p, unsigned int r) {
+  const unsigned int local = static_cast<unsigned int>(__cvta_generic_to_shared(p));
+  unsigned int remote;
+  unsigned long long v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+  asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(remote) : "memory");
+  return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+#else
+#define VC_CLUSTER_SMEM(name) unsigned char* name = cuda_emu::dynamic_smem()
+inline unsigned int rank() { return cuda_emu::cluster_rank(); }
+inline void sync() { cuda_emu::cluster_sync(); }
+inline unsigned long long load_remote(const unsigned long long* p, unsigned int r) { return *cuda_emu::cluster_smem(p, r); }
+inline void prefetch_l2(const void*, unsigned int) {}
+#endif
+}  // namespace vc_cluster
+#endif
+)";
+
+// Template args: T, D, K, CB (blocks a cluster: the source's cluster), THREADS, INTO (codes_in holds
+// the row's codes so far; else the other columns are -1). q: [start, count, the run's first column
+// in the code row, the row's width W]. Dynamic shared memory: 8 (WARPS + 3) + 4 D bytes.
+constexpr const char* kCudaClusterSource = R"(
+  constexpr int KB = (K + CB - 1) / CB;
+  constexpr int WARPS = THREADS / 32;
+  VC_CLUSTER_SMEM(smem);
+  unsigned long long* slot = reinterpret_cast<unsigned long long*>(smem);
+  unsigned long long* warp_best = slot + 2;
+  int* chosen = reinterpret_cast<int*>(warp_best + WARPS);
+  float* r = reinterpret_cast<float*>(smem + 8 * (WARPS + 3));
+  const unsigned int rank = vc_cluster::rank();
+  const int row = blockIdx.x / CB;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int start = q[0], count = q[1], col0 = q[2], width = q[3];
+  const int k0 = static_cast<int>(rank) * KB, k1 = min(K, k0 + KB);
+  if constexpr (K % CB == 0 && (KB * D * sizeof(T)) % 16 == 0) {
+    if ((reinterpret_cast<size_t>(codebooks) & 15) == 0) {
+      for (int i = threadIdx.x; i < count; i += THREADS) {
+        vc_cluster::prefetch_l2(codebooks + (static_cast<size_t>(start + i) * K + k0) * D, KB * D * sizeof(T));
+      }
+    }
+  }
+  for (int d = threadIdx.x; d < D; d += THREADS) r[d] = r_in[static_cast<size_t>(row) * D + d];
+  if (rank == 0) {
+    for (int c = threadIdx.x; c < width; c += THREADS) {
+      codes_out[static_cast<size_t>(row) * width + c] = INTO ? codes_in[static_cast<size_t>(row) * width + c] : -1;
+    }
+  }
+  __syncthreads();
+  for (int i = 0; i < count; ++i) {
+    const int qi = start + i;
+    const T* book = codebooks + static_cast<size_t>(qi) * K * D;
+    unsigned long long mine = ~0ull;
+    for (int k = k0 + warp; k < k1; k += WARPS) {
+      const T* e = book + static_cast<size_t>(k) * D;
+      float dot = 0.0f;
+      for (int d = lane; d < D; d += 32) dot += r[d] * static_cast<float>(e[d]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      const unsigned long long kk = vc_rvq::key(norms[static_cast<size_t>(qi) * K + k] - 2.0f * dot, k);
+      mine = kk < mine ? kk : mine;
+    }
+    if (lane == 0) warp_best[warp] = mine;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned long long best = warp_best[0];
+      for (int w = 1; w < WARPS; ++w) best = warp_best[w] < best ? warp_best[w] : best;
+      slot[i & 1] = best;
+    }
+    vc_cluster::sync();
+    if (threadIdx.x == 0) {
+      unsigned long long best = ~0ull;
+      for (int b = 0; b < CB; ++b) {
+        const unsigned long long v = vc_cluster::load_remote(slot + (i & 1), b);
+        best = v < best ? v : best;
+      }
+      *chosen = static_cast<int>(best & 0xFFFFFFFFull);
+      if (rank == 0) codes_out[static_cast<size_t>(row) * width + col0 + i] = *chosen;
+    }
+    __syncthreads();
+    const T* e = book + static_cast<size_t>(*chosen) * D;
+    for (int d = threadIdx.x; d < D; d += THREADS) r[d] -= static_cast<float>(e[d]);
+    __syncthreads();
+  }
+  if (rank == 0) {
+    for (int d = threadIdx.x; d < D; d += THREADS) residual_out[static_cast<size_t>(row) * D + d] = r[d];
+  }
+  vc_cluster::sync();
+)";
+
+constexpr int kClusterBlocks = 8;        // portable cluster size: 8 SMs a row, 128 codewords each at K = 1024
+constexpr int kClusterMaxThreads = 1024;
+constexpr int kClusterMaxDim = 4096;     // the dynamic shared memory asked for holds r of this many
+constexpr int kClusterSmem = 8 * (kClusterMaxThreads / 32 + 3) + 4 * kClusterMaxDim;
+
 constexpr int kCudaThreads = 256;
 constexpr int kBlocksPerRow = 32;  // of the 1024 codewords: 32 per block, 4 per warp
 
@@ -280,6 +409,56 @@ const CudaSource& cuda_finish_source() {
       {inst("__nv_bfloat16", 512, 1024, 32), inst("float", 40, 52, 4)},
   });
   return src;
+}
+
+const CudaSource& cuda_cluster_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const std::string& t, int d, int k, int threads, bool into) {
+    return CudaInstance{{"float", t, "float", "int32_t", "int32_t"},
+                        {"float", "int32_t"},
+                        {P{"T", type_arg(t)}, P{"D", int_arg(d)}, P{"K", int_arg(k)}, P{"CB", int_arg(kClusterBlocks)},
+                         P{"THREADS", int_arg(threads)}, P{"INTO", into ? "bool:true" : "bool:false"}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_rvq_cluster",
+      {"r_in", "codebooks", "norms", "q", "codes_in"},
+      {"residual_out", "codes_out"},
+      kCudaClusterSource,
+      std::string(kCudaHeader) + kClusterHeader,
+      {inst("__nv_bfloat16", 512, 1024, 1024, true), inst("__nv_bfloat16", 512, 1024, 1024, false),
+       inst("float", 40, 52, 64, false)},
+      kClusterBlocks,
+  });
+  return src;
+}
+
+// The cluster kernel's block: a warp for each of a block's K / CB codewords, at most 1024 threads.
+int cluster_threads(int k) {
+  const int per_block = (k + kClusterBlocks - 1) / kClusterBlocks;
+  return std::min(kClusterMaxThreads, 32 * per_block);
+}
+
+// The cluster kernel, where it can run: a CUDA stream, our own launch, r fitting its shared memory.
+bool cluster_runs(const mx::array& residual, mx::Stream s) {
+  return gpu_stream(s) && cuda_build() && own_launch_active() && residual.shape(1) <= kClusterMaxDim;
+}
+
+std::vector<mx::array> rvq_search_cluster(const mx::array& residual, const mx::array& codebooks,
+                                          const mx::array& norms, int start, int count,
+                                          const std::optional<mx::array>& into, mx::Stream s) {
+  static auto cluster = make_cuda_kernel(cuda_cluster_source(), kClusterSmem);
+  const int rows = residual.shape(0), dim = residual.shape(1), size = codebooks.shape(1);
+  const int threads = cluster_threads(size);
+  const int width = into ? codebooks.shape(0) : count, col0 = into ? start : 0;
+  mx::array codes_in = into ? mx::astype(*into, mx::int32, s) : kept_ints({-1});  // (not read without into)
+  auto outs = cluster({mx::astype(residual, mx::float32, s), codebooks, norms, kept_ints({start, count, col0, width}),
+                       codes_in},
+                      {{rows, dim}, {rows, width}}, {mx::float32, mx::int32},
+                      {rows * kClusterBlocks * threads, 1, 1}, {threads, 1, 1},
+                      {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"CB", kClusterBlocks}, {"THREADS", threads},
+                       {"INTO", into.has_value()}},
+                      std::nullopt, false, s);
+  return {outs[1], outs[0]};
 }
 
 // Blocks per row: kBlocksPerRow, fewer for small codebooks (a divisor of K, each block >= 1 codeword).
@@ -385,6 +564,16 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
   }
   auto s = mx::to_stream(s_);
   auto norms32 = mx::astype(norms, mx::float32, s);
+  if (method == "cluster" && !cluster_runs(residual, s)) {
+    throw std::invalid_argument("rvq_search: method 'cluster' runs on a CUDA stream through voicechat's own kernel "
+                                "launch, with D <= " + std::to_string(kClusterMaxDim));
+  }
+  const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");
+  const bool cluster_by_default = env != nullptr && std::string(env) == "1";
+  if (method == "cluster" || (method == "auto" && cluster_by_default && residual.shape(0) <= 8 &&
+                              cluster_runs(residual, s))) {
+    return rvq_search_cluster(residual, codebooks, norms32, start, count, into, s);
+  }
   // The kernels for the few rows of a TTS step on a CUDA GPU; the composed ops (a GEMM per codebook)
   // for many. No mx::contiguous there: cuda_kernel makes its inputs row-contiguous itself, at eval
   // and only when they are not, while a Contiguous node costs the TTS step's graph a node each.
@@ -400,6 +589,7 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
 void bind(py::module_& m) {
   cuda_step_source();  // registered at import, so the compile checks see them
   cuda_finish_source();
+  cuda_cluster_source();
   m.def("rvq_search", &rvq_search, py::arg("residual"), py::arg("codebooks"), py::arg("norms"), py::arg("start"),
         py::arg("count"), py::arg("method") = "auto", py::kw_only(), py::arg("into") = py::none(),
         py::arg("stream") = py::none(),

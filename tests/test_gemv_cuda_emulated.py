@@ -79,7 +79,7 @@ void run(const std::string& dir, int blocks, int threads, const std::vector<size
          const std::vector<int>& offsets) {{
   {" ".join(reads)}
   {" ".join(outs)}
-  cuda_emu::launch(blocks, threads, [&] {{ kernel({", ".join(args)}); }});
+  cuda_emu::launch(blocks, threads, [&] {{ kernel({", ".join(args)}); }}, {self.source["cluster"]});
   {" ".join(writes)}
 }}
 }}  // namespace {name}
@@ -626,6 +626,14 @@ def rvq_cases(tag, dtype, d, k, nb, rows=3, width=8):
              f"{tag}_finish": Case("vc_rvq_finish", base, [placeholder[0], placeholder[1], placeholder[2],
                                                            placeholder[4], placeholder[5]],
                                    [("float", (rows, d)), ("int32_t", (rows, width))], rows, 256)}
+    # the whole run in one launch: clusters of 8 blocks a row (K = 52: 7 codewords a block, 3 in the
+    # last), 2 warps a block
+    cb = SOURCES["vc_rvq_cluster"]["cluster"]
+    for into in (False, True):
+        cases[f"{tag}_cluster" + ("_into" if into else "")] = Case(
+            "vc_rvq_cluster", dict(T=dtype, D=d, K=k, CB=cb, THREADS=64, INTO=into),
+            [placeholder[0], placeholder[2], placeholder[3], mx.zeros((4,), mx.int32), placeholder[5]],
+            [("float", (rows, d)), ("int32_t", (rows, width))], rows * cb, 64)
     return cases
 
 
@@ -1349,37 +1357,79 @@ def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
     np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("tag", list(RVQ_CONFIGS))
-@pytest.mark.parametrize("start,count,into", [(0, 1, False), (2, 5, False), (2, 5, True), (0, 8, True)])
-def test_rvq_kernels_emulated(emulated, tag, start, count, into):
-    """The chain the host runs: a step launch per codebook, then the finish; each launch carries the
-    code row on (into: the row's earlier codes kept, the new ones in columns start..; else the
-    codes alone, columns 0..count - 1)."""
-    exe, cases, _, _, tmp = emulated
+RVQ_RUNS = [(0, 1, False), (2, 5, False), (2, 5, True), (0, 8, True)]  # start, count, into
+
+
+def _rvq_inputs(tag, count):
+    """Random codebooks (8 of them), residual rows and code rows for a config."""
     dtype, d, k, _ = RVQ_CONFIGS[tag]
     rows, width = 3, 8  # the cases' code rows
     keys_ = mx.random.split(mx.random.key(count + d), 3)
     books = mx.random.normal((8, k, d), key=keys_[0]).astype(dtype)
     residual = 2.0 * mx.random.normal((rows, d), key=keys_[1])
     row = mx.random.randint(0, k, (rows, width), key=keys_[2]).astype(mx.int32)
-    norms = codebook_norms(books)
+    return books, residual, row, codebook_norms(books)
+
+
+def _rvq_chain(emulated, tag, start, count, into):
+    """The chain the host runs: a step launch per codebook, then the finish -> (residual, code rows)."""
+    exe, cases, _, _, tmp = emulated
+    books, residual, row, norms = _rvq_inputs(tag, count)
+    rows, width = row.shape
     col0, w = (start, width) if into else (0, count)
     r, keys, codes = residual, residual, row if into else mx.zeros((rows, width), mx.int32)
     for i in range(count):
         name = f"{tag}_first_into" if i == 0 and into else f"{tag}_first" if i == 0 else f"{tag}_next"
         case = cases[name]
         case.inputs = [r, keys, books, norms, mx.array([start + i, col0 + i, w], mx.int32), codes]
-        (tmp / f"{tag}_{start}_{count}_{into}_{i}").mkdir()
+        (tmp / f"{tag}_{start}_{count}_{into}_{i}").mkdir(exist_ok=True)
         r, keys, codes = run(exe, name, case, tmp / f"{tag}_{start}_{count}_{into}_{i}")
         r, keys, codes = mx.array(r), mx.array(keys), mx.array(codes)
     case = cases[f"{tag}_finish"]
     case.inputs = [r, keys, books, mx.array([start + count - 1, col0 + count - 1, w], mx.int32), codes]
-    (tmp / f"{tag}_{start}_{count}_{into}_finish").mkdir()
+    (tmp / f"{tag}_{start}_{count}_{into}_finish").mkdir(exist_ok=True)
     r_out, codes = run(exe, f"{tag}_finish", case, tmp / f"{tag}_{start}_{count}_{into}_finish")
+    return r_out, codes.reshape(-1)[: rows * w].reshape(rows, w)
+
+
+def _assert_rvq_equals_reference(tag, start, count, into, r_out, codes):
+    books, residual, row, norms = _rvq_inputs(tag, count)
     with mx.stream(mx.cpu):
         want_codes, want_r = rvq_search_reference(residual, books, start, count, norms, row if into else None)
-    np.testing.assert_array_equal(codes.reshape(-1)[: rows * w].reshape(rows, w), np.array(want_codes))
+    np.testing.assert_array_equal(codes, np.array(want_codes))
     np.testing.assert_allclose(r_out, np.array(want_r), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tag", list(RVQ_CONFIGS))
+@pytest.mark.parametrize("start,count,into", RVQ_RUNS)
+def test_rvq_kernels_emulated(emulated, tag, start, count, into):
+    """The chain the host runs: a step launch per codebook, then the finish; each launch carries the
+    code row on (into: the row's earlier codes kept, the new ones in columns start..; else the
+    codes alone, columns 0..count - 1)."""
+    _assert_rvq_equals_reference(tag, start, count, into, *_rvq_chain(emulated, tag, start, count, into))
+
+
+@pytest.mark.parametrize("tag", list(RVQ_CONFIGS))
+@pytest.mark.parametrize("start,count,into", RVQ_RUNS)
+def test_rvq_cluster_kernel_emulated(emulated, tag, start, count, into):
+    """The whole run in one launch of 8-block clusters (each cluster's blocks run at once here, its
+    barrier theirs, each block reading the others' best keys from their shared memory) gives the
+    chain's codes and residual bit for bit, and the reference's codes."""
+    exe, cases, _, _, tmp = emulated
+    books, residual, row, norms = _rvq_inputs(tag, count)
+    rows, width = row.shape
+    col0, w = (start, width) if into else (0, count)
+    name = f"{tag}_cluster" + ("_into" if into else "")
+    case = copy.copy(cases[name])
+    case.inputs = [residual, books, norms, mx.array([start, count, col0, w], mx.int32),
+                   row if into else mx.zeros((rows, width), mx.int32)]
+    case.outputs = [("float", (rows, books.shape[2])), ("int32_t", (rows, w))]
+    (tmp / f"{name}_{start}_{count}").mkdir()
+    r_out, codes = run(exe, name, case, tmp / f"{name}_{start}_{count}")
+    chain_r, chain_codes = _rvq_chain(emulated, tag, start, count, into)
+    np.testing.assert_array_equal(codes, chain_codes)
+    np.testing.assert_array_equal(r_out.view(np.uint32), chain_r.view(np.uint32))
+    _assert_rvq_equals_reference(tag, start, count, into, r_out, codes)
 
 
 @pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])

@@ -116,3 +116,42 @@ def test_bad_arguments_are_errors():
         rvq_search(residual, codebooks, 2, 2)
     with pytest.raises(ValueError, match="shape"):
         rvq_search(residual[:, :4], codebooks, 0, 1)
+
+
+def _cluster_launch() -> bool:
+    """Whether the one-launch cluster kernel runs here (a CUDA GPU, our own launch)."""
+    from voicechat.kernels._native import kernel_launch
+
+    return kernel_launch()["launch"] == "own"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("size,start,count,into", [(1024, 9, 22, True), (1024, 0, 1, False), (52, 2, 5, True),
+                                                   (52, 0, 8, False)])
+def test_cluster_kernel_gives_the_chains_bits(dtype, size, start, count, into):
+    """One launch of 8-block clusters for the whole run (method "cluster") gives the per-codebook
+    chain's codes and residual bit for bit: the full-size TTS shape, one codebook, and K = 52 (blocks
+    of 7 codewords, 3 in the last), each row of a two-row batch its own cluster."""
+    if not _cluster_launch():
+        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
+    residual, codebooks = _case(2, 512 if size == 1024 else 40, size, 31, dtype, seed=size + count)
+    norms = codebook_norms(codebooks)
+    row = mx.random.randint(0, size, (2, 31), key=mx.random.key(5)).astype(mx.int32) if into else None
+    codes, r = rvq_search(residual, codebooks, start, count, norms, into=row, method="cluster")
+    want_codes, want_r = rvq_search(residual, codebooks, start, count, norms, into=row, method="fused")
+    np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
+    np.testing.assert_array_equal(np.array(r).view(np.uint32), np.array(want_r).view(np.uint32))
+    from voicechat.llm.opcount import count_ops, custom_kernels
+
+    assert custom_kernels(count_ops(*rvq_search(residual, codebooks, start, count, norms, into=row,
+                                                method="cluster"))) == 1
+
+
+def test_cluster_method_where_it_cannot_run_is_an_error():
+    """Off a CUDA GPU (or without our own launch) method "cluster" is refused in one line, not run
+    some other way."""
+    if _cluster_launch():
+        pytest.skip("the cluster kernel runs here")
+    residual, codebooks = _case(1, 8, 16, 3, mx.float32, seed=2)
+    with pytest.raises(ValueError, match="cluster.*own kernel launch"):
+        rvq_search(residual, codebooks, 0, 2, method="cluster")

@@ -492,3 +492,22 @@ def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny):
     assert codes.shape == (1, 1, tts.cfg.num_quantizers)
     mx.eval(codes)
     assert 0 <= int(codes.min()) and int(codes.max()) < tts.cfg.codebook_size
+
+
+def test_code_generation_with_the_cluster_rvq_on_cuda(tiny_checkpoint, tiny, monkeypatch):
+    """VOICECHAT_RVQ_CLUSTER=1 (opt-in until timed): an unmasking iteration's RVQ is one launch of
+    thread-block clusters instead of count + 1, with the same codes for the same key."""
+    from voicechat.kernels._native import kernel_launch
+    from voicechat.llm.opcount import count_ops, custom_kernels
+
+    if kernel_launch()["launch"] != "own":
+        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
+    _, ckpt = tiny
+    tts = _gemv_tts(tiny_checkpoint, ckpt)
+    hidden = mx.random.normal((2, 1, tts.cfg.hidden_size), key=mx.random.key(4))
+    codes, key = tts.generate_codes(hidden, mx.random.key(1))
+    chain = custom_kernels(count_ops(codes, key))
+    monkeypatch.setenv("VOICECHAT_RVQ_CLUSTER", "1")
+    clustered, key_c = tts.generate_codes(hidden, mx.random.key(1))
+    assert custom_kernels(count_ops(clustered, key_c)) == chain - tts.cfg.num_quantizers
+    assert np.array(clustered).tolist() == np.array(codes).tolist()

@@ -57,7 +57,10 @@ def rvq_search(
 ) -> tuple[mx.array, mx.array]:
     """The C++ kernel (CUDA on a CUDA GPU, a fused loop or BLAS ops on the CPU).
 
-    `method`: "auto", "fused" (force the kernel) or "composed" (the C++ composed-ops path).
+    `method`: "auto", "fused" (force the kernel), "composed" (the C++ composed-ops path) or
+    "cluster" (CUDA through our own launch only: the whole run in one launch of thread-block
+    clusters, the same bits as "fused"; "auto" picks it for a few rows where
+    VOICECHAT_RVQ_CLUSTER=1, until it is timed on a GPU).
     """
     if use_reference():
         return rvq_search_reference(residual, codebooks, start, count, norms, into)

@@ -1,7 +1,8 @@
 // Runs a CUDA kernel body on the CPU, to check a kernel's index math and reductions where there
-// is no GPU: one std::thread per CUDA thread of a block, the blocks one after another.
+// is no GPU: one std::thread per CUDA thread of a block, the blocks one after another (a cluster's
+// blocks together: its barrier and its blocks' shared memory are shared by them).
 // __shared__ variables become function statics (shared by the block's threads; blocks do not
-// overlap), __syncthreads a block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier,
+// overlap, so a kernel of clusters keeps its shared data in dynamic shared memory), __syncthreads a block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier,
 // __syncwarp a warp barrier, atomicAdd / __threadfence_block the host's atomics.
 // Only what our kernel sources use is here. Hardware facts (alignment faults, caching, timing)
 // are not modelled.
@@ -108,25 +109,53 @@ struct Block {
   std::vector<std::unique_ptr<Warp>> warps;
   alignas(128) unsigned char smem[232448];  // the block's dynamic shared memory (Hopper's most)
 };
-inline Block* block = nullptr;
+inline thread_local Block* block = nullptr;  // the calling CUDA thread's block
 
-// Launch `kernel` over `blocks` blocks of `threads` threads (threads a multiple of 32).
-inline void launch(int blocks, int threads, const std::function<void()>& kernel) {
+struct Cluster {
+  Cluster(int threads, std::vector<Block*> members) : bar(threads), blocks(std::move(members)) {}
+  std::barrier<> bar;
+  std::vector<Block*> blocks;
+};
+inline thread_local Cluster* cluster = nullptr;
+inline thread_local unsigned int rank_in_cluster = 0;
+
+// Launch `kernel` over `blocks` blocks of `threads` threads (threads a multiple of 32), in clusters
+// of `cluster_size` consecutive blocks (blocks a multiple of it), each cluster's threads at once.
+inline void launch(int blocks, int threads, const std::function<void()>& kernel, int cluster_size = 1) {
   gridDim.x = blocks;
-  for (int b = 0; b < blocks; ++b) {
-    Block blk(threads);
-    block = &blk;
+  for (int first = 0; first < blocks; first += cluster_size) {
+    std::vector<std::unique_ptr<Block>> own;
+    std::vector<Block*> members;
+    for (int r = 0; r < cluster_size; ++r) {
+      own.push_back(std::make_unique<Block>(threads));
+      members.push_back(own.back().get());
+    }
+    Cluster group(cluster_size * threads, members);
     std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, b, t] {
-        blockIdx.x = b;
-        threadIdx.x = t;
-        kernel();
-      });
+    for (int r = 0; r < cluster_size; ++r) {
+      for (int t = 0; t < threads; ++t) {
+        pool.emplace_back([&, r, t] {
+          block = members[r];
+          cluster = &group;
+          rank_in_cluster = static_cast<unsigned int>(r);
+          blockIdx.x = first + r;
+          threadIdx.x = t;
+          kernel();
+        });
+      }
     }
     for (auto& th : pool) th.join();
   }
-  block = nullptr;
+}
+
+inline unsigned int cluster_rank() { return rank_in_cluster; }
+// barrier.cluster: every thread of the cluster's blocks
+inline void cluster_sync() { cluster->bar.arrive_and_wait(); }
+// `p` (in this block's dynamic shared memory) in block `r`'s: distributed shared memory
+template <typename T>
+inline const T* cluster_smem(const T* p, unsigned int r) {
+  const auto offset = reinterpret_cast<const unsigned char*>(p) - block->smem;
+  return reinterpret_cast<const T*>(cluster->blocks[r]->smem + offset);
 }
 
 }  // namespace cuda_emu

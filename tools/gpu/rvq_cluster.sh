@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On the lent H200, one call (after the `.gw1` wheel copy; carry .gw2 and .gpuwav): the one-launch
+# RVQ of thread-block clusters (vc_rvq_cluster, opt-in: VOICECHAT_RVQ_CLUSTER=1) against the chain of
+# a launch per codebook. Builds the working tree (session.sh, PARTS=none), runs the GPU tests that
+# hold it to the chain's bits (test_rvq_kernel, test_tts -k cluster), then the TTS frame
+# (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in alternating processes,
+# chain / cluster, ROUNDS pairs (default 2). Each part's output in $OUT.
+#   export OUT; bash tools/gpu/rvq_cluster.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+AUX=/tmp/aux
+mkdir -p "$OUT" "$AUX"
+date +%T
+OUT=$AUX PARTS=none bash tools/gpu/session.sh 2>&1 | tail -2
+date +%T
+export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav MLX_PTX_CACHE_DIR=/tmp/ptx-ab PYTHONUNBUFFERED=1
+echo "== tests"
+timeout -s INT -k 10 150 python3 -m pytest -q -p no:cacheprovider -rfE --timeout=120 tests/test_rvq_kernel.py \
+  tests/test_tts.py -k "cluster or code_generation or rvq" 2>&1 | tail -6 | tee "$OUT/tests.log"
+date +%T
+for i in $(seq 1 "${ROUNDS:-2}"); do
+  for arm in 0 1; do
+    echo "== TTS frame, VOICECHAT_RVQ_CLUSTER=$arm, round $i"
+    VOICECHAT_RVQ_CLUSTER=$arm timeout -s INT -k 10 "${TTS_LIMIT:-60}" python3 benchmarks/profile_tts_step.py --size full \
+      --json "$OUT/tts_$arm$i.json" >"$OUT/tts_$arm$i.log" 2>&1
+    grep -iE "step|generation|launch" "$OUT/tts_$arm$i.log" | head -8
+  done
+done
+date +%T
+for i in $(seq 1 "${ROUNDS:-2}"); do
+  for arm in 0 1; do
+    VOICECHAT_RVQ_CLUSTER=$arm VOICECHAT_BENCH_SIZE=full VOICECHAT_BENCH_SECONDS=5 timeout -s INT -k 15 \
+      "${FRAME_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider benchmarks/bench_e2e.py --benchmark-enable \
+      --benchmark-json="$OUT/frame_$arm$i.json" >"$OUT/frame_$arm$i.log" 2>&1
+    echo "cluster=$arm $i: $(python3 -c "import json,sys; b=json.load(open(sys.argv[1]))['benchmarks'][0]['extra_info']; \
+print(round(b['ms_per_frame'], 2), 'ms a frame, timeline', round(b['timeline_ms_per_frame'], 2))" \
+      "$OUT/frame_$arm$i.json" 2>/dev/null || echo "no result (see $OUT/frame_$arm$i.log)")" | tee -a "$OUT/frames.txt"
+  done
+done
+date +%T

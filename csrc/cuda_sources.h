@@ -63,7 +63,8 @@ std::string kernel_text_folder();
 
 // mlx::core::fast::cuda_kernel for `source`, under jit_name(source), launched with `shared_memory`
 // bytes of dynamic shared memory; its texts as launch_text(source, kernel_text_folder()) gives them.
-// A source of clusters gets our own launch or, where that is not to be had, a function that throws.
+// A source of clusters gets our own launch (its fallback to MLX's throws); where our launch is not
+// built or wanted, making one throws.
 mlx::core::fast::CustomKernelFunction make_cuda_kernel(const CudaSource& source, int shared_memory = 0);
 
 // Whether a launch made now goes through our own launch (built, wanted, and not fallen back to

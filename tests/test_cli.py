@@ -180,6 +180,11 @@ def test_bad_paths_and_arguments(capsys, tmp_path, tiny_checkpoint, spoken_wav):
     code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio",
                            tmp_path / "missing" / "a.wav")
     assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    if os.geteuid() != 0:  # root may write a folder whose mode says no
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", locked / "a.wav")
+        assert code == 2 and "is not writable" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys, "-m", tiny_checkpoint)
     assert code == 2 and "--audio is required" in err
     code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "-p", "word " * 5000)

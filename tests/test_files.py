@@ -37,3 +37,14 @@ def test_an_error_leaves_the_old_file_and_no_temp_file(tmp_path):
             raise RuntimeError("midway")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["out.wav"]
+
+
+def test_a_folder_that_takes_no_new_file_is_an_error_naming_the_target():
+    """procfs creates no files (for root too): the error names the file asked for, not the temp
+    file it would have been written through."""
+    target = "/proc/voicechat-out.wav"
+    with pytest.raises(OSError, match=f"cannot write {target}") as info:
+        with atomic_output(target, "wb") as f:
+            f.write(b"never")
+    assert ".tmp" not in str(info.value)
+    assert not os.path.exists(target)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -69,6 +70,8 @@ def _check_output_path(path: str | None, what: str) -> None:
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise _UsageError(f"{what} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):  # before the model runs, not after
+        raise _UsageError(f"{what} {path}: directory {parent} is not writable")
 
 
 class _UsageError(ValueError):

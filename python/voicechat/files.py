@@ -23,7 +23,10 @@ def atomic_output(path: str | os.PathLike, mode: str = "w"):
     error it is removed and `path` is left as it was."""
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent)
+    except OSError as e:  # named after the file asked for, not the temp file
+        raise OSError(e.errno, f"cannot write {target}: {e.strerror}") from None
     try:
         with os.fdopen(fd, mode) as f:
             yield f

@@ -59,6 +59,21 @@ def test_missing_file_and_directory(tmp_path):
         load_audio(tmp_path, 16000)
 
 
+@pytest.mark.parametrize("subtype,dtype", [("PCM_16", np.int16), ("PCM_32", np.int32), ("PCM_U8", np.uint8)])
+def test_integer_pcm_arrays_are_the_floats_soundfile_reads(tmp_path, subtype, dtype):
+    """An int16 / int32 / uint8 array (scipy.io.wavfile's, a sound card's) is scaled as soundfile
+    scales the same file's samples into floats; other integer arrays are refused by name."""
+    p = tmp_path / "pcm.wav"
+    sf.write(str(p), (np.sin(np.arange(1600) / 5) * 0.7).astype(np.float32), 16000, subtype=subtype)
+    ints, _ = sf.read(str(p), dtype="int16" if dtype == np.uint8 else dtype.__name__)
+    if dtype == np.uint8:  # soundfile gives no uint8: the file's bytes are the PCM
+        ints = (ints.astype(np.int32) // 256 + 128).astype(np.uint8)
+    floats, _ = sf.read(str(p), dtype="float32")
+    np.testing.assert_array_equal(load_audio(ints, 16000, sample_rate=16000), floats)
+    with pytest.raises(AudioError, match="int64"):
+        load_audio(np.zeros(100, np.int64), 16000, sample_rate=16000)
+
+
 def test_8bit_wav_is_read(tmp_path):
     p = tmp_path / "u8.wav"
     sf.write(str(p), (np.sin(np.arange(1600) / 5) * 0.5).astype(np.float32), 8000, subtype="PCM_U8")

@@ -132,6 +132,9 @@ def test_inputs_past_the_context_are_refused(chat, spoken_wav):
         chat.generate(np.zeros(int(seconds * 16000), np.float32), sample_rate=16000)
     with pytest.raises(InputError, match="extra_decoding_seconds"):
         chat.generate(spoken_wav, extra_decoding_seconds=-1)
+    for seed in (-1, 2**64, 1.5, True):
+        with pytest.raises(InputError, match="seed must be an integer"):
+            chat.generate(spoken_wav, seed=seed)
 
 
 def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):

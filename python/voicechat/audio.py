@@ -52,12 +52,21 @@ def resample(samples: np.ndarray, rate_in: int, rate_out: int) -> np.ndarray:
     return soxr.resample(samples, rate_in, rate_out, quality="HQ").astype(np.float32, copy=False)
 
 
+# Integer PCM as soundfile reads it into floats: full scale is 1.0 (uint8 is offset by 128).
+_PCM_SCALE = {np.dtype(np.int16): 2.0**15, np.dtype(np.int32): 2.0**31, np.dtype(np.uint8): 2.0**7}
+
+
 def check_samples(samples: np.ndarray, name: str = "audio") -> np.ndarray:
+    """Float samples, finite and not empty; integer PCM (int16, int32, uint8: what
+    `scipy.io.wavfile` and sound cards give) scaled to [-1, 1) as soundfile scales it."""
     samples = np.asarray(samples)
     if samples.size == 0:
         raise AudioError(f"{name}: contains no samples")
+    if samples.dtype in _PCM_SCALE:
+        offset = 128.0 if samples.dtype == np.uint8 else 0.0
+        return ((samples.astype(np.float64) - offset) / _PCM_SCALE[samples.dtype]).astype(np.float32)
     if not np.issubdtype(samples.dtype, np.floating):
-        raise AudioError(f"{name}: expected float samples in [-1, 1], got {samples.dtype}")
+        raise AudioError(f"{name}: expected float samples in [-1, 1] or int16 / int32 / uint8 PCM, got {samples.dtype}")
     if not np.all(np.isfinite(samples)):
         raise AudioError(f"{name}: contains NaN or infinite samples")
     return samples

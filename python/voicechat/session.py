@@ -197,14 +197,19 @@ class VoiceChat:
         progress: Callable[[int, int], None] | None = None,
         pipelined: bool = True,
     ) -> Result:
-        """Run the timeline on `audio` (a path, or a float32 array at `sample_rate`).
+        """Run the timeline on `audio` (a path, or an array at `sample_rate`: float samples, or
+        int16 / int32 / uint8 PCM; mono or [samples, channels]). `seed` (0 <= seed < 2**64) seeds the
+        speech sampler; the text ids do not depend on it.
 
         `progress(done, total)` is called as timeline frames are queued. `pipelined=False` runs
         the plain loop (a host sync per frame; same ids and codes, slower). Calls on one VoiceChat
         from several threads run one at a time (they share its streams and caches' buffers).
         """
+        # (a negative seed would reach mx.random.key as a TypeError after the encoder ran)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
+            raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
         with self._generating:
-            return self._generate(audio, system_prompt, extra_decoding_seconds, seed, sample_rate, progress,
+            return self._generate(audio, system_prompt, extra_decoding_seconds, int(seed), sample_rate, progress,
                                   pipelined)
 
     def _generate(self, audio, system_prompt, extra_decoding_seconds, seed, sample_rate, progress,

@@ -1371,8 +1371,17 @@ def _rvq_inputs(tag, count):
     return books, residual, row, codebook_norms(books)
 
 
+_RVQ_CHAINS = {}  # (tag, start, count, into) -> the chain's outputs: its test and the cluster's share a run
+
+
 def _rvq_chain(emulated, tag, start, count, into):
     """The chain the host runs: a step launch per codebook, then the finish -> (residual, code rows)."""
+    if (tag, start, count, into) not in _RVQ_CHAINS:
+        _RVQ_CHAINS[tag, start, count, into] = _rvq_chain_run(emulated, tag, start, count, into)
+    return _RVQ_CHAINS[tag, start, count, into]
+
+
+def _rvq_chain_run(emulated, tag, start, count, into):
     exe, cases, _, _, tmp = emulated
     books, residual, row, norms = _rvq_inputs(tag, count)
     rows, width = row.shape

@@ -115,6 +115,14 @@ def test_demo_runs_offline_as_a_console_script(tmp_path):
     assert sf.info(str(tmp_path / "demo.wav")).samplerate == 22050
 
 
+def test_python_dash_m_voicechat_is_vc_generate():
+    """`python -m voicechat` (where the console scripts are not on PATH) runs the same command."""
+    proc = subprocess.run([sys.executable, "-m", "voicechat", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("vc-generate (voicechat ")
+
+
 def _broken_copy(tmp_path, src, name):
     dst = tmp_path / name
     shutil.copytree(src, dst)

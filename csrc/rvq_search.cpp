@@ -151,6 +151,33 @@ __device__ __forceinline__ unsigned long long key(float dist, int index) {
   return (static_cast<unsigned long long>(ordered) << 32) | static_cast<unsigned int>(index);
 }
 
+// The best key (the smallest) of codewords [k0, k1) of one codebook `book` ([K, D]; `norms` its
+// ||e_k||^2) against r (D floats in shared memory), in thread 0: a warp a codeword, lanes over D.
+// Both kernels score this way, so they give the same keys bit for bit. warp_best: WARPS slots.
+template <typename T, int D, int WARPS>
+__device__ __forceinline__ unsigned long long block_best(const T* book, const float* norms, const float* r, int k0,
+                                                         int k1, unsigned long long* warp_best) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  unsigned long long mine = ~0ull;
+  for (int k = k0 + warp; k < k1; k += WARPS) {
+    const T* e = book + static_cast<size_t>(k) * D;
+    float dot = 0.0f;
+    for (int d = lane; d < D; d += 32) dot += r[d] * static_cast<float>(e[d]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+    const unsigned long long kk = key(norms[k] - 2.0f * dot, k);
+    mine = kk < mine ? kk : mine;
+  }
+  if (lane == 0) warp_best[warp] = mine;
+  __syncthreads();
+  unsigned long long best = warp_best[0];
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < WARPS; ++w) best = warp_best[w] < best ? warp_best[w] : best;
+  }
+  return best;
+}
+
 // The code of the best of `count` keys (the smallest).
 __device__ __forceinline__ int best_code(const unsigned long long* keys, int count) {
   unsigned long long best = keys[0];
@@ -175,8 +202,6 @@ constexpr const char* kCudaStepSource = R"(
   __shared__ unsigned long long warp_best[WARPS];
   const int row = blockIdx.x / NB;
   const int blk = blockIdx.x % NB;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   const int qi = q[0], col = q[1], width = q[2];
   if constexpr (FIRST) {
     for (int d = threadIdx.x; d < D; d += THREADS) r[d] = r_prev[static_cast<size_t>(row) * D + d];
@@ -205,24 +230,10 @@ constexpr const char* kCudaStepSource = R"(
   if (blk == 0) {
     for (int d = threadIdx.x; d < D; d += THREADS) r_cur[static_cast<size_t>(row) * D + d] = r[d];
   }
-  unsigned long long mine = ~0ull;
-  const T* book = codebooks + static_cast<size_t>(qi) * K * D;
-  for (int k = blk * KB + warp; k < (blk + 1) * KB; k += WARPS) {
-    const T* e = book + static_cast<size_t>(k) * D;
-    float dot = 0.0f;
-    for (int d = lane; d < D; d += 32) dot += r[d] * static_cast<float>(e[d]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    const unsigned long long kk = vc_rvq::key(norms[static_cast<size_t>(qi) * K + k] - 2.0f * dot, k);
-    mine = kk < mine ? kk : mine;
-  }
-  if (lane == 0) warp_best[warp] = mine;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned long long best = warp_best[0];
-    for (int w = 1; w < WARPS; ++w) best = warp_best[w] < best ? warp_best[w] : best;
-    reinterpret_cast<unsigned long long*>(keys)[static_cast<size_t>(row) * NB + blk] = best;
-  }
+  const unsigned long long best = vc_rvq::block_best<T, D, WARPS>(
+      codebooks + static_cast<size_t>(qi) * K * D, norms + static_cast<size_t>(qi) * K, r, blk * KB, (blk + 1) * KB,
+      warp_best);
+  if (threadIdx.x == 0) reinterpret_cast<unsigned long long*>(keys)[static_cast<size_t>(row) * NB + blk] = best;
 )";
 
 // The last codebook's finish: its code, in its column of the code row, and the residual. Template
@@ -304,8 +315,6 @@ constexpr const char* kCudaClusterSource = R"(
   float* r = reinterpret_cast<float*>(smem + 8 * (WARPS + 3));
   const unsigned int rank = vc_cluster::rank();
   const int row = blockIdx.x / CB;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   const int start = q[0], count = q[1], col0 = q[2], width = q[3];
   const int k0 = static_cast<int>(rank) * KB, k1 = min(K, k0 + KB);
   if constexpr (K % CB == 0 && (KB * D * sizeof(T)) % 16 == 0) {
@@ -325,23 +334,9 @@ constexpr const char* kCudaClusterSource = R"(
   for (int i = 0; i < count; ++i) {
     const int qi = start + i;
     const T* book = codebooks + static_cast<size_t>(qi) * K * D;
-    unsigned long long mine = ~0ull;
-    for (int k = k0 + warp; k < k1; k += WARPS) {
-      const T* e = book + static_cast<size_t>(k) * D;
-      float dot = 0.0f;
-      for (int d = lane; d < D; d += 32) dot += r[d] * static_cast<float>(e[d]);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      const unsigned long long kk = vc_rvq::key(norms[static_cast<size_t>(qi) * K + k] - 2.0f * dot, k);
-      mine = kk < mine ? kk : mine;
-    }
-    if (lane == 0) warp_best[warp] = mine;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      unsigned long long best = warp_best[0];
-      for (int w = 1; w < WARPS; ++w) best = warp_best[w] < best ? warp_best[w] : best;
-      slot[i & 1] = best;
-    }
+    const unsigned long long mine =
+        vc_rvq::block_best<T, D, WARPS>(book, norms + static_cast<size_t>(qi) * K, r, k0, k1, warp_best);
+    if (threadIdx.x == 0) slot[i & 1] = mine;
     vc_cluster::sync();
     if (threadIdx.x == 0) {
       unsigned long long best = ~0ull;

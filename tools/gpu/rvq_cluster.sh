@@ -6,14 +6,7 @@
 # (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in alternating processes,
 # chain / cluster, ROUNDS pairs (default 2). Each part's output in $OUT.
 #   export OUT; bash tools/gpu/rvq_cluster.sh
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-AUX=/tmp/aux
-mkdir -p "$OUT" "$AUX"
-date +%T
-OUT=$AUX PARTS=none bash tools/gpu/session.sh 2>&1 | tail -2
-date +%T
-export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav MLX_PTX_CACHE_DIR=/tmp/ptx-ab PYTHONUNBUFFERED=1
+. tools/gpu/built_tree.sh
 echo "== tests"
 timeout -s INT -k 10 150 python3 -m pytest -q -p no:cacheprovider -rfE --timeout=120 tests/test_rvq_kernel.py \
   tests/test_tts.py -k "cluster or code_generation or rvq" 2>&1 | tail -6 | tee "$OUT/tests.log"

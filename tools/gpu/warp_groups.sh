@@ -11,14 +11,7 @@
 # define VC_START_ITEMS=1, 96 registers) fits it: the timeline with parts runs that instead, and ncu
 # with parts runs 8:640:3 alone (qmv_variants.sh cannot pass defines).
 #   export OUT; bash tools/gpu/warp_groups.sh
-set -uo pipefail
-OUT=${OUT:-/tmp/out}
-AUX=/tmp/aux
-mkdir -p "$OUT" "$AUX"
-date +%T
-OUT=$AUX PARTS=none bash tools/gpu/session.sh 2>&1 | tail -2
-date +%T
-export PYTHONPATH=/tmp/site2:/tmp/site VOICECHAT_TEST_WAVS=$PWD/.gpuwav MLX_PTX_CACHE_DIR=/tmp/ptx-ab PYTHONUNBUFFERED=1
+. tools/gpu/built_tree.sh
 O=out_proj:tma
 W="$O:8:640:3,$O:8:640:4"
 echo "== timeline, last round whole"

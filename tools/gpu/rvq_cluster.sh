@@ -4,7 +4,8 @@
 # a launch per codebook. Builds the working tree (built_tree.sh), runs the GPU tests that hold it to
 # the chain's bits (test_rvq_kernel, test_tts -k cluster), times the RVQ alone (rvq_timing.py), then
 # the TTS frame (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in
-# alternating processes, chain / cluster, ROUNDS pairs (default 2). Each part's output in $OUT.
+# alternating processes, chain / cluster, ROUNDS pairs (default 1: ~8 of a call's 10 minutes). Each
+# part's output in $OUT.
 #   export OUT; bash tools/gpu/rvq_cluster.sh
 . tools/gpu/built_tree.sh
 echo "== tests"
@@ -15,7 +16,7 @@ echo "== the RVQ alone: a frame's five runs, chain / cluster"
 timeout -s INT -k 10 "${RVQ_LIMIT:-90}" python3 tools/gpu/rvq_timing.py --json "$OUT/rvq_timing.json" 2>&1 \
   | tail -6 | tee "$OUT/rvq_timing.txt"
 date +%T
-for i in $(seq 1 "${ROUNDS:-2}"); do
+for i in $(seq 1 "${ROUNDS:-1}"); do
   for arm in 0 1; do
     echo "== TTS frame, VOICECHAT_RVQ_CLUSTER=$arm, round $i"
     VOICECHAT_RVQ_CLUSTER=$arm timeout -s INT -k 10 "${TTS_LIMIT:-60}" python3 benchmarks/profile_tts_step.py --size full \
@@ -24,7 +25,7 @@ for i in $(seq 1 "${ROUNDS:-2}"); do
   done
 done
 date +%T
-for i in $(seq 1 "${ROUNDS:-2}"); do
+for i in $(seq 1 "${ROUNDS:-1}"); do
   for arm in 0 1; do
     VOICECHAT_RVQ_CLUSTER=$arm VOICECHAT_BENCH_SIZE=full VOICECHAT_BENCH_SECONDS=5 timeout -s INT -k 15 \
       "${FRAME_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider benchmarks/bench_e2e.py --benchmark-enable \

@@ -295,7 +295,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p, unsigned int bytes) {
 #define VC_CLUSTER_SMEM(name) unsigned char* name = cuda_emu::dynamic_smem()
 inline unsigned int rank() { return cuda_emu::cluster_rank(); }
 inline void sync() { cuda_emu::cluster_sync(); }
-inline unsigned long long load_remote(const unsigned long long* p, unsigned int r) { return *cuda_emu::cluster_smem(p, r); }
+inline unsigned long long load_remote(const unsigned long long* p, unsigned int r) {
+  return *cuda_emu::cluster_smem(p, r);
+}
 inline void prefetch_l2(const void*, unsigned int) {}
 #endif
 }  // namespace vc_cluster

@@ -66,7 +66,8 @@ def check_samples(samples: np.ndarray, name: str = "audio") -> np.ndarray:
         offset = 128.0 if samples.dtype == np.uint8 else 0.0
         return ((samples.astype(np.float64) - offset) / _PCM_SCALE[samples.dtype]).astype(np.float32)
     if not np.issubdtype(samples.dtype, np.floating):
-        raise AudioError(f"{name}: expected float samples in [-1, 1] or int16 / int32 / uint8 PCM, got {samples.dtype}")
+        raise AudioError(f"{name}: expected float samples in [-1, 1] or int16 / int32 / uint8 PCM, "
+                         f"got {samples.dtype}")
     if not np.all(np.isfinite(samples)):
         raise AudioError(f"{name}: contains NaN or infinite samples")
     return samples

@@ -19,8 +19,8 @@ date +%T
 for i in $(seq 1 "${ROUNDS:-1}"); do
   for arm in 0 1; do
     echo "== TTS frame, VOICECHAT_RVQ_CLUSTER=$arm, round $i"
-    VOICECHAT_RVQ_CLUSTER=$arm timeout -s INT -k 10 "${TTS_LIMIT:-60}" python3 benchmarks/profile_tts_step.py --size full \
-      --json "$OUT/tts_$arm$i.json" >"$OUT/tts_$arm$i.log" 2>&1
+    VOICECHAT_RVQ_CLUSTER=$arm timeout -s INT -k 10 "${TTS_LIMIT:-60}" python3 benchmarks/profile_tts_step.py \
+      --size full --json "$OUT/tts_$arm$i.json" >"$OUT/tts_$arm$i.log" 2>&1
     grep -iE "step|generation|launch" "$OUT/tts_$arm$i.log" | head -8
   done
 done

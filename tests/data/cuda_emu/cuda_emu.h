@@ -2,8 +2,9 @@
 // is no GPU: one std::thread per CUDA thread of a block, the blocks one after another (a cluster's
 // blocks together: its barrier and its blocks' shared memory are shared by them).
 // __shared__ variables become function statics (shared by the block's threads; blocks do not
-// overlap, so a kernel of clusters keeps its shared data in dynamic shared memory), __syncthreads a block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier,
-// __syncwarp a warp barrier, atomicAdd / __threadfence_block the host's atomics.
+// overlap, so a kernel of clusters keeps its shared data in dynamic shared memory), __syncthreads a
+// block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier, __syncwarp a warp
+// barrier, atomicAdd / __threadfence_block the host's atomics.
 // Only what our kernel sources use is here. Hardware facts (alignment faults, caching, timing)
 // are not modelled.
 #pragma once

@@ -555,6 +555,10 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
                                   int start, int count, const std::string& method,
                                   const std::optional<mx::array>& into, mx::StreamOrDevice s_) {
   check_args(residual, codebooks, norms, start, count);
+  if (method != "auto" && method != "fused" && method != "composed" && method != "cluster") {
+    throw std::invalid_argument("rvq_search: method must be 'auto', 'fused', 'composed' or 'cluster', not '" + method +
+                                "'");
+  }
   if (into && (into->ndim() != 2 || into->shape(0) != residual.shape(0) || into->shape(1) != codebooks.shape(0) ||
                !mx::issubdtype(into->dtype(), mx::integer))) {
     throw std::invalid_argument("rvq_search: into must be integer codes [B, Q] (B residual rows, Q codebooks)");

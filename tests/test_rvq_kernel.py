@@ -112,6 +112,8 @@ def test_ties_pick_the_first_index():
 
 def test_bad_arguments_are_errors():
     residual, codebooks = _case(2, 8, 4, 3, mx.float32, seed=1)
+    with pytest.raises(ValueError, match="method must be"):
+        rvq_search(residual, codebooks, 0, 1, method="fast")
     with pytest.raises(ValueError, match="out of range"):
         rvq_search(residual, codebooks, 2, 2)
     with pytest.raises(ValueError, match="shape"):

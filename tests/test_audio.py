@@ -37,6 +37,21 @@ def test_array_input_needs_its_rate():
         load_audio(np.zeros(100, np.float32), 16000)
     out = load_audio(np.zeros(8000, np.float32), 16000, sample_rate=8000)
     assert len(out) == 16000
+    assert len(load_audio(np.zeros(8000, np.float32), 16000, sample_rate=np.int64(8000))) == 16000
+    assert len(load_audio(np.zeros(8000, np.float32), 16000, sample_rate=8000.0)) == 16000
+    for rate in ("8000", 8000.5, float("nan"), True):
+        with pytest.raises(AudioError, match="sample_rate must be a whole number of Hz"):
+            load_audio(np.zeros(8000, np.float32), 16000, sample_rate=rate)
+
+
+def test_a_channels_first_array_is_refused_not_read_as_thousands_of_channels():
+    """[channels, samples] (torch's layout) would average each sample's 'channels' into one: refused
+    with the layout to give; [samples, channels] is read."""
+    wave = np.sin(np.arange(8000, dtype=np.float32) / 7)
+    for bad in (wave[None], np.stack([wave, wave])):
+        with pytest.raises(AudioError, match="more channels than samples"):
+            load_audio(bad, 16000, sample_rate=16000)
+    np.testing.assert_array_equal(load_audio(np.stack([wave, wave], 1), 16000, sample_rate=16000), wave)
 
 
 @pytest.mark.parametrize("make,needle", [

@@ -135,6 +135,12 @@ def test_inputs_past_the_context_are_refused(chat, spoken_wav):
     for seed in (-1, 2**64, 1.5, True):
         with pytest.raises(InputError, match="seed must be an integer"):
             chat.generate(spoken_wav, seed=seed)
+    for extra in (float("nan"), float("inf"), "3"):
+        with pytest.raises(InputError, match="extra_decoding_seconds must be a finite number"):
+            chat.generate(spoken_wav, extra_decoding_seconds=extra)
+    for prompt in (123, b"Be brief."):
+        with pytest.raises(TypeError, match="system_prompt must be a str or None"):
+            chat.generate(spoken_wav, system_prompt=prompt)
 
 
 def test_pipelined_loop_equals_the_plain_loop(chat, result, spoken_wav):

@@ -86,6 +86,13 @@ def load_audio(source: str | os.PathLike | np.ndarray, rate: int, sample_rate: i
         name = "audio array"
         if sample_rate is None:
             raise AudioError("audio array: give its sample_rate")
+        if data.ndim == 2 and data.shape[1] > data.shape[0]:  # torch's [channels, samples], say
+            raise AudioError(f"audio array of shape {data.shape}: more channels than samples; give "
+                             "[samples, channels] (transpose a [channels, samples] array) or mono [samples]")
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(sample_rate) or sample_rate != int(sample_rate):
+        raise AudioError(f"sample_rate must be a whole number of Hz, got {sample_rate!r}")
+    sample_rate = int(sample_rate)
     data = check_samples(data, name)
     return resample(to_mono(data), sample_rate, rate)
 

@@ -14,6 +14,7 @@ only every `SYNC_EVERY` frames (to bound the queued graph and keep progress hone
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -160,14 +161,18 @@ class VoiceChat:
         return self._prompt_codes
 
     def prompt_ids(self, system_prompt: str | None) -> list[int]:
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise TypeError(f"system_prompt must be a str or None, got {type(system_prompt).__name__}")
         if not system_prompt:
             return []
         c = self.config
         return [c.bos_token_id] + self.tokenizer.encode(system_prompt) + [c.eos_token_id]
 
     def _input_audio(self, audio, sample_rate: int | None, extra_decoding_seconds: float) -> np.ndarray:
-        if extra_decoding_seconds < 0:
-            raise InputError(f"extra_decoding_seconds must be >= 0, got {extra_decoding_seconds}")
+        number = isinstance(extra_decoding_seconds, (int, float, np.integer, np.floating))
+        if isinstance(extra_decoding_seconds, bool) or not number or not math.isfinite(extra_decoding_seconds) \
+                or extra_decoding_seconds < 0:
+            raise InputError(f"extra_decoding_seconds must be a finite number >= 0, got {extra_decoding_seconds!r}")
         wave = load_audio(audio, self.config.input_sample_rate, sample_rate)
         extra = int(round(extra_decoding_seconds * self.config.input_sample_rate))
         if extra:

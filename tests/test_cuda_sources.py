@@ -62,6 +62,21 @@ def test_every_cuda_source_has_an_instance():
         assert src["instances"], f"{src['name']}: register at least one instance for the compile check"
 
 
+def test_a_kernel_of_clusters_keeps_its_shared_data_in_dynamic_shared_memory():
+    """The CPU emulation runs a cluster's blocks at once and makes a `__shared__` variable a function
+    static: in a kernel of clusters its blocks would share one, and the emulated tests would check
+    something the GPU does not run. So such a kernel declares none (its dynamic shared memory is
+    each block's own there)."""
+    clustered = [src for src in SOURCES if src["cluster"] > 1]
+    assert clustered, "no kernel of clusters registered (vc_rvq_cluster)"
+    for src in clustered:
+        for text in (src["header"], src["source"]):
+            for line in text.splitlines():
+                assert "__shared__" not in line or "extern __shared__" in line, f"{src['name']}: {line}"
+        for inst in src["instances"]:
+            assert dict(inst["template_args"]).get("CB") == f"int:{src['cluster']}", (src["name"], inst)
+
+
 # One nvcc process a source, all its instances in it: on the 2-core CI machine 6x faster than one a
 # kernel (vc_qmv's 19 instances 6.0 s against 35.3 s), and nvcc's message names the failing kernel.
 @pytest.mark.parametrize("src", SOURCES, ids=[s["name"] for s in SOURCES])

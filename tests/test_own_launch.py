@@ -50,7 +50,7 @@ def test_instance_texts_and_file_names_tell_instances_and_targets_apart():
         ext.own_kernel_text(src["name"], len(src["instances"]))
 
 
-@pytest.mark.parametrize("name", ["vc_qmv_imma", "vc_rvq_step"])
+@pytest.mark.parametrize("name", ["vc_qmv_imma", "vc_rvq_step", "vc_rvq_cluster"])
 def test_an_instance_text_compiles_with_nvcc(name, tmp_path):
     """The whole translation unit, prelude included, as NVRTC gets it (nvcc here, for sm_90)."""
     nvcc = shutil.which("nvcc")

@@ -72,6 +72,18 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
         assert path.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_json_to_stdout_is_the_json_alone(capsys, tmp_path, tiny_checkpoint, spoken_wav, monkeypatch):
+    """`--output-json -` prints the JSON on stdout in place of the answer lines (a pipe reads it
+    whole) and writes no file named '-'; progress and timing stay on stderr."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-json", "-")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["frames"] > 0 and "text" in data and "timings" in data
+    assert not (tmp_path / "-").exists()
+    assert "ms/frame" in err
+
+
 def test_same_seed_gives_a_byte_identical_wav(capsys, tmp_path, tiny_checkpoint, spoken_wav):
     paths = [tmp_path / f"{i}.wav" for i in range(3)]
     results = [tmp_path / f"{i}.json" for i in range(3)]

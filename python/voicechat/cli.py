@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-decoding-seconds", type=float, default=3.0,
                    help="seconds of silence appended so the model can finish answering (default: 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the speech sampler (default: 0)")
-    p.add_argument("--output-json", help="write the result (everything but the samples) and timings as JSON")
+    p.add_argument("--output-json", help="write the result (everything but the samples) and timings as JSON "
+                                          "('-': to stdout, in place of the answer lines)")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help="ignored: the answer is as long as the input timeline (+ extra decoding seconds)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the answer lines (no progress, no timing)")
@@ -130,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.demo and not args.audio:
         raise _UsageError("--audio is required (or use --demo)")
     _check_output_path(args.output_audio, "--output-audio")
-    _check_output_path(args.output_json, "--output-json")
+    if args.output_json != "-":
+        _check_output_path(args.output_json, "--output-json")
     if args.max_tokens is not None:
         say("note: -n is ignored; the answer is as long as the input timeline plus --extra-decoding-seconds")
 
@@ -163,13 +165,18 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         from .kernels import kernel_launch
 
-        _write_json_atomic(args.output_json, {**result.to_json(), "timings": timings, "kernels": kernel_launch(),
-                                              "tts_thread": chat.tts_thread})
+        report = {**result.to_json(), "timings": timings, "kernels": kernel_launch(), "tts_thread": chat.tts_thread}
+        if args.output_json == "-":  # stdout is the JSON alone, for a pipe
+            json.dump(report, sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            _write_json_atomic(args.output_json, report)
 
-    print(f"[user] {_printable(result.user_transcript)}")
-    print(_printable(result.text))
-    if result.function_text:
-        print(f"[function] {_printable(result.function_text)}")
+    if args.output_json != "-":
+        print(f"[user] {_printable(result.user_transcript)}")
+        print(_printable(result.text))
+        if result.function_text:
+            print(f"[function] {_printable(result.function_text)}")
     frames = result.prompt_frames + result.frames
     gen = result.timings["generate_s"]
     audio_s = result.frames * chat.config.frame_duration

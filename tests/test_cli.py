@@ -84,6 +84,21 @@ def test_json_to_stdout_is_the_json_alone(capsys, tmp_path, tiny_checkpoint, spo
     assert "ms/frame" in err
 
 
+def test_wav_to_stdout_for_a_pipe(capsysbinary, tmp_path, tiny_checkpoint, spoken_wav):
+    """`--output-audio -`: stdout is the WAV alone (byte for byte the file the same seed writes), the
+    answer lines go to stderr; both outputs on stdout is a usage error."""
+    wav = tmp_path / "answer.wav"
+    assert main([str(a) for a in ("-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", wav, "-q")]) == 0
+    capsysbinary.readouterr()
+    assert main([str(a) for a in ("-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", "-")]) == 0
+    out, err = capsysbinary.readouterr()
+    assert out == wav.read_bytes()
+    assert b"[user] " in err and b"ms/frame" in err
+    code = main([str(a) for a in ("-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", "-",
+                                  "--output-json", "-")])
+    assert code == 2 and b"both want stdout" in capsysbinary.readouterr().err
+
+
 def test_same_seed_gives_a_byte_identical_wav(capsys, tmp_path, tiny_checkpoint, spoken_wav):
     paths = [tmp_path / f"{i}.wav" for i in range(3)]
     results = [tmp_path / f"{i}.json" for i in range(3)]

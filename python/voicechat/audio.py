@@ -97,17 +97,30 @@ def load_audio(source: str | os.PathLike | np.ndarray, rate: int, sample_rate: i
     return resample(to_mono(data), sample_rate, rate)
 
 
-def write_wav(path: str | os.PathLike, samples: np.ndarray, rate: int) -> Path:
-    """Write mono PCM16 WAV atomically: a temp file beside `path`, renamed once complete."""
+def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
+    """Mono PCM16 WAV as bytes (what write_wav writes), for a stream that cannot seek (a pipe)."""
+    import io
+
     import soundfile as sf
 
+    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+    if not np.all(np.isfinite(samples)):
+        raise AudioError("refusing to write NaN or infinite samples")
+    buffer = io.BytesIO()
+    sf.write(buffer, np.clip(samples, -1.0, 1.0), rate, subtype="PCM_16", format="WAV")
+    return buffer.getvalue()
+
+
+def write_wav(path: str | os.PathLike, samples: np.ndarray, rate: int) -> Path:
+    """Write mono PCM16 WAV atomically: a temp file beside `path`, renamed once complete."""
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise AudioError(f"{path}: directory {parent} does not exist")
-    samples = np.asarray(samples, dtype=np.float32).reshape(-1)
-    if not np.all(np.isfinite(samples)):
-        raise AudioError(f"{path}: refusing to write NaN or infinite samples")
+    try:
+        data = wav_bytes(samples, rate)
+    except AudioError as e:
+        raise AudioError(f"{path}: {e}") from None
     with atomic_output(path, "wb") as f:
-        sf.write(f, np.clip(samples, -1.0, 1.0), rate, subtype="PCM_16", format="WAV")
+        f.write(data)
     return path

@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
                     "answer, and writes the spoken answer (22.05 kHz mono PCM16).")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"checkpoint directory or hub id (default: {DEFAULT_MODEL})")
     p.add_argument("--audio", help="input audio (any format soundfile reads; resampled to 16 kHz mono)")
-    p.add_argument("--output-audio", help="where to write the spoken answer (WAV)")
+    p.add_argument("--output-audio", help="where to write the spoken answer (WAV; '-': to stdout, the answer "
+                                           "lines then go to stderr)")
     p.add_argument("-p", "--system-prompt", default=None, help="system prompt (empty: none)")
     p.add_argument("--extra-decoding-seconds", type=float, default=3.0,
                    help="seconds of silence appended so the model can finish answering (default: 3)")
@@ -130,16 +131,18 @@ def run(args: argparse.Namespace) -> int:
         raise _UsageError("--demo brings its own audio; drop --audio (or drop --demo)")
     if not args.demo and not args.audio:
         raise _UsageError("--audio is required (or use --demo)")
-    _check_output_path(args.output_audio, "--output-audio")
-    if args.output_json != "-":
-        _check_output_path(args.output_json, "--output-json")
+    if args.output_audio == "-" and args.output_json == "-":
+        raise _UsageError("--output-audio - and --output-json - both want stdout; give one of them a file")
+    for path, what in ((args.output_audio, "--output-audio"), (args.output_json, "--output-json")):
+        if path != "-":
+            _check_output_path(path, what)
     if args.max_tokens is not None:
         say("note: -n is ignored; the answer is as long as the input timeline plus --extra-decoding-seconds")
 
     # Deferred: importing mlx and the extension takes a moment, and argument errors should not wait.
     import mlx.core as mx
 
-    from .audio import write_wav
+    from .audio import wav_bytes, write_wav
     from .session import load
 
     with tempfile.TemporaryDirectory(prefix="vc-demo-") as tmp:
@@ -159,7 +162,10 @@ def run(args: argparse.Namespace) -> int:
         finally:
             progress.close()
 
-    if args.output_audio:
+    if args.output_audio == "-":  # a pipe cannot seek: the WAV is made whole in memory first
+        sys.stdout.buffer.write(wav_bytes(result.audio, result.sample_rate))
+        sys.stdout.flush()
+    elif args.output_audio:
         write_wav(args.output_audio, result.audio, result.sample_rate)
     timings = {"load_s": load_s, **result.timings}
     if args.output_json:
@@ -172,11 +178,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             _write_json_atomic(args.output_json, report)
 
-    if args.output_json != "-":
-        print(f"[user] {_printable(result.user_transcript)}")
-        print(_printable(result.text))
+    if args.output_json != "-":  # (with the WAV on stdout, the lines go to stderr)
+        lines = sys.stderr if args.output_audio == "-" else sys.stdout
+        print(f"[user] {_printable(result.user_transcript)}", file=lines)
+        print(_printable(result.text), file=lines)
         if result.function_text:
-            print(f"[function] {_printable(result.function_text)}")
+            print(f"[function] {_printable(result.function_text)}", file=lines)
     frames = result.prompt_frames + result.frames
     gen = result.timings["generate_s"]
     audio_s = result.frames * chat.config.frame_duration

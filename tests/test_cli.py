@@ -99,6 +99,23 @@ def test_wav_to_stdout_for_a_pipe(capsysbinary, tmp_path, tiny_checkpoint, spoke
     assert code == 2 and b"both want stdout" in capsysbinary.readouterr().err
 
 
+def test_audio_from_stdin(capsys, tmp_path, tiny_checkpoint, spoken_wav, monkeypatch):
+    """`--audio -` reads the input from stdin (a pipe): the same answer as from the file; an empty
+    or unreadable stdin is one error line."""
+    import io
+
+    code, from_file, _ = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "-q")
+    assert code == 0
+    for data, want in ((spoken_wav.read_bytes(), 0), (b"", 1), (b"not audio at all", 1)):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+        code, out, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", "-", "-q")
+        assert code == want, err
+        if want == 0:
+            assert out == from_file
+        else:
+            assert err.startswith("error: stdin: ") and err.count("\n") == 1, err
+
+
 def test_same_seed_gives_a_byte_identical_wav(capsys, tmp_path, tiny_checkpoint, spoken_wav):
     paths = [tmp_path / f"{i}.wav" for i in range(3)]
     results = [tmp_path / f"{i}.json" for i in range(3)]

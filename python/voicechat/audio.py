@@ -30,6 +30,21 @@ def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     return data, int(rate)
 
 
+def read_audio_bytes(data: bytes, name: str = "stdin") -> tuple[np.ndarray, int]:
+    """`read_audio` for a whole file's bytes (a pipe's: soundfile needs to seek)."""
+    import io
+
+    import soundfile as sf
+
+    if not data:
+        raise AudioError(f"{name}: no bytes to read")
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as e:  # as read_audio
+        raise AudioError(f"{name}: not a readable audio file ({str(e).strip() or type(e).__name__})") from None
+    return samples, int(rate)
+
+
 def to_mono(samples: np.ndarray) -> np.ndarray:
     """Average the channels of `[frames, channels]` (a 1-D input is already mono)."""
     samples = np.asarray(samples, dtype=np.float32)

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run NemotronLabs VoiceChat on a WAV: prints the user's transcript and the assistant's "
                     "answer, and writes the spoken answer (22.05 kHz mono PCM16).")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"checkpoint directory or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--audio", help="input audio (any format soundfile reads; resampled to 16 kHz mono)")
+    p.add_argument("--audio", help="input audio (any format soundfile reads; resampled to 16 kHz mono; '-': "
+                                    "read from stdin)")
     p.add_argument("--output-audio", help="where to write the spoken answer (WAV; '-': to stdout, the answer "
                                            "lines then go to stderr)")
     p.add_argument("-p", "--system-prompt", default=None, help="system prompt (empty: none)")
@@ -142,11 +143,13 @@ def run(args: argparse.Namespace) -> int:
     # Deferred: importing mlx and the extension takes a moment, and argument errors should not wait.
     import mlx.core as mx
 
-    from .audio import wav_bytes, write_wav
+    from .audio import read_audio_bytes, wav_bytes, write_wav
     from .session import load
 
     with tempfile.TemporaryDirectory(prefix="vc-demo-") as tmp:
-        model, audio = args.model, args.audio
+        model, audio, rate = args.model, args.audio, None
+        if audio == "-":  # read whole before the model loads: a bad pipe fails fast
+            audio, rate = read_audio_bytes(sys.stdin.buffer.read())
         if args.demo:
             model, audio = _demo_inputs(Path(tmp))
             say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = chat.generate(audio, system_prompt=args.system_prompt,
                                    extra_decoding_seconds=args.extra_decoding_seconds, seed=args.seed,
-                                   progress=progress)
+                                   sample_rate=rate, progress=progress)
         finally:
             progress.close()
 

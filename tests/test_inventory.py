@@ -97,3 +97,23 @@ def test_command_writes_a_checkpoint(tmp_path):
     assert main([str(tmp_path / "out"), "--quantize", "8", "--shards", "2"]) == 0
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     assert main([str(tmp_path / "out")]) == 2  # not empty now
+
+
+def test_command_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
+    """A place that takes no folder, a count below its least, a file where the folder should be:
+    one error line each, nothing written; missing parent folders are made."""
+    from voicechat.testing import main
+
+    assert main(["/proc/voicechat-ckpt"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: [Errno ") and "cannot write /proc/voicechat-ckpt: " in err and err.count("\n") == 1
+    for args in (["--shards", "0"], ["--seed", "-1"]):
+        with pytest.raises(SystemExit) as info:
+            main([str(tmp_path / "bad"), *args])
+        assert info.value.code == 2 and "must be >=" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main([str(tmp_path / "file")]) == 2 and "not an empty directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    assert main([str(tmp_path / "a" / "b" / "ckpt")]) == 0
+    assert (tmp_path / "a" / "b" / "ckpt" / "config.json").exists()
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["ckpt"]  # no scratch folder left

@@ -686,15 +686,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize", type=int, choices=[4, 8], default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--layout", choices=["torch", "mlx"], default="torch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shards", type=int, default=None)
+    parser.add_argument("--seed", type=_count(0), default=0)
+    parser.add_argument("--shards", type=_count(1), default=None, help="weight files (default: 1 tiny, ~5 GB each full)")
     args = parser.parse_args(argv)
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()):
-        print(f"error: {out}: exists and is not empty", file=sys.stderr)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        print(f"error: {out}: exists and is not an empty directory", file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix=".vc-ckpt-", dir=out.parent if out.parent.exists() else None))
+    tmp = None
     try:
+        # written beside its place (missing folders made) and moved there whole: no half checkpoint
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=".vc-ckpt-", dir=out.parent))
+        except OSError as e:  # named after the checkpoint asked for, not the scratch folder
+            raise OSError(e.errno, f"cannot write {out}: {e.strerror}") from None
         make_checkpoint(tmp / "c", args.size, args.quantize, args.dtype, args.layout, args.seed, args.shards)
         if out.exists():
             out.rmdir()
@@ -703,9 +709,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(out)
     return 0
+
+
+def _count(least: int):
+    """An argparse type: an int >= least."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    return parse
 
 
 if __name__ == "__main__":

@@ -239,5 +239,7 @@ def test_bad_paths_and_arguments(capsys, tmp_path, tiny_checkpoint, spoken_wav):
         assert code == 2 and "is not writable" in err and err.count("\n") == 1
     code, _, err = run_cli(capsys, "-m", tiny_checkpoint)
     assert code == 2 and "--audio is required" in err
+    code, _, err = run_cli(capsys, "-m", tmp_path / "not-loaded", "--audio", spoken_wav, "--seed", "-1")
+    assert code == 2 and "--seed must be in [0, 2**64)" in err and err.count("\n") == 1  # before any load
     code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "-p", "word " * 5000)
     assert code == 1 and "system-prompt tokens" in err and err.count("\n") == 1

@@ -132,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         raise _UsageError("--demo brings its own audio; drop --audio (or drop --demo)")
     if not args.demo and not args.audio:
         raise _UsageError("--audio is required (or use --demo)")
+    if not 0 <= args.seed < 2**64:  # (generate refuses it too, but after the model has loaded)
+        raise _UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
     if args.output_audio == "-" and args.output_json == "-":
         raise _UsageError("--output-audio - and --output-json - both want stdout; give one of them a file")
     for path, what in ((args.output_audio, "--output-audio"), (args.output_json, "--output-json")):

@@ -49,6 +49,7 @@ def test_generates_lines_wav_and_json(capsys, tmp_path, tiny_checkpoint, spoken_
     assert out == expected
     assert "-n is ignored" in err
     assert "ms/frame" in err and "real-time factor" in err
+    assert "not written" not in err
     info = sf.info(str(wav))
     assert (info.samplerate, info.channels, info.subtype, info.format) == (22050, 1, "PCM_16", "WAV")
     assert info.frames == data["frames"] * 1764
@@ -82,6 +83,7 @@ def test_json_to_stdout_is_the_json_alone(capsys, tmp_path, tiny_checkpoint, spo
     assert data["frames"] > 0 and "text" in data and "timings" in data
     assert not (tmp_path / "-").exists()
     assert "ms/frame" in err
+    assert "the spoken answer was not written" in err
 
 
 def test_wav_to_stdout_for_a_pipe(capsysbinary, tmp_path, tiny_checkpoint, spoken_wav):

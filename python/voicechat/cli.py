@@ -194,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
     audio_s = result.frames * chat.config.frame_duration
     say(f"{result.frames} frames ({audio_s:.2f} s), {1000 * gen / max(frames, 1):.1f} ms/frame, "
         f"real-time factor {gen / max(audio_s, 1e-9):.3f}, load {load_s:.1f} s")
+    if not args.output_audio:
+        say("note: the spoken answer was not written (--output-audio FILE keeps it)")
     return 0
 
 

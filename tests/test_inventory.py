@@ -114,6 +114,10 @@ def test_command_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main([str(tmp_path / "file")]) == 2 and "not an empty directory" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    # a name the file system refuses (at the final move): the folders made for it are removed too
+    assert main([str(tmp_path / "new" / "sub" / ("x" * 300))]) == 1
+    assert "name too long" in capsys.readouterr().err.lower()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     assert main([str(tmp_path / "a" / "b" / "ckpt")]) == 0
     assert (tmp_path / "a" / "b" / "ckpt" / "config.json").exists()
     assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["ckpt"]  # no scratch folder left

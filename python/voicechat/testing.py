@@ -12,6 +12,7 @@ shapes (for GPU benchmarks); `inventory(...)` lists its tensors without making a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shutil
@@ -693,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         print(f"error: {out}: exists and is not an empty directory", file=sys.stderr)
         return 2
-    tmp = None
+    tmp, done = None, False
+    made = [p for p in reversed(out.absolute().parents) if not p.exists()]  # folders to make, outermost first
     try:
         # written beside its place (missing folders made) and moved there whole: no half checkpoint
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -705,12 +707,17 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists():
             out.rmdir()
         shutil.move(str(tmp / "c"), str(out))
+        done = True
     except Exception as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            for folder in reversed(made):  # the folders this call made, innermost first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
     print(out)
     return 0
 

@@ -14,35 +14,34 @@ class AudioError(ValueError):
     """Audio that cannot be used; the message names the file and the problem."""
 
 
-def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
-    """Samples `[frames, channels]` float32 in [-1, 1] and the file's rate."""
+def _decode(source, name: str) -> tuple[np.ndarray, int]:
+    """soundfile's read of a path or a seekable file object, its failure an AudioError naming `name`."""
     import soundfile as sf
 
+    try:
+        data, rate = sf.read(source, dtype="float32", always_2d=True)
+    except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
+        raise AudioError(f"{name}: not a readable audio file ({str(e).strip() or type(e).__name__})") from None
+    return data, int(rate)
+
+
+def read_audio(path: str | os.PathLike) -> tuple[np.ndarray, int]:
+    """Samples `[frames, channels]` float32 in [-1, 1] and the file's rate."""
     path = Path(path)
     if not path.exists():
         raise AudioError(f"{path}: no such file")
     if path.is_dir():
         raise AudioError(f"{path}: is a directory, not an audio file")
-    try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
-        raise AudioError(f"{path}: not a readable audio file ({str(e).strip() or type(e).__name__})") from None
-    return data, int(rate)
+    return _decode(str(path), str(path))
 
 
 def read_audio_bytes(data: bytes, name: str = "stdin") -> tuple[np.ndarray, int]:
     """`read_audio` for a whole file's bytes (a pipe's: soundfile needs to seek)."""
     import io
 
-    import soundfile as sf
-
     if not data:
         raise AudioError(f"{name}: no bytes to read")
-    try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except Exception as e:  # as read_audio
-        raise AudioError(f"{name}: not a readable audio file ({str(e).strip() or type(e).__name__})") from None
-    return samples, int(rate)
+    return _decode(io.BytesIO(data), name)
 
 
 def to_mono(samples: np.ndarray) -> np.ndarray:

@@ -116,6 +116,7 @@ def test_audio_from_stdin(capsys, tmp_path, tiny_checkpoint, spoken_wav, monkeyp
             assert out == from_file
         else:
             assert err.startswith("error: stdin: ") and err.count("\n") == 1, err
+            assert "BytesIO" not in err  # soundfile's name for the buffer is not the user's
 
 
 def test_same_seed_gives_a_byte_identical_wav(capsys, tmp_path, tiny_checkpoint, spoken_wav):

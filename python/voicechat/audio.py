@@ -21,7 +21,10 @@ def _decode(source, name: str) -> tuple[np.ndarray, int]:
     try:
         data, rate = sf.read(source, dtype="float32", always_2d=True)
     except Exception as e:  # soundfile raises LibsndfileError / RuntimeError / TypeError
-        raise AudioError(f"{name}: not a readable audio file ({str(e).strip() or type(e).__name__})") from None
+        why = str(e).strip() or type(e).__name__
+        if why.startswith("Error opening "):  # libsndfile's reason after its own name for the source
+            why = why.rsplit(": ", 1)[-1]  # (a BytesIO's repr for stdin)
+        raise AudioError(f"{name}: not a readable audio file ({why})") from None
     return data, int(rate)
 
 

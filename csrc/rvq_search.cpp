@@ -256,7 +256,7 @@ constexpr const char* kCudaFinishSource = R"(
 )";
 
 // The whole run of codebooks in one launch, where our own launch runs it (method "cluster", or "auto"
-// with VOICECHAT_RVQ_CLUSTER=1; not yet timed on a GPU): a thread-block cluster of CB blocks a row,
+// unless VOICECHAT_RVQ_CLUSTER=0): a thread-block cluster of CB blocks a row,
 // each block scoring its K / CB codewords of a codebook as the step kernel does (a warp a codeword,
 // lanes over D, the same sums in the same order: the same codes and residual bit for bit), putting
 // its best key in its shared memory, and after a cluster barrier every block reads the CB keys
@@ -549,7 +549,20 @@ std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::arr
                                 std::make_shared<RvqSearch>(s, start, count), {r32, books, n});
 }
 
-// method: "auto", "fused" (the C++ / CUDA kernel) or "composed" (MLX ops). into [B, Q] (optional):
+// VOICECHAT_RVQ_CLUSTER: "0" keeps the chain of a launch per codebook (the A/B against the cluster
+// kernel); unset or "1": the cluster kernel wherever it runs. H200, 2026-12-05 (tools/gpu/rvq_cluster.sh):
+// a 5 s frame's RVQ alone 0.654 -> 0.338 ms pipelined, 1.139 -> 0.612 waited, the same codes. Read at
+// every call (in effect: when the TTS step is built); anything else is refused.
+bool cluster_by_default() {
+  const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");
+  const std::string v(env ? env : "");
+  if (!v.empty() && v != "0" && v != "1") {
+    throw std::invalid_argument("VOICECHAT_RVQ_CLUSTER must be 0 or 1, not '" + v + "'");
+  }
+  return v != "0";
+}
+
+// method: "auto", "fused" (the C++ / CUDA kernel), "composed" (MLX ops) or "cluster". into [B, Q] (optional):
 // the rows' codes so far; the codes come back as those rows with [start, start + count) replaced.
 std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& codebooks, const mx::array& norms,
                                   int start, int count, const std::string& method,
@@ -569,10 +582,8 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
     throw std::invalid_argument("rvq_search: method 'cluster' runs on a CUDA stream through voicechat's own kernel "
                                 "launch, with D <= " + std::to_string(kClusterMaxDim));
   }
-  const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");
-  const bool cluster_by_default = env != nullptr && std::string(env) == "1";
-  if (method == "cluster" || (method == "auto" && cluster_by_default && residual.shape(0) <= 8 &&
-                              cluster_runs(residual, s))) {
+  const bool cluster_auto = method == "auto" && cluster_by_default();
+  if (method == "cluster" || (cluster_auto && residual.shape(0) <= 8 && cluster_runs(residual, s))) {
     return rvq_search_cluster(residual, codebooks, norms32, start, count, into, s);
   }
   // The kernels for the few rows of a TTS step on a CUDA GPU; the composed ops (a GEMM per codebook)

@@ -157,3 +157,31 @@ def test_cluster_method_where_it_cannot_run_is_an_error():
     residual, codebooks = _case(1, 8, 16, 3, mx.float32, seed=2)
     with pytest.raises(ValueError, match="cluster.*own kernel launch"):
         rvq_search(residual, codebooks, 0, 2, method="cluster")
+
+
+@pytest.mark.parametrize("value,launches", [(None, 1), ("1", 1), ("0", 3)])
+def test_auto_takes_the_cluster_kernel_unless_switched_off(monkeypatch, value, launches):
+    """Where it runs, method "auto" takes the cluster kernel for a few rows (one launch for the run);
+    VOICECHAT_RVQ_CLUSTER=0 keeps the chain (count + 1 launches). The same codes and residual."""
+    if not _cluster_launch():
+        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
+    from voicechat.llm.opcount import count_ops, custom_kernels
+
+    residual, codebooks = _case(2, 512, 1024, 31, mx.bfloat16, seed=6)
+    if value is None:
+        monkeypatch.delenv("VOICECHAT_RVQ_CLUSTER", raising=False)
+    else:
+        monkeypatch.setenv("VOICECHAT_RVQ_CLUSTER", value)
+    codes, r = rvq_search(residual, codebooks, 3, 2)
+    assert custom_kernels(count_ops(codes, r)) == launches
+    want_codes, want_r = rvq_search(residual, codebooks, 3, 2, method="fused")
+    np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
+    np.testing.assert_array_equal(np.array(r).view(np.uint32), np.array(want_r).view(np.uint32))
+
+
+def test_a_bad_cluster_switch_is_refused(monkeypatch):
+    """VOICECHAT_RVQ_CLUSTER other than 0 or 1 is one clear error on every backend, not read as either."""
+    residual, codebooks = _case(1, 8, 16, 3, mx.float32, seed=2)
+    monkeypatch.setenv("VOICECHAT_RVQ_CLUSTER", "yes")
+    with pytest.raises(ValueError, match="VOICECHAT_RVQ_CLUSTER must be 0 or 1, not 'yes'"):
+        rvq_search(residual, codebooks, 0, 2)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent H200, one call (after the `.gw1` wheel copy; carry .gw2 and .gpuwav): the one-launch
-# RVQ of thread-block clusters (vc_rvq_cluster, opt-in: VOICECHAT_RVQ_CLUSTER=1) against the chain of
+# RVQ of thread-block clusters (vc_rvq_cluster, the default: VOICECHAT_RVQ_CLUSTER=1) against the chain of
 # a launch per codebook. Builds the working tree (built_tree.sh), runs the GPU tests that hold it to
 # the chain's bits (test_rvq_kernel, test_tts -k cluster), times the RVQ alone (rvq_timing.py), then
 # the TTS frame (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in
@@ -19,7 +19,7 @@ date +%T
 for i in $(seq 1 "${ROUNDS:-1}"); do
   for arm in 0 1; do
     echo "== TTS frame, VOICECHAT_RVQ_CLUSTER=$arm, round $i"
-    VOICECHAT_RVQ_CLUSTER=$arm timeout -s INT -k 10 "${TTS_LIMIT:-60}" python3 benchmarks/profile_tts_step.py \
+    VOICECHAT_RVQ_CLUSTER=$arm timeout -s INT -k 10 "${TTS_LIMIT:-100}" python3 benchmarks/profile_tts_step.py \
       --size full --json "$OUT/tts_$arm$i.json" >"$OUT/tts_$arm$i.log" 2>&1
     grep -iE "step|generation|launch" "$OUT/tts_$arm$i.log" | head -8
   done

@@ -256,7 +256,7 @@ constexpr const char* kCudaFinishSource = R"(
 )";
 
 // The whole run of codebooks in one launch, where our own launch runs it (method "cluster", or "auto"
-// unless VOICECHAT_RVQ_CLUSTER=0): a thread-block cluster of CB blocks a row,
+// with VOICECHAT_RVQ_CLUSTER=1; opt-in: see cluster_by_default): a thread-block cluster of CB blocks a row,
 // each block scoring its K / CB codewords of a codebook as the step kernel does (a warp a codeword,
 // lanes over D, the same sums in the same order: the same codes and residual bit for bit), putting
 // its best key in its shared memory, and after a cluster barrier every block reads the CB keys
@@ -549,17 +549,18 @@ std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::arr
                                 std::make_shared<RvqSearch>(s, start, count), {r32, books, n});
 }
 
-// VOICECHAT_RVQ_CLUSTER: "0" keeps the chain of a launch per codebook (the A/B against the cluster
-// kernel); unset or "1": the cluster kernel wherever it runs. H200, 2026-12-05 (tools/gpu/rvq_cluster.sh):
-// a 5 s frame's RVQ alone 0.654 -> 0.338 ms pipelined, 1.139 -> 0.612 waited, the same codes. Read at
-// every call (in effect: when the TTS step is built); anything else is refused.
+// VOICECHAT_RVQ_CLUSTER: "1" makes "auto" take the cluster kernel wherever it runs; unset or "0" the
+// chain of a launch per codebook. Opt-in: on the H200 (2026-12-05) it gave the chain's codes at the
+// TTS shape (a 5 s frame's RVQ 0.654 -> 0.338 ms pipelined) but not at test_rvq_kernel's D = 40,
+// K = 48 cases, where two runs also disagreed (docs/developing.md, item 2). Read at every call (in
+// effect: when the TTS step is built); anything but 0 / 1 is refused.
 bool cluster_by_default() {
   const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");
   const std::string v(env ? env : "");
   if (!v.empty() && v != "0" && v != "1") {
     throw std::invalid_argument("VOICECHAT_RVQ_CLUSTER must be 0 or 1, not '" + v + "'");
   }
-  return v != "0";
+  return v == "1";
 }
 
 // method: "auto", "fused" (the C++ / CUDA kernel), "composed" (MLX ops) or "cluster". into [B, Q] (optional):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent H200, one call (after the `.gw1` wheel copy; carry .gw2 and .gpuwav): the one-launch
-# RVQ of thread-block clusters (vc_rvq_cluster, the default: VOICECHAT_RVQ_CLUSTER=1) against the chain of
+# RVQ of thread-block clusters (vc_rvq_cluster, opt-in: VOICECHAT_RVQ_CLUSTER=1) against the chain of
 # a launch per codebook. Builds the working tree (built_tree.sh), runs the GPU tests that hold it to
 # the chain's bits (test_rvq_kernel, test_tts -k cluster), times the RVQ alone (rvq_timing.py), then
 # the TTS frame (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in

@@ -256,7 +256,7 @@ constexpr const char* kCudaFinishSource = R"(
 )";
 
 // The whole run of codebooks in one launch, where our own launch runs it (method "cluster", or "auto"
-// with VOICECHAT_RVQ_CLUSTER=1; opt-in: see cluster_by_default): a thread-block cluster of CB blocks a row,
+// with VOICECHAT_RVQ_CLUSTER=1; opt-in: see cluster_opted_in): a thread-block cluster of CB blocks a row,
 // each block scoring its K / CB codewords of a codebook as the step kernel does (a warp a codeword,
 // lanes over D, the same sums in the same order: the same codes and residual bit for bit), putting
 // its best key in its shared memory, and after a cluster barrier every block reads the CB keys
@@ -554,7 +554,7 @@ std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::arr
 // TTS shape (a 5 s frame's RVQ 0.654 -> 0.338 ms pipelined) but not at test_rvq_kernel's D = 40,
 // K = 48 cases, where two runs also disagreed (docs/developing.md, item 2). Read at every call (in
 // effect: when the TTS step is built); anything but 0 / 1 is refused.
-bool cluster_by_default() {
+bool cluster_opted_in() {
   const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");
   const std::string v(env ? env : "");
   if (!v.empty() && v != "0" && v != "1") {
@@ -583,7 +583,7 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
     throw std::invalid_argument("rvq_search: method 'cluster' runs on a CUDA stream through voicechat's own kernel "
                                 "launch, with D <= " + std::to_string(kClusterMaxDim));
   }
-  const bool cluster_auto = method == "auto" && cluster_by_default();
+  const bool cluster_auto = method == "auto" && cluster_opted_in();
   if (method == "cluster" || (cluster_auto && residual.shape(0) <= 8 && cluster_runs(residual, s))) {
     return rvq_search_cluster(residual, codebooks, norms32, start, count, into, s);
   }

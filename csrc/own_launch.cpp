@@ -316,6 +316,11 @@ struct Driver {
   int (*function)(CUfunction*, CUmodule, const char*);
   int (*attribute)(CUfunction, int, int);
   int (*get_attribute)(int*, int, CUfunction);
+  // a kernel of clusters goes into MLX's graph as a child graph of its one node (see OwnKernel)
+  int (*graph_create)(CUgraph*, unsigned int);
+  int (*graph_add_kernel)(CUgraphNode*, CUgraph, const CUgraphNode*, size_t, const CUDA_KERNEL_NODE_PARAMS*);
+  int (*graph_node_attribute)(CUgraphNode, CUlaunchAttributeID, const CUlaunchAttributeValue*);
+  int (*graph_destroy)(CUgraph);
 };
 
 const Driver& driver() {
@@ -327,7 +332,13 @@ const Driver& driver() {
     d.function = reinterpret_cast<decltype(d.function)>(dlsym(lib, "cuModuleGetFunction"));
     d.attribute = reinterpret_cast<decltype(d.attribute)>(dlsym(lib, "cuFuncSetAttribute"));
     d.get_attribute = reinterpret_cast<decltype(d.get_attribute)>(dlsym(lib, "cuFuncGetAttribute"));
-    if (!d.load || !d.function || !d.attribute || !d.get_attribute) {
+    d.graph_create = reinterpret_cast<decltype(d.graph_create)>(dlsym(lib, "cuGraphCreate"));
+    d.graph_add_kernel = reinterpret_cast<decltype(d.graph_add_kernel)>(dlsym(lib, "cuGraphAddKernelNode_v2"));
+    d.graph_node_attribute =
+        reinterpret_cast<decltype(d.graph_node_attribute)>(dlsym(lib, "cuGraphKernelNodeSetAttribute"));
+    d.graph_destroy = reinterpret_cast<decltype(d.graph_destroy)>(dlsym(lib, "cuGraphDestroy"));
+    if (!d.load || !d.function || !d.attribute || !d.get_attribute || !d.graph_create || !d.graph_add_kernel ||
+        !d.graph_node_attribute || !d.graph_destroy) {
       throw std::runtime_error("own launch: libcuda lacks an entry point");
     }
     return d;
@@ -502,13 +513,44 @@ class OwnKernel : public mx::Primitive {
     }
     std::vector<void*> params(pointers.size());
     for (size_t i = 0; i < pointers.size(); ++i) params[i] = &pointers[i];
-    // (a cluster other than 1 x 1 x 1 becomes the node's cluster-dimension attribute in MLX 0.32.4)
-    encoder.add_kernel_node_raw(fn_, grid_, block_, cluster_, static_cast<uint32_t>(smem_), params.data());
+    if (cluster_.x == 1) {
+      encoder.add_kernel_node_raw(fn_, grid_, block_, cluster_, static_cast<uint32_t>(smem_), params.data());
+    } else {
+      add_cluster_node(encoder, params.data());
+    }
   }
 
   const char* name() const override { return "VoicechatKernel"; }
 
  private:
+  // MLX 0.32.4 keys a cached executable graph by its nodes' kinds and edges ("K" for any kernel node,
+  // its cluster attribute not counted) and updates it in place (cudaGraphExecUpdate) for the next
+  // graph of that key; an update between kernel nodes of different cluster shapes is not done right
+  // (MLX's own note where it keys child graphs). On the H100 (2026-12-05), once cluster launches had
+  // run as plain kernel nodes, test_rvq_kernel failed 16 cases, the chain's and MLX ops' among them.
+  // A child graph's key holds its kernels' cluster shapes, so ours goes in as a child graph of its
+  // one node: only a node of the same shape ever takes its place.
+  void add_cluster_node(mx::cu::CommandEncoder& encoder, void** params) {
+    const Driver& api = driver();
+    CUgraph child = nullptr;
+    if (api.graph_create(&child, 0) != 0) throw std::runtime_error(*name_ + ": cuGraphCreate failed");
+    std::unique_ptr<CUgraph_st, int (*)(CUgraph)> owned(child, api.graph_destroy);
+    CUDA_KERNEL_NODE_PARAMS p{};
+    p.func = fn_;
+    p.gridDimX = grid_.x, p.gridDimY = grid_.y, p.gridDimZ = grid_.z;
+    p.blockDimX = block_.x, p.blockDimY = block_.y, p.blockDimZ = block_.z;
+    p.sharedMemBytes = static_cast<unsigned int>(smem_);
+    p.kernelParams = params;  // (copied into the node)
+    CUgraphNode node = nullptr;
+    CUlaunchAttributeValue shape{};
+    shape.clusterDim.x = cluster_.x, shape.clusterDim.y = cluster_.y, shape.clusterDim.z = cluster_.z;
+    if (api.graph_add_kernel(&node, child, nullptr, 0, &p) != 0 ||
+        api.graph_node_attribute(node, CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, &shape) != 0) {
+      throw std::runtime_error(*name_ + ": its cluster launch could not be made a graph node");
+    }
+    encoder.add_graph_node(child);  // (cloned into MLX's graph)
+  }
+
   CUfunction fn_;
   const std::string* name_;  // the source's name, alive for the process (the registry holds it)
   dim3 grid_, block_, cluster_;

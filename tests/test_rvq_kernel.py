@@ -149,6 +149,31 @@ def test_cluster_kernel_gives_the_chains_bits(dtype, size, start, count, into):
                                                 method="cluster"))) == 1
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cluster_kernel_and_plain_kernels_take_each_others_cached_graphs(dtype):
+    """With their inputs evaluated first, the cluster launch and a plain kernel (an exp of one block)
+    are each a graph of one kernel, which MLX caches and updates in place for the next graph of that
+    shape. An update that swapped one for the other but kept the old node's cluster shape ran the
+    exp as 8-block clusters and the RVQ as clusters of one: both must stay right, turn after turn."""
+    if not _cluster_launch():
+        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
+    residual, codebooks = _case(1, 40, 48, 31, dtype, seed=9)
+    norms = codebook_norms(codebooks)
+    small = mx.random.normal((100,), key=mx.random.key(3))
+    with mx.stream(mx.cpu):
+        want_codes, want_r = rvq_search_reference(residual, codebooks, 0, 31, norms)
+        mx.eval(want_codes, want_r)
+    mx.eval(residual, codebooks, norms, small)
+    for _ in range(3):
+        e = mx.exp(small)
+        mx.eval(e)
+        np.testing.assert_allclose(np.array(e), np.exp(np.array(small)), rtol=1e-6)
+        codes, r = rvq_search(residual, codebooks, 0, 31, norms, method="cluster")
+        mx.eval(codes, r)
+        np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
+        np.testing.assert_allclose(np.array(r), np.array(want_r), rtol=1e-5, atol=1e-4)
+
+
 def test_cluster_method_where_it_cannot_run_is_an_error():
     """Off a CUDA GPU (or without our own launch) method "cluster" is refused in one line, not run
     some other way."""

@@ -17,8 +17,13 @@ def _case(batch, dim, size, books, dtype, seed):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("batch", [1, 500])
 @pytest.mark.parametrize("start,count", [(0, 1), (2, 5), (0, 31)])
-@pytest.mark.parametrize("method", ["fused", "auto"])
+@pytest.mark.parametrize("method", ["fused", "auto", "cluster"])
 def test_kernel_equals_reference(dtype, batch, start, count, method):
+    # "cluster" among the others: on the GPU its launches and the chain's and MLX ops' take each
+    # other's cached graphs in this file's order, which is how a launch across cluster shapes broke
+    # 16 cases here (H100, 2026-12-05, with the cluster opted in for "auto")
+    if method == "cluster" and not _cluster_launch():
+        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
     if method == "fused" and batch * count > 2000:
         count = min(count, 5)  # the plain C++ loop at 500 x 31 is slow on this CPU, not wrong
     residual, codebooks = _case(batch, 40, 48, 31, dtype, seed=batch + count)
@@ -35,8 +40,10 @@ def test_kernel_equals_reference(dtype, batch, start, count, method):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("start,count", [(0, 1), (4, 6), (25, 6), (0, 31)])
-@pytest.mark.parametrize("method", ["fused", "auto", "composed"])
+@pytest.mark.parametrize("method", ["fused", "auto", "composed", "cluster"])
 def test_codes_into_a_row_keep_its_other_columns(dtype, start, count, method):
+    if method == "cluster" and not _cluster_launch():
+        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
     # The TTS step's use: the codes so far in, that row with the run's columns replaced out.
     residual, codebooks = _case(2, 40, 48, 31, dtype, seed=start + count)
     norms = codebook_norms(codebooks)
@@ -147,31 +154,6 @@ def test_cluster_kernel_gives_the_chains_bits(dtype, size, start, count, into):
 
     assert custom_kernels(count_ops(*rvq_search(residual, codebooks, start, count, norms, into=row,
                                                 method="cluster"))) == 1
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_cluster_kernel_and_plain_kernels_take_each_others_cached_graphs(dtype):
-    """With their inputs evaluated first, the cluster launch and a plain kernel (an exp of one block)
-    are each a graph of one kernel, which MLX caches and updates in place for the next graph of that
-    shape. An update that swapped one for the other but kept the old node's cluster shape ran the
-    exp as 8-block clusters and the RVQ as clusters of one: both must stay right, turn after turn."""
-    if not _cluster_launch():
-        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
-    residual, codebooks = _case(1, 40, 48, 31, dtype, seed=9)
-    norms = codebook_norms(codebooks)
-    small = mx.random.normal((100,), key=mx.random.key(3))
-    with mx.stream(mx.cpu):
-        want_codes, want_r = rvq_search_reference(residual, codebooks, 0, 31, norms)
-        mx.eval(want_codes, want_r)
-    mx.eval(residual, codebooks, norms, small)
-    for _ in range(3):
-        e = mx.exp(small)
-        mx.eval(e)
-        np.testing.assert_allclose(np.array(e), np.exp(np.array(small)), rtol=1e-6)
-        codes, r = rvq_search(residual, codebooks, 0, 31, norms, method="cluster")
-        mx.eval(codes, r)
-        np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
-        np.testing.assert_allclose(np.array(r), np.array(want_r), rtol=1e-5, atol=1e-4)
 
 
 def test_cluster_method_where_it_cannot_run_is_an_error():

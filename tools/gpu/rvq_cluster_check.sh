@@ -3,7 +3,7 @@
 # cluster RVQ and the kernels around it stay right now that a kernel of clusters is a child graph in
 # MLX's graph (c0a7112). Builds the working tree, runs the cluster-opted-in GPU tests and the RVQ
 # timing; with OLD_LAUNCH=<a copy of csrc/own_launch.cpp from before c0a7112> (carried), rebuilds with
-# it and runs the new graph test there, where it must fail. Logs in $OUT.
+# it and runs test_rvq_kernel there (its "cluster" cases among the others), where it failed 16 cases. Logs in $OUT.
 #   export OUT; [OLD_LAUNCH=.dbg/own_launch_old.cpp] bash tools/gpu/rvq_cluster_check.sh
 . tools/gpu/built_tree.sh
 echo "== tests, VOICECHAT_RVQ_CLUSTER=1"
@@ -18,9 +18,9 @@ if [ -n "${OLD_LAUNCH:-}" ]; then
   rm -rf /tmp/site2
   PYTHONPATH=/tmp/site python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/site2 . \
     >/tmp/aux/build_old.log 2>&1 || tail -20 /tmp/aux/build_old.log
-  echo "== the graph test with the old launch (must fail)"
-  timeout -s INT 60 python3 -m pytest -q -p no:cacheprovider -x tests/test_rvq_kernel.py -k each_others 2>&1 \
-    | grep -E "Error|assert|passed|failed" | head -6
+  echo "== test_rvq_kernel with the old launch (failed 16 cases on the H100)"
+  timeout -s INT 120 python3 -m pytest -q -p no:cacheprovider tests/test_rvq_kernel.py 2>&1 \
+    | grep -E "^FAILED|passed|failed" | tail -6
   cp /tmp/own_launch_new.cpp csrc/own_launch.cpp
 fi
 date +%T

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # On the lent H200, one call (after the `.gw1` wheel copy; carry .gw2 and .gpuwav): the one-launch
-# RVQ of thread-block clusters (vc_rvq_cluster, opt-in: VOICECHAT_RVQ_CLUSTER=1) against the chain of
-# a launch per codebook. Builds the working tree (built_tree.sh), runs the GPU tests that hold it to
-# the chain's bits (test_rvq_kernel, test_tts -k cluster), times the RVQ alone (rvq_timing.py), then
-# the TTS frame (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in
-# alternating processes, chain / cluster, ROUNDS pairs (default 1: ~8 of a call's 10 minutes). Each
-# part's output in $OUT.
-#   export OUT; bash tools/gpu/rvq_cluster.sh
+# RVQ of thread-block clusters (vc_rvq_cluster, "auto"'s default; VOICECHAT_RVQ_CLUSTER=0 keeps the
+# chain) against the chain of a launch per codebook. Builds the working tree (built_tree.sh; BUILT=1
+# reuses the last call's build), runs the GPU tests that hold it to the chain's bits (test_rvq_kernel,
+# test_tts -k cluster; RVQ_TESTS=0 skips them), times the RVQ alone (rvq_timing.py), then the TTS
+# frame (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in alternating
+# processes, chain / cluster, ROUNDS pairs (default 1). Each part's output in $OUT.
+#   export OUT; [BUILT=1 RVQ_TESTS=0] bash tools/gpu/rvq_cluster.sh
 . tools/gpu/built_tree.sh
-echo "== tests"
-timeout -s INT -k 10 150 python3 -m pytest -q -p no:cacheprovider -rfE --timeout=120 tests/test_rvq_kernel.py \
-  tests/test_tts.py -k "cluster or code_generation or rvq" 2>&1 | tail -6 | tee "$OUT/tests.log"
-date +%T
+if [ "${RVQ_TESTS:-1}" = 1 ]; then
+  echo "== tests"
+  timeout -s INT -k 10 150 python3 -m pytest -q -p no:cacheprovider -rfE --timeout=120 tests/test_rvq_kernel.py \
+    tests/test_tts.py -k "cluster or code_generation or rvq" 2>&1 | tail -6 | tee "$OUT/tests.log"
+  date +%T
+fi
 echo "== the RVQ alone: a frame's five runs, chain / cluster"
 timeout -s INT -k 10 "${RVQ_LIMIT:-90}" python3 tools/gpu/rvq_timing.py --json "$OUT/rvq_timing.json" 2>&1 \
   | tail -6 | tee "$OUT/rvq_timing.txt"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -73,8 +72,11 @@ def _check_output_path(path: str | None, what: str) -> None:
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise _UsageError(f"{what} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):  # before the model runs, not after
-        raise _UsageError(f"{what} {path}: directory {parent} is not writable")
+    try:  # a file made and dropped there, before the model runs, not after (os.access says yes to root)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError:
+        raise _UsageError(f"{what} {path}: directory {parent} is not writable") from None
 
 
 class _UsageError(ValueError):

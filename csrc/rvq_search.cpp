@@ -256,7 +256,7 @@ constexpr const char* kCudaFinishSource = R"(
 )";
 
 // The whole run of codebooks in one launch, where our own launch runs it (method "cluster", or "auto"
-// with VOICECHAT_RVQ_CLUSTER=1; opt-in: see cluster_opted_in): a thread-block cluster of CB blocks a row,
+// unless VOICECHAT_RVQ_CLUSTER=0; see cluster_wanted): a thread-block cluster of CB blocks a row,
 // each block scoring its K / CB codewords of a codebook as the step kernel does (a warp a codeword,
 // lanes over D, the same sums in the same order: the same codes and residual bit for bit), putting
 // its best key in its shared memory, and after a cluster barrier every block reads the CB keys
@@ -549,18 +549,19 @@ std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::arr
                                 std::make_shared<RvqSearch>(s, start, count), {r32, books, n});
 }
 
-// VOICECHAT_RVQ_CLUSTER: "1" makes "auto" take the cluster kernel wherever it runs; unset or "0" the
-// chain of a launch per codebook. Opt-in: on the H200 (2026-12-05) it gave the chain's codes at the
-// TTS shape (a 5 s frame's RVQ 0.654 -> 0.338 ms pipelined) but not at test_rvq_kernel's D = 40,
-// K = 48 cases, where two runs also disagreed (docs/developing.md, item 2). Read at every call (in
-// effect: when the TTS step is built); anything but 0 / 1 is refused.
-bool cluster_opted_in() {
+// VOICECHAT_RVQ_CLUSTER: unset or "1": "auto" takes the cluster kernel wherever it runs; "0" keeps the
+// chain of a launch per codebook (the A/B). It was opt-in while it gave wrong, run-to-run different
+// codes on the H200 / H100: MLX's graph cache updated a cached kernel node in place across cluster
+// shapes; since c0a7112 a kernel of clusters enters MLX's graph as a child graph (own_launch.cpp), and
+// the whole GPU suite passes with it as the default (H100, 2026-12-05; docs/developing.md, item 2).
+// Read at every call (in effect: when the TTS step is built); anything but 0 / 1 is refused.
+bool cluster_wanted() {
   const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");
   const std::string v(env ? env : "");
   if (!v.empty() && v != "0" && v != "1") {
     throw std::invalid_argument("VOICECHAT_RVQ_CLUSTER must be 0 or 1, not '" + v + "'");
   }
-  return v == "1";
+  return v != "0";
 }
 
 // method: "auto", "fused" (the C++ / CUDA kernel), "composed" (MLX ops) or "cluster". into [B, Q] (optional):
@@ -583,7 +584,7 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
     throw std::invalid_argument("rvq_search: method 'cluster' runs on a CUDA stream through voicechat's own kernel "
                                 "launch, with D <= " + std::to_string(kClusterMaxDim));
   }
-  const bool cluster_auto = method == "auto" && cluster_opted_in();
+  const bool cluster_auto = method == "auto" && cluster_wanted();
   if (method == "cluster" || (cluster_auto && residual.shape(0) <= 8 && cluster_runs(residual, s))) {
     return rvq_search_cluster(residual, codebooks, norms32, start, count, into, s);
   }

@@ -166,10 +166,10 @@ def test_cluster_method_where_it_cannot_run_is_an_error():
         rvq_search(residual, codebooks, 0, 2, method="cluster")
 
 
-@pytest.mark.parametrize("value,launches", [(None, 3), ("1", 1), ("0", 3)])
-def test_auto_takes_the_cluster_kernel_where_switched_on(monkeypatch, value, launches):
-    """Where it runs, method "auto" takes the cluster kernel for a few rows (one launch for the run)
-    with VOICECHAT_RVQ_CLUSTER=1, else the chain (count + 1 launches). The same codes and residual."""
+@pytest.mark.parametrize("value,launches", [(None, 1), ("1", 1), ("0", 3)])
+def test_auto_takes_the_cluster_kernel_unless_switched_off(monkeypatch, value, launches):
+    """Where it runs, method "auto" takes the cluster kernel for a few rows (one launch for the run);
+    VOICECHAT_RVQ_CLUSTER=0 keeps the chain (count + 1 launches). The same codes and residual."""
     if not _cluster_launch():
         pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
     from voicechat.llm.opcount import count_ops, custom_kernels

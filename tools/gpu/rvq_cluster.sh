@@ -5,7 +5,8 @@
 # reuses the last call's build), runs the GPU tests that hold it to the chain's bits (test_rvq_kernel,
 # test_tts -k cluster; RVQ_TESTS=0 skips them), times the RVQ alone (rvq_timing.py), then the TTS
 # frame (profile_tts_step, full size) and the 5 s end-to-end frame (bench_e2e) in alternating
-# processes, chain / cluster, ROUNDS pairs (default 1). Each part's output in $OUT.
+# processes, chain / cluster, ROUNDS pairs (default 1; TTS_ROUNDS for the TTS frame's alone). Each
+# part's output in $OUT.
 #   export OUT; [BUILT=1 RVQ_TESTS=0] bash tools/gpu/rvq_cluster.sh
 . tools/gpu/built_tree.sh
 if [ "${RVQ_TESTS:-1}" = 1 ]; then
@@ -18,7 +19,7 @@ echo "== the RVQ alone: a frame's five runs, chain / cluster"
 timeout -s INT -k 10 "${RVQ_LIMIT:-90}" python3 tools/gpu/rvq_timing.py --json "$OUT/rvq_timing.json" 2>&1 \
   | tail -6 | tee "$OUT/rvq_timing.txt"
 date +%T
-for i in $(seq 1 "${ROUNDS:-1}"); do
+for i in $(seq 1 "${TTS_ROUNDS:-${ROUNDS:-1}}"); do
   for arm in 0 1; do
     echo "== TTS frame, VOICECHAT_RVQ_CLUSTER=$arm, round $i"
     VOICECHAT_RVQ_CLUSTER=$arm timeout -s INT -k 10 "${TTS_LIMIT:-100}" python3 benchmarks/profile_tts_step.py \

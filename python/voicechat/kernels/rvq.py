@@ -59,8 +59,8 @@ def rvq_search(
 
     `method`: "auto", "fused" (force the kernel), "composed" (the C++ composed-ops path) or
     "cluster" (CUDA through our own launch only: the whole run in one launch of thread-block
-    clusters, the same bits as "fused"; "auto" picks it for a few rows where
-    VOICECHAT_RVQ_CLUSTER=1, until it is timed on a GPU).
+    clusters, the same bits as "fused"; "auto" picks it for a few rows there unless
+    VOICECHAT_RVQ_CLUSTER=0).
     """
     if use_reference():
         return rvq_search_reference(residual, codebooks, start, count, norms, into)

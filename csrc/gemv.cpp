@@ -729,10 +729,10 @@ constexpr int kSmemPerSm = 232448;      // Hopper: a block's (and an SM's) most 
 constexpr int kStreamStaticSmem = 4096;  // vc_qmv_imma's own __shared__ arrays, at most
 
 // A streamed kernel's own __shared__ arrays (vc_qmv_stream; vc_qmv_imma_stream with 16 rows): a
-// tile's sums from every warp for each stage (two at least), a barrier and a count a stage, the
-// norm's group totals (and a margin for alignment).
+// tile's sums from every warp for each stage (two at least), two barriers (vc_qmv_stream's row
+// groups, VC_ROW_GROUPS) and a count a stage, the norm's group totals (and a margin for alignment).
 int stream_static_smem(int stages, int threads, int rows, int m, int groups) {
-  return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 12 + groups * m * 4 + 256;
+  return std::max(stages, 2) * (threads / 32) * rows * m * 4 + stages * 20 + groups * m * 4 + 256;
 }
 
 // stage_x: how float32 x reaches each lane (vc_stream::StagedX): 0 each lane loads its own chunk,

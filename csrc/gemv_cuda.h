@@ -831,6 +831,21 @@ constexpr const char* kPersistentHeader = R"(
 #ifndef VC_START_ITEMS
 #define VC_START_ITEMS 0
 #endif
+// 2 (the kernels'): where vc_qmv_stream's tiles are whole and a warp group takes all their rows, a
+// tile comes in 2 row groups of ROWS / 2 rows (one bulk copy and one mbarrier each, the first also
+// counting the scales and biases, asked for ahead of the weights), and a warp's product waits for the
+// second only as it gets to its rows: under the first rounds' wave of copies a tile's bytes come in
+// over ~1 us, and the product of its first rows then overlaps the arrival of the rest. n (a probe's
+// define): n groups of ROWS / n rows; 1 waits for the whole tile (one mbarrier a stage); -1 a group a
+// row. Nsight Compute on an H100 (2026-12-05, f32 x, one row, the step's out_proj, 264 x 320, trees
+// alternating on one machine): 1 14.18-14.75 us (5 runs, mean 14.50), 2 13.98-14.24 (3, mean 14.11),
+// -1 13.95-14.46 (5, mean 14.21). Its timelines: round 0 summed at 6.21 us p50 with 2 against 6.94
+// with 1. Measured and dropped the same day: column slices of whole warps' chunks, a barrier a slice
+// and a warp waiting for its own: 18.75 us against 14.37-14.56 with a slice a warp (80 bulk copies of
+// 512 bytes a tile took the prologue from 4.0 to 8.8 us p50), and no earlier products with two.
+#ifndef VC_ROW_GROUPS
+#define VC_ROW_GROUPS 2
+#endif
 
 // x as block floating point (the integer products' input, vc_imma's and the streamed layout's
 // dp4a product): values v with |v| <= top as 2^E (p0 + p1 / 128 + p2 / 128^2 ...), int8 p with
@@ -1199,16 +1214,45 @@ __device__ __forceinline__ void fetch_part(unsigned char* st, const unsigned cha
   }
 }
 
+// Tile `tile`'s bulk copies into stage st in GROUPS row groups (see Walk), spread over the lanes of
+// one warp as fetch_bulk's: the scales and biases first, then each group's rows in one copy, so that
+// the copy engine brings the first rows in first. bars: the stage's GROUPS barriers.
+template <typename S, int GROUPS>
+__device__ __forceinline__ void fetch_row_groups(unsigned char* st, const unsigned char* w, const unsigned char* s,
+                                                 const unsigned char* b, int tile, unsigned long long* bars, int lane) {
+  static_assert(!S::W_PADDED && !S::S_PADDED && S::ROWS % GROUPS == 0, "whole rows a group, one copy each");
+  constexpr int BYTES = S::ROWS / GROUPS * S::ROW_BYTES;  // a group's weight bytes
+  if (lane == 0) {
+    for (int g = 0; g < GROUPS; ++g) bar_expect(&bars[g], BYTES + (g == 0 ? 2 * S::S_BYTES : 0));
+  }
+  __syncwarp();
+  for (int c = lane; c < 2 + GROUPS; c += 32) {
+    if (c < 2) {
+      const unsigned char* src = (c == 0 ? s : b) + static_cast<size_t>(tile) * S::S_BYTES;
+      bulk_copy(st + (c == 0 ? S::SCALES : S::BIASES), src, S::S_BYTES, &bars[0]);
+    } else {
+      const int g = c - 2;
+      bulk_copy(st + g * BYTES, w + static_cast<size_t>(tile) * S::W_BYTES + g * BYTES, BYTES, &bars[g]);
+    }
+  }
+}
+
 // The items a persistent block walks (tiles of S::ROWS rows, TILES of them): whole rounds (tile
 // blockIdx.x + i x gridDim.x, i < rounds), then the `left` tiles of the last round. With SPLIT 1
 // each of those goes whole to one of the first `left` blocks; with SPLIT > 1 each is cut into SPLIT
 // parts of PART_ROWS rows, one for each of the first left x SPLIT blocks, so that the round costs
 // those blocks a part instead of a tile while the others wait (gemv.cpp's split_last_round picks it).
 // An item's totals are partial p of np when emitting: the tiles', then the parts', in row order.
-template <typename S, int TILES, int SPLIT_>
+//
+// BARS > 1 (whole tiles only): each tile's weight rows come in BARS row groups, each with an
+// mbarrier of its own (the first also counting the scales and biases, asked for ahead of the
+// weights: fetch_row_groups); a stage's barriers are BARS consecutive ones, and walk_tiles waits for
+// the first before an item's product, which waits for the others as it gets to their rows.
+template <typename S, int TILES, int SPLIT_, int BARS_ = 1>
 struct Walk {
-  static constexpr int ROWS = S::ROWS, SPLIT = SPLIT_, PART_ROWS = ROWS / SPLIT_;
+  static constexpr int ROWS = S::ROWS, SPLIT = SPLIT_, PART_ROWS = ROWS / SPLIT_, BARS = BARS_;
   static_assert(SPLIT_ >= 1 && ROWS % SPLIT_ == 0, "a tile cut into parts of whole rows");
+  static_assert(BARS_ == 1 || (SPLIT_ == 1 && ROWS % BARS_ == 0), "row groups of whole tiles");
   int b, g, rounds, left, count;
 
   __device__ __forceinline__ Walk()
@@ -1222,9 +1266,13 @@ struct Walk {
   }
   __device__ __forceinline__ int p(int i) const { return i < rounds ? tile(i) : rounds * g + b; }
   __device__ __forceinline__ int np() const { return rounds * g + left * SPLIT; }
-  // Item i's bulk copies into stage st (one warp, all its lanes).
+  // Item i's bulk copies into stage st (one warp, all its lanes); bar: the stage's first barrier.
   __device__ __forceinline__ void fetch(int i, unsigned char* st, const unsigned char* wb, const unsigned char* sb,
                                         const unsigned char* bb, unsigned long long* bar, int lane) const {
+    if constexpr (BARS > 1) {
+      fetch_row_groups<S, BARS>(st, wb, sb, bb, tile(i), bar, lane);
+      return;
+    }
     if constexpr (SPLIT > 1) {
       if (part(i)) {
         fetch_part<S, PART_ROWS>(st, wb, sb, bb, tile(i), q(), bar, lane);
@@ -1262,7 +1310,7 @@ __device__ __forceinline__ void ask_for_items(const W& walk, int from, int to, u
                                               unsigned char* stages, const unsigned char* wb,
                                               const unsigned char* sb, const unsigned char* bb, int lane) {
   for (int s = from; s < to && s < walk.count; ++s) {
-    walk.fetch(s, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
+    walk.fetch(s, stages + s * S::BYTES, wb, sb, bb, &bars[s * W::BARS], lane);
   }
 }
 
@@ -1276,7 +1324,7 @@ __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* b
                                             const unsigned char* bb, int lane, int first = 1) {
   if (lane == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      bar_init(&bars[s]);
+      for (int k = 0; k < W::BARS; ++k) bar_init(&bars[s * W::BARS + k]);
       arrived[s] = 0u;
     }
   }
@@ -1291,7 +1339,7 @@ __device__ __forceinline__ void ramp_tiles(int i, const W& walk, unsigned long l
                                            const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
                                            int lane, int from = 1) {
   if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 >= from && i + 1 < STAGES && i + 1 < walk.count) {
-    walk.fetch(i + 1, stages + (i + 1) * S::BYTES, wb, sb, bb, &bars[i + 1], lane);
+    walk.fetch(i + 1, stages + (i + 1) * S::BYTES, wb, sb, bb, &bars[(i + 1) * W::BARS], lane);
   }
 }
 
@@ -1354,19 +1402,21 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       const int s = i % STAGES;
       const auto tail = next_tail;
       next_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, i + 1, lane, bias, residual, next_w);
-      bar_wait(&bars[s], (i / STAGES) & 1);
+      bar_wait(&bars[s * W::BARS], (i / STAGES) & 1);
       VC_STAMP(1, i);
       ramp_tiles<STAGES, S>(i, walk, bars, stages, wb, sb, bb, lane, ramp_from);
       with_rows(walk, i, [&](auto rows) {
         constexpr int R = decltype(rows)::value;
-        sums(rows, stages + s * S::BYTES, s, walk.part(i) ? walk.q() * R : 0);
+        // row group g's barrier (the first passed above), for an item's product
+        const auto ready = [&](int g) { bar_wait(&bars[s * W::BARS + g], (i / STAGES) & 1); };
+        sums(rows, stages + s * S::BYTES, s, walk.part(i) ? walk.q() * R : 0, ready);
         VC_STAMP(2, i);
         if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
           const float v = tile_total<R * M, SUM_WARPS>(red + s * WARPS * SUMS, SUMS, lane);
           __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
           if (i + STAGES < walk.count) {
             reads_before_copies();  // each lane, before its copies
-            walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s], lane);
+            walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s * W::BARS], lane);
           }
           store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
                                                      partials);
@@ -1384,7 +1434,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       fetch_words<S, THREADS>(stages, wb, sb, bb, walk.tile(i));
       __syncthreads();
       // red double-buffered: a warp may write the next item's before warp 0 reads this one's
-      sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0);
+      sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0, [](int) {});
       __syncthreads();  // the stage read and the sums written by every thread
       store_tile<M, R, SUM_WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
                                                           walk.np(), tail, out, normed, partials);
@@ -1501,7 +1551,11 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
   static_assert(NORM == 0 || (NP % NG == 0 && K % NG == 0 && (K / NG) % CHUNK == 0), "NP partials in NG groups");
   static_assert(LEVELS >= 0 && LEVELS <= 4, "the pair form, or 1-4 int8 terms of x");
-  __shared__ unsigned long long bars[STAGES];
+  // VC_ROW_GROUPS (see its define): each tile's rows in groups, a barrier each (Walk), where the
+  // tiles are whole and a warp takes all their rows
+  constexpr int RG_ASKED = VC_ROW_GROUPS < 0 ? ROWS : VC_ROW_GROUPS;
+  constexpr int BARS = RG_ASKED > 1 && ROWS % RG_ASKED == 0 && WG == 1 && SPLIT == 1 ? RG_ASKED : 1;
+  __shared__ unsigned long long bars[STAGES * BARS];
   // Bulk path: arrived[s] counts the warps done with stage s's tiles (never reset: round r's last
   // warp sees r * WARPS + WARPS - 1), red[s] holds their sums of its tile.
   __shared__ unsigned int arrived[STAGES];
@@ -1515,7 +1569,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // this thread's place in its warp group, and its group
   const int kt = WG > 1 ? static_cast<int>(threadIdx.x) % KT : static_cast<int>(threadIdx.x);
   const int wg = WG > 1 ? static_cast<int>(threadIdx.x) / KT : 0;
-  const Walk<S, TILES, SPLIT> walk;
+  const Walk<S, TILES, SPLIT, BARS> walk;
   const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
@@ -1656,7 +1710,8 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   VC_STAMP(0, 0);
   // This warp's sums of its warp group's R / WG rows of the R in stage st, the tile's rows r0 on (each
   // thread's, folded over the warp: see fold_sums), into red[b][warp % SUM_WARPS] at the group's place.
-  auto row_sums = [&](auto rows, const unsigned char* st, int b, int r0_) {
+  // ready(g): waits for row group g of the stage (BARS > 1; the first is in before the call).
+  auto row_sums = [&](auto rows, const unsigned char* st, int b, int r0_, auto ready) {
     constexpr int R = decltype(rows)::value / WG;
     constexpr int RM = R * M;
     constexpr int LOG = RM >= 32 ? 5 : RM >= 16 ? 4 : RM >= 8 ? 3 : RM >= 4 ? 2 : RM >= 2 ? 1 : 0;
@@ -1678,6 +1733,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
         const int g = c * CHUNK / GROUP;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
+          if constexpr (BARS > 1) {
+            if (r > 0 && r % (ROWS / BARS) == 0) ready(r / (ROWS / BARS));
+          }
           const uint4 wv = w4[(r0 + r) * CHUNKS + c];
           const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
           const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
@@ -2208,7 +2266,7 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   auto walk = [&](auto slab_sums) {
     vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
         bulk, slabs, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
-        first_tail, [&](auto, const unsigned char* st, int b, int) { slab_sums(st, b); });  // whole slabs only
+        first_tail, [&](auto, const unsigned char* st, int b, int, auto) { slab_sums(st, b); });  // whole slabs only
   };
   // 8-row slabs: this warp's sums of the slab in stage st, rows 2t and 2t + 1 (totalled over the
   // lanes of one t), into red[b].

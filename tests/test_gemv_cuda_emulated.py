@@ -814,6 +814,9 @@ def emulated(tmp_path_factory):
         "stream_x_two_stages": stream_case(40, 1024, 1, 4, 32, 4, 3, levels=4),
         "stream_x_two_of_three_stages": stream_case(40, 1024, 1, 4, 32, 3, 3),
         "stream_x_two_stages_warps_drift": stream_case(96, 3072, 1, 4, 96, 4, 2),
+        # a tile's rows in groups, a barrier each (VC_ROW_GROUPS, ROW_GROUPED below): 3 warps, the last
+        # with half a warp's chunks, the integer dot products
+        "stream_row_groups_idle_lanes": stream_case(48, 2560, 1, 8, 96, 2, 3, levels=4),
         # warp groups (WG: more warps than K takes, each group of them on its share of every tile's rows),
         # and each one's twin with a group's threads alone (the same bits, see WARP_GROUPS)
         **{f"{name}{twin}": stream_case(*shape[:4], threads // (wg if twin else 1), *shape[4:], **kw)
@@ -1012,7 +1015,8 @@ def _check_persistent(emulated, name: str) -> None:
                                   "stream_dp4a_m2_two_chunks", "stream_dp4a_emit_prenormed",
                                   "stream_dp4a_own_copies_split", "stream_dp4a_huge_x", "stream_dp4a_tiny_x",
                                   "stream_dp4a_staged_warps_drift", "stream_x_two_stages",
-                                  "stream_x_two_of_three_stages", "stream_x_two_stages_warps_drift"])
+                                  "stream_x_two_of_three_stages", "stream_x_two_stages_warps_drift",
+                                  "stream_row_groups_idle_lanes"])
 def test_streamed_matvec_kernels_emulated(emulated, name):
     """vc_qmv_stream equals MLX's product (and, emitting, the next norm's input and a partial sum of
     out^2 a tile, and a part of a split last-round tile): the tiles a block walks, the stages it reuses
@@ -1173,6 +1177,26 @@ def test_streamed_matvec_asking_for_one_item_at_the_start_gives_the_same_bits(em
     outputs are bit-identical to the kernels' own build."""
     assert _x_staged(emulated[1][name], 1)
     _assert_same_bits_as_built(emulated, emulated_start_one, name, "start_one")
+
+
+# whole tiles, one warp group: VC_ROW_GROUPS applies (the block's own copies, stream_own_copies, take
+# no barriers either way); the kernels' two groups against the whole tile's one barrier (1) and a
+# group a row (-1)
+ROW_GROUPED = [*STREAM_CASES, "stream_row_groups_idle_lanes"]
+
+
+@pytest.fixture(scope="module", params=["1", "-1"])
+def emulated_row_groups(request, emulated, tmp_path_factory):
+    """ROW_GROUPED built with VC_ROW_GROUPS (each tile's rows in groups, a bulk copy and an mbarrier
+    each, the product waiting for each group as it gets to its rows; the kernels' 2 groups)."""
+    return _staged_build(emulated, tmp_path_factory, ROW_GROUPED, f"VC_ROW_GROUPS={request.param}", "row_groups")
+
+
+@pytest.mark.parametrize("name", ROW_GROUPED)
+def test_streamed_matvec_with_row_groups_gives_the_same_bits(emulated, emulated_row_groups, name):
+    """VC_ROW_GROUPS changes how a tile's bytes come in and when the product waits for them, not any
+    value: the outputs are bit-identical to the kernels' own build."""
+    _assert_same_bits_as_built(emulated, emulated_row_groups, name, "row_groups")
 
 
 @pytest.mark.parametrize("name", ["imma_q4", "imma_batches", "imma_three_levels", "imma_m2_bf16", "imma_own_words", "imma_tiny_x", "imma_huge_x",

@@ -554,7 +554,8 @@ std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::arr
 // codes on the H200 / H100: MLX's graph cache updated a cached kernel node in place across cluster
 // shapes; since c0a7112 a kernel of clusters enters MLX's graph as a child graph (own_launch.cpp), and
 // the GPU tests of the RVQ, our launch, the TTS, the session and the CLI pass with it as the default
-// (H100, 2026-12-05; docs/developing.md, item 2).
+// (H100, 2026-12-05), and those of the RVQ, our launch, the TTS and the codec on an H200 (the same
+// day; docs/developing.md, item 2).
 // Read at every call (in effect: when the TTS step is built); anything but 0 / 1 is refused.
 bool cluster_wanted() {
   const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");

@@ -812,7 +812,8 @@ int split_last_round(int tiles, int blocks, int rows, bool splits) {
 // vc_qmv_stream's warp groups (its WG): where a block of `threads` has a whole multiple, two or more, of
 // the warps that K's `chunks` take at a chunk a thread, each group of those takes `rows` / WG rows of
 // every tile (and of every part, `rows` / split), so that one block an SM puts all its warps on each
-// tile; else 1.
+// tile; else 1. The kernel derives its own (vc_stream::WarpGroups, from the launch's split too):
+// test_gemv_cuda_emulated's test_the_hosts_warp_groups_are_the_kernels holds the two equal.
 int stream_warp_groups(int chunks, int threads, int rows) {
   const int kw = (chunks + 31) / 32, warps = threads / 32;
   return warps >= 2 * kw && warps % kw == 0 && rows % (warps / kw) == 0 ? warps / kw : 1;

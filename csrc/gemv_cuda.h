@@ -1133,6 +1133,19 @@ __device__ __forceinline__ bool last_warp(unsigned int* arrived, int round, int 
   return last != 0u;
 }
 
+// vc_qmv_stream's warp groups (its WG): where a block of THREADS has WG > 1 times the warps that K's
+// CHUNKS take at a chunk a thread (KW), each group of KW warps takes ROWS / WG rows of every item (its
+// threads the same chunks as the other groups'), so that one block an SM has as many warps on each
+// item as two blocks of KW warps have on two; a last round in SPLIT parts keeps whole rows a group.
+// gemv.cpp's stream_warp_groups derives the same on the host (its split from rows / WG):
+// test_gemv_cuda_emulated holds the two equal over the launches stream_launch picks.
+template <int CHUNKS, int THREADS, int ROWS, int SPLIT>
+struct WarpGroups {
+  static constexpr int KW = (CHUNKS + 31) / 32, WARPS = THREADS / 32;
+  static constexpr int WK = WARPS / KW > 0 ? WARPS / KW : 1;  // (no % 0 below where K takes more warps than there are)
+  static constexpr int value = WK >= 2 && WARPS % KW == 0 && (ROWS / SPLIT) % WK == 0 ? WK : 1;
+};
+
 // A stage's layout: ROWS weight rows of ROW_BYTES each, ROW_STRIDE apart (a stride past ROW_BYTES
 // pads the rows, so that a warp reading across rows misses its own shared-memory banks), then the
 // tile's scales and its biases: S_BYTES each in global memory (ROWS rows of S_ROW_BYTES), laid out
@@ -1532,13 +1545,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   constexpr int CHUNK = 32;  // 4-bit values in a 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;
   constexpr int WARPS = THREADS / 32;
-  // Warp groups: where the block has WG > 1 times the warps that K takes at a chunk a thread (KW), each
-  // group of KW warps takes ROWS / WG rows of every item (its threads the same chunks as the other
-  // groups'), so that one block an SM has as many warps on each item as two blocks of KW warps have
-  // on two (gemv.cpp's stream_warp_groups derives the same).
-  constexpr int KW = (CHUNKS + 31) / 32;
-  constexpr int WK = WARPS / KW > 0 ? WARPS / KW : 1;  // (no % 0 below where K takes more warps than there are)
-  constexpr int WG = WK >= 2 && WARPS % KW == 0 && (ROWS / SPLIT) % WK == 0 ? WK : 1;
+  constexpr int WG = WarpGroups<CHUNKS, THREADS, ROWS, SPLIT>::value;
   constexpr int KT = THREADS / WG, SUM_WARPS = WARPS / WG;  // a warp group's threads and warps
   constexpr int CPT = (CHUNKS + KT - 1) / KT;  // chunks a thread
   constexpr int GROUPS = K / GROUP;

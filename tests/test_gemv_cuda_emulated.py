@@ -1179,6 +1179,44 @@ def test_streamed_matvec_asking_for_one_item_at_the_start_gives_the_same_bits(em
     _assert_same_bits_as_built(emulated, emulated_start_one, name, "start_one")
 
 
+def _picked_stream_launches() -> list[tuple[int, dict]]:
+    """(K, launch) for every streamed launch ext.stream_launch picks over a sweep of the overrides
+    (the refused ones left out)."""
+    picked = []
+    for k in (2048, 3072, 4480, 10240, 15680):
+        for n in (4480, 22656):
+            for threads in (0, 96, 160, 320, 480, 512, 640, 960, 1024):
+                for rows in (0, 2, 4, 8, 16):
+                    for stages in (2, 3):
+                        try:
+                            picked.append((k, ext.stream_launch(k, n, threads=threads, rows=rows, stages=stages)))
+                        except ValueError:
+                            pass
+    return picked
+
+
+def test_the_hosts_warp_groups_are_the_kernels(tmp_path):
+    """gemv.cpp's stream_warp_groups and the kernel's vc_stream::WarpGroups derive a launch's warp
+    groups apart (the host to pick the block and split the last round, the kernel to share out each
+    tile's rows): over every launch stream_launch picks in a sweep of K, N, threads, rows and stages,
+    the kernel's WG from the launch's threads, rows and split equals the host's warp_groups."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    picked = _picked_stream_launches()
+    assert {launch["warp_groups"] for _, launch in picked} >= {1, 2, 4}  # the sweep reaches groups
+    args = [(k // 32, launch["threads"], launch["rows"], launch["split"]) for k, launch in picked]
+    prints = [f"  std::printf(\"%d\\n\", vc_stream::WarpGroups<{c}, {t}, {r}, {sp}>::value);" for c, t, r, sp in args]
+    text = "\n".join(['#include "cuda_emu.h"', "#include <cstdio>", SOURCES["vc_qmv_stream"]["header"],
+                      "int main() {", *prints, "  return 0;", "}"])
+    cpp, exe = tmp_path / "warp_groups.cpp", tmp_path / "warp_groups"
+    cpp.write_text(text)
+    proc = subprocess.run([shutil.which("g++"), "-std=c++20", "-O0", "-pthread", "-I", str(EMU), "-o", str(exe),
+                           str(cpp)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kernels = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
+    assert kernels == [launch["warp_groups"] for _, launch in picked]
+
+
 # whole tiles, one warp group: VC_ROW_GROUPS applies (the block's own copies, stream_own_copies, take
 # no barriers either way); the kernels' two groups against the whole tile's one barrier (1) and a
 # group a row (-1)

@@ -834,16 +834,16 @@ constexpr const char* kPersistentHeader = R"(
 // 2 (the kernels'): where vc_qmv_stream's tiles are whole and a warp group takes all their rows, a
 // tile comes in 2 row groups of ROWS / 2 rows (one bulk copy and one mbarrier each, the first also
 // counting the scales and biases, asked for ahead of the weights), and a warp's product waits for the
-// second only as it gets to its rows: under the first rounds' wave of copies a tile's bytes come in
-// over ~1 us, and the product of its first rows then overlaps the arrival of the rest. n (a probe's
-// define): n groups of ROWS / n rows; 1 waits for the whole tile (one mbarrier a stage); -1 a group a
-// row. Nsight Compute (2026-12-05, f32 x, one row, the step's out_proj, 264 x 320, trees alternating
-// on one machine): on an H100 1 14.18-14.75 us (5 runs, mean 14.50), 2 13.98-14.24 (3, mean 14.11),
-// -1 13.95-14.46 (5, mean 14.21), its timelines' round 0 summed at 6.21 us p50 with 2 against 6.94
-// with 1; on an H200 even: 2 11.81-12.10 (5, mean 11.91), 1 11.68-12.03 (5, mean 11.84), so 2 for
-// what it gives the H100 and costs the H200 nothing measurable. Measured and dropped the same day: column slices of whole warps' chunks, a barrier a slice
-// and a warp waiting for its own: 18.75 us against 14.37-14.56 with a slice a warp (80 bulk copies of
-// 512 bytes a tile took the prologue from 4.0 to 8.8 us p50), and no earlier products with two.
+// second only as it gets to its rows, so that the product of a tile's first rows can overlap the
+// arrival of the rest. n (a probe's define): n groups of ROWS / n rows; 1 waits for the whole tile
+// (one mbarrier a stage); -1 a group a row. Nsight Compute (2026-12-05, f32 x, one row, the step's
+// out_proj, 264 x 320, trees alternating on one machine): on an H100 1 14.18-14.75 us (5 runs, mean
+// 14.50), 2 13.98-14.24 (3, mean 14.11), -1 13.95-14.46 (5, mean 14.21), its timelines' round 0
+// summed at 6.21 us p50 with 2 against 6.94 with 1; on an H200 even: 2 11.81-12.10 (5, mean 11.91),
+// 1 11.68-12.03 (5, mean 11.84). So 2, for what it gives the H100 at no measurable cost to the H200.
+// Measured and dropped the same day: column slices of whole warps' chunks, a barrier a slice and a
+// warp waiting for its own: 18.75 us against 14.37-14.56 with a slice a warp (80 bulk copies of 512
+// bytes a tile took the prologue from 4.0 to 8.8 us p50), and no earlier products with two.
 #ifndef VC_ROW_GROUPS
 #define VC_ROW_GROUPS 2
 #endif

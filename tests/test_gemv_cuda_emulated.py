@@ -119,9 +119,14 @@ def build(cases: dict[str, Case], tmp: Path, defines: tuple[str, ...] = ()) -> P
     main += [f'  if (which == "{name}") {name}::run(dir, blocks, threads, counts, offsets);' for name in cases]
     main += ["  return 0;", "}"]
     text = "\n".join(['#include "cuda_emu.h"', IO, *headers, *(c.cpp(n) for n, c in cases.items()), *main])
-    cpp, exe = tmp / "kernels.cpp", tmp / "kernels"
+    return compile_emulated(text, tmp / "kernels", defines)
+
+
+def compile_emulated(text: str, exe: Path, defines: tuple[str, ...] = (), opt: str = "-O1") -> Path:
+    """C++ `text` (against tests/data/cuda_emu) built by g++ into `exe` (its source beside it)."""
+    cpp = exe.with_suffix(".cpp")
     cpp.write_text(text)
-    proc = subprocess.run([shutil.which("g++"), "-std=c++20", "-O1", "-pthread", *(f"-D{d}" for d in defines), "-I",
+    proc = subprocess.run([shutil.which("g++"), "-std=c++20", opt, "-pthread", *(f"-D{d}" for d in defines), "-I",
                            str(EMU), "-o", str(exe), str(cpp)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return exe
@@ -1208,11 +1213,7 @@ def test_the_hosts_warp_groups_are_the_kernels(tmp_path):
     prints = [f"  std::printf(\"%d\\n\", vc_stream::WarpGroups<{c}, {t}, {r}, {sp}>::value);" for c, t, r, sp in args]
     text = "\n".join(['#include "cuda_emu.h"', "#include <cstdio>", SOURCES["vc_qmv_stream"]["header"],
                       "int main() {", *prints, "  return 0;", "}"])
-    cpp, exe = tmp_path / "warp_groups.cpp", tmp_path / "warp_groups"
-    cpp.write_text(text)
-    proc = subprocess.run([shutil.which("g++"), "-std=c++20", "-O0", "-pthread", "-I", str(EMU), "-o", str(exe),
-                           str(cpp)], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    exe = compile_emulated(text, tmp_path / "warp_groups", opt="-O0")
     kernels = [int(v) for v in subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()]
     assert kernels == [launch["warp_groups"] for _, launch in picked]
 

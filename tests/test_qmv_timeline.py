@@ -57,7 +57,8 @@ def test_report_counts_warps_a_launch_held(capsys):
 @pytest.mark.parametrize("variant", ["out_proj:tma:8:320:2", "down_proj:tma:8:512:2:XS=2+VC_RAMP=0",
                                      "down_proj:tma:8:512:2:XS=0", "out_proj:immatma:0:256:2:VC_RAMP=0",
                                      "down_proj:immatma:8:256:2", "out_proj:tma:8:320:2:VC_TILE_FIRST=1",
-                                     "out_proj:probe:8:320:2", "out_proj:tma:8:640:4:VC_START_ITEMS=1"])
+                                     "out_proj:probe:8:320:2", "out_proj:tma:8:640:4:VC_START_ITEMS=1",
+                                     "out_proj_n4224:tma:8:320:2"])
 def test_the_timeline_kernels_compile_for_sm90(variant, monkeypatch, capsys):
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not installed")

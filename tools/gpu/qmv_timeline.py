@@ -50,14 +50,15 @@ from voicechat.kernels import ext  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # the streamed walk's loads alone (a block's tiles asked for as vc_stream::walk_tiles does, each
 # touched once in, its stage refilled), with its stamps; XLOAD 0: no prologue
-from qmv_variants import SHAPES as VARIANT_SHAPES, TMA_PROBE as PROBE, tma_probe_launch  # noqa: E402
+from qmv_variants import ROUND_SHAPES, SHAPES as VARIANT_SHAPES, TMA_PROBE as PROBE, tma_probe_launch  # noqa: E402
 
 ROUNDS, EVENTS = 4, 4  # tiles a block recorded; events: prologue, in, summed, stored
 SLOTS = 4 + EVENTS * ROUNDS  # global timer and cycle count at start and end, then the events
 MAX_WARPS = 32
 
-# name: (N, K, prenorm groups (0: none), emit), from tools/gpu/qmv_variants.py's
-SHAPES = {name: (n, k, groups, emit) for name, (n, k, (groups, emit, _)) in VARIANT_SHAPES.items()}
+# name: (N, K, prenorm groups (0: none), emit), from tools/gpu/qmv_variants.py's (with its round shapes)
+SHAPES = {name: (n, k, groups, emit)
+          for name, (n, k, (groups, emit, _)) in {**VARIANT_SHAPES, **ROUND_SHAPES}.items()}
 DEFAULT_VARIANTS = ("out_proj:tma:8:320:2,out_proj:immatma:0:256:2,out_proj:immatma:0:512:2,"
                     "down_proj:tma:8:512:2,in_proj:immatma:0:256:2")
 
@@ -122,12 +123,16 @@ def _source(kind: str, emit: bool) -> dict:
 
 
 def _instance(src: dict, k: int, n: int) -> dict:
-    """The registered instance at (K, N): the step's."""
-    for inst in src["instances"]:
-        args = dict(inst["template_args"])
-        if args.get("K") == f"int:{k}" and args.get("N") == f"int:{n}":
+    """The registered instance at (K, N): the step's; at an N the step has none at (a round shape of
+    qmv_variants.py), its instance at K with N made n."""
+    at_k = [inst for inst in src["instances"] if dict(inst["template_args"]).get("K") == f"int:{k}"]
+    for inst in at_k:
+        if dict(inst["template_args"]).get("N") == f"int:{n}":
             return inst
-    raise SystemExit(f"{src['name']} has no registered instance at K={k}, N={n}")
+    if at_k:
+        return dict(at_k[0], template_args=[(name, f"int:{n}" if name == "N" else value)
+                                            for name, value in at_k[0]["template_args"]])
+    raise SystemExit(f"{src['name']} has no registered instance at K={k}")
 
 
 def _template(src: dict, k: int, n: int, overrides: dict) -> list:

@@ -38,11 +38,13 @@ memory (lost at every shape: 10 warps an SM), the product without the register p
 
 QMV_VARIANTS="in_proj:ext:8:96:1,out_proj:tmaprobe:8:320:2:1" adds variants
 (shape:kind:rows:threads:fourth[:blocks an SM]),
-QMV_SHAPES="in_proj,up_proj" keeps only those shapes, QMV_LAUNCHES=1 launches each variant once
-(twice by default). QMV_INPUTS_IN_L2=1 (for Nsight Compute's --cache-control none: qmv_variants.sh
-with NCU_CACHE=none) reads 256 MB before each launch and writes x, the norm's partials and the
-residual anew: the weights come from DRAM and the activations from the L2, as in the decode step,
-where the kernel before wrote them (with the caches flushed, x's loads go to DRAM too).
+QMV_SHAPES="in_proj,up_proj" keeps only those shapes (and adds any of ROUND_SHAPES it names: out_proj's
+K at whole rounds of its launch, e.g. out_proj_n4224, each with the default launch),
+QMV_LAUNCHES=1 launches each variant once (twice by default). QMV_INPUTS_IN_L2=1 (for Nsight
+Compute's --cache-control none: qmv_variants.sh with NCU_CACHE=none) reads 256 MB before each launch
+and writes x, the norm's partials and the residual anew: the weights come from DRAM and the
+activations from the L2, as in the decode step, where the kernel before wrote them (with the caches
+flushed, x's loads go to DRAM too).
 
 --list prints the variants; --nvcc compiles each stream variant for sm_90 with nvcc here (no GPU)
 and prints its registers a thread.
@@ -220,6 +222,12 @@ SHAPES = {
     "up_proj": (15680, 4480, (1, False, "relu_squared")),
 }
 
+# out_proj's K at N = 2112 r, r = 1-4 whole rounds of its launch (264 blocks of 8-row tiles, r tiles a
+# block), and at its own 4480 (2.12 rounds: a third round of 32 tiles), each with the default launch
+# alone: named in QMV_SHAPES only (tools/gpu/out_proj_rounds.sh). What a round costs, what the launch
+# costs beyond its rounds, and what out_proj's late third round costs.
+ROUND_SHAPES = {f"out_proj_n{n}": (n, 10240, (8, True, "")) for n in (2112, 4224, 4480, 6336, 8448)}
+
 # the kinds launched through the extension (the others are the probes': STREAM_FLAGS, TMA_PROBE_KINDS)
 EXT_KINDS = ("ext", "imma", "tma", "immatma", "dp4a")
 # (kind, rows, threads, ksplit) per shape; ext's fourth field: row_groups
@@ -235,6 +243,10 @@ VARIANTS = {
 def _from_environment() -> None:
     """QMV_VARIANTS adds launches, QMV_SHAPES keeps shapes (see the module's docstring)."""
     kinds = (*EXT_KINDS, *STREAM_FLAGS, *TMA_PROBE_KINDS)
+    keep = [s for s in os.environ.get("QMV_SHAPES", "").split(",") if s]
+    for name in keep:
+        if name in ROUND_SHAPES:
+            SHAPES[name], VARIANTS[name] = ROUND_SHAPES[name], [DEFAULT]
     for item in filter(None, os.environ.get("QMV_VARIANTS", "").split(",")):
         fields = item.split(":")
         if (len(fields) not in (5, 6) or fields[0] not in SHAPES or fields[1] not in kinds
@@ -242,7 +254,6 @@ def _from_environment() -> None:
             raise SystemExit(f"QMV_VARIANTS: {item!r} is not shape:{'|'.join(kinds)}:rows:threads:fourth"
                              f"[:per_sm, for {'|'.join(PER_SM_KINDS)}]")
         VARIANTS[fields[0]].append((fields[1], *map(int, fields[2:])))
-    keep = [s for s in os.environ.get("QMV_SHAPES", "").split(",") if s]
     for shape in list(SHAPES):
         if keep and shape not in keep:
             del SHAPES[shape]

@@ -58,7 +58,8 @@ def test_fit_line_needs_two_points():
 
 
 def test_qmv_variants_takes_the_round_shapes_it_is_named():
-    env = {**os.environ, "QMV_SHAPES": "out_proj_n4224,out_proj_n4480", "QMV_VARIANTS": "out_proj_n4224:tmaprobe:8:320:2"}
+    env = {**os.environ, "QMV_SHAPES": "out_proj_n4224,out_proj_n4480",
+           "QMV_VARIANTS": "out_proj_n4224:tmaprobe:8:320:2"}
     proc = subprocess.run([sys.executable, "tools/gpu/qmv_variants.py", "--list"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

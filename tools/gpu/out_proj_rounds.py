@@ -16,6 +16,8 @@ import csv
 import sys
 from pathlib import Path
 
+import numpy as np
+
 K = 10240
 ROUND_ROWS = 264 * 8  # a round: every block of the launch one 8-row tile
 ROUND_NS = (2112, 4224, 6336, 8448)
@@ -42,13 +44,10 @@ def kernel_times(csv_path: Path) -> dict[str, float]:
 
 def fit_line(points: dict[float, float]) -> tuple[float, float]:
     """(a, b) of the least-squares line t = a + b r through {r: t} (two points at least)."""
-    n = len(points)
-    if n < 2:
+    if len(points) < 2:
         raise ValueError("a line needs two rounds at least")
-    mr = sum(points) / n
-    mt = sum(points.values()) / n
-    b = sum((r - mr) * (t - mt) for r, t in points.items()) / sum((r - mr) ** 2 for r in points)
-    return mt - b * mr, b
+    b, a = np.polyfit(list(points), list(points.values()), 1)
+    return float(a), float(b)
 
 
 def report(times: dict[int, dict[str, float]]) -> list[str]:

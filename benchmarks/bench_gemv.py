@@ -10,7 +10,8 @@ Cases, each ours vs MLX's op, float32 and bfloat16 activations:
           head, vs `mx.quantized_matmul`;
 - dense:  bf16-weight GEMV (2 rows: the TTS backbone's two CFG rows) at the TTS model's linear
           shapes, vs `x @ w.T`;
-- argmax: both heads' argmax in one pass vs two `mx.quantized_matmul` + `mx.argmax`;
+- argmax: both heads' argmax in one pass (the block layout, and "ours-streamed": the streamed
+          integer-MMA walk) vs two `mx.quantized_matmul` + `mx.argmax`;
 - floor:  every Nemotron-H projection (one distinct weight each) + both heads, one row: the LLM
           step's matmul floor.
 Each timed round evaluates many calls (mx.eval, time.perf_counter, after warm-up); weights are
@@ -207,6 +208,8 @@ def argmax_runs(n, k, x_dtype):
     h = mx.random.normal((1, k)).astype(x_dtype)
     calls = MIN_CALLS
     return calls, {"ours": lambda: [two_head_argmax(h, head_a, head_b) for _ in range(calls)],
+                   # both heads on the streamed integer-MMA walk (CUDA; elsewhere the same as "ours")
+                   "ours-streamed": lambda: [two_head_argmax(h, head_a, head_b, streamed=1) for _ in range(calls)],
                    "mlx": lambda: [two_head_argmax_reference(h, head_a, head_b) for _ in range(calls)]}
 
 
@@ -304,12 +307,12 @@ def run_sweep(size: str) -> list[Result]:
 
 def table(results: list[Result]) -> str:
     base = {(r.group, r.name, r.x): r for r in results if r.impl == "mlx"}
-    lines = [f"{'case':<8} {'shape':<22} {'x':<5} {'impl':<5} {'us/call':>10} {'GB/s':>9} {'vs mlx':>7}  launch"]
+    lines = [f"{'case':<8} {'shape':<22} {'x':<5} {'impl':<13} {'us/call':>10} {'GB/s':>9} {'vs mlx':>7}  launch"]
     for r in results:
         ref = base.get((r.group, r.name, r.x))
         speedup = f"{ref.us_per_call / r.us_per_call:6.2f}x" if ref and r.impl != "mlx" else ""
         launch = r.extra.get("launch", "")
-        lines.append(f"{r.group:<8} {r.name:<22} {r.x:<5} {r.impl:<5} {r.us_per_call:10.1f} {r.gbps:9.1f} "
+        lines.append(f"{r.group:<8} {r.name:<22} {r.x:<5} {r.impl:<13} {r.us_per_call:10.1f} {r.gbps:9.1f} "
                      f"{speedup:>7}  {launch}")
     best = {}
     for r in results:
@@ -383,7 +386,7 @@ def test_dense_matvec(benchmark, n, k, x, impl):
     release()
 
 
-@pytest.mark.parametrize("impl", ["ours", "mlx"])
+@pytest.mark.parametrize("impl", ["ours", "ours-streamed", "mlx"])
 @pytest.mark.parametrize("x", list(DTYPES))
 def test_two_head_argmax(benchmark, x, impl):
     cfg = full_config().text_config if SIZE == "full" else tiny_config().text_config

@@ -723,6 +723,31 @@ const CudaSource& qmv_imma_stream_emit_source() {
   return src;
 }
 
+// The two-head argmax on the streamed integer-MMA walk (kImmaStreamArgmaxSource): the LLM's lm_head and
+// function_head (131072 rows each), one or two rows of x, 8 warps, 2 stages.
+const CudaSource& imma_stream_argmax_source() {
+  using P = std::pair<std::string, std::string>;
+  auto inst = [](const char* tx, const char* to, int m, bool logits) {
+    const char* bf = "__nv_bfloat16";
+    return CudaInstance{{tx, "uint32_t", bf, bf, "uint32_t", bf, bf},
+                        {"int64_t", to},
+                        {P{"K", "int:4480"}, P{"N", "int:262144"}, P{"M", int_arg(m)}, P{"WARPS", "int:8"},
+                         P{"LEVELS", int_arg(4)}, P{"STAGES", "int:2"},
+                         P{"WRITE_LOGITS", logits ? "bool:true" : "bool:false"}, P{"TX", type_arg(tx)},
+                         P{"TS", type_arg(bf)}, P{"TO", type_arg(to)}}};
+  };
+  static const CudaSource& src = register_cuda_source({
+      "vc_two_head_argmax_stream",
+      {"x", "weight_a", "scales_a", "biases_a", "weight_b", "scales_b", "biases_b"},
+      {"keys", "logits"},
+      gemv_cuda::kImmaStreamArgmaxSource,
+      imma_stream_header(),
+      {inst("float", "float", 1, false), inst("__nv_bfloat16", "__nv_bfloat16", 1, true),
+       inst("float", "float", 2, true)},
+  });
+  return src;
+}
+
 // ---------------------------------------------------------------- the streamed layout
 
 constexpr int kSmemPerSm = 232448;      // Hopper: a block's (and an SM's) most dynamic shared memory
@@ -1414,13 +1439,55 @@ std::vector<mx::array> two_head_argmax_composed(const mx::array& x, const std::v
   return {ids};
 }
 
+// VOICECHAT_ARGMAX_STREAMED: "1" takes the streamed integer-MMA walk (vc_two_head_argmax_stream) for the
+// two-head argmax wherever its shape allows, "0" (or unset) the block layout: an A/B on the GPU without a
+// rebuild until the streamed one is measured there. Read once.
+int argmax_streamed_setting() {
+  static const int mode = ab_switch("VOICECHAT_ARGMAX_STREAMED", {"0", "1"});
+  return checked_switch(mode, "VOICECHAT_ARGMAX_STREAMED", "auto, 0 or 1");
+}
+
+// The streamed two-head argmax's keys and logits: both heads walked as one list of 16-row slabs
+// (vc_stream::HeadsWalk), the streamed integer-MMA product, each block's best key a head and row of x
+// (the finish kernel takes them). Nothing where the launch does not fit and `forced` is false.
+std::optional<std::pair<std::vector<mx::array>, int>> streamed_argmax_keys(
+    const mx::array& x, const std::vector<mx::array>& head_a, const std::vector<mx::array>& head_b, int n, int k,
+    int m, int group_size, int bits, bool return_logits, mx::Dtype out_dtype, bool forced, mx::Stream s) {
+  const auto l = pick_imma_stream(k, 2 * n, m, group_size, bits, static_cast<int>(head_a[1].itemsize()), true, 1, 0,
+                                  0, 2, 0, forced, integer_mma(s.device.index) && bulk_copies(s.device.index),
+                                  "two_head_argmax");
+  if (!l) {
+    return std::nullopt;
+  }
+  if (n % l->slab != 0) {
+    if (!forced) {
+      return std::nullopt;
+    }
+    throw std::invalid_argument("two_head_argmax: the streamed layout takes heads of whole 16-row slabs");
+  }
+  auto outs = kernel(imma_stream_argmax_source(), l->smem)(
+      {x, head_a[0], head_a[1], head_a[2], head_b[0], head_b[1], head_b[2]},
+      {{m, 2, l->blocks}, return_logits ? mx::Shape{2, m, n} : mx::Shape{1}}, {mx::int64, out_dtype},
+      {l->blocks * 32 * l->warps, 1, 1}, {32 * l->warps, 1, 1},
+      {{"K", k}, {"N", 2 * n}, {"M", m}, {"WARPS", l->warps}, {"LEVELS", kImmaLevels}, {"STAGES", l->stages},
+       {"WRITE_LOGITS", return_logits}, {"TX", x.dtype()}, {"TS", head_a[1].dtype()}, {"TO", out_dtype}},
+      std::nullopt, false, s);
+  return std::make_pair(std::move(outs), l->blocks);
+}
+
 // head_a / head_b: (weight, scales, biases) of two quantized heads of one shape. Returns
-// [ids] or [ids, logits_a, logits_b]; ids int32 [..., 2] (head a, head b).
+// [ids] or [ids, logits_a, logits_b]; ids int32 [..., 2] (head a, head b). streamed: 1 the streamed
+// integer-MMA walk (refused with a reason where the shape does not allow it), 0 the block layout, -1
+// VOICECHAT_ARGMAX_STREAMED's pick (the block layout where the streamed one does not fit).
 std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx::array>& head_a,
                                        const std::vector<mx::array>& head_b, int group_size, int bits,
-                                       bool return_logits, int rows_per_block, int threads, mx::StreamOrDevice s_) {
+                                       bool return_logits, int rows_per_block, int threads, int streamed,
+                                       mx::StreamOrDevice s_) {
   if (head_a.size() != 3 || head_b.size() != 3) {
     throw std::invalid_argument("two_head_argmax: each head is (weight, scales, biases)");
+  }
+  if (streamed < -1 || streamed > 1) {
+    throw std::invalid_argument("two_head_argmax: streamed is -1 (the default's pick), 0 or 1");
   }
   const auto [n, k] = check_quantized(x, head_a[0], head_a[1], head_a[2], group_size, bits);
   for (int i = 0; i < 3; ++i) {
@@ -1436,6 +1503,26 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
     return two_head_argmax_composed(x, head_a, head_b, group_size, bits, return_logits, s);
   }
   const auto out_dtype = mx::promote_types(x.dtype(), head_a[1].dtype());
+  constexpr int kFinishThreads = 256;
+  auto finish = [&](const mx::array& keys, int nb) {
+    return kernel(argmax_finish_source())({keys}, {out_shape(x, 2)}, {mx::int32}, {2 * m * kFinishThreads, 1, 1},
+                                          {kFinishThreads, 1, 1}, {{"NB", nb}, {"THREADS", kFinishThreads}},
+                                          std::nullopt, false, s)[0];
+  };
+  if (streamed == 1 || (streamed == -1 && argmax_streamed_setting() == 1)) {
+    if (auto keyed = streamed_argmax_keys(x, head_a, head_b, n, k, m, group_size, bits, return_logits, out_dtype,
+                                          streamed == 1, s)) {
+      auto& [outs, nb] = *keyed;
+      auto ids = finish(outs[0], nb);
+      if (!return_logits) {
+        return {ids};
+      }
+      auto logits = [&](int head) {
+        return mx::reshape(mx::slice(outs[1], {head, 0, 0}, {head + 1, m, n}, s), out_shape(x, n), s);
+      };
+      return {ids, logits(0), logits(1)};
+    }
+  }
   Launch l = pick_launch(k * bits / 128, n, rows_per_block, threads, 0);
   if (rows_per_block <= 0) {
     l.rows = kArgmaxRows;
@@ -1451,10 +1538,7 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
        {"GPB", kArgmaxGroupsPerBlock}, {"WRITE_LOGITS", return_logits}, {"TX", x.dtype()},
        {"TS", head_a[1].dtype()}, {"TO", out_dtype}},
       std::nullopt, false, s);
-  constexpr int kFinishThreads = 256;
-  auto ids = kernel(argmax_finish_source())({outs[0]}, {out_shape(x, 2)}, {mx::int32},
-                                            {2 * m * kFinishThreads, 1, 1}, {kFinishThreads, 1, 1},
-                                            {{"NB", nb}, {"THREADS", kFinishThreads}}, std::nullopt, false, s)[0];
+  auto ids = finish(outs[0], nb);
   if (!return_logits) {
     return {ids};
   }
@@ -1515,6 +1599,7 @@ void bind(py::module_& m) {
   dense_add_norm_source();
   dense_warp_source();
   argmax_source();
+  imma_stream_argmax_source();
   argmax_finish_source();
   m.def("quantized_matvec", &quantized_matvec, py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("biases"),
         py::arg("bias") = py::none(), py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("rows_per_block") = 0,
@@ -1571,9 +1656,11 @@ void bind(py::module_& m) {
         "post=None: h' = h + y; y=None (and post=None): h' = h, the input norm and the product.");
   m.def("two_head_argmax", &two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
-        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("stream") = py::none(),
+        py::arg("rows_per_block") = 0, py::arg("threads") = 0, py::arg("streamed") = -1,
+        py::arg("stream") = py::none(),
         "argmax over both quantized heads (weight, scales, biases) in one pass: [ids int32 [..., 2]] "
-        "or [ids, logits_a, logits_b].");
+        "or [ids, logits_a, logits_b]. streamed (CUDA, sm_90): 1 the streamed integer-MMA walk over both "
+        "heads, 0 the block layout, -1 VOICECHAT_ARGMAX_STREAMED's pick (default 0).");
   m.def("gemv_launch_config", &launch_config, py::arg("kind"), py::arg("k"), py::arg("n"), py::arg("bits") = 4,
         py::arg("itemsize") = 2, "(rows per block or per warp, threads per block, warps per block (0: block layout)) the kernels "
         "pick for a shape.");

@@ -1251,6 +1251,26 @@ __device__ __forceinline__ void fetch_row_groups(unsigned char* st, const unsign
   }
 }
 
+// Tile `tile`'s weight rows, scales and biases into stage `st` by the block's threads, word by word
+// (the pointers not 16-byte aligned for bulk copies), laid out as S.
+template <typename S, int THREADS>
+__device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned char* w, const unsigned char* s,
+                                            const unsigned char* b, int tile) {
+  const unsigned char* wt = w + static_cast<size_t>(tile) * S::W_BYTES;
+  const unsigned char* st_src = s + static_cast<size_t>(tile) * S::S_BYTES;
+  const unsigned char* bt_src = b + static_cast<size_t>(tile) * S::S_BYTES;
+  // scales and biases are 2-byte types at least; the weight words 4 bytes
+  for (int o = 2 * static_cast<int>(threadIdx.x); o < S::W_BYTES; o += 2 * THREADS) {
+    const int to = S::W_PADDED ? o / S::ROW_BYTES * S::ROW_STRIDE + o % S::ROW_BYTES : o;
+    *reinterpret_cast<unsigned short*>(st + to) = *reinterpret_cast<const unsigned short*>(wt + o);
+  }
+  for (int o = 2 * static_cast<int>(threadIdx.x); o < S::S_BYTES; o += 2 * THREADS) {
+    const int to = o / S::S_ROW_BYTES * S::S_ROW_STRIDE + o % S::S_ROW_BYTES;
+    *reinterpret_cast<unsigned short*>(st + S::SCALES + to) = *reinterpret_cast<const unsigned short*>(st_src + o);
+    *reinterpret_cast<unsigned short*>(st + S::BIASES + to) = *reinterpret_cast<const unsigned short*>(bt_src + o);
+  }
+}
+
 // The items a persistent block walks (tiles of S::ROWS rows, TILES of them): whole rounds (tile
 // blockIdx.x + i x gridDim.x, i < rounds), then the `left` tiles of the last round. With SPLIT 1
 // each of those goes whole to one of the first `left` blocks; with SPLIT > 1 each is cut into SPLIT
@@ -1295,25 +1315,77 @@ struct Walk {
     }
     fetch_bulk<S>(st, wb, sb, bb, tile(i), bar, lane);
   }
+  // Item i's whole tile copied into stage st by the block's threads (the pointers not 16-byte aligned).
+  template <int THREADS>
+  __device__ __forceinline__ void copy_words(int i, unsigned char* st, const unsigned char* wb,
+                                             const unsigned char* sb, const unsigned char* bb) const {
+    fetch_words<S, THREADS>(st, wb, sb, bb, tile(i));
+  }
 };
 
-// Tile `tile`'s weight rows, scales and biases into stage `st` by the block's threads, word by word
-// (the pointers not 16-byte aligned for bulk copies), laid out as S.
-template <typename S, int THREADS>
-__device__ __forceinline__ void fetch_words(unsigned char* st, const unsigned char* w, const unsigned char* s,
-                                            const unsigned char* b, int tile) {
-  const unsigned char* wt = w + static_cast<size_t>(tile) * S::W_BYTES;
-  const unsigned char* st_src = s + static_cast<size_t>(tile) * S::S_BYTES;
-  const unsigned char* bt_src = b + static_cast<size_t>(tile) * S::S_BYTES;
-  // scales and biases are 2-byte types at least; the weight words 4 bytes
-  for (int o = 2 * static_cast<int>(threadIdx.x); o < S::W_BYTES; o += 2 * THREADS) {
-    const int to = S::W_PADDED ? o / S::ROW_BYTES * S::ROW_STRIDE + o % S::ROW_BYTES : o;
-    *reinterpret_cast<unsigned short*>(st + to) = *reinterpret_cast<const unsigned short*>(wt + o);
+// EPI of walk_tiles for a two-head argmax (vc_imma's): an item's rows are logits of one of two heads
+// of N / 2 rows each, kept as argmax keys (argmax_totals), not stored as outputs.
+constexpr int EPI_ARGMAX = 3;
+
+// The walk of a two-head argmax: the tiles of two heads of one shape (TILES a head) as one list, head
+// a's then head b's, each head's bytes from its own arrays (the walk's, not walk_tiles' pointers), as
+// Walk's whole rounds and last round of whole tiles (so row0 counts head b's rows from TILES x ROWS on).
+template <typename S, int TILES>
+struct HeadsWalk {
+  static constexpr int ROWS = S::ROWS, SPLIT = 1, PART_ROWS = ROWS, BARS = 1;
+  // each head's arrays apart, picked by a select (an array indexed at run time went to local memory)
+  const unsigned char *wa, *sa, *ba, *wb, *sb, *bb;
+  int blk, g, count;
+
+  __device__ __forceinline__ HeadsWalk(const unsigned char* wa_, const unsigned char* sa_, const unsigned char* ba_,
+                                       const unsigned char* wb_, const unsigned char* sb_, const unsigned char* bb_)
+      : wa(wa_), sa(sa_), ba(ba_), wb(wb_), sb(sb_), bb(bb_), blk(static_cast<int>(blockIdx.x)),
+        g(static_cast<int>(gridDim.x)), count((2 * TILES - blk + g - 1) / g) {}
+  __device__ __forceinline__ bool part(int) const { return false; }
+  __device__ __forceinline__ int tile(int i) const { return blk + i * g; }
+  __device__ __forceinline__ int q() const { return 0; }
+  __device__ __forceinline__ int row0(int i) const { return tile(i) * ROWS; }
+  __device__ __forceinline__ int p(int i) const { return tile(i); }
+  __device__ __forceinline__ int np() const { return 2 * TILES; }
+  __device__ __forceinline__ void fetch(int i, unsigned char* st, const unsigned char*, const unsigned char*,
+                                        const unsigned char*, unsigned long long* bar, int lane) const {
+    const int t = tile(i);
+    const bool b_head = t >= TILES;
+    fetch_bulk<S>(st, b_head ? wb : wa, b_head ? sb : sa, b_head ? bb : ba, b_head ? t - TILES : t, bar, lane);
   }
-  for (int o = 2 * static_cast<int>(threadIdx.x); o < S::S_BYTES; o += 2 * THREADS) {
-    const int to = o / S::S_ROW_BYTES * S::S_ROW_STRIDE + o % S::S_ROW_BYTES;
-    *reinterpret_cast<unsigned short*>(st + S::SCALES + to) = *reinterpret_cast<const unsigned short*>(st_src + o);
-    *reinterpret_cast<unsigned short*>(st + S::BIASES + to) = *reinterpret_cast<const unsigned short*>(bt_src + o);
+  template <int THREADS>
+  __device__ __forceinline__ void copy_words(int i, unsigned char* st, const unsigned char*, const unsigned char*,
+                                             const unsigned char*) const {
+    const int t = tile(i);
+    const bool b_head = t >= TILES;
+    fetch_words<S, THREADS>(st, b_head ? wb : wa, b_head ? sb : sa, b_head ? bb : ba, b_head ? t - TILES : t);
+  }
+};
+
+// The end of a two-head argmax item (EPI_ARGMAX), in one warp (all 32 lanes calling): lane l's total v
+// is row row0 + l / M of the two heads' rows (head b's from NH on; an item lies in one head), input row
+// l % M, for lanes l < ROWS x M. Its value as the logits are stored (TO) goes to logits[head, m, row]
+// where logits is not null, and its key (vc_gemv::argmax_key, the row's index in its head) into
+// best[head x M + m] (the block's, in shared memory, zero before its first item) by atomicMax.
+template <int M, int ROWS, int NH, typename TO>
+__device__ __forceinline__ void argmax_totals(float v, int lane, int row0, TO* logits, unsigned long long* best) {
+  const int head = row0 >= NH ? 1 : 0;
+  const int row = row0 - head * NH + lane / M, m = lane % M;
+  unsigned long long key = 0ull;
+  if (lane < ROWS * M) {
+    const TO stored = static_cast<TO>(v);
+    if (logits != nullptr) {
+      logits[(static_cast<size_t>(head) * M + m) * NH + row] = stored;
+    }
+    key = vc_gemv::argmax_key(static_cast<float>(stored), row);
+  }
+#pragma unroll
+  for (int off = 16; off >= M; off >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
+    key = other > key ? other : key;
+  }
+  if (lane < M) {
+    atomicMax(&best[head * M + lane], key);
   }
 }
 
@@ -1394,7 +1466,8 @@ __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(const W& walk, 
 // stores it. first_tail: stream_tail(walk, 0, ...), which the kernel asks for with x, before its
 // first tiles. ramp_from: the first round's tiles from it on are asked for by ramp_tiles (the kernel
 // asked for the ones before). SUM_WARPS: the warps whose rows of a red buffer hold an item's sums (the
-// first; fewer than WARPS where warp groups share a row of red each, see qmv_stream).
+// first; fewer than WARPS where warp groups share a row of red each, see qmv_stream). EPI_ARGMAX (a
+// two-head argmax's HeadsWalk): each item's totals go to argmax_totals with `best` instead of stores.
 template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, int SUM_WARPS = WARPS,
           typename W, typename TB, typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned long long* bars, unsigned int* arrived,
@@ -1402,7 +1475,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
                                            const TR* residual, const TE* next_w, TO* out, float* normed,
                                            float* partials, const vc_gemv::Tail<TB, TR, TE>& first_tail,
-                                           Sums sums, int ramp_from = 1) {
+                                           Sums sums, int ramp_from = 1, unsigned long long* best = nullptr) {
   constexpr int SUMS = S::ROWS * M;
   constexpr int THREADS = WARPS * 32;
   const int lane = threadIdx.x & 31;
@@ -1432,8 +1505,12 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
             reads_before_copies();  // each lane, before its copies
             walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s * W::BARS], lane);
           }
-          store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
-                                                     partials);
+          if constexpr (EPI == EPI_ARGMAX) {
+            argmax_totals<M, R, N / 2>(v, lane, walk.row0(i), out, best);
+          } else {
+            store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
+                                                       partials);
+          }
           VC_STAMP(3, i);
         }
       });
@@ -1445,13 +1522,20 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       constexpr int R = decltype(rows)::value;
       const int row0 = walk.row0(i);
       const auto tail = vc_gemv::row_tail<R, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
-      fetch_words<S, THREADS>(stages, wb, sb, bb, walk.tile(i));
+      walk.template copy_words<THREADS>(i, stages, wb, sb, bb);
       __syncthreads();
       // red double-buffered: a warp may write the next item's before warp 0 reads this one's
       sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0, [](int) {});
       __syncthreads();  // the stage read and the sums written by every thread
-      store_tile<M, R, SUM_WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
-                                                          walk.np(), tail, out, normed, partials);
+      if constexpr (EPI == EPI_ARGMAX) {
+        if (threadIdx.x < 32) {
+          argmax_totals<M, R, N / 2>(tile_total<R * M, SUM_WARPS>(red + (i & 1) * WARPS * SUMS, SUMS, lane), lane,
+                                     row0, out, best);
+        }
+      } else {
+        store_tile<M, R, SUM_WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
+                                                            walk.np(), tail, out, normed, partials);
+      }
     });
   }
 }
@@ -2203,12 +2287,18 @@ namespace vc_imma {
 // dynamic shared memory holds x's expansion (Layout::BYTES, rounded up to 128) and then the STAGES
 // slabs. SLAB 16: the weights as the MMA's A (LaneTerms); 8 (one row of x): the weights as its B
 // (LaneTerms8), so that half the slab's bytes fit where 16 rows do not (the MLP down_proj).
+// EPI_ARGMAX (16-row slabs, no norm, no bias): the two-head argmax. weight / scales / biases are head a's,
+// weight_b / scales_b / biases_b head b's (N / 2 rows each); out, where not null, gets both heads' logits
+// [2, M, N / 2], and keys[(m x 2 + head) x grid + block] the block's best argmax key of each.
 template <int K, int N, int M, int WARPS, int LEVELS, int STAGES, int SLAB, int EPI, bool HAS_BIAS, int NORM, int NP,
           int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int* weight, const TS* scales,
                                                 const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                                 float eps, TO* out, const TE* next_w, float* normed, float* partials,
-                                                unsigned char* smem) {
+                                                unsigned char* smem, const unsigned int* weight_b = nullptr,
+                                                const TS* scales_b = nullptr, const TS* biases_b = nullptr,
+                                                unsigned long long* keys = nullptr) {
+  constexpr bool ARGMAX = EPI == vc_stream::EPI_ARGMAX;
   using L = Layout<K, M, LEVELS>;
   constexpr int THREADS = WARPS * 32;
   constexpr int GROUPS = L::GROUPS;
@@ -2234,17 +2324,36 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
   static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
+  static_assert(!ARGMAX || (SLAB == 16 && NORM == 0 && !HAS_BIAS && !EMIT && (N / 2) % SLAB == 0),
+                "a two-head argmax: 16-row slabs, each head whole slabs, no norm or bias");
   __shared__ unsigned long long bars[STAGES];
   __shared__ unsigned int arrived[STAGES];  // as vc_qmv_stream's: never reset
   __shared__ float red[STAGES][WARPS][SUMS];
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const vc_stream::Walk<S, TILES, 1> slabs;
-  const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
   const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
+  const auto slabs = [&] {
+    if constexpr (ARGMAX) {
+      return vc_stream::HeadsWalk<S, TILES / 2>(wb, sb, bb, reinterpret_cast<const unsigned char*>(weight_b),
+                                                reinterpret_cast<const unsigned char*>(scales_b),
+                                                reinterpret_cast<const unsigned char*>(biases_b));
+    } else {
+      return vc_stream::Walk<S, TILES, 1>();
+    }
+  }();
+  bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
+  unsigned long long* best = nullptr;  // (ARGMAX) the block's best key of each head and row of x
+  if constexpr (ARGMAX) {
+    bulk = bulk && vc_gemv::aligned16(weight_b) && vc_gemv::aligned16(scales_b) && vc_gemv::aligned16(biases_b);
+    __shared__ unsigned long long best_keys[2 * M];
+    if (threadIdx.x < 2 * M) {
+      best_keys[threadIdx.x] = 0ull;  // seen by every warp after the barrier below, before any item ends
+    }
+    best = best_keys;
+  }
   unsigned char* stages = smem + FIRST;
   // x and the norm's partials in flight before the first slabs are asked for (see vc_qmv_stream)
   const XItems<K, M, THREADS> items = load_x_items<K, M, THREADS>(x);
@@ -2274,7 +2383,15 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   auto walk = [&](auto slab_sums) {
     vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
         bulk, slabs, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
-        first_tail, [&](auto, const unsigned char* st, int b, int, auto) { slab_sums(st, b); });  // whole slabs only
+        first_tail, [&](auto, const unsigned char* st, int b, int, auto) { slab_sums(st, b); },  // whole slabs only
+        1, best);
+    if constexpr (ARGMAX) {
+      __syncthreads();  // every item's key in
+      if (threadIdx.x < 2 * M) {
+        const int h = static_cast<int>(threadIdx.x) / M, m = static_cast<int>(threadIdx.x) % M;
+        keys[(static_cast<size_t>(m) * 2 + h) * gridDim.x + blockIdx.x] = best[threadIdx.x];
+      }
+    }
   };
   // 8-row slabs: this warp's sums of the slab in stage st, rows 2t and 2t + 1 (totalled over the
   // lanes of one t), into red[b].
@@ -2353,6 +2470,20 @@ constexpr const char* kQmvImmaStreamEmitSource = R"(
   const float eps = __int_as_float(EPS_BITS);
   vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, SLAB, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_smem);
+)";
+
+// The two-head argmax on vc_imma::qmv_imma_stream's walk (EPI_ARGMAX): heads a and b, N / 2 rows each
+// (the kernel's N is both), x in LEVELS int8 terms; keys[(m * 2 + head) * grid + block] gets each block's
+// best argmax key (kArgmaxFinishSource takes them, NB = the grid), logits [2, M, N / 2] the logits
+// where WRITE_LOGITS. Template args: K, N, M, WARPS, LEVELS, STAGES, WRITE_LOGITS, and the dtypes TX, TS,
+// TO.
+constexpr const char* kImmaStreamArgmaxSource = R"(
+  VC_DYNAMIC_SMEM(vc_smem);
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, 16, vc_stream::EPI_ARGMAX, false, 0, 1, 1, false>(
+      x, weight_a, scales_a, biases_a, static_cast<const TS*>(nullptr), static_cast<const float*>(nullptr),
+      static_cast<const float*>(nullptr), 0.0f, WRITE_LOGITS ? logits : static_cast<TO*>(nullptr),
+      static_cast<const float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_smem,
+      weight_b, scales_b, biases_b, reinterpret_cast<unsigned long long*>(keys));
 )";
 
 // y = the 4-bit matvec (group 64) through vc_imma::qmv_imma: NORM 0 or 2, EPI, HAS_BIAS. Template args:

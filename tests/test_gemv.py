@@ -620,7 +620,7 @@ def _copy_row(head, src, dst):
         setattr(head, name, b.view(mx.bfloat16) if head[name].dtype == mx.bfloat16 else b)
 
 
-def _check_two_heads(n, k, dtype, rows, plant_ties):
+def _check_two_heads(n, k, dtype, rows, plant_ties, streamed=0):
     head_a, head_b = _head(n, k, seed=1), _head(n, k, seed=2)
     x = _x((rows, k), dtype, seed=3)
     if plant_ties:
@@ -632,29 +632,49 @@ def _check_two_heads(n, k, dtype, rows, plant_ties):
     ref_ids = _on_cpu(lambda: mx.stack([mx.argmax(ref_a, -1), mx.argmax(ref_b, -1)], -1).astype(mx.int32))
     if plant_ties:
         assert int(ref_ids[0, 0]) == max(top_a - 1, 0) and int(ref_ids[0, 1]) == 0
-    ids = two_head_argmax(x, head_a, head_b)
+    ids = two_head_argmax(x, head_a, head_b, streamed=streamed)
     assert ids.dtype == mx.int32 and ids.shape == (rows, 2)
     np.testing.assert_array_equal(np.array(ids), np.array(ref_ids))
-    ids2, la, lb = two_head_argmax(x, head_a, head_b, return_logits=True)
+    ids2, la, lb = two_head_argmax(x, head_a, head_b, return_logits=True, streamed=streamed)
     np.testing.assert_array_equal(np.array(ids2), np.array(ref_ids))
     assert_close(la, ref_a)
     assert_close(lb, ref_b)
 
 
+# streamed 1: both heads on the streamed integer-MMA walk (on CUDA; elsewhere MLX's ops either way)
+@pytest.mark.parametrize("streamed", [0, 1])
 @pytest.mark.parametrize("plant_ties", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_two_head_argmax_equals_argmax(dtype, rows, plant_ties):
+def test_two_head_argmax_equals_argmax(dtype, rows, plant_ties, streamed):
     vocab, k = (tiny_config().text_config.vocab_size, tiny_config().text_config.hidden_size)
-    _check_two_heads(vocab, k, dtype, rows, plant_ties)
+    _check_two_heads(vocab, k, dtype, rows, plant_ties, streamed)
 
 
 @needs_cuda
+@pytest.mark.parametrize("streamed", [0, 1])
 @pytest.mark.parametrize("plant_ties", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_two_head_argmax_full_size(dtype, plant_ties):
+def test_two_head_argmax_full_size(dtype, plant_ties, streamed):
     cfg = full_config().text_config
-    _check_two_heads(cfg.vocab_size, cfg.hidden_size, dtype, 1, plant_ties)
+    _check_two_heads(cfg.vocab_size, cfg.hidden_size, dtype, 1, plant_ties, streamed)
+
+
+def _arrays(head):
+    return [head.weight, head.scales, head.biases]
+
+
+def test_two_head_argmax_refuses_a_streamed_it_does_not_know():
+    head_a, head_b = _head(192, 128, seed=6), _head(192, 128, seed=7)
+    with pytest.raises(ValueError, match="streamed is -1"):
+        ext.two_head_argmax(_x((1, 128), mx.float32), _arrays(head_a), _arrays(head_b), streamed=2)
+
+
+@needs_cuda
+def test_two_head_argmax_streamed_refuses_heads_not_of_whole_slabs():
+    head_a, head_b = _head(200, 128, seed=6), _head(200, 128, seed=7)  # 200 rows: not whole 16-row slabs
+    with pytest.raises(ValueError, match="whole 16-row slabs"):
+        ext.two_head_argmax(_x((1, 128), mx.float32), _arrays(head_a), _arrays(head_b), streamed=1)
 
 
 def test_two_head_argmax_nan_is_the_largest_first_one_wins():

@@ -402,8 +402,16 @@ def dense_case(n, k, m, x_dtype, w_dtype, rows, threads, bias_dtype=None, offset
 
 GPB = 8
 
+# The streamed two-head argmax (argmax_stream_case's args): two rows of bfloat16 x with the logits; one
+# row of float32 x over 3 stages; head b's weight misaligned (the blocks' own copies).
+ARGMAX_STREAM_CASES = {"argmax_stream_bf16_logits": (256, 512, 2, mx.bfloat16, True, 4, 2, 3),
+                       "argmax_stream_f32": (256, 512, 1, mx.float32, False, 4, 3, 2),
+                       "argmax_stream_own_copies": (128, 1024, 1, mx.float32, True, 8, 2, 3, 1)}
 
-def argmax_case(n, k, m, x_dtype, write_logits, rows=4, threads=32):
+
+def _argmax_heads(n, k, m, x_dtype):
+    """Two 4-bit heads [n, k] as (weight, scales, biases) each, flat, and x [m, k], with ties and NaNs
+    (below), and the reference logits of each (rounded to the output dtype, as float32)."""
     heads = []
     for seed in (1, 2):
         w, s, b = _q(n, k, 4, 64, mx.bfloat16, seed=seed)
@@ -425,6 +433,11 @@ def argmax_case(n, k, m, x_dtype, write_logits, rows=4, threads=32):
     heads[1][1][n - 3] = 0xFFC0
     heads[1][1][n - 1] = 0x7FC0
     arrays = [mx.array(a) if i == 0 else mx.array(a).view(mx.bfloat16) for h in heads for i, a in enumerate(h)]
+    return x, arrays, [logits(heads[0]), logits(heads[1])]
+
+
+def argmax_case(n, k, m, x_dtype, write_logits, rows=4, threads=32):
+    x, arrays, ref = _argmax_heads(n, k, m, x_dtype)
     out = _promote(x_dtype, mx.bfloat16)
     nb = -(-(-(-n // rows)) // GPB)
     args = dict(BITS=4, GROUP=64, K=k, N=n, M=m, ROWS=rows, THREADS=threads, GPB=GPB, WRITE_LOGITS=write_logits,
@@ -432,8 +445,21 @@ def argmax_case(n, k, m, x_dtype, write_logits, rows=4, threads=32):
     shape = (m, n) if write_logits else (1,)
     case = Case("vc_two_head_argmax", args, [x, *arrays], [("int64_t", (m, 2, nb)), (CUDA_TYPE[out], shape),
                                                           (CUDA_TYPE[out], shape)], 2 * nb, threads)
-    ref = [logits(heads[0]), logits(heads[1])]
     return case, ref, nb
+
+
+def argmax_stream_case(n, k, m, x_dtype, write_logits, warps, stages, blocks, w_offset=0):
+    """vc_two_head_argmax_stream: both heads' 16-row slabs walked by a persistent grid of `blocks`
+    blocks, `stages` in flight, x in 4 int8 terms; w_offset > 0 misaligns head b's weight, so the
+    blocks copy every slab themselves (the heads' own pointers through HeadsWalk)."""
+    x, arrays, ref = _argmax_heads(n, k, m, x_dtype)
+    out = _promote(x_dtype, mx.bfloat16)
+    args = dict(K=k, N=2 * n, M=m, WARPS=warps, LEVELS=4, STAGES=stages, WRITE_LOGITS=write_logits, TX=x_dtype,
+                TS=mx.bfloat16, TO=out)
+    case = Case("vc_two_head_argmax_stream", args, [x, *arrays],
+                [("int64_t", (m, 2, blocks)), (CUDA_TYPE[out], (2, m, n) if write_logits else (1,))], blocks,
+                32 * warps, [0, 0, 0, 0, w_offset, 0, 0])
+    return case, ref, blocks
 
 
 def gated_norm_case(rows, c, groups, width, offset, dtype=mx.float32):
@@ -918,6 +944,12 @@ def emulated(tmp_path_factory):
         finish = Case("vc_argmax_finish", dict(NB=nb, THREADS=256), [mx.zeros((2 * 2 * nb,), mx.int64)],
                       [("int32_t", (2, 2))], 2 * 2, 256)
         argmax[name] = (finish, nb)
+    for name, config in ARGMAX_STREAM_CASES.items():
+        case, ref, nb = argmax_stream_case(*config)
+        cases[name], refs[name] = case, ref
+        m = config[2]
+        argmax[name] = (Case("vc_argmax_finish", dict(NB=nb, THREADS=256), [mx.zeros((m * 2 * nb,), mx.int64)],
+                             [("int32_t", (m, 2))], m * 2, 256), nb)
     for name, (finish, _) in argmax.items():
         cases[name + "_finish"] = finish
     exe = build(cases, tmp)
@@ -1504,11 +1536,14 @@ def test_rvq_cluster_kernel_emulated(emulated, tag, start, count, into):
     _assert_rvq_equals_reference(tag, start, count, into, r_out, codes)
 
 
-@pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32"])
+@pytest.mark.parametrize("name", ["argmax_bf16_logits", "argmax_f32", *ARGMAX_STREAM_CASES])
 def test_two_head_argmax_kernels_emulated(emulated, name):
     exe, cases, refs, argmax, tmp = emulated
     case, (ref_a, ref_b) = cases[name], refs[name]
-    keys, logits_a, logits_b = run(exe, name, case, tmp)
+    keys, *logits = run(exe, name, case, tmp)
+    if len(logits) == 1:  # the streamed kernel's one output: [2, M, N] (or unwritten)
+        logits = list(logits[0]) if case.template_args["WRITE_LOGITS"] else [None, None]
+    logits_a, logits_b = logits
     finish, nb = argmax[name]
     finish.inputs = [mx.array(keys.reshape(-1))]
     (ids,) = run(exe, name + "_finish", finish, tmp)

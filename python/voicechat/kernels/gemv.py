@@ -229,15 +229,16 @@ def two_head_argmax_reference(h, head_a, head_b, return_logits: bool = False):
     return (ids, logits_a, logits_b) if return_logits else ids
 
 
-def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, stream=None):
+def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, streamed: int = -1, stream=None):
     """argmax of `head_a(h)` and of `head_b(h)` as int32 ids [..., 2], in one pass over both.
 
-    With `return_logits`, `(ids, logits_a, logits_b)`.
+    With `return_logits`, `(ids, logits_a, logits_b)`. `streamed` (CUDA): 1 both heads' slabs on the
+    streamed integer-MMA walk, 0 the block layout, -1 as VOICECHAT_ARGMAX_STREAMED says (0 unless set).
     """
     if use_reference() or not _heads_fit(head_a, head_b):
         return two_head_argmax_reference(h, head_a, head_b, return_logits)
     out = ext.two_head_argmax(h, _head_arrays(head_a), _head_arrays(head_b), head_a.group_size, head_a.bits,
-                              return_logits, stream=stream)
+                              return_logits, streamed=streamed, stream=stream)
     return tuple(out) if return_logits else out[0]
 
 

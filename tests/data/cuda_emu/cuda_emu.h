@@ -4,7 +4,7 @@
 // __shared__ variables become function statics (shared by the block's threads; blocks do not
 // overlap, so a kernel of clusters keeps its shared data in dynamic shared memory), __syncthreads a
 // block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier, __syncwarp a warp
-// barrier, atomicAdd / __threadfence_block the host's atomics.
+// barrier, atomicAdd / atomicMax / __threadfence_block the host's atomics.
 // Only what our kernel sources use is here. Hardware facts (alignment faults, caching, timing)
 // are not modelled.
 #pragma once
@@ -221,6 +221,12 @@ inline void mma_m16n8k32_s8u8(int* d, const unsigned int* a, const unsigned int*
 inline void __syncwarp(unsigned int = 0xffffffffu) { cuda_emu::block->warps[threadIdx.x / 32]->bar.arrive_and_wait(); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline unsigned int atomicAdd(unsigned int* p, unsigned int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
+  unsigned long long old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
+}
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned int, T v, int offset) {

@@ -994,16 +994,49 @@ __device__ __forceinline__ float tile_total(const float* red, int stride, int la
   return v;
 }
 
+// EPI of store_totals for a two-head argmax (vc_imma's): an item's rows are logits of one of two heads
+// of N / 2 rows each, kept as argmax keys (argmax_totals), not stored as outputs.
+constexpr int EPI_ARGMAX = 3;
+
+// The end of a two-head argmax item (EPI_ARGMAX), in one warp (all 32 lanes calling): lane l's total v
+// is row row0 + l / M of the two heads' rows (head b's from NH on; an item lies in one head), input row
+// l % M, for lanes l < ROWS x M. Its value as the logits are stored (TO) goes to logits[head, m, row]
+// where logits is not null, and its key (vc_gemv::argmax_key, the row's index in its head) into
+// best[head x M + m] (the block's, in shared memory, zero before its first item) by atomicMax.
+template <int M, int ROWS, int NH, typename TO>
+__device__ __forceinline__ void argmax_totals(float v, int lane, int row0, TO* logits, unsigned long long* best) {
+  const int head = row0 >= NH ? 1 : 0;
+  const int row = row0 - head * NH + lane / M, m = lane % M;
+  unsigned long long key = 0ull;
+  if (lane < ROWS * M) {
+    const TO stored = static_cast<TO>(v);
+    if (logits != nullptr) {
+      logits[(static_cast<size_t>(head) * M + m) * NH + row] = stored;
+    }
+    key = vc_gemv::argmax_key(static_cast<float>(stored), row);
+  }
+#pragma unroll
+  for (int off = 16; off >= M; off >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
+    key = other > key ? other : key;
+  }
+  if (lane < M) {
+    atomicMax(&best[head * M + lane], key);
+  }
+}
+
 // The totals of ROWS rows from row0 on (a tile, or a part of one) stored by one warp, all 32 lanes
 // calling: lane l's total v is row row0 + l / M, input row l % M, stored through vc_gemv::finish's
 // epilogue, or with EMIT as vc_gemv::emit_rows (their partial is p of np). tail: the lane's
 // vc_gemv::Tail for that row.
 template <int M, int ROWS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
 __device__ __forceinline__ void store_totals(float v, int lane, int row0, int p, int np, const TL& tail, TO* out,
-                                             float* normed, float* partials) {
+                                             float* normed, float* partials, unsigned long long* best = nullptr) {
   constexpr int SUMS = ROWS * M;
   const int row = row0 + lane / M;
-  if constexpr (EMIT) {
+  if constexpr (EPI == EPI_ARGMAX) {
+    argmax_totals<M, ROWS, N / 2>(v, lane, row0, out, best);
+  } else if constexpr (EMIT) {
     vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, p, np);
   } else if (lane < SUMS) {
     vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
@@ -1015,13 +1048,14 @@ __device__ __forceinline__ void store_totals(float v, int lane, int row0, int p,
 // before their product.
 template <int M, int ROWS, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
 __device__ __forceinline__ void store_tile(const float* red, int stride, int row0, int p, int np, const TL& tail,
-                                           TO* out, float* normed, float* partials) {
+                                           TO* out, float* normed, float* partials,
+                                           unsigned long long* best = nullptr) {
   if (threadIdx.x >= 32) {
     return;
   }
   const int lane = static_cast<int>(threadIdx.x);
   store_totals<M, ROWS, EPI, HAS_BIAS, EMIT, N>(tile_total<ROWS * M, WARPS>(red, stride, lane), lane, row0, p, np,
-                                                tail, out, normed, partials);
+                                                tail, out, normed, partials, best);
 }
 
 }  // namespace vc_stream
@@ -1323,10 +1357,6 @@ struct Walk {
   }
 };
 
-// EPI of walk_tiles for a two-head argmax (vc_imma's): an item's rows are logits of one of two heads
-// of N / 2 rows each, kept as argmax keys (argmax_totals), not stored as outputs.
-constexpr int EPI_ARGMAX = 3;
-
 // The walk of a two-head argmax: the tiles of two heads of one shape (TILES a head) as one list, head
 // a's then head b's, each head's bytes from its own arrays (the walk's, not walk_tiles' pointers), as
 // Walk's whole rounds and last round of whole tiles (so row0 counts head b's rows from TILES x ROWS on).
@@ -1347,47 +1377,27 @@ struct HeadsWalk {
   __device__ __forceinline__ int row0(int i) const { return tile(i) * ROWS; }
   __device__ __forceinline__ int p(int i) const { return tile(i); }
   __device__ __forceinline__ int np() const { return 2 * TILES; }
+  // item i's tile in its head's arrays
+  struct HeadTile {
+    const unsigned char *w, *s, *b;
+    int tile;
+  };
+  __device__ __forceinline__ HeadTile head_tile(int i) const {
+    const int t = tile(i);
+    return t >= TILES ? HeadTile{wb, sb, bb, t - TILES} : HeadTile{wa, sa, ba, t};
+  }
   __device__ __forceinline__ void fetch(int i, unsigned char* st, const unsigned char*, const unsigned char*,
                                         const unsigned char*, unsigned long long* bar, int lane) const {
-    const int t = tile(i);
-    const bool b_head = t >= TILES;
-    fetch_bulk<S>(st, b_head ? wb : wa, b_head ? sb : sa, b_head ? bb : ba, b_head ? t - TILES : t, bar, lane);
+    const HeadTile h = head_tile(i);
+    fetch_bulk<S>(st, h.w, h.s, h.b, h.tile, bar, lane);
   }
   template <int THREADS>
   __device__ __forceinline__ void copy_words(int i, unsigned char* st, const unsigned char*, const unsigned char*,
                                              const unsigned char*) const {
-    const int t = tile(i);
-    const bool b_head = t >= TILES;
-    fetch_words<S, THREADS>(st, b_head ? wb : wa, b_head ? sb : sa, b_head ? bb : ba, b_head ? t - TILES : t);
+    const HeadTile h = head_tile(i);
+    fetch_words<S, THREADS>(st, h.w, h.s, h.b, h.tile);
   }
 };
-
-// The end of a two-head argmax item (EPI_ARGMAX), in one warp (all 32 lanes calling): lane l's total v
-// is row row0 + l / M of the two heads' rows (head b's from NH on; an item lies in one head), input row
-// l % M, for lanes l < ROWS x M. Its value as the logits are stored (TO) goes to logits[head, m, row]
-// where logits is not null, and its key (vc_gemv::argmax_key, the row's index in its head) into
-// best[head x M + m] (the block's, in shared memory, zero before its first item) by atomicMax.
-template <int M, int ROWS, int NH, typename TO>
-__device__ __forceinline__ void argmax_totals(float v, int lane, int row0, TO* logits, unsigned long long* best) {
-  const int head = row0 >= NH ? 1 : 0;
-  const int row = row0 - head * NH + lane / M, m = lane % M;
-  unsigned long long key = 0ull;
-  if (lane < ROWS * M) {
-    const TO stored = static_cast<TO>(v);
-    if (logits != nullptr) {
-      logits[(static_cast<size_t>(head) * M + m) * NH + row] = stored;
-    }
-    key = vc_gemv::argmax_key(static_cast<float>(stored), row);
-  }
-#pragma unroll
-  for (int off = 16; off >= M; off >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
-    key = other > key ? other : key;
-  }
-  if (lane < M) {
-    atomicMax(&best[head * M + lane], key);
-  }
-}
 
 // One warp (all its lanes): the bulk copies of the block's items [from, to) (of its Walk, the first
 // round: item s into stage s) asked for.
@@ -1466,8 +1476,8 @@ __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(const W& walk, 
 // stores it. first_tail: stream_tail(walk, 0, ...), which the kernel asks for with x, before its
 // first tiles. ramp_from: the first round's tiles from it on are asked for by ramp_tiles (the kernel
 // asked for the ones before). SUM_WARPS: the warps whose rows of a red buffer hold an item's sums (the
-// first; fewer than WARPS where warp groups share a row of red each, see qmv_stream). EPI_ARGMAX (a
-// two-head argmax's HeadsWalk): each item's totals go to argmax_totals with `best` instead of stores.
+// first; fewer than WARPS where warp groups share a row of red each, see qmv_stream). best: EPI_ARGMAX's
+// keys (store_totals).
 template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, int SUM_WARPS = WARPS,
           typename W, typename TB, typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned long long* bars, unsigned int* arrived,
@@ -1505,12 +1515,8 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
             reads_before_copies();  // each lane, before its copies
             walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s * W::BARS], lane);
           }
-          if constexpr (EPI == EPI_ARGMAX) {
-            argmax_totals<M, R, N / 2>(v, lane, walk.row0(i), out, best);
-          } else {
-            store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
-                                                       partials);
-          }
+          store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
+                                                     partials, best);
           VC_STAMP(3, i);
         }
       });
@@ -1527,15 +1533,8 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       // red double-buffered: a warp may write the next item's before warp 0 reads this one's
       sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0, [](int) {});
       __syncthreads();  // the stage read and the sums written by every thread
-      if constexpr (EPI == EPI_ARGMAX) {
-        if (threadIdx.x < 32) {
-          argmax_totals<M, R, N / 2>(tile_total<R * M, SUM_WARPS>(red + (i & 1) * WARPS * SUMS, SUMS, lane), lane,
-                                     row0, out, best);
-        }
-      } else {
-        store_tile<M, R, SUM_WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
-                                                            walk.np(), tail, out, normed, partials);
-      }
+      store_tile<M, R, SUM_WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
+                                                          walk.np(), tail, out, normed, partials, best);
     });
   }
 }

@@ -938,16 +938,13 @@ def emulated(tmp_path_factory):
         for name, case in rvq_cases(tag, *config).items():
             cases[name], refs[name] = case, None
     argmax = {}
-    for name, (x_dtype, logits) in {"argmax_bf16_logits": (mx.bfloat16, True), "argmax_f32": (mx.float32, False)}.items():
-        case, ref, nb = argmax_case(1000, 256, 2, x_dtype, logits)
+    argmax_configs = {"argmax_bf16_logits": (argmax_case, (1000, 256, 2, mx.bfloat16, True)),
+                      "argmax_f32": (argmax_case, (1000, 256, 2, mx.float32, False)),
+                      **{name: (argmax_stream_case, config) for name, config in ARGMAX_STREAM_CASES.items()}}
+    for name, (make, config) in argmax_configs.items():
+        case, ref, nb = make(*config)
         cases[name], refs[name] = case, ref
-        finish = Case("vc_argmax_finish", dict(NB=nb, THREADS=256), [mx.zeros((2 * 2 * nb,), mx.int64)],
-                      [("int32_t", (2, 2))], 2 * 2, 256)
-        argmax[name] = (finish, nb)
-    for name, config in ARGMAX_STREAM_CASES.items():
-        case, ref, nb = argmax_stream_case(*config)
-        cases[name], refs[name] = case, ref
-        m = config[2]
+        m = config[2]  # the finish kernel: a block for each row of x and head
         argmax[name] = (Case("vc_argmax_finish", dict(NB=nb, THREADS=256), [mx.zeros((m * 2 * nb,), mx.int64)],
                              [("int32_t", (m, 2))], m * 2, 256), nb)
     for name, (finish, _) in argmax.items():

@@ -4,7 +4,7 @@
 # VOICECHAT_ARGMAX_STREAMED=1 makes it the default without a rebuild). Their kernels under Nsight
 # Compute (argmax_streamed.py: f32 and bf16 x, one row, the published heads' shape; ids compared), then
 # bench_gemv's argmax rows against MLX's two quantized_matmul + argmax, then test_gemv's two-head
-# cases (both layouts).
+# cases (both layouts). BENCH_ONLY (default argmax) widens bench_gemv's groups: q4,argmax is issue 7's report.
 #   export OUT; bash tools/gpu/argmax_streamed.sh
 set -uo pipefail
 # Nsight Compute tells kernels apart by name: through MLX's launch (ours names every one vc_kernel)
@@ -33,9 +33,10 @@ for r in rows:
     regs, grid = r["launch__registers_per_thread"], r["launch__grid_size"]
     print(f"{us:8.2f} us {rate:>10} regs {regs:>3} grid {grid:>6} {name}")
 PY
-echo "== bench_gemv argmax"
-timeout "${BENCH_LIMIT:-150}" python3 benchmarks/bench_gemv.py --size full --only argmax 2>&1 | tail -7 |
-  tee "$OUT/argmax_bench.txt"
+echo "== bench_gemv ${BENCH_ONLY:=argmax}"
+timeout "${BENCH_LIMIT:-150}" python3 benchmarks/bench_gemv.py --size full --only "$BENCH_ONLY" \
+  --json "$OUT/argmax_bench.json" > "$OUT/argmax_bench.txt" 2>&1
+tail -"${BENCH_TAIL:-7}" "$OUT/argmax_bench.txt"
 echo "== test_gemv two-head cases"
 timeout -s INT "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gemv.py -k two_head 2>&1 |
   tee "$OUT/argmax_tests.log" | tail -4

@@ -641,8 +641,9 @@ def _check_two_heads(n, k, dtype, rows, plant_ties, streamed=0):
     assert_close(lb, ref_b)
 
 
-# streamed 1: both heads on the streamed integer-MMA walk (on CUDA; elsewhere MLX's ops either way)
-@pytest.mark.parametrize("streamed", [0, 1])
+# streamed 1: both heads on the streamed integer-MMA walk, 0 the block layout, -1 the default's pick (on
+# CUDA; elsewhere MLX's ops either way)
+@pytest.mark.parametrize("streamed", [-1, 0, 1])
 @pytest.mark.parametrize("plant_ties", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -652,7 +653,7 @@ def test_two_head_argmax_equals_argmax(dtype, rows, plant_ties, streamed):
 
 
 @needs_cuda
-@pytest.mark.parametrize("streamed", [0, 1])
+@pytest.mark.parametrize("streamed", [-1, 0, 1])
 @pytest.mark.parametrize("plant_ties", [False, True])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_two_head_argmax_full_size(dtype, plant_ties, streamed):
@@ -675,6 +676,12 @@ def test_two_head_argmax_streamed_refuses_heads_not_of_whole_slabs():
     head_a, head_b = _head(200, 128, seed=6), _head(200, 128, seed=7)  # 200 rows: not whole 16-row slabs
     with pytest.raises(ValueError, match="whole 16-row slabs"):
         ext.two_head_argmax(_x((1, 128), mx.float32), _arrays(head_a), _arrays(head_b), streamed=1)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_two_head_argmax_default_takes_heads_not_of_whole_slabs(dtype):
+    # 200 rows: the streamed walk cannot take them, so the default falls back to the block layout
+    _check_two_heads(200, 128, dtype, 1, plant_ties=True, streamed=-1)
 
 
 def test_two_head_argmax_nan_is_the_largest_first_one_wins():

@@ -233,7 +233,8 @@ def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, streamed:
     """argmax of `head_a(h)` and of `head_b(h)` as int32 ids [..., 2], in one pass over both.
 
     With `return_logits`, `(ids, logits_a, logits_b)`. `streamed` (CUDA): 1 both heads' slabs on the
-    streamed integer-MMA walk, 0 the block layout, -1 as VOICECHAT_ARGMAX_STREAMED says (0 unless set).
+    streamed integer-MMA walk, 0 the block layout, -1 as VOICECHAT_ARGMAX_STREAMED says (unset: the
+    streamed walk wherever the heads are whole 16-row slabs and the GPU has bulk copies, else the block layout).
     """
     if use_reference() or not _heads_fit(head_a, head_b):
         return two_head_argmax_reference(h, head_a, head_b, return_logits)

@@ -40,3 +40,4 @@ part ref && echo "== llm step, mlx-lm's" && (cd benchmarks && VOICECHAT_BENCH_SI
   bench_reference_mlx_lm.py --benchmark-enable --benchmark-json="$OUT/ref.json" --benchmark-columns=min,median 2>&1 \
   | grep -E "test_mlx|passed|failed")
 part e2e && echo "== end to end, ${VOICECHAT_BENCH_SECONDS:=5} s" && AB_LIMIT=${AB_LIMIT:-170} VOICECHAT_BENCH_SECONDS=$VOICECHAT_BENCH_SECONDS bash tools/gpu/ab.sh default 2>&1 | tail -2
+exit 0  # the parts not picked leave their `part` test false: not a failure

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the lent H200, after a build (tools/gpu/session.sh with PARTS=none): the two-head argmax in the
-# block layout against both heads on the streamed integer-MMA walk (two_head_argmax's streamed;
-# VOICECHAT_ARGMAX_STREAMED=1 makes it the default without a rebuild). Their kernels under Nsight
+# block layout against both heads on the streamed integer-MMA walk (two_head_argmax's streamed; the
+# default since the forty-third session, VOICECHAT_ARGMAX_STREAMED=0 the block layout). Their kernels under Nsight
 # Compute (argmax_streamed.py: f32 and bf16 x, one row, the published heads' shape; ids compared), then
 # bench_gemv's argmax rows against MLX's two quantized_matmul + argmax, then test_gemv's two-head
 # cases (both layouts). BENCH_ONLY (default argmax) widens bench_gemv's groups: q4,argmax is issue 7's report.

@@ -1662,7 +1662,7 @@ void bind(py::module_& m) {
         py::arg("stream") = py::none(),
         "argmax over both quantized heads (weight, scales, biases) in one pass: [ids int32 [..., 2]] "
         "or [ids, logits_a, logits_b]. streamed (CUDA, sm_90): 1 the streamed integer-MMA walk over both "
-        "heads, 0 the block layout, -1 VOICECHAT_ARGMAX_STREAMED's pick (default 0).");
+        "heads, 0 the block layout, -1 VOICECHAT_ARGMAX_STREAMED's pick (unset: streamed where it fits).");
   m.def("gemv_launch_config", &launch_config, py::arg("kind"), py::arg("k"), py::arg("n"), py::arg("bits") = 4,
         py::arg("itemsize") = 2, "(rows per block or per warp, threads per block, warps per block (0: block layout)) the kernels "
         "pick for a shape.");

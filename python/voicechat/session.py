@@ -39,8 +39,8 @@ from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
 from .tts_thread import TTSThread, WorkerThread
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
-# From 30 s of audio (3001 mel frames) the encoder runs a layer at a time (ConformerEncoder's `stepwise`): what a GPU
-# holds in flight for the whole encoder grows with the input.
+# From 30 s of audio (3001 mel frames) the encoder runs a layer at a time (ConformerEncoder's
+# `stepwise`): what a GPU holds in flight for the whole encoder grows with the input.
 STEPWISE_MEL_FRAMES = 3000
 
 

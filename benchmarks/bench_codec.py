@@ -20,7 +20,7 @@ from voicechat.checkpoint import open_checkpoint
 from voicechat.codec import AudioCodec
 from voicechat.codec.codec import DECODE_CHUNK_FRAMES
 from voicechat.config import VoiceChatConfig
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
 FRAMES_10S = 125  # 10 s at 80 ms per code frame

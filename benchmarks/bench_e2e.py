@@ -4,7 +4,7 @@
     VOICECHAT_BENCH_SIZE=full python -m pytest benchmarks/bench_e2e.py --benchmark-enable # real shapes (GPU)
 
 Full size uses random weights in the published 4-bit layout, made in memory on the device
-(`voicechat.testing.random_checkpoint`: no 9 GB file). The input is the bundled spoken question
+(`voicechat.synthetic.random_checkpoint`: no 9 GB file). The input is the bundled spoken question
 followed by silence up to the length asked; `extra_decoding_seconds` is 0 so the timeline is
 exactly the input. `extra_info` holds frames, ms per frame, real-time factor, host syncs, each
 stage's share, the first (cold: kernel compilation included) run's time and peak memory.
@@ -23,7 +23,7 @@ import pytest
 import voicechat
 from voicechat.audio import load_audio
 from voicechat.session import default_tts_thread
-from voicechat.testing import make_checkpoint, random_checkpoint
+from voicechat.synthetic import make_checkpoint, random_checkpoint
 
 from mlx_settings import mlx_env
 

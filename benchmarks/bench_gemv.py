@@ -49,7 +49,7 @@ from voicechat.kernels.gemv import (  # noqa: E402
     two_head_argmax,
     two_head_argmax_reference,
 )
-from voicechat.testing import full_config, inventory, tiny_config  # noqa: E402
+from voicechat.synthetic import full_config, inventory, tiny_config  # noqa: E402
 
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
 CYCLE_BYTES = 256 << 20

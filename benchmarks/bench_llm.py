@@ -22,7 +22,7 @@ from voicechat.checkpoint import open_checkpoint
 from voicechat.config import VoiceChatConfig
 from voicechat.llm.nemotron_h import DuplexLM, count_step_ops
 from voicechat.llm.opcount import count_ops, kernel_count
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
 CONTEXT = 64  # positions already in the cache when a step is timed

@@ -22,7 +22,7 @@ import mlx.nn as nn
 import pytest
 
 from voicechat.config import VoiceChatConfig
-from voicechat.testing import tiny_config
+from voicechat.synthetic import tiny_config
 
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
 CONTEXT = 64

@@ -22,10 +22,10 @@ from voicechat.checkpoint import open_checkpoint
 from voicechat.config import VoiceChatConfig
 from voicechat.kernels.rel_pos_attention import position_window, rel_pos_attention, rel_pos_attention_reference
 from voicechat.kernels.rnnt_greedy import rnnt_greedy, rnnt_greedy_reference
-from voicechat.stt.conformer import Perception
-from voicechat.stt.mel import log_mel
-from voicechat.stt.rnnt import RNNTDecoder, RNNTJoint, greedy_decode, loop_weights
-from voicechat.testing import make_checkpoint
+from voicechat.listening.conformer import Perception
+from voicechat.listening.mel import log_mel
+from voicechat.listening.rnnt import RNNTDecoder, RNNTJoint, greedy_decode, loop_weights
+from voicechat.synthetic import make_checkpoint
 
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
 SECONDS = [10, 60]

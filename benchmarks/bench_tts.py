@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from voicechat.checkpoint import open_checkpoint
 from voicechat.config import VoiceChatConfig
 from voicechat.kernels.gemv import on_cuda_gpu, use_gemv
-from voicechat.testing import build_tokenizer, make_checkpoint
+from voicechat.synthetic import build_tokenizer, make_checkpoint
 from voicechat.tokenizer import TextTokenizer
 from voicechat.tts.ear_tts import EarTTS
 

@@ -30,7 +30,7 @@ def _lm(size: str):
 
     from voicechat.checkpoint import open_checkpoint
     from voicechat.llm.nemotron_h import DuplexLM
-    from voicechat.testing import make_checkpoint
+    from voicechat.synthetic import make_checkpoint
 
     path = make_checkpoint(tempfile.mkdtemp() + "/tiny-q4", "tiny", quantize=4, dtype="bfloat16")
     ckpt = open_checkpoint(path)

@@ -39,7 +39,7 @@ def _tts(size: str, gemv: bool):
 
     from voicechat.checkpoint import open_checkpoint
     from voicechat.config import VoiceChatConfig
-    from voicechat.testing import build_tokenizer, make_checkpoint
+    from voicechat.synthetic import build_tokenizer, make_checkpoint
 
     if size == "full":
         cfg = VoiceChatConfig()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 
 QUESTION = "What is the capital of France?"
 

@@ -11,7 +11,7 @@ import pytest
 from voicechat.checkpoint import (CheckpointError, load_weights, open_checkpoint, quantization_map,
                                   read_tensors, resolve, safetensors_files, to_mlx_layout)
 from voicechat.config import ConfigError, VoiceChatConfig
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 
 
 def test_sharded_equals_single_file(tmp_path):

@@ -220,7 +220,7 @@ def test_bad_checkpoints_are_one_clear_line(capsys, tmp_path, tiny_checkpoint, s
     tensors["tts_model.tts_model.embed_code.weight"] = mx.zeros((5, 5))
     mx.save_safetensors(str(d / "model.safetensors"), tensors)
     cases.append((d, "tts_model.tts_model.embed_code.weight has shape (5, 5)"))
-    from voicechat.testing import make_checkpoint
+    from voicechat.synthetic import make_checkpoint
 
     d = make_checkpoint(tmp_path / "shards", "tiny", shards=2)
     (d / "model-00001-of-00002.safetensors").unlink()

@@ -15,7 +15,7 @@ from voicechat.codec import AudioCodec, istft, stft
 from voicechat.codec.codec import _downsample, _upsample, decode_context, decode_windows
 from voicechat.codec.stft import istft_reference, stft_reference
 from voicechat.config import CodecConfig, VoiceChatConfig
-from voicechat.testing import make_checkpoint, tiny_config
+from voicechat.synthetic import make_checkpoint, tiny_config
 
 PREFIX = "tts_model.audio_codec."
 INVENTORY = Path(__file__).parent / "data" / "published-checkpoint-keys.tsv"

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from voicechat.config import ConfigError, VoiceChatConfig
-from voicechat.testing import tiny_config
+from voicechat.synthetic import tiny_config
 
 
 def test_defaults_are_the_published_model():

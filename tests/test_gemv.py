@@ -36,7 +36,7 @@ from voicechat.kernels.gemv import (
     two_head_argmax_reference,
     use_gemv,
 )
-from voicechat.testing import full_config, inventory, tiny_config
+from voicechat.synthetic import full_config, inventory, tiny_config
 
 ON_CUDA = on_cuda_gpu()
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="full-size shapes: run where the CUDA kernels run")

@@ -7,7 +7,7 @@ import pytest
 
 from voicechat.checkpoint import file_metadata, quantization_map
 from voicechat.config import VoiceChatConfig
-from voicechat.testing import full_config, inventory, make_checkpoint, tiny_config
+from voicechat.synthetic import full_config, inventory, make_checkpoint, tiny_config
 
 PUBLISHED = Path(__file__).parent / "data" / "published-checkpoint-keys.tsv"
 
@@ -92,7 +92,7 @@ def test_generator_refuses_a_non_empty_directory(tmp_path):
 
 
 def test_command_writes_a_checkpoint(tmp_path):
-    from voicechat.testing import main
+    from voicechat.synthetic import main
 
     assert main([str(tmp_path / "out"), "--quantize", "8", "--shards", "2"]) == 0
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
@@ -102,7 +102,7 @@ def test_command_writes_a_checkpoint(tmp_path):
 def test_command_errors_are_one_line_and_leave_nothing(tmp_path, capsys):
     """A place that takes no folder, a count below its least, a file where the folder should be:
     one error line each, nothing written; missing parent folders are made."""
-    from voicechat.testing import main
+    from voicechat.synthetic import main
 
     assert main(["/proc/voicechat-ckpt"]) == 1
     err = capsys.readouterr().err

@@ -7,7 +7,7 @@ from mlx.utils import tree_flatten
 
 from voicechat.checkpoint import open_checkpoint, subtree, to_mlx_layout
 from voicechat.model import VoiceChatModel
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 
 VARIANTS = {
     "float32-torch": dict(dtype="float32"),
@@ -90,7 +90,7 @@ def test_a_loaded_chat_holds_no_tensor_twice(request, fixture):
     chat = voicechat.load(request.getfixturevalue(fixture))
     gc.collect()
     added = mx.get_active_memory() - before
-    held = _allocated([v for _, v in tree_flatten(chat.model.parameters())] + [chat.tts.tts_model.char_table()])
+    held = _allocated([v for _, v in tree_flatten(chat.model.parameters())] + [chat.ear_tts.char_table()])
     assert chat.checkpoint.released and not chat.checkpoint.tensors and chat.checkpoint.nbytes > 0
     assert added <= 1.15 * held, (added, held)
     with pytest.raises(CheckpointError, match="released"):

@@ -8,11 +8,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from voicechat.prepare import prepare_lm
 from voicechat.checkpoint import CheckpointError, open_checkpoint
 from voicechat.kernels import use_reference
 from voicechat.llm.nemotron_h import DECODE_PARTS, DuplexLM, KVCache, MambaCache, count_step_ops, decode_parts
 from voicechat.llm.opcount import count_ops, custom_kernels, kernel_count
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 
 OTHERS = ("perception.", "rnnt_decoder.", "rnnt_joint.")
 PAD = 12
@@ -317,7 +318,7 @@ def test_bf16_q4_checkpoint_runs_in_float32_and_caches_agree(tiny_checkpoint_q4)
 
 def test_prepare_casts_once_and_changes_nothing(tiny_checkpoint_q4):
     # The MLX-op path (decode kernels off): what runs on CPU / Metal, and on CUDA for many rows.
-    raw, prepared = load_lm(tiny_checkpoint_q4), load_lm(tiny_checkpoint_q4).prepare(decode_kernels=False)
+    raw, prepared = load_lm(tiny_checkpoint_q4), prepare_lm(load_lm(tiny_checkpoint_q4), kernels=False)
     assert prepared.lm_head.scales.dtype == mx.float32 and prepared.lm_head.weight.dtype == mx.uint32
     assert prepared.llm.norm_f.weight.dtype == mx.float32
     attention = [layer.mixer for layer in prepared.llm.layers if layer.kind == "attention"]
@@ -359,7 +360,7 @@ def test_step_op_count_is_reported_and_flat_in_length(lm):
 
 
 def test_decode_kernel_path_gives_the_same_ids(tiny_checkpoint_q4):
-    """prepare(decode_kernels=True) swaps in the GEMV layers and the fused two-head argmax (their
+    """prepare_lm(kernels=True) swaps in the GEMV layers and the fused two-head argmax (their
     MLX fallback off CUDA): same greedy ids and the same hidden states as the default path."""
     from voicechat.checkpoint import open_checkpoint
     from voicechat.kernels.gemv import GemvQuantizedLinear
@@ -370,7 +371,7 @@ def test_decode_kernel_path_gives_the_same_ids(tiny_checkpoint_q4):
     for kernels in (False, True):
         lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
         ckpt.load_into(lm, "stt_model.", ignore=("perception.", "rnnt_decoder.", "rnnt_joint."))
-        lms.append(lm.prepare(decode_kernels=kernels))
+        lms.append(prepare_lm(lm, kernels=kernels))
     assert isinstance(lms[1].lm_head, GemvQuantizedLinear)
     assert isinstance(lms[1].llm.layers[0].mixer.in_proj, GemvQuantizedLinear)
     assert lms[1].lm_head.scales.dtype == mx.bfloat16 and lms[0].lm_head.scales.dtype == mx.float32
@@ -395,7 +396,7 @@ def test_compiled_decode_equals_the_eager_step(lm, tiny_checkpoint_q4, prefix, w
         ckpt = open_checkpoint(tiny_checkpoint_q4)
         lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
         ckpt.load_into(lm, "stt_model.", ignore=OTHERS)
-        lm.prepare(decode_kernels=True)
+        prepare_lm(lm, kernels=True)
     old = KVCache.step
     KVCache.step = 4  # buffers grow twice in the steps below
     try:
@@ -438,7 +439,7 @@ def test_queued_decode_parts_equal_the_lazy_step(tiny_checkpoint_q4, kernels):
     ckpt = open_checkpoint(tiny_checkpoint_q4)
     lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
     ckpt.load_into(lm, "stt_model.", ignore=OTHERS)
-    lm.prepare(decode_kernels=kernels)
+    prepare_lm(lm, kernels=kernels)
     assert len(decode_parts(len(lm.llm.layers))) > 1  # the tiny stack is split too
     vocab, h = lm.embed_tokens.weight.shape[0], lm.llm.config.hidden_size
     audio = 4.0 * mx.random.normal((1, 6, h), key=mx.random.key(31))
@@ -486,7 +487,7 @@ def test_compiled_decode_steps_left_lazy_keep_their_order(tiny_checkpoint_q4):
     ckpt = open_checkpoint(tiny_checkpoint_q4)
     lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
     ckpt.load_into(lm, "stt_model.", ignore=OTHERS)
-    lm.prepare(decode_kernels=True)
+    prepare_lm(lm, kernels=True)
     want, got, stepped, lazy = stepped_and_lazy_decode(lm)
     assert got == want
     for a, b in zip(stepped, lazy):

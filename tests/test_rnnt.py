@@ -12,7 +12,7 @@ from voicechat.kernels.rnnt_greedy import emitted_tokens, rnnt_greedy, rnnt_gree
 from voicechat.stt.conformer import Perception
 from voicechat.stt.rnnt import (RNNTDecoder, RNNTJoint, greedy_decode, greedy_decode_reference, greedy_table,
                                 loop_weights)
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 from voicechat.tokenizer import decode_pieces
 
 VOCAB = 40  # tiny: blank = 40

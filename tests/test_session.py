@@ -60,12 +60,12 @@ def test_result_shapes_and_lengths(chat, result, spoken_wav):
 def test_intermediates_are_finite(chat, spoken_wav):
     from voicechat.audio import load_audio
 
-    p = chat.stt.perception
+    p = chat.listening.perception
     wave = load_audio(spoken_wav, 16000)
     mel = p.log_mel(mx.array(wave))
     projected, lengths, encoded = p(mel)
-    cache = chat.stt.make_cache()
-    out = chat.stt.step(chat.stt.fused_input(mx.array([[12]]), projected[:, :1], mx.array([[12]])), cache)
+    cache = chat.listening.make_cache()
+    out = chat.listening.step(chat.listening.fused_input(mx.array([[12]]), projected[:, :1], mx.array([[12]])), cache)
     for a in (mel, projected, encoded, out.text_logits, out.function_logits):
         assert bool(mx.all(mx.isfinite(a)).item())
 
@@ -295,10 +295,10 @@ def test_a_failing_progress_callback_stops_the_tts_thread(chat, result, spoken_w
 def _warmed_up_tts(chat):
     """A fresh TTS cache after the speaker-prompt warmup, on the worker's stream, and the last code:
     what `generate` hands a TTSThread."""
-    tts = chat.tts.tts_model
+    tts = chat.ear_tts
     with mx.stream(chat._tts_stream):
         cache = tts.make_cache()
-        previous = tts.warmup(chat.tts.audio_prompt_latents[chat.config.speaker], chat.warmup_codes(), cache)
+        previous = tts.warmup(chat.speaking.audio_prompt_latents[chat.config.speaker], chat.warmup_codes(), cache)
     return cache, previous
 
 
@@ -306,7 +306,7 @@ def test_an_error_in_the_tts_thread_reaches_the_caller(chat):
     """A TTS step that fails on the worker raises in the caller's thread, at its next `put()` (the
     caller's loop stops early) and at `finish()`, and the worker's job ends (a silence row of the
     wrong size cannot be reshaped to the frame's codes)."""
-    tts = chat.tts.tts_model
+    tts = chat.ear_tts
     cache, previous = _warmed_up_tts(chat)
     worker = TTSThread(tts, chat._tts_stream, mx.zeros((5,), mx.int32), sync_every=4, worker=chat._worker_thread())
     worker.start(previous, cache, mx.random.key(0))
@@ -326,11 +326,11 @@ def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
     thread", what this test would see), and on a stream both threads use, two threads would encode
     into it at once (the system prompt's frames once handed the worker such a pad id: where the
     threaded loop crashed on the GPU). The same codes either way."""
-    tts, c = chat.tts.tts_model, chat.config
+    tts, c = chat.ear_tts, chat.config
 
     def codes(make_id):
         cache, previous = _warmed_up_tts(chat)
-        worker = TTSThread(tts, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4,
+        worker = TTSThread(tts, chat._tts_stream, chat.speaking.codec_silence_tokens, sync_every=4,
                            worker=chat._worker_thread())
         worker.start(previous, cache, mx.random.key(3))
         for i in range(6):
@@ -348,7 +348,7 @@ def test_the_tts_worker_is_handed_arrays_of_its_own(chat):
     """MLX updates an array's status and event, unlocked, whenever a graph reads it: an id the caller
     reads again (its next LLM step) must not be the array the worker reads (on the H200 a shared one
     gave one seed two answers). `put()` hands over a view of its own, scheduled."""
-    worker = TTSThread(chat.tts.tts_model, chat._tts_stream, chat.tts.codec_silence_tokens, sync_every=4,
+    worker = TTSThread(chat.ear_tts, chat._tts_stream, chat.speaking.codec_silence_tokens, sync_every=4,
                        worker=chat._worker_thread())
     text_id = mx.array([5], dtype=mx.int32) + 2
     worker.put(text_id)

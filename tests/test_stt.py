@@ -21,7 +21,7 @@ from voicechat.stt.conformer import (
     subsampled_length,
 )
 from voicechat.stt.mel import hann_window, log_mel, mel_filterbank, num_frames, preemphasis
-from voicechat.testing import make_checkpoint, tiny_config
+from voicechat.synthetic import make_checkpoint, tiny_config
 
 CFG = PreprocessorConfig()
 LOG_GUARD = math.log(2.0**-24)

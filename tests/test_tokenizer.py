@@ -4,7 +4,7 @@ import pytest
 
 from voicechat.checkpoint import CheckpointError
 from voicechat.tokenizer import TextTokenizer, decode_pieces, is_special_piece, load_rnnt_pieces
-from voicechat.testing import build_tokenizer, rnnt_vocabulary
+from voicechat.synthetic import build_tokenizer, rnnt_vocabulary
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from voicechat.checkpoint import open_checkpoint
-from voicechat.testing import make_checkpoint
+from voicechat.synthetic import make_checkpoint
 from voicechat.tokenizer import TextTokenizer
 from voicechat.tts.char_encoder import CharVocabularyError
 from voicechat.tts.ear_tts import EarTTS
@@ -439,15 +439,12 @@ def test_backbone_step_launches_on_cuda(tiny_checkpoint, tiny):
 
 
 def _gemv_tts(tiny_checkpoint, ckpt) -> EarTTS:
-    """A fresh EAR-TTS of the tiny checkpoint with our GEMV layers swapped in (as `session` does)."""
-    from voicechat.kernels.gemv import use_gemv
+    """A fresh EAR-TTS of the tiny checkpoint with our GEMV layers swapped in (as `load` does on a CUDA GPU)."""
+    from voicechat.prepare import prepare_tts
 
     fresh = EarTTS(ckpt.config.tts_config, ckpt.config.text_config.vocab_size, compile=False)
     ckpt.load_into(fresh, PREFIX)
-    use_gemv(fresh)
-    fresh.set_tokenizer(TextTokenizer(tiny_checkpoint / "tokenizer.json"))
-    fresh.prepare()
-    return fresh
+    return prepare_tts(fresh, TextTokenizer(tiny_checkpoint / "tokenizer.json"), kernels=True)
 
 
 def test_frame_code_embedding_equals_the_code_embedding(tiny_checkpoint, tiny):

@@ -90,7 +90,7 @@ def _write_json_atomic(path: str, data: dict) -> None:
 
 
 def _demo_inputs(workdir: Path) -> tuple[str, str]:
-    from .testing import make_checkpoint
+    from .synthetic import make_checkpoint
 
     checkpoint = make_checkpoint(workdir / "tiny-voicechat", "tiny")
     question = resources.files("voicechat") / "data" / "question.wav"

@@ -13,8 +13,9 @@ from .stt.rnnt import RNNTDecoder, RNNTJoint
 from .tts.ear_tts import EarTTS
 
 
-class STTModel(DuplexLM):
-    """The listening half: perception, the duplex LLM with its two heads, and the RNNT transcript."""
+class ListeningModel(DuplexLM):
+    """`stt_model.*`: perception, the duplex LLM with its two heads, and the RNNT transcript. It
+    listens and decides what to say; the speaking model turns that into audio."""
 
     def __init__(self, config: VoiceChatConfig):
         super().__init__(config.text_config, config.function_channel_weight)
@@ -23,8 +24,9 @@ class STTModel(DuplexLM):
         self.rnnt_joint = RNNTJoint(config.audio_config.joint)
 
 
-class TTSModel(nn.Module):
-    """The speaking half: EAR-TTS, the codec, the speaker prompt and the special codes."""
+class SpeakingModel(nn.Module):
+    """`tts_model.*`: EAR-TTS (itself `tts_model.tts_model.*`), the codec, the speaker prompt and
+    the special codes."""
 
     def __init__(self, config: VoiceChatConfig):
         super().__init__()
@@ -37,8 +39,10 @@ class TTSModel(nn.Module):
 
 
 class VoiceChatModel(nn.Module):
+    """The whole checkpoint: the listening model and the speaking model."""
+
     def __init__(self, config: VoiceChatConfig):
         super().__init__()
         self.config = config
-        self.stt_model = STTModel(config)
-        self.tts_model = TTSModel(config)
+        self.stt_model = ListeningModel(config)
+        self.tts_model = SpeakingModel(config)

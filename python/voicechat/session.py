@@ -30,11 +30,10 @@ from mlx.utils import tree_flatten
 from .audio import AudioError, load_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import VoiceChatConfig
-from .kernels.gemv import on_cuda_gpu, use_gemv
 from .model import VoiceChatModel
+from .prepare import prepare_for_decoding
 from .stt.conformer import subsampled_length
-from .kernels.rnnt_greedy import emitted_tokens
-from .stt.rnnt import greedy_table, loop_weights
+from .stt.rnnt import emitted_tokens, greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
 from .tts_thread import TTSThread, WorkerThread
 
@@ -107,13 +106,14 @@ class VoiceChat:
         self.model = model
         self.tokenizer = tokenizer
         self.rnnt_pieces = rnnt_pieces
-        self.stt = model.stt_model
-        self.tts = model.tts_model
+        self.listening = model.stt_model  # perception, the duplex LLM, the transcript
+        self.speaking = model.tts_model  # EAR-TTS, the codec, the speaker prompt
+        self.ear_tts = model.tts_model.tts_model
         self._prompt_codes: mx.array | None = None
-        self._control_codes = np.array(self.tts.control_codes)
-        self._silence_codes = np.array(self.tts.codec_silence_tokens)
+        self._control_codes = np.array(self.speaking.control_codes)
+        self._silence_codes = np.array(self.speaking.codec_silence_tokens)
         self._transcript_stream = mx.new_thread_unsafe_stream(mx.cpu)  # any calling thread
-        self._transcript_weights = loop_weights(self.stt.rnnt_decoder, self.stt.rnnt_joint,
+        self._transcript_weights = loop_weights(self.listening.rnnt_decoder, self.listening.rnnt_joint,
                                                 host_copies=mx.default_device() == mx.gpu)
         # Streams any thread may use (see tts_thread.py): the timeline runs on the first; the TTS on
         # the second when a worker thread steps it (on one thread, one stream: no cross-stream waits).
@@ -154,9 +154,9 @@ class VoiceChat:
         """The codec's codes of 38 frames of silence `[1, 38, 31]`, from which the TTS warmup builds
         the speaker prompt (spec "Warmup"). The same every session: made once."""
         if self._prompt_codes is None:
-            frames = self.tts.audio_prompt_latents[self.config.speaker].shape[1]
+            frames = self.speaking.audio_prompt_latents[self.config.speaker].shape[1]
             silence = mx.zeros((1, (frames + 1) * self.config.samples_per_frame))
-            self._prompt_codes = self.tts.audio_codec.encode(silence).transpose(0, 2, 1)
+            self._prompt_codes = self.speaking.audio_codec.encode(silence).transpose(0, 2, 1)
             mx.eval(self._prompt_codes)
         return self._prompt_codes
 
@@ -238,7 +238,7 @@ class VoiceChat:
         self._check_length(prompt_frames, subsampled_length(mel_frames))  # before any heavy work
         lap("audio_s")
 
-        perception = self.stt.perception
+        perception = self.listening.perception
         mel = perception.log_mel(mx.array(wave))
         stepwise = mel.shape[1] > STEPWISE_MEL_FRAMES
         audio_embeds, lengths, encoded = perception(mel, stepwise=stepwise)
@@ -248,17 +248,17 @@ class VoiceChat:
         audio_embeds, encoded = audio_embeds[:, :frames], encoded[:, :frames]
         # The transcript depends on nothing after the encoder: its sequential loop runs on a CPU
         # stream of its own, beside the timeline, and is read back at the end.
-        transcript = greedy_table(encoded, self.stt.rnnt_decoder, self.stt.rnnt_joint, c.rnnt_blank_id,
+        transcript = greedy_table(encoded, self.listening.rnnt_decoder, self.listening.rnnt_joint, c.rnnt_blank_id,
                                   c.audio_config.max_symbols, stream=self._transcript_stream,
                                   weights=self._transcript_weights)
         mx.async_eval(transcript)
         lap("perception_s")
 
-        tts = self.tts.tts_model
+        tts = self.ear_tts
         threaded = self.tts_thread and pipelined
         with mx.stream(self._tts_stream if threaded else self._timeline_stream):
             tts_cache = tts.make_cache()
-            previous_code = tts.warmup(self.tts.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
+            previous_code = tts.warmup(self.speaking.audio_prompt_latents[c.speaker], self.warmup_codes(), tts_cache)
         mx.eval(previous_code)
         lap("tts_warmup_s")
 
@@ -303,9 +303,9 @@ class VoiceChat:
         loop, kept so tests can hold the pipelined one to it). `threaded`: the TTS steps are built on
         a worker thread (`TTSThread`) fed each frame's text id."""
         c = self.config
-        stt, tts = self.stt, self.tts.tts_model
+        stt, tts = self.listening, self.ear_tts
         pad = mx.array([[c.pad_token_id]], dtype=mx.int32)
-        silence = self.tts.codec_silence_tokens
+        silence = self.speaking.codec_silence_tokens
         q = c.tts_config.num_quantizers
         key = mx.random.key(seed)
         prompt_frames, frames = len(ids), audio_embeds.shape[1]
@@ -387,7 +387,7 @@ class VoiceChat:
     def _decode_audio(self, codes: np.ndarray) -> np.ndarray:
         """Control codes -> silence codes, then the codec over the whole answer."""
         codes = np.where(np.isin(codes, self._control_codes), self._silence_codes[None, :], codes)
-        wave = self.tts.audio_codec.decode(mx.array(codes.T[None].astype(np.int32)))
+        wave = self.speaking.audio_codec.decode(mx.array(codes.T[None].astype(np.int32)))
         return np.array(wave[0].astype(mx.float32))
 
     # ------------------------------------------------------------------ reference
@@ -399,7 +399,7 @@ class VoiceChat:
         Slow (quadratic): kept as the reference the cached loop is tested against.
         """
         c = self.config
-        stt = self.stt
+        stt = self.listening
         wave = self._input_audio(audio, sample_rate, extra_decoding_seconds)
         audio_embeds, lengths, _ = stt.perception(stt.perception.log_mel(mx.array(wave)))
         frames = int(lengths[0].item()) if lengths is not None else audio_embeds.shape[1]
@@ -432,12 +432,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
         raise InputError(f"tokenizer.json has {tokenizer.vocab_size} ids but the model only "
                          f"{config.text_config.vocab_size}")
     pieces = load_rnnt_pieces(checkpoint.path, config.rnnt_vocabulary, config.audio_config.decoder.vocab_size)
-    model.stt_model.prepare()
-    tts = model.tts_model.tts_model
-    if on_cuda_gpu():  # our batch-2 GEMVs read the bf16 weights as stored (no per-call float32 copy)
-        use_gemv(tts)  # (the char encoder's many-row calls keep MLX's matmul)
-    tts.set_tokenizer(tokenizer)
-    tts.prepare()
+    prepare_for_decoding(model, tokenizer)
     mx.eval(model.parameters())
     checkpoint.release()  # the model holds what it uses; converted tensors would stay twice
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)

@@ -303,13 +303,25 @@ class GemvLinear(nn.Linear):
         return _epilogue(super().__call__(gelu_gate(x) if gated_input else x), residual, squared_relu)
 
 
-def linear(layer: nn.Module, x, *, residual=None, squared_relu: bool = False, emit_norm: nn.RMSNorm | None = None):
+def fuses_prenormed(layer: nn.Module, x) -> bool:
+    """Whether `linear(layer, x)` applies a `Prenormed` input's scales in its own launch (our
+    quantized GEMV layer at a shape the kernel takes), so a producer may hand it one."""
+    return isinstance(layer, GemvQuantizedLinear) and layer.mode == "affine" and gemv_applies(x)
+
+
+def linear(layer: nn.Module, x, *, residual=None, squared_relu: bool = False, emit_norm: nn.RMSNorm | None = None,
+           gated_input: bool = False):
     """`layer(x)` then `relu(.)^2` or `+ residual`, fused into the GEMV when `layer` is one of ours
     (composed otherwise: the same ops the kernel path is held to). `x` may be `Prenormed`.
 
     `emit_norm` (with `residual`): returns `(out, Prenormed or None)`, the second `emit_norm(out)`
     left for the next quantized matvec when the kernel formed it (`GemvQuantizedLinear.emit_norm`),
-    None when the caller has to apply the norm itself."""
+    None when the caller has to apply the norm itself. `gated_input`: `layer(gelu_gate(x))`, the gate
+    formed as our dense GEMV loads x."""
+    if gated_input:
+        if isinstance(layer, GemvLinear):
+            return layer(x, residual=residual, squared_relu=squared_relu, gated_input=True)
+        return _epilogue(layer(gelu_gate(resolved(x))), residual, squared_relu)
     if emit_norm is not None:
         if isinstance(layer, GemvQuantizedLinear):
             return layer.emit_norm(x, residual, emit_norm)

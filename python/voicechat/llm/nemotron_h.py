@@ -17,8 +17,9 @@ out_proj (`voicechat.kernels.gemv.Prenormed`). The LLM never looks up token ids:
 it runs on embeddings (`DuplexLM.fused_input` builds them). Activations are float32 whatever the
 weight dtype.
 
-After loading, `DuplexLM.prepare()` casts quantization scales / biases and the small vectors to
-float32 once, so that no step casts weights again (see its docstring).
+After loading, `voicechat.prepare.prepare_lm` casts quantization scales / biases and the small
+vectors to float32 once (`DuplexLM.cast_for_decoding`), so that no step casts weights again, and
+swaps in the GEMV layers on a CUDA GPU.
 
 Decoding state lives in a `NemotronHCache` (`NemotronH.make_cache()`): one entry per layer, a
 `MambaCache` (conv window + SSM state), a `KVCache` or None (MLP). A session owns it; `copy()`
@@ -38,7 +39,7 @@ from ..config import TextConfig
 from ..kernels.causal_conv import causal_conv_silu
 from ..kernels.decode_attention import decode_attention, plain_kernel_takes
 from ..kernels.gated_rms_norm import gated_rms_norm
-from ..kernels.gemv import GemvQuantizedLinear, Prenormed, gemv_applies, linear, stack_linears
+from ..kernels.gemv import Prenormed, fuses_prenormed, linear, stack_linears, two_head_argmax
 from ..kernels.mamba_scan import mamba_conv_scan_step, mamba_scan_packed
 
 # --------------------------------------------------------------------------- caches
@@ -271,8 +272,8 @@ class Mamba2Mixer(nn.Module):
         conv_bias = self.conv1d.bias if self._conv_has_bias else None
         ssm = cache.ssm if cache is not None else None
         if L == 1:  # the decode step: conv and scan in one launch on CUDA
-            # With our out_proj kernel, the gated norm rides along (out_proj applies its scales).
-            carry = isinstance(self.out_proj, GemvQuantizedLinear) and gemv_applies(projected)
+            # Where out_proj applies a norm's scales in its own launch, the gated norm rides along.
+            carry = fuses_prenormed(self.out_proj, projected)
             y, ssm, conv_state = mamba_conv_scan_step(
                 projected, conv_state, self.inner, self.conv1d.weight, conv_bias, self._dt_offset, self.A_log,
                 self.D, self.dt_bias, ssm, self.num_heads, self.head_dim, self.n_groups, self.state_size,
@@ -454,6 +455,7 @@ class DuplexLM(nn.Module):
         self.llm = NemotronH(text_cfg)
         self.lm_head = nn.Linear(h, vocab, bias=False)
         self.function_head = nn.Linear(h, vocab, bias=False)
+        self.decode_kernels = False  # both heads' argmax in one pass of our kernel (`voicechat.prepare`)
 
     def make_cache(self) -> NemotronHCache:
         return self.llm.make_cache()
@@ -554,49 +556,34 @@ class DuplexLM(nn.Module):
         text, function = self.greedy(self.llm.norm_f(x)[:, -1])
         return [text.astype(mx.int32), function.astype(mx.int32), offset + 1, *new_state]
 
-    def prepare(self, decode_kernels: bool | None = None) -> "DuplexLM":
-        """Load-time conversions for decoding; call once after loading weights. Returns self.
-
-        `decode_kernels` (default: on a CUDA GPU) swaps in our GEMV layers for every projection
-        and both heads (`voicechat.kernels.gemv`); they read bf16 scales as stored, so the scales of
-        quantized layers are then left in bf16 (half the bytes per step) and only norm weights and
-        Mamba vectors are cast.
+    def cast_for_decoding(self, keep_quantization_scales: bool = False) -> "DuplexLM":
+        """Load-time casts for decoding; call once after loading weights (`voicechat.prepare`
+        does, and swaps in the GEMV layers). Returns self.
 
         Activations are float32, so every op mixing them with bf16 quantization scales / biases,
         norm weights or Mamba vectors would cast those to float32 on every step (for the scales of
         the two 131072-wide heads alone, a full copy per step). Cast them once here instead; the
         values are unchanged (bf16 -> float32 is exact). Packed 4/8-bit weights stay as they are,
         and so do dense matrices (a bf16 checkpoint keeps its memory; its GEMVs promote per call).
-
-        Each attention layer's q, k and v projections then run as one (`Attention.stack`: views of
-        one buffer, no extra memory, the same values).
+        `keep_quantization_scales` leaves the scales and biases of quantized layers as stored, for
+        the GEMV layers, which read them in bf16.
         """
         from mlx.utils import tree_flatten, tree_unflatten
-
-        from ..kernels.gemv import on_cuda_gpu, use_gemv
-
-        self.decode_kernels = on_cuda_gpu() if decode_kernels is None else decode_kernels
 
         def small(path: str, a: mx.array) -> mx.array:
             name = path.rsplit(".", 1)[-1]
             dense_matrix = a.ndim == 2 and name == "weight" and a.dtype != mx.uint32
-            quant_param = name in ("scales", "biases") and self.decode_kernels
+            quant_param = name in ("scales", "biases") and keep_quantization_scales
             keep = dense_matrix or quant_param or not mx.issubdtype(a.dtype, mx.floating) or a.dtype == mx.float32
             return a if keep else a.astype(mx.float32)
 
-        # Only this network's parts: a subclass (the STT model) adds modules with rules of their own.
+        # Only this network's parts: a subclass (the listening model) adds modules with rules of their own.
         # The embedding always dequantizes in float32 (a lookup, not a GEMV: bf16 scales would round it).
         for part in (self.embed_tokens, self.llm, self.lm_head, self.function_head):
             params = [(k, small(k, v) if part is not self.embed_tokens else _float32(v))
                       for k, v in tree_flatten(part.parameters())]
             part.update(tree_unflatten(params))
             mx.eval(part.parameters())
-        if self.decode_kernels:
-            use_gemv(self.llm)
-            self.lm_head, self.function_head = use_gemv(self.lm_head), use_gemv(self.function_head)
-        for layer in self.llm.layers:
-            if layer.kind == "attention":
-                layer.mixer.stack()
         return self
 
     def embed(self, ids: mx.array) -> mx.array:
@@ -626,9 +613,7 @@ class DuplexLM(nn.Module):
     def greedy(self, last: mx.array, logits: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
         """Both heads' greedy ids of hidden states [b, H] (after norm_f); `logits`: the heads' output
         on `last` when the caller already built it (the argmax then reads it)."""
-        if getattr(self, "decode_kernels", False):
-            from ..kernels.gemv import two_head_argmax
-
+        if self.decode_kernels:
             ids = two_head_argmax(last, self.lm_head, self.function_head)  # one pass, no logits written
             return ids[..., 0], ids[..., 1]
         text_logits, function_logits = self.heads(last) if logits is None else logits

@@ -17,7 +17,7 @@ table, norm scales, RVQ norms) so the first frame does not pay for it. With bf16
 `tts.set_dtype(mx.float32)` after loading removes the per-call weight cast of every matmul (same
 codes, tested; twice the memory). `prepare()` also stacks the projections that share an input
 (q/k/v, gate/up, the MoG's logits/log-std/rest) into one layer each (`stack_projections=False`: separate),
-so a frame launches fewer kernels; swap in the GEMV layers (`use_gemv`) before it.
+so a frame launches fewer kernels; `voicechat.prepare.prepare_tts` swaps in the GEMV layers before it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .mog_head import MoGHead
 
 from ..kernels._native import use_reference
 from ..kernels.code_embedding import code_embedding
-from ..kernels.gemv import GemvLinear, on_cuda_gpu
+from ..kernels.gemv import on_cuda_gpu
 from ..kernels.rvq import codebook_norms, rvq_search
 
 EOS_ID = 2
@@ -104,6 +104,7 @@ class EarTTS(nn.Module):
         self.mog_head = MoGHead(h, cfg.latent_size, cfg.mog_head)
         self.rvq_embs = mx.zeros((cfg.num_quantizers, cfg.codebook_size, cfg.latent_size))
         self._schedule = tuple(c for c in cfg.mask_schedule if c > 0)
+        self.decode_kernels = False  # our GEMV layers swapped in (`voicechat.prepare`)
         self._invalidate()
 
     # ------------------------------------------------------------------ load-time work
@@ -184,7 +185,7 @@ class EarTTS(nn.Module):
         row each time): one launch on a CUDA GPU with our GEMV layer (the depth sum and `embed_code`
         in `kernels.code_embedding`), the same ops as `code_embedding` elsewhere."""
         self._prepare_weights()
-        if isinstance(self.embed_code, GemvLinear) and on_cuda_gpu() and not use_reference():
+        if self.decode_kernels and on_cuda_gpu() and not use_reference():
             return code_embedding(code, self._rvq_flat, self.embed_code["weight"], rows)
         out = self.code_embedding(code.reshape(1, 1, -1))
         return out if rows == 1 else mx.broadcast_to(out, (rows, *out.shape[1:]))

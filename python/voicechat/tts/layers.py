@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..kernels.add_rms_norm import add_rms_norm, add_rms_norm_guided, add_rms_norm_linear
-from ..kernels.gemv import GemvLinear, gelu_gate, stack_linears
+from ..kernels.gemv import linear, stack_linears
 
 
 class OffsetRMSNorm(nn.Module):
@@ -99,9 +99,7 @@ class GatedMLP(nn.Module):
 
     def down_from(self, gate_up: mx.array) -> mx.array:
         """down_proj(gelu(gate) * up) from the stacked gate/up output."""
-        if isinstance(self.down_proj, GemvLinear):  # the kernel forms gelu(gate) * up as it loads them
-            return self.down_proj(gate_up, gated_input=True)
-        return self.down_proj(gelu_gate(gate_up))
+        return linear(self.down_proj, gate_up, gated_input=True)
 
 
 def stack_projections(module: nn.Module) -> None:

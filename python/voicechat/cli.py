@@ -15,6 +15,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from .config import EXTRA_DECODING_SECONDS
 from .files import atomic_output
 
 DEFAULT_MODEL = "mlx-community/NemotronLabs-VoiceChat-11B-4bit"
@@ -31,8 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-audio", help="where to write the spoken answer (WAV; '-': to stdout, the answer "
                                            "lines then go to stderr)")
     p.add_argument("-p", "--system-prompt", default=None, help="system prompt (empty: none)")
-    p.add_argument("--extra-decoding-seconds", type=float, default=3.0,
-                   help="seconds of silence appended so the model can finish answering (default: 3)")
+    p.add_argument("--extra-decoding-seconds", type=float, default=EXTRA_DECODING_SECONDS, metavar="SECONDS",
+                   help=f"seconds of silence appended so the model can finish answering (default: {EXTRA_DECODING_SECONDS:g})")
     p.add_argument("--seed", type=int, default=0, help="seed of the speech sampler (default: 0)")
     p.add_argument("--output-json", help="write the result (everything but the samples) and timings as JSON "
                                           "('-': to stdout, in place of the answer lines)")

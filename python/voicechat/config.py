@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Silence appended to the input so that the model can finish its answer (`generate`, `vc-generate`).
+EXTRA_DECODING_SECONDS = 3.0
+
 MODEL_TYPE = "nemotron_voicechat"
 SPEAKERS = ("Aria",)
 SPEAKER_PROMPT_FRAMES = 37  # frames of the stored speaker latent (audio_prompt_latents.Aria [1, 37, hidden])

@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from .audio import AudioError, load_audio
 from .checkpoint import Checkpoint, open_checkpoint
-from .config import VoiceChatConfig
+from .config import EXTRA_DECODING_SECONDS, VoiceChatConfig
 from .model import VoiceChatModel
 from .prepare import prepare_for_decoding
 from .stt.conformer import subsampled_length
@@ -195,7 +195,7 @@ class VoiceChat:
         self,
         audio: str | os.PathLike | np.ndarray,
         system_prompt: str | None = None,
-        extra_decoding_seconds: float = 3.0,
+        extra_decoding_seconds: float = EXTRA_DECODING_SECONDS,
         seed: int = 0,
         *,
         sample_rate: int | None = None,
@@ -392,7 +392,7 @@ class VoiceChat:
 
     # ------------------------------------------------------------------ reference
 
-    def text_ids_full_history(self, audio, system_prompt: str | None = None, extra_decoding_seconds: float = 3.0,
+    def text_ids_full_history(self, audio, system_prompt: str | None = None, extra_decoding_seconds: float = EXTRA_DECODING_SECONDS,
                               *, sample_rate: int | None = None) -> tuple[list[int], list[int]]:
         """Text and function ids recomputed over the whole history at every position, no caches.
 

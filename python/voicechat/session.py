@@ -8,8 +8,8 @@ heads give `text[t]` and `function[t]` (greedy, after the system prompt); from t
 `text[t]` into one frame of 31 codec codes. The loop never waits for the device: ids stay on the
 device and feed the next frame, the LLM step runs as one compiled graph (`DuplexLM.decode`) as
 the TTS step does, evaluation is pipelined with `mx.async_eval`, and the host syncs
-only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest). Optionally
-(`tts_thread`, experimental) the TTS half is built on a host thread of its own, beside the LLM half.
+only every `SYNC_EVERY` frames (to bound the queued graph and keep progress honest). On a CUDA GPU
+(`tts_thread`) the TTS half is built on a host thread of its own, beside the LLM half.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class Result:
 def default_tts_thread() -> bool:
     """Whether `generate()` builds the TTS steps on a worker thread unless told: as
     VOICECHAT_TTS_THREAD says ("0" or "1"); when unset, on where the default device is a CUDA GPU
-    (measured and tested there, see tts_thread.py), off elsewhere (on a CPU the two chains share the
-    same cores; Metal is untried)."""
+    (whose frame loop is bound by the host), off elsewhere (on a CPU the two chains share the same
+    cores)."""
     value = os.environ.get("VOICECHAT_TTS_THREAD", "")
     if value not in ("", "0", "1"):
         raise ValueError(f"VOICECHAT_TTS_THREAD is {value!r}: use 0 or 1")
@@ -97,7 +97,7 @@ class VoiceChat:
 
     `tts_thread` (on by default on a CUDA GPU, off elsewhere; VOICECHAT_TTS_THREAD=0|1 overrides):
     build the TTS steps on a host thread of their own while this thread builds the LLM steps (same
-    ids and codes as one thread; `tts_thread.py` says why it pays and what it took)."""
+    ids and codes as one thread; `tts_thread.py` says why it pays and the rules it follows)."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):

@@ -14,27 +14,17 @@ ends. What a compiled step closes over must be evaluated (a lazy array there wou
 every call, on the stream of the thread that made it): `voicechat.load` evaluates everything.
 
 On by default on a CUDA GPU, off elsewhere (`VoiceChat.tts_thread`; VOICECHAT_TTS_THREAD=0|1
-overrides). Full size, 5 s input, H200 (2026-12-02, twenty-second session, alternating arms, one
-process each): 5.41 / 5.27 ms a frame with the worker against 6.78 / 6.43 ms without. Its history: the GPU
-test run of 2026-12-01 segfaulted with both threads in `mx.async_eval`, and on 2026-12-02 the
-threaded tests aborted the process in 3 of 3 rounds, each in the system-prompt test. The cause,
-found by reading: the system prompt's frames handed the worker `pad.reshape(1)`, a lazy op on the
-caller's stream, which the worker's eval then encoded into the caller's stream while the caller
-encoded into it too. `put()` now schedules every id on the caller's thread first and those frames
-take an id made from host data. On the H200 since (2026-12-02, tools/gpu/tts_thread_retest.sh):
-no crash in 6 rounds through our launch and 1 through MLX's, the threaded tests passing. Full
-size, 5 s input: 6.28 ms a frame with the worker against 6.82 ms without. But with the worker on
-by default, test_cli's same-seed test wrote two different WAVs from one seed (three fresh loads in
-one process, H200, once; it passes on the CPU and passed there with the worker off). Found by
-reading afterwards: the worker and the caller shared each text id array, and MLX mutates an
-array's status and event (no lock) whenever a graph reads it, so both threads did: a data race
-that can crash or skip the cross-stream wait. `put()` now hands the worker an array of its own
-(`mx.contiguous`, no kernel), and the caller no longer waits on the code the worker starts from.
-On the H200 since (twenty-second session): the threaded tests and test_cli's same-seed WAVs with
-the worker on in 2 rounds each, and test_session + test_cli whole with it on in 2 rounds: all pass.
+overrides): on a CPU the two chains would share the same cores.
+
+Two rules keep the threads apart, as MLX updates an array's status and event without a lock
+whenever a graph reads it:
+- `put()` schedules every text id on the caller's thread first and hands the worker an array of its
+  own (`mx.contiguous`, no kernel), so no array is read by both threads; the system prompt's
+  frames take an id made from host data, not a lazy op on the caller's stream.
+- The caller never waits on an array the worker carries (the code it starts from included).
 
 The worker is one `WorkerThread` a `VoiceChat` keeps (one job per generate): MLX 0.32's compile
-cache is thread-local, and a new thread per call traced the compiled TTS step again every call.
+cache is thread-local, and a new thread per call would trace the compiled TTS step again every call.
 """
 
 from __future__ import annotations
@@ -53,8 +43,7 @@ class WorkerThread:
     """One host thread that runs jobs one after another, kept for a `VoiceChat`'s life.
 
     MLX 0.32's compile cache is thread-local: with a new thread for every call, the compiled TTS
-    step was traced again at every call (its first two steps 39 / 41 ms against 7-9 ms warm on the
-    CPU; tools/gpu/worker_retrace.py). `close()` ends the thread once its jobs are done, after
+    step would be traced again at every call. `close()` ends the thread once its jobs are done, after
     `mx.clear_streams()` on it (MLX 0.32.4 can abort the process at exit over the streams a
     finished thread left)."""
 

@@ -309,8 +309,8 @@ class AudioCodec(nn.Module):
     """The codec network: `encoder`, `decoder`, `prvq` under `tts_model.audio_codec.`.
 
     Computes in float32 throughout (the checkpoint stores bf16; each weight is cast where it is
-    used). A bf16 network was tried and is not offered: on random weights its decoder phases (tens
-    of radians) lose ~0.25 rad, a 14 % RMS waveform error.
+    used). A bf16 network is not offered: its decoder phases (tens of radians) lose ~0.25 rad, a
+    14 % RMS waveform error on random weights.
     """
 
     def __init__(self, cfg: CodecConfig):
@@ -360,9 +360,9 @@ class AudioCodec(nn.Module):
         docstring); `None` decodes everything in one pass. Both give the same samples, to float
         rounding. Each window's graph is built while the one before it runs, then that one is
         waited for and this one dispatched (`mx.async_eval`): one window's activations at a time
-        (~0.36 GB at full size), the host's graph building still beside the device. (Not waiting at
-        all let the host queue every window at once on CUDA, whose buffers live until their kernels
-        complete: 7.7 GB over the timeline for a 30 s answer on the H200.)
+        (~0.36 GB at full size), the host's graph building still beside the device. (Without the wait
+        the host queues every window at once, and on CUDA their buffers live until their kernels
+        complete: several GB for a 30 s answer.)
 
         Every code must lie in [0, codebook_size): control codes are replaced by the caller
         (with the per-codebook silence codes) before decoding; nothing here syncs to check.

@@ -139,7 +139,7 @@ class KVCache:
 def _nothing_pending() -> mx.array:
     """What a compiled step's buffers wait for when no write is pending: an evaluated array of its
     own, not the buffers themselves (with the keys passed for both, lazily evaluated teacher-forced
-    steps parted from stepped ones on the H200; with an array of its own their ids agree)."""
+    steps can part from stepped ones on a GPU)."""
     nothing = mx.zeros((1,))
     mx.eval(nothing)
     return nothing
@@ -378,8 +378,8 @@ class Block(nn.Module):
         The residual add rides in the mixer's last projection (one launch on the GEMV path;
         elsewhere `mixer(...) + x`, bit-identical to `x + mixer(...)`). `normed`: this block's norm
         as the previous block left it (its first projection finishes it), else MLX's rms_norm. (Formed
-        whole inside the first projection's GEMV instead, the norm made the H200 step 2.5 ms slower:
-        every row block re-read x and the norm weight.)"""
+        whole inside the first projection's GEMV instead, the norm is slower: every row block would
+        re-read x and the norm weight.)"""
         return self.mixer(normed if normed is not None else self.norm(x), cache, residual=x, emit_norm=next_norm)
 
 
@@ -421,7 +421,7 @@ class NemotronH(nn.Module):
 
 # Layers in each compiled part of a decode step, first to last (the last part takes the rest). The
 # first is small so that the device starts early; later ones grow, as the host builds and encodes a
-# layer faster than the device runs it (~40 against ~60 us at full size on the H200).
+# layer faster than the device runs it (~40 against ~60 us a layer at full size).
 DECODE_PARTS = (2, 3, 4, 6, 9, 14)
 
 
@@ -476,8 +476,8 @@ class DuplexLM(nn.Module):
         The layers run in parts (`DECODE_PARTS`), each compiled on its own. With `queue` each part
         but the last is queued (`mx.async_eval`) as soon as it is built, so that the device starts
         on the first layers while Python builds and encodes the rest: a step the caller waits on no
-        longer waits for its whole graph to be built first (on the H200 the device started ~2.0 ms
-        into a 5 ms waited step: MLX-CUDA launches its work as CUDA graphs of many ops).
+        longer waits for its whole graph to be built first (MLX-CUDA launches its work as CUDA
+        graphs of many ops, so without this the device starts late in the step).
         `queue=False` leaves the whole step lazy (to count its ops, or to build several steps
         before one evaluation).
         """

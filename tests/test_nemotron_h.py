@@ -457,7 +457,7 @@ def test_queued_decode_parts_equal_the_lazy_step(tiny_checkpoint_q4, kernels):
 
 def stepped_and_lazy_decode(lm: DuplexLM, steps: int = 8):
     """The same teacher-forced compiled decode steps evaluated one at a time and as one lazy graph:
-    (ids stepped, ids lazy, caches' state stepped, lazy). Also run by tools/gpu/lazy_probe.py."""
+    (ids stepped, ids lazy, caches' state stepped, lazy)."""
     vocab, h = lm.embed_tokens.weight.shape[0], lm.llm.config.hidden_size
     audio = 4.0 * mx.random.normal((1, steps, h), key=mx.random.key(21))
     ids = mx.random.randint(0, vocab, (2, steps), key=mx.random.key(22)).astype(mx.int32)
@@ -477,13 +477,11 @@ def test_compiled_decode_steps_left_lazy_keep_their_order(tiny_checkpoint_q4):
     """Teacher-forced compiled steps built without evaluating and evaluated as one graph give the
     step-by-step ids: on CUDA each attention launch writes its slot of the K/V buffers in place,
     which MLX does not see, and each step's buffers depend on the launch before (mx.depends), or a
-    later step could read a slot before it is written (on the H200, without that edge, the ids
-    parted at the sixth step).
+    later step could read a slot before it is written.
 
-    The caches are compared to a tolerance, not bit for bit: on the H200 one row of the first Mamba
-    layer's conv state (one step's in_proj output) came out ~0.5% apart in the lazy graph, with the
-    same ids; not explained yet (tools/gpu/lazy_probe.py switches the decode mechanisms off one at a
-    time to find it; see docs/developing.md)."""
+    The caches are compared to a tolerance, not bit for bit: on a GPU one row of the first Mamba
+    layer's conv state (one step's in_proj output) can come out ~0.5% apart in the lazy graph, with
+    the same ids (a known, unexplained difference; the ids are what the contract holds)."""
     ckpt = open_checkpoint(tiny_checkpoint_q4)
     lm = DuplexLM(ckpt.config.text_config, ckpt.config.function_channel_weight)
     ckpt.load_into(lm, "stt_model.", ignore=OTHERS)

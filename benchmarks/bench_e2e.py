@@ -73,7 +73,7 @@ def test_generate(benchmark, chat, seconds, tts_thread):
     cold_s = time.perf_counter() - start
     results, peaks = [], [mx.get_peak_memory()]
 
-    def run():  # each run's own peak: on the H200 warm runs peaked higher than the cold one
+    def run():  # each run's own peak: a warm run can peak higher than the cold one
         mx.reset_peak_memory()
         results.append(chat.generate(audio, sample_rate=16000, extra_decoding_seconds=0.0))
         peaks.append(mx.get_peak_memory())

@@ -173,8 +173,8 @@ def test_the_tts_worker_is_on_by_default_only_on_a_cuda_gpu_and_the_environment_
 
 
 def test_the_tts_thread_gives_one_answer_a_seed_across_fresh_loads(tiny_checkpoint, result, spoken_wav):
-    """What test_cli's same-seed test does with the worker on (on the H200 it once wrote two WAVs from
-    one seed): each load its own streams and compiled steps, each first generate threaded."""
+    """What test_cli's same-seed test does with the worker on (an array read by both threads can give
+    one seed two WAVs): each load its own streams and compiled steps, each first generate threaded."""
     for _ in range(2):
         with voicechat.load(tiny_checkpoint) as chat:
             chat.tts_thread = True
@@ -346,8 +346,8 @@ def test_the_tts_worker_is_handed_ids_scheduled_on_the_callers_thread(chat):
 
 def test_the_tts_worker_is_handed_arrays_of_its_own(chat):
     """MLX updates an array's status and event, unlocked, whenever a graph reads it: an id the caller
-    reads again (its next LLM step) must not be the array the worker reads (on the H200 a shared one
-    gave one seed two answers). `put()` hands over a view of its own, scheduled."""
+    reads again (its next LLM step) must not be the array the worker reads (a shared one can give
+    one seed two answers). `put()` hands over a view of its own, scheduled."""
     worker = TTSThread(chat.ear_tts, chat._tts_stream, chat.speaking.codec_silence_tokens, sync_every=4,
                        worker=chat._worker_thread())
     text_id = mx.array([5], dtype=mx.int32) + 2

@@ -83,15 +83,29 @@ def frame_noise(key: mx.array, calls: int, num_predictions: int, latent: int):
     Returns `(uniforms, normals, key)`: `calls` arrays each and the state after them. From
     `mx.random.key(seed)` the frames' draws are the numbers that `mx.random.seed(seed)` and the
     same draws from the global generator give; the state is explicit, so each session (and thread)
-    carries its own. The keys form a chain (each split reads the last one); the draws stay one per
-    call, as stacking their keys for one batched draw would add a copy per distribution."""
-    uniforms, normals = [], []
-    for _ in range(calls):
+    carries its own. The keys form a chain (each split reads the last one); the draws of one
+    distribution are one batched draw over their keys (a draw from a batch of keys gives, row by
+    row, the draws from each key)."""
+    subs = []
+    for _ in range(2 * calls):
         key, sub = mx.random.split(key)
-        uniforms.append(mx.random.uniform(shape=(1, 1, num_predictions), key=sub))
-        key, sub = mx.random.split(key)
-        normals.append(mx.random.normal(shape=(1, 1, latent), key=sub))
-    return uniforms, normals, key
+        subs.append(sub)
+    uniform = mx.vmap(lambda k: mx.random.uniform(shape=(1, 1, num_predictions), key=k))
+    normal = mx.vmap(lambda k: mx.random.normal(shape=(1, 1, latent), key=k))
+    uniforms, normals = uniform(_key_rows(subs[0::2])), normal(_key_rows(subs[1::2]))
+    # Rows taken as range slices (views): an integer index is a gather, a launch each.
+    return ([uniforms[i : i + 1].reshape(1, 1, num_predictions) for i in range(calls)],
+            [normals[i : i + 1].reshape(1, 1, latent) for i in range(calls)], key)
+
+
+def _key_rows(keys: list[mx.array]) -> mx.array:
+    """The keys as the rows of one `[n, 2]` array: a select per key, which a compiled step fuses
+    into one launch (`mx.stack` copies each key in a launch of its own)."""
+    rows = mx.array([[i] for i in range(len(keys))], mx.int32)
+    out = mx.broadcast_to(keys[0], (len(keys), keys[0].shape[0]))
+    for i, k in enumerate(keys[1:], 1):
+        out = mx.where(rows == i, k, out)
+    return out
 
 
 # Row 0 of a CFG batch sees the text. Made as data, not as an op: a lazy array made at import

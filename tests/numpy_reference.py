@@ -1,9 +1,9 @@
 """Float64 NumPy pieces for the spec references of test_conformer_reference.py and
 test_ear_tts_reference.py.
 
-Written from the model specification (docs in /work/shared/spec), never from our modules: nothing
-here imports voicechat. Weights are read out of a module's parameters (MLX layout) and widened to
-float64; every formula is computed again here.
+Written from the model specification (voicechat-port-spec.md and its README), never from our
+modules: nothing here imports voicechat. Weights are read out of a module's parameters (MLX
+layout) and widened to float64; every formula is computed again here.
 """
 
 from __future__ import annotations

@@ -227,6 +227,42 @@ def test_same_seed_same_codes_other_seed_other_codes(tiny):
     assert not mx.array_equal(a, c).item()
 
 
+def test_frame_draws_are_the_global_generators_in_the_reference_order(tiny):
+    """Seeded once, MLX's global generator drawing per MoG call one uniform (1, 1, N) then one
+    normal (1, 1, L), frame after frame, gives the numbers the step draws from the explicit key
+    `mx.random.key(seed)`, and leaves the state the step hands on."""
+    from voicechat.tts.ear_tts import frame_noise
+
+    tts, _ = tiny
+    calls, n, latent = len(tts._schedule), tts.mog_head.num_predictions, tts.cfg.latent_size
+    for seed in (0, 1234):
+        key = mx.random.key(seed)
+        mx.random.seed(seed)
+        for _ in range(3):
+            uniforms, normals, key = frame_noise(key, calls, n, latent)
+            for u, noise in zip(uniforms, normals):
+                assert mx.array_equal(u, mx.random.uniform(shape=(1, 1, n))).item()
+                assert mx.array_equal(noise, mx.random.normal(shape=(1, 1, latent))).item()
+            assert mx.array_equal(key, mx.random.state[0]).item()
+
+
+def test_a_step_hands_on_the_generator_state_after_its_draws(tiny):
+    """Five MoG calls a frame, two draws each: after k steps the key is the global generator's
+    state after 10 k draws from the same seed."""
+    tts, ckpt = tiny
+    cache = tts.make_cache()
+    silence = ckpt.tensors["tts_model.codec_silence_tokens"]
+    previous = tts.warmup(ckpt.tensors["tts_model.audio_prompt_latents.Aria"], prompt_codes(ckpt), cache)
+    key = mx.random.key(9)
+    for text_id in TEXT[:3]:
+        previous, key = tts.step(previous, text_id, cache, key, silence)
+    mx.random.seed(9)
+    for _ in range(3 * len(tts._schedule)):
+        mx.random.uniform(shape=(1,))
+        mx.random.normal(shape=(1,))
+    assert mx.array_equal(key, mx.random.state[0]).item()
+
+
 def test_compiled_step_gives_the_same_codes(tiny_checkpoint, tiny):
     tts, ckpt = tiny
     compiled, _ = load_tts(tiny_checkpoint, compile=True)

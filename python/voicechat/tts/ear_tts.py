@@ -12,12 +12,14 @@
 Every forward runs batch 2 for classifier-free guidance: row 0 conditioned on the text, row 1 on
 `null_emb`. Activations are float32 whatever the stored weight dtype. A step runs on the device
 from end to end (EOS check, char-table row, fusion, backbone, 5 MoG calls, RVQ) as one compiled
-graph; its randomness comes only from the explicit key. Call `prepare()` at load time (char
-table, norm scales, RVQ norms) so the first frame does not pay for it. With bf16 weights,
-`tts.set_dtype(mx.float32)` after loading removes the per-call weight cast of every matmul (same
-codes, tested; twice the memory). `prepare()` also stacks the projections that share an input
-(q/k/v, gate/up, the MoG's logits/log-std/rest) into one layer each (`stack_projections=False`: separate),
-so a frame launches fewer kernels; `voicechat.prepare.prepare_tts` swaps in the GEMV layers before it.
+graph; its randomness comes only from the explicit key, drawn in the reference order
+(`frame_noise`: a seed gives the codes that `mx.random.seed(seed)` and the global generator give).
+Call `prepare()` at load time (char table, norm scales, RVQ norms) so the first frame does not pay
+for it. With bf16 weights, `tts.set_dtype(mx.float32)` after loading removes the per-call weight
+cast of every matmul (same codes, tested; twice the memory). `prepare()` also stacks the
+projections that share an input (q/k/v, gate/up, the MoG's logits/log-std/rest) into one layer
+each (`stack_projections=False`: separate), so a frame launches fewer kernels;
+`voicechat.prepare.prepare_tts` swaps in the GEMV layers before it.
 """
 
 from __future__ import annotations
@@ -71,6 +73,39 @@ class GatedFusion(nn.Module):
         gate = mx.sigmoid(self.gate.astype(mx.float32))
         scale = mx.sigmoid(self.residual_scale.astype(mx.float32))
         return self.final_norm(scale * (gate * a + (1.0 - gate) * t))
+
+
+def frame_noise(key: mx.array, calls: int, num_predictions: int, latent: int):
+    """One frame's random draws in the reference order, from the generator state `key`: per MoG
+    call one uniform `(1, 1, num_predictions)`, then one normal `(1, 1, latent)`, each drawn with
+    the generator's next key (`key, sub = split(key)`, the step of MLX's global generator).
+
+    Returns `(uniforms, normals, key)`: `calls` arrays each and the state after them. From
+    `mx.random.key(seed)` the frames' draws are the numbers that `mx.random.seed(seed)` and the
+    same draws from the global generator give; the state is explicit, so each session (and thread)
+    carries its own. The keys form a chain (each split reads the last one); the draws of one
+    distribution are one batched draw over their keys (a draw from a batch of keys gives, row by
+    row, the draws from each key)."""
+    subs = []
+    for _ in range(2 * calls):
+        key, sub = mx.random.split(key)
+        subs.append(sub)
+    uniform = mx.vmap(lambda k: mx.random.uniform(shape=(1, 1, num_predictions), key=k))
+    normal = mx.vmap(lambda k: mx.random.normal(shape=(1, 1, latent), key=k))
+    uniforms, normals = uniform(_key_rows(subs[0::2])), normal(_key_rows(subs[1::2]))
+    # Rows taken as range slices (views): an integer index is a gather, a launch each.
+    return ([uniforms[i : i + 1].reshape(1, 1, num_predictions) for i in range(calls)],
+            [normals[i : i + 1].reshape(1, 1, latent) for i in range(calls)], key)
+
+
+def _key_rows(keys: list[mx.array]) -> mx.array:
+    """The keys as the rows of one `[n, 2]` array: a select per key, which a compiled step fuses
+    into one launch (`mx.stack` copies each key in a launch of its own)."""
+    rows = mx.array([[i] for i in range(len(keys))], mx.int32)
+    out = mx.broadcast_to(keys[0], (len(keys), keys[0].shape[0]))
+    for i, k in enumerate(keys[1:], 1):
+        out = mx.where(rows == i, k, out)
+    return out
 
 
 # Row 0 of a CFG batch sees the text. Made as data, not as an op: a lazy array made at import
@@ -203,25 +238,19 @@ class EarTTS(nn.Module):
         return self.gated_fusion_audio_text.cfg_pair(code_embed, cond, self._null_text)
 
     def generate_codes(self, hidden: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
-        """Iterative unmasking of one frame: hidden [2, 1, hidden] -> (codes [1, 1, Q] int32, key)."""
+        """Iterative unmasking of one frame: hidden [2, 1, hidden] -> (codes [1, 1, Q] int32, key).
+
+        `key` is the generator state; the new state comes back (`frame_noise`)."""
         self._prepare_weights()
         cfg, mog = self.cfg, self.mog_head
         q, d = cfg.num_quantizers, cfg.latent_size
         code = self._all_masked
-        # The frame's randomness in two draws (one per distribution, a row per iteration): a few
-        # launches a frame instead of a split and a draw per iteration.
-        key, sub = mx.random.split(key)
-        key_u, key_noise = mx.random.split(sub)
-        steps = len(self._schedule)
-        uniforms = mx.random.uniform(shape=(steps, 1, 1, mog.num_predictions), key=key_u)
-        normals = mx.random.normal(shape=(steps, 1, 1, d), key=key_noise)
+        uniforms, normals, key = frame_noise(key, len(self._schedule), mog.num_predictions, d)
         done = 0
-        for i, count in enumerate(self._schedule):
+        for count, u, noise in zip(self._schedule, uniforms, normals):
             # The MoG head's input is hidden + the embedding of the codes so far (added inside its
             # first launch). All codes are the mask at first, whose embedding is exactly zero.
             embedded = None if done == 0 else self.frame_code_embedding(code, rows=hidden.shape[0])
-            # Rows taken as range slices (views): an integer index is a gather, a launch each.
-            u, noise = (a[i : i + 1].reshape(a.shape[1:]) for a in (uniforms, normals))
             z = mog.sample(hidden, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale, add=embedded)
             # The chosen codes land in their columns of the row (on CUDA the kernels write them there).
             code, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms, into=code)

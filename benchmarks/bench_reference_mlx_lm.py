@@ -12,10 +12,7 @@ not installed (it is not a dependency of voicechat).
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
-import sys
-import types
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,20 +21,17 @@ import pytest
 from voicechat.config import VoiceChatConfig
 from voicechat.synthetic import tiny_config
 
+from bare_packages import bare_packages
+
 SIZE = os.environ.get("VOICECHAT_BENCH_SIZE", "tiny")
 CONTEXT = 64
 
 
 def _mlx_lm_nemotron_h():
     """mlx-lm's model file without running `mlx_lm/__init__` (which imports transformers, absent
-    from the GPU image): an empty package module standing in for it finds the submodules."""
-    spec = importlib.util.find_spec("mlx_lm")
-    if spec is None:
+    from the GPU image)."""
+    if not bare_packages("mlx_lm"):
         pytest.skip("mlx-lm is not installed")
-    if "mlx_lm" not in sys.modules:
-        package = types.ModuleType("mlx_lm")
-        package.__path__ = list(spec.submodule_search_locations)
-        sys.modules["mlx_lm"] = package
     return importlib.import_module("mlx_lm.models.nemotron_h")
 
 

@@ -1,5 +1,7 @@
 """The synthetic checkpoint generator writes the published checkpoint's tensors, name for name."""
 
+import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -7,7 +9,7 @@ import pytest
 
 from voicechat.checkpoint import file_metadata, quantization_map
 from voicechat.config import VoiceChatConfig
-from voicechat.synthetic import full_config, inventory, make_checkpoint, tiny_config
+from voicechat.synthetic import full_config, inventory, make_checkpoint, published_config_json, tiny_config
 
 PUBLISHED = Path(__file__).parent / "data" / "published-checkpoint-keys.tsv"
 
@@ -48,6 +50,18 @@ def test_tiny_files_hold_exactly_the_inventory(tmp_path, quantize, dtype, layout
     config = VoiceChatConfig.from_file(d / "config.json")
     assert quantization_map(config) == qmap
     assert config.quantization == config.quantization_config
+
+
+def test_config_json_has_the_published_text_config_fields(tmp_path):
+    """`use_bias: false` is written and the unbounded `time_step_limit` left out (read back as
+    unbounded); a finite limit is written as it is."""
+    d = make_checkpoint(tmp_path / "c", "tiny")
+    text = json.loads((d / "config.json").read_text())["text_config"]
+    assert text["use_bias"] is False and "time_step_limit" not in text
+    assert VoiceChatConfig.from_file(d / "config.json").text_config.time_step_limit == (0.0, math.inf)
+    limited = tiny_config()
+    limited.text_config.time_step_limit = (0.0, 5.0)
+    assert published_config_json(limited)["text_config"]["time_step_limit"] == [0.0, 5.0]
 
 
 def test_tiny_keeps_every_structural_feature():

@@ -540,6 +540,22 @@ def _materialize_on_device(spec: TensorSpec, seed: int) -> dict[str, mx.array]:
     return {spec.name: spec.init.mlx(key, spec.shape).astype(spec.dtype)}
 
 
+def published_config_json(config: VoiceChatConfig) -> dict:
+    """`config` as the published config.json writes it: its text config holds `use_bias: false`
+    (a Nemotron-H field that other MLX loaders require) and leaves out `time_step_limit` when it
+    is the unbounded default (JSON has no infinity; an absent limit means no limit)."""
+    data = config.to_dict()
+    text = data["text_config"]
+    text.setdefault("use_bias", False)
+    if tuple(config.text_config.time_step_limit) == (0.0, math.inf):
+        del text["time_step_limit"]
+    return data
+
+
+def _write_config(config: VoiceChatConfig, path: Path) -> None:
+    path.write_text(json.dumps(published_config_json(config), indent=2) + "\n")
+
+
 def random_checkpoint(
     directory: str | Path,
     size: str = "full",
@@ -568,7 +584,7 @@ def random_checkpoint(
     if qmap:
         config.quantization = config.quantization_config = {"group_size": 64, "bits": quantize, **qmap}
     config.rnnt_vocabulary = rnnt_vocabulary(config.audio_config.decoder.vocab_size)
-    config.save(directory / "config.json")
+    _write_config(config, directory / "config.json")
     tokenizer.save(str(directory / "tokenizer.json"))
     tensors: dict[str, mx.array] = {}
     for spec in specs:
@@ -620,7 +636,7 @@ def make_checkpoint(
         config.quantization = q
         config.quantization_config = q
     config.rnnt_vocabulary = rnnt_vocabulary(config.audio_config.decoder.vocab_size)
-    config.save(directory / "config.json")
+    _write_config(config, directory / "config.json")
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",

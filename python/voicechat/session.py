@@ -36,7 +36,7 @@ from .stt.conformer import subsampled_length
 from .kernels.rnnt_greedy import emitted_tokens
 from .stt.rnnt import greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
-from .tts_thread import TTSThread, WorkerThread
+from .tts_thread import TTSThread, WorkerThread, release_mlx_state_at_thread_exit
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
 # From 30 s of audio (3001 mel frames) the encoder runs a layer at a time (ConformerEncoder's
@@ -213,6 +213,7 @@ class VoiceChat:
         # (a negative seed would reach mx.random.key as a TypeError after the encoder ran)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
             raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
         with self._generating:
             return self._generate(audio, system_prompt, extra_decoding_seconds, int(seed), sample_rate, progress,
                                   pipelined)
@@ -423,6 +424,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
     """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory).
 
     A `Checkpoint` passed in is used up: its tensors are released once the model holds them."""
+    release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
     checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)
     config = checkpoint.config
     model = VoiceChatModel(config)

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .audio import AudioError, load_audio
+from .audio import load_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import VoiceChatConfig
 from .kernels.gemv import on_cuda_gpu, use_gemv
@@ -168,18 +168,20 @@ class VoiceChat:
         c = self.config
         return [c.bos_token_id] + self.tokenizer.encode(system_prompt) + [c.eos_token_id]
 
-    def _input_audio(self, audio, sample_rate: int | None, extra_decoding_seconds: float) -> np.ndarray:
+    def _input_audio(self, audio, sample_rate: int | None, extra_decoding_seconds: float,
+                     prompt_frames: int = 0) -> np.ndarray:
         number = isinstance(extra_decoding_seconds, (int, float, np.integer, np.floating))
         if isinstance(extra_decoding_seconds, bool) or not number or not math.isfinite(extra_decoding_seconds) \
                 or extra_decoding_seconds < 0:
             raise InputError(f"extra_decoding_seconds must be a finite number >= 0, got {extra_decoding_seconds!r}")
-        wave = load_audio(audio, self.config.input_sample_rate, sample_rate)
-        extra = int(round(extra_decoding_seconds * self.config.input_sample_rate))
-        if extra:
-            wave = np.concatenate([wave, np.zeros(extra, dtype=np.float32)])
-        if len(wave) <= self.config.audio_config.preprocessor.n_fft // 2:
-            raise AudioError(f"audio is too short ({len(wave)} samples at {self.config.input_sample_rate} Hz)")
-        return wave
+        pre = self.config.audio_config.preprocessor
+
+        def fits(samples: int) -> None:  # before anything is read, resampled or padded
+            self._check_length(prompt_frames, subsampled_length(1 + samples // pre.hop_length))
+
+        return load_audio(audio, self.config.input_sample_rate, sample_rate,
+                          pad=int(round(extra_decoding_seconds * self.config.input_sample_rate)),
+                          min_samples=pre.n_fft // 2 + 1, check=fits)
 
     def _check_length(self, prompt_frames: int, frames: int) -> None:
         limit = self.config.text_config.max_position_embeddings
@@ -232,9 +234,9 @@ class VoiceChat:
             peaks[name] = mx.get_peak_memory() / 1e9
             clock = now
 
-        wave = self._input_audio(audio, sample_rate, extra_decoding_seconds)
         ids = self.prompt_ids(system_prompt)
         prompt_frames = len(ids)
+        wave = self._input_audio(audio, sample_rate, extra_decoding_seconds, prompt_frames)
         mel_frames = 1 + len(wave) // self.config.audio_config.preprocessor.hop_length
         self._check_length(prompt_frames, subsampled_length(mel_frames))  # before any heavy work
         lap("audio_s")

@@ -104,7 +104,7 @@ def _reader(fifo, keep: int | None = None):
         with open(fifo, "rb") as f:
             got.extend(f.read() if keep is None else f.read(keep))
 
-    t = threading.Thread(target=read)
+    t = threading.Thread(target=read, daemon=True)  # (left waiting, if the FIFO were replaced)
     t.start()
     return t, got
 

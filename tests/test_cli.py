@@ -345,10 +345,13 @@ def test_a_closed_stdout_is_one_error_line(tmp_path, tiny_checkpoint, spoken_wav
 
 
 def test_absurd_extra_decoding_seconds_are_refused_before_padding(capsys, tiny_checkpoint, spoken_wav):
-    """1e9 s of padding is 58 TiB: refused from the length, not a MemoryError traceback."""
-    code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--extra-decoding-seconds", "1e9")
-    assert code == 1
-    _one_error_line(err, "input too long")
+    """1e9 s of padding is 58 TiB: refused from the length, not a MemoryError traceback (nor, for
+    1e305 s, an OverflowError from its sample count)."""
+    for seconds in ("1e9", "1e305"):
+        code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--extra-decoding-seconds",
+                               seconds)
+        assert code == 1
+        _one_error_line(err, "input too long")
 
 
 def test_a_long_pad_costs_no_memory_before_it_is_refused(tiny_checkpoint, spoken_wav, measured_run):

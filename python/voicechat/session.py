@@ -179,8 +179,10 @@ class VoiceChat:
         def fits(samples: int) -> None:  # before anything is read, resampled or padded
             self._check_length(prompt_frames, subsampled_length(1 + samples // pre.hop_length))
 
+        # (capped far past any context, so that the product stays a finite float; `fits` refuses it)
+        extra = min(float(extra_decoding_seconds), 1e12)
         return load_audio(audio, self.config.input_sample_rate, sample_rate,
-                          pad=int(round(extra_decoding_seconds * self.config.input_sample_rate)),
+                          pad=int(round(extra * self.config.input_sample_rate)),
                           min_samples=pre.n_fft // 2 + 1, check=fits)
 
     def _check_length(self, prompt_frames: int, frames: int) -> None:

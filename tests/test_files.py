@@ -162,6 +162,8 @@ def test_a_symlink_loop_and_a_directory_are_errors(tmp_path):
     assert loop.is_symlink()
     with pytest.raises(OutputError, match="is a directory"):
         check_output(tmp_path)
+    with pytest.raises(OutputError, match="the path is empty"):
+        check_output("")
 
 
 def test_a_non_utf8_name_is_written(tmp_path):

@@ -61,6 +61,8 @@ def output_kind(path: str | bytes | os.PathLike) -> str:
     (a device, FIFO, socket, or a file reached through /proc). A directory, a symlink loop or a
     path through a non-directory is an OutputError."""
     name = fspath(path)
+    if not name:
+        raise OutputError(errno.ENOENT, "cannot write '': the path is empty")
     try:
         st = os.stat(name)  # (follows symlinks)
     except FileNotFoundError:  # (a dangling symlink: its target is made)

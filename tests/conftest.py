@@ -98,3 +98,23 @@ def run_measured(cmd: list[str], *, stdin: bytes | None = None, env: dict | None
 def measured_run():
     """`run_measured`, for tests that check a command's exit, lines and peak memory."""
     return run_measured
+
+
+@pytest.fixture
+def memory_device(tmp_path):
+    """`make(name, minor)`: a private character device node of the kernel's memory driver in
+    tmp_path (minor 3 is null, 7 is full), so that the real /dev nodes are never at stake. Skips
+    where nodes cannot be made or opened (not root, a nodev filesystem)."""
+    import stat
+
+    def make(name: str, minor: int) -> Path:
+        path = tmp_path / name
+        try:
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+            with open(path, "rb"):
+                pass
+        except OSError as e:
+            pytest.skip(f"cannot make a device node here ({e})")
+        return path
+
+    return make

@@ -270,25 +270,12 @@ def _one_error_line(err: str, needle: str) -> None:
     assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
 
 
-def _device(tmp_path, name: str, minor: int) -> Path:
-    """A private node of the kernel's memory driver (1, 3 null; 1, 7 full): the real /dev is never at stake."""
-    import stat
-
-    path = tmp_path / name
-    try:
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        pytest.skip(f"cannot make a device node here ({e})")
-    return path
-
-
-def test_devices_fifos_and_symlinks_are_written_to_not_replaced(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+def test_devices_fifos_and_symlinks_are_written_to_not_replaced(capsys, tmp_path, tiny_checkpoint, spoken_wav,
+                                                                 memory_device):
     import stat
     import threading
 
-    null, full = _device(tmp_path, "null", 3), _device(tmp_path, "full", 7)
+    null, full = memory_device("null", 3), memory_device("full", 7)
     fifo = tmp_path / "answer.json"
     os.mkfifo(fifo)
     got = bytearray()

@@ -55,21 +55,8 @@ def test_a_folder_that_takes_no_new_file_is_an_error_naming_the_target():
     assert not os.path.exists(target)
 
 
-def _device(tmp_path, name: str, minor: int):
-    """A private character device node of the kernel's memory driver (1, 3 is null; 1, 7 is full),
-    so that the real /dev nodes are never at stake. Needs root and a filesystem without nodev."""
-    path = tmp_path / name
-    try:
-        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, minor))
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        pytest.skip(f"cannot make a device node here ({e})")
-    return path
-
-
-def test_a_device_is_written_to_not_replaced(tmp_path):
-    null = _device(tmp_path, "null", 3)
+def test_a_device_is_written_to_not_replaced(tmp_path, memory_device):
+    null = memory_device("null", 3)
     assert output_kind(null) == "direct"
     with output_file(null, "wb") as f:
         f.write(b"RIFF" + bytes(1000))
@@ -77,8 +64,8 @@ def test_a_device_is_written_to_not_replaced(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["null"]  # and no temp file beside it
 
 
-def test_a_full_device_is_an_error_naming_it(tmp_path):
-    full = _device(tmp_path, "full", 7)
+def test_a_full_device_is_an_error_naming_it(memory_device):
+    full = memory_device("full", 7)
     with pytest.raises(OutputError, match=f"cannot write {full}: No space left on device") as info:
         with output_file(full, "wb") as f:
             f.write(b"x" * 100_000)

@@ -87,8 +87,8 @@ class WorkerThread:
     MLX 0.32's compile cache is thread-local: with a new thread for every call, the compiled TTS
     step was traced again at every call (its first two steps 39 / 41 ms against 7-9 ms warm on the
     CPU; tools/gpu/worker_retrace.py). `close()` ends the thread once its jobs are done, after
-    `mx.clear_streams()` on it (MLX 0.32.4 can abort the process at exit over the streams a
-    finished thread left)."""
+    `mx.clear_streams()` on it, which frees its compile cache while the interpreter is whole (see
+    `release_mlx_state_at_thread_exit`)."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

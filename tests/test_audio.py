@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from voicechat.audio import AudioError, load_audio, read_audio, resample, to_mono, write_wav
+from voicechat.audio import AudioError, load_audio, open_audio, read_audio, resample, to_mono, write_wav
 
 
 def test_reads_espeak_wav_and_resamples(spoken_wav_22k, spoken_wav):
@@ -114,3 +114,77 @@ def test_resample_identity_and_bad_rate():
     assert resample(x, 16000, 16000) is not None and np.array_equal(resample(x, 16000, 16000), x)
     with pytest.raises(AudioError, match="positive"):
         resample(x, 0, 16000)
+
+
+def _with_rate(src, dst, rate: int):
+    """A copy of the WAV `src` whose header claims `rate` Hz (the fmt chunk's rate and byte rate)."""
+    import struct
+
+    data = bytearray(src.read_bytes())
+    fmt = data.find(b"fmt ")
+    channels, = struct.unpack_from("<H", data, fmt + 10)
+    bits, = struct.unpack_from("<H", data, fmt + 22)
+    struct.pack_into("<II", data, fmt + 12, rate, (rate * channels * bits // 8) & 0xFFFFFFFF)
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("rate", [1, 999, 384_001, 4_000_000_000])
+def test_a_header_rate_outside_the_bounds_is_refused_before_reading(tmp_path, spoken_wav, rate):
+    """A 1 Hz header would be resampled 16000-fold (12 s and gigabytes before failing); it is
+    refused from the header, naming the file."""
+    bad = _with_rate(spoken_wav, tmp_path / "rate.wav", rate)
+    with pytest.raises(AudioError, match=f"{bad}: .*(outside 1000..384000 Hz|not a readable audio file)"):
+        load_audio(bad, 16000)
+    with pytest.raises(AudioError, match="outside 1000..384000 Hz"):
+        open_audio(np.zeros(100, np.float32), sample_rate=rate)
+
+
+def test_the_length_is_known_and_checked_before_anything_is_read_or_padded(spoken_wav):
+    """`check` sees the length the input will have (resampled and padded) before any of it is
+    decoded or allocated: a pad of 10^13 samples (40 TB) is refused by it, not allocated."""
+    info = sf.info(str(spoken_wav))
+    seen = []
+
+    class TooLong(ValueError):
+        pass
+
+    def check(total):
+        seen.append(total)
+        raise TooLong(total)
+
+    with pytest.raises(TooLong):
+        load_audio(spoken_wav, 22050, pad=10**13, check=check)
+    expected = round(info.frames * 22050 / info.samplerate) + 10**13
+    assert seen == [expected]
+    seen.clear()
+    wave = load_audio(spoken_wav, 22050, pad=123, check=seen.append)
+    assert seen == [len(wave)]  # the count announced is the count made
+
+
+@pytest.mark.parametrize("rate", [8000, 11025, 22050, 44100, 48000, 96000, 16001])
+def test_samples_at_is_soxr_s_count(rate):
+    for n in (1, 999, 12345, 77777):
+        opened = open_audio(np.zeros(n, np.float32), sample_rate=rate)
+        assert opened.samples_at(16000) == len(load_audio(opened, 16000, min_samples=0)), (rate, n)
+
+
+def test_too_short_names_the_file(tmp_path):
+    p = tmp_path / "click.wav"
+    sf.write(str(p), np.zeros(100, np.float32), 16000)
+    with pytest.raises(AudioError, match=f"{p}: audio is too short \\(100 samples at 16000 Hz, 257 at least\\)"):
+        load_audio(p, 16000, min_samples=257)
+
+
+def test_a_file_name_that_is_not_utf8_is_read(tmp_path, spoken_wav):
+    name = os.fsencode(tmp_path) + b"/question-\xff.wav"
+    with open(name, "wb") as f:
+        f.write(spoken_wav.read_bytes())
+    expected = load_audio(spoken_wav, 16000)
+    np.testing.assert_array_equal(load_audio(name, 16000), expected)  # a bytes path
+    np.testing.assert_array_equal(load_audio(os.fsdecode(name), 16000), expected)  # as sys.argv has it
+
+
+def test_channels_are_bounded():
+    with pytest.raises(AudioError, match="65 channels"):
+        open_audio(np.zeros((1000, 65), np.float32), sample_rate=16000)

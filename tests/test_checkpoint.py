@@ -172,3 +172,124 @@ def test_quantized_module_from_dense_tensors_and_the_reverse(tiny_checkpoint, ti
     quant.config.quantization = quant.config.quantization_config = None
     with pytest.raises(CheckpointError, match="stt_model.lm_head.scales is stored"):
         quant.load_into(Head(), "stt_model.", ignore=("embed_tokens", "function_head", "llm", "perception", "rnnt"))
+
+
+def _copy_with_config(tmp_path, src, name, edit):
+    d = tmp_path / name
+    shutil.copytree(src, d)
+    data = json.loads((d / "config.json").read_text())
+    edit(data)
+    (d / "config.json").write_text(json.dumps(data))
+    return d
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("audio_config.encoder.n_layers", 300, "audio_config.encoder.n_layers is 300 but the weights have 2 (layers 0..1)"),
+    ("text_config.num_hidden_layers", 6, "text_config.num_hidden_layers is 6 but the weights have 5"),
+    ("tts_config.mog_head.num_layers", 4, "tts_config.mog_head.num_layers is 4 but the weights have 3"),
+    ("audio_config.decoder.pred_rnn_layers", 3, "audio_config.decoder.pred_rnn_layers is 3 but the weights have 2"),
+])
+def test_layer_counts_are_checked_against_the_weights_before_anything_is_built(tmp_path, tiny_checkpoint, field,
+                                                                              value, needle):
+    """open_checkpoint builds nothing: a count the weights do not have is refused there, with the
+    field and the count the tensor names show."""
+    def edit(data):
+        node = data
+        *parents, last = field.split(".")
+        for key in parents:
+            node = node[key]
+        node[last] = value
+        if field == "text_config.num_hidden_layers":
+            node["hybrid_override_pattern"] += "-"
+
+    d = _copy_with_config(tmp_path, tiny_checkpoint, "c", edit)
+    with pytest.raises(CheckpointError, match=f"{d}: config.json does not match the weights") as info:
+        open_checkpoint(d)
+    assert needle in str(info.value)
+
+
+def test_widths_are_checked_against_the_weights(tmp_path, tiny_checkpoint):
+    def edit(data):
+        data["text_config"]["vocab_size"] = 512
+        data["tts_config"]["codebook_size"] = data["codec_config"]["codebook_size"] = 60
+
+    d = _copy_with_config(tmp_path, tiny_checkpoint, "c", edit)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(d)
+    msg = str(info.value)
+    assert "text_config.vocab_size is 512 but tensor stt_model.embed_tokens.weight has 384 on axis 0" in msg
+    assert "tts_config.codebook_size is 60 but tensor tts_model.tts_model.rvq_embs has 52 on axis 1" in msg
+
+
+def test_the_published_layouts_pass_the_size_check():
+    """Every tensor of the full-size and tiny configs, dense and quantized, in both layouts (the
+    inventory's shapes, nothing made): the size check finds nothing to say."""
+    from voicechat.checkpoint import check_sizes
+    from voicechat.synthetic import full_config, inventory, tiny_config
+
+    class Header:  # what check_sizes reads of a lazily loaded tensor
+        def __init__(self, shape):
+            self.shape, self.ndim = shape, len(shape)
+
+    for config in (full_config(), tiny_config()):
+        for quantize in (None, 4):
+            for layout in ("torch", "mlx"):
+                specs, _ = inventory(config, quantize=quantize, layout=layout)
+                check_sizes(config, {s.name: Header(s.shape) for s in specs})
+
+
+@pytest.mark.parametrize("name,dtype,expected", [
+    ("stt_model.perception.proj.weight", "int32", "a float (float16, bfloat16 or float32)"),
+    ("tts_model.tts_model.backbone.norm.weight", "uint8", "a float (float16, bfloat16 or float32)"),
+    ("tts_model.tts_model.null_emb", "bool", "a float (float16, bfloat16 or float32)"),
+    ("stt_model.embed_tokens.weight", "int32", "a float (float16, bfloat16 or float32)"),
+    ("tts_model.codec_silence_tokens", "float32", "an integer type (an index buffer)"),
+    ("tts_model._control_codes", "float16", "an integer type (an index buffer)"),
+    ("stt_model.rnnt_decoder.prediction.dec_rnn.lstm.bias_hh_l1", "int32", "a float"),
+])
+def test_a_tensor_stored_in_a_dtype_the_model_cannot_use_is_named(tmp_path, tiny_checkpoint, name, dtype, expected):
+    from voicechat.model import VoiceChatModel
+
+    d = tmp_path / "c"
+    shutil.copytree(tiny_checkpoint, d)
+    tensors = mx.load(str(d / "model.safetensors"))
+    tensors[name] = tensors[name].astype(mx.bool_ if dtype == "bool" else getattr(mx, dtype))
+    mx.save_safetensors(str(d / "model.safetensors"), tensors)
+    ckpt = open_checkpoint(d)
+    with pytest.raises(CheckpointError) as info:
+        ckpt.load_into(VoiceChatModel(ckpt.config), "")
+    msg = str(info.value)
+    shown = name.replace("._control_codes", ".control_codes")  # (the loader's name for the torch buffer)
+    assert f"tensor {shown} is {dtype}, expected {expected}" in msg, msg
+
+
+def test_a_quantized_checkpoint_s_dtypes_are_accepted(tiny_checkpoint_q4):
+    from voicechat.model import VoiceChatModel
+
+    ckpt = open_checkpoint(tiny_checkpoint_q4)
+    ckpt.load_into(VoiceChatModel(ckpt.config), "")
+
+
+def test_index_and_shard_names_are_checked(tmp_path):
+    d = make_checkpoint(tmp_path / "s", "tiny", shards=2)
+    index = d / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    for weight_map, needle in (({first: "../elsewhere.safetensors"}, "is not a file name"),
+                               ([1, 2], "weight_map is not an object")):
+        index.write_text(json.dumps({**data, "weight_map": weight_map}))
+        with pytest.raises(CheckpointError, match=needle):
+            safetensors_files(d)
+    index.write_bytes(b'{"weight_map": {"\xff": 1}}')
+    with pytest.raises(CheckpointError, match=f"{index}: not a safetensors index"):
+        safetensors_files(d)
+
+
+def test_quantization_values_of_the_wrong_type_are_config_errors():
+    c = VoiceChatConfig()
+    for q, needle in (({"group_size": "x"}, "quantization.group_size: expected an integer"),
+                      ({"bits": None}, "quantization.bits: expected an integer"),
+                      ({"stt_model.lm_head": {"bits": "4"}}, "quantization.stt_model.lm_head.bits")):
+        c.quantization = q
+        with pytest.raises(ConfigError, match=needle):
+            quantization_map(c)

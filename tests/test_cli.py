@@ -249,3 +249,242 @@ def test_bad_paths_and_arguments(capsys, tmp_path, tiny_checkpoint, spoken_wav):
     assert code == 2 and "--seed must be in [0, 2**64)" in err and err.count("\n") == 1  # before any load
     code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "-p", "word " * 5000)
     assert code == 1 and "system-prompt tokens" in err and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- issue 57: a hostile user
+
+def _cli(*args) -> list[str]:
+    """The command line of vc-generate in a fresh interpreter that imports this checkout."""
+    return [sys.executable, "-m", "voicechat", *[str(a) for a in args]]
+
+
+def _env(**extra) -> dict:
+    import voicechat
+
+    package_root = str(Path(voicechat.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _one_error_line(err: str, needle: str) -> None:
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_devices_fifos_and_symlinks_are_written_to_not_replaced(capsys, tmp_path, tiny_checkpoint, spoken_wav,
+                                                                 memory_device):
+    import stat
+    import threading
+
+    null, full = memory_device("null", 3), memory_device("full", 7)
+    fifo = tmp_path / "answer.json"
+    os.mkfifo(fifo)
+    got = bytearray()
+
+    def read():
+        with open(fifo, "rb") as f:
+            got.extend(f.read())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", null,
+                           "--output-json", fifo, "-q")
+    reader.join(timeout=60)  # (a daemon: a FIFO replaced by a file leaves it waiting for a writer)
+    assert code == 0, err
+    assert stat.S_ISCHR(os.stat(null).st_mode) and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert json.loads(bytes(got))["frames"] > 0  # the JSON went through the FIFO
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "answer.wav"
+    link.symlink_to(tmp_path / "real" / "answer.wav")
+    code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--output-audio", link,
+                           "--output-json", full, "-q")
+    _one_error_line(err, f"cannot write {full}: No space left on device")
+    assert code == 1 and stat.S_ISCHR(os.stat(full).st_mode)
+    assert link.is_symlink() and sf.info(str(tmp_path / "real" / "answer.wav")).samplerate == 22050
+    assert sorted(os.listdir(tmp_path)) == ["answer.json", "answer.wav", "full", "null", "real"]
+
+
+def test_one_file_twice_or_the_input_as_an_output_is_refused_before_anything_runs(capsys, tmp_path, spoken_wav):
+    """(The model does not exist: these are refused before it would be looked for.)"""
+    (tmp_path / "link.wav").symlink_to(spoken_wav)
+    os.link(spoken_wav, tmp_path / "hard.wav")
+    out = tmp_path / "out.wav"
+    for outputs, needle in ((["--output-audio", out, "--output-json", out], "are the same file"),
+                            (["--output-audio", out, "--output-json", tmp_path / "." / "out.wav"], "are the same file"),
+                            (["--output-audio", "/dev/stdout", "--output-json", "-"], "are the same file"),
+                            (["--output-audio", spoken_wav], "is the input file"),
+                            (["--output-json", tmp_path / "link.wav"], "is the input file"),
+                            (["--output-audio", tmp_path / "hard.wav"], "is the input file")):
+        code, _, err = run_cli(capsys, "-m", tmp_path / "no-model", "--audio", spoken_wav, *outputs)
+        assert code == 2, err
+        _one_error_line(err, needle)
+    assert not out.exists() and sf.info(str(spoken_wav)).frames > 0
+
+
+def test_a_closed_stdout_is_one_error_line(tmp_path, tiny_checkpoint, spoken_wav):
+    """`vc-generate --output-json - | head -c 0`: EPIPE is one line naming stdout; no traceback, and
+    none from the interpreter's own flush at exit."""
+    proc = subprocess.Popen(_cli("-m", tiny_checkpoint, "--audio", spoken_wav, "--output-json", "-", "-q"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    proc.stdout.close()  # the reader has gone before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1
+    _one_error_line(err, "cannot write stdout: Broken pipe")
+
+
+def test_absurd_extra_decoding_seconds_are_refused_before_padding(capsys, tiny_checkpoint, spoken_wav):
+    """1e9 s of padding is 58 TiB: refused from the length, not a MemoryError traceback (nor, for
+    1e305 s, an OverflowError from its sample count)."""
+    for seconds in ("1e9", "1e305"):
+        code, _, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav, "--extra-decoding-seconds",
+                               seconds)
+        assert code == 1
+        _one_error_line(err, "input too long")
+
+
+def test_a_long_pad_costs_no_memory_before_it_is_refused(tiny_checkpoint, spoken_wav, measured_run):
+    """1e5 s of padding (6.4 GB of samples) is refused before any of it is allocated: the whole
+    process, model load included, stays far below that."""
+    code, _, err, peak_mib = measured_run(_cli("-m", tiny_checkpoint, "--audio", spoken_wav,
+                                               "--extra-decoding-seconds", "1e5", "-q"), env=_env())
+    assert code == 1
+    _one_error_line(err, "input too long")
+    assert peak_mib < 1024, peak_mib
+
+
+def test_bad_audio_is_reported_before_the_model_loads(capsys, tmp_path, spoken_wav):
+    """A typo in the path, or a header claiming 1 Hz, is reported before the checkpoint is looked
+    for (the one named here does not exist: its error would come first otherwise)."""
+    import struct
+
+    one_hz = tmp_path / "one-hz.wav"
+    data = bytearray(spoken_wav.read_bytes())
+    struct.pack_into("<I", data, data.find(b"fmt ") + 12, 1)
+    one_hz.write_bytes(bytes(data))
+    for audio, needle in ((tmp_path / "questoin.wav", "questoin.wav: no such file"),
+                          (one_hz, "sample rate 1 Hz is outside 1000..384000 Hz")):
+        code, _, err = run_cli(capsys, "-m", tmp_path / "no-model", "--audio", audio)
+        assert code == 1
+        _one_error_line(err, needle)
+
+
+def test_a_system_prompt_that_is_not_utf8_is_one_error_line(capsys, tmp_path, spoken_wav):
+    """`-p $'\\xff'` reaches sys.argv as a lone surrogate: refused before anything runs."""
+    code, _, err = run_cli(capsys, "-m", tmp_path / "no-model", "--audio", spoken_wav, "-p", "\udcff")
+    assert code == 2
+    _one_error_line(err, "-p/--system-prompt is not valid UTF-8 text")
+
+
+def test_a_bug_in_voicechat_says_so_before_its_traceback(capsys, tiny_checkpoint, spoken_wav, tmp_path, monkeypatch):
+    """An exception that is not a voicechat error (here MLX failing where it never should) is
+    announced as an internal error, then shown with its traceback; no output is left behind."""
+    import mlx.core as mx
+
+    from voicechat.cli import INTERNAL_ERROR
+
+    def broken():
+        raise RuntimeError("the device vanished")
+
+    monkeypatch.setattr(mx, "reset_peak_memory", broken)
+    code, out, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", spoken_wav,
+                             "--output-audio", tmp_path / "a.wav")
+    assert code == 70 and out == ""
+    assert err.startswith(INTERNAL_ERROR + "\nTraceback (most recent call last):"), err
+    assert err.rstrip().endswith("RuntimeError: the device vanished")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_file_name_that_is_not_utf8_is_read(capsys, tmp_path, tiny_checkpoint, spoken_wav):
+    name = os.fsencode(tmp_path) + b"/question-\xff.wav"
+    with open(name, "wb") as f:
+        f.write(spoken_wav.read_bytes())
+    code, out, err = run_cli(capsys, "-m", tiny_checkpoint, "--audio", os.fsdecode(name), "-q",
+                             "--output-audio", os.fsdecode(os.fsencode(tmp_path) + b"/answer-\xff.wav"))
+    assert code == 0, err
+    assert sf.info(os.fsencode(tmp_path) + b"/answer-\xff.wav").samplerate == 22050
+
+
+def test_help_says_how_long_an_input_may_be(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "about 2.9 hours for the published checkpoint" in text
+    assert "about 5.5 minutes for --demo's tiny one" in text
+
+
+def _tmp_entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_sigterm_removes_the_demo_folder(tmp_path):
+    """SIGTERM during --demo ends with one line and exit 143, the demo's folder removed."""
+    import signal
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(_cli("--demo", "-q"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=_env(TMPDIR=str(tmp), HF_HUB_OFFLINE="1"))
+    while not any(n.startswith("vc-demo-") for n in _tmp_entries(tmp)) and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    _one_error_line(err.decode(), "error: terminated")
+    assert _tmp_entries(tmp) == []
+
+
+def test_no_demo_folder_without_demo(tmp_path, spoken_wav):
+    """Without --demo no folder is made: seen while the command waits on its stdin, before any
+    model is loaded (then SIGTERM ends it)."""
+    import signal
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(_cli("-m", tmp_path / "no-model", "--audio", "-"), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(TMPDIR=str(tmp)))
+
+    def reading_stdin() -> bool:  # blocked in read(0, ...): /proc/PID/syscall is "0 0x0 ..."
+        try:
+            return Path(f"/proc/{proc.pid}/syscall").read_text().startswith("0 0x0 ")
+        except OSError:
+            return False
+
+    while not reading_stdin() and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()
+    assert _tmp_entries(tmp) == []
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    _one_error_line(err.decode(), "error: terminated")
+
+
+def test_progress_on_a_terminal_shows_the_load_the_timeline_and_the_codec(tmp_path, tiny_checkpoint, spoken_wav):
+    """On a terminal the bar does not sit at 100% through the codec: the load and the codec are
+    stages of their own."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # (a new pty has 0 columns)
+    proc = subprocess.Popen(_cli("-m", tiny_checkpoint, "--audio", spoken_wav), stdout=subprocess.PIPE,
+                            stderr=slave, env=_env())
+    os.close(slave)
+    shown = bytearray()
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's last writer has gone
+            break
+        if not chunk:
+            break
+        shown.extend(chunk)
+    os.close(master)
+    assert proc.wait(timeout=300) == 0
+    text = shown.decode(errors="replace")
+    load, timeline, codec = text.find("load: "), text.find("timeline:"), text.find("codec: ")
+    assert -1 < load < timeline < codec, text

@@ -101,3 +101,64 @@ def test_file_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         VoiceChatConfig.from_file(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("path,value,needle", [
+    ("bos_token_id", "x", "bos_token_id: expected an integer, got str 'x'"),
+    ("audio_config.preprocessor.window_size", None, "audio_config.preprocessor.window_size: expected a number, got null"),
+    ("frame_duration", "0.08", "frame_duration: expected a number"),
+    ("text_config.time_step_limit", None, "text_config.time_step_limit: expected a list, got null"),
+    ("text_config.time_step_limit", [0.0, "x"], r"text_config.time_step_limit\[1\]: expected a number"),
+    ("codec_config.downsample_rates", None, "codec_config.downsample_rates: expected a list"),
+    ("codec_config.downsample_rates", ["7", 7, 9], r"codec_config.downsample_rates\[0\]: expected an integer"),
+    ("tts_config.exponent", "x", "tts_config.exponent: expected a number"),
+    ("tts_config.exponent", 0, "tts_config.exponent: must be in"),
+    ("tts_config.use_subword_flag_emb", "yes", "tts_config.use_subword_flag_emb: expected true or false"),
+    ("rnnt_vocabulary", 5, "rnnt_vocabulary: expected a list"),
+    ("quantization", [1], "quantization: expected an object"),
+    ("speaker", 7, "speaker: expected a string"),
+    ("audio_config.encoder.n_layers", 2**31, r"audio_config.encoder.n_layers: must be an integer in \[1, 512\]"),
+    ("text_config.max_position_embeddings", 10**30, "text_config.max_position_embeddings: must be an integer"),
+    ("text_config.vocab_size", 1e300, "text_config.vocab_size: must be an integer"),
+    ("audio_config.preprocessor.n_fft", 2**20, "audio_config.preprocessor.n_fft: must be an integer"),
+    ("tts_config.character_encoder.query_pre_attn_scalar", 0, "query_pre_attn_scalar: must be in"),
+    ("tts_config.guidance_scale", float("nan"), "tts_config.guidance_scale: must be finite"),
+    ("input_sample_rate", 10**12, "input_sample_rate: must be in"),
+])
+def test_types_and_bounds_are_config_errors_naming_the_field(path, value, needle):
+    """A wrong type, null or absurd size is one ConfigError naming the field (not a TypeError from
+    deep inside, nor 2^31 layers built)."""
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        VoiceChatConfig.from_dict(_with(path, value))
+
+
+def test_whole_floats_are_integers_and_inf_strings_read_back():
+    c = VoiceChatConfig.from_dict(_with("text_config.hidden_size", 4480.0))
+    assert c.text_config.hidden_size == 4480 and isinstance(c.text_config.hidden_size, int)
+    assert VoiceChatConfig.from_dict(VoiceChatConfig().to_dict()).text_config.time_step_limit == (0.0, math.inf)
+
+
+def test_a_config_file_must_say_model_type(tmp_path):
+    data = VoiceChatConfig().to_dict()
+    del data["model_type"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=f"{tmp_path}/config.json: model_type: missing"):
+        VoiceChatConfig.from_file(tmp_path / "config.json")
+
+
+def test_file_errors_name_the_file(tmp_path):
+    path = tmp_path / "config.json"
+    data = json.dumps(VoiceChatConfig().to_dict()).encode()
+    for content, needle in ((data.replace(b"nemotron_voicechat", b"nemotron_\xffvoicechat"), "not UTF-8 text"),
+                            (b"\xff\xfe{}", "not UTF-8 text"),
+                            (b"[" * 100_000 + b"]" * 100_000, "nested too deeply|not valid JSON"),
+                            (b"[1, 2]", "expected a JSON object, got list"),
+                            (json.dumps(_with("tts_config.head_dim", None)).encode(), "tts_config.head_dim")):
+        path.write_bytes(content)
+        with pytest.raises(ConfigError, match=needle) as info:
+            VoiceChatConfig.from_file(path)
+        assert str(info.value).startswith(f"{path}: "), info.value
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(ConfigError, match=f"{path}: cannot read"):
+        VoiceChatConfig.from_file(path)

@@ -66,3 +66,35 @@ def test_bad_tokenizer_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(CheckpointError, match="not a readable tokenizer.json"):
         TextTokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer.json").write_bytes(b'{"version": "\xff"}')
+    with pytest.raises(CheckpointError, match=f"{tmp_path}/tokenizer.json: not a readable tokenizer.json"):
+        TextTokenizer(tmp_path / "tokenizer.json")
+
+
+def test_text_that_is_not_unicode_is_a_value_error_not_a_type_error(tok):
+    """A lone surrogate (a byte that was not UTF-8, as sys.argv carries it, or one from an API
+    caller) cannot be tokenized: a TextError (a ValueError) saying where, not tokenizers'
+    `TypeError: TextInputSequence must be str`."""
+    from voicechat.tokenizer import TextError
+
+    for text, where in (("\udcff", "character 0"), ("Be concise.\ud800", "character 11")):
+        with pytest.raises(TextError, match=f"not valid Unicode text.*{where}"):
+            tok.encode(text)
+    with pytest.raises(TextError, match="must be a str, got bytes"):
+        tok.encode(b"Be concise.")
+    assert issubclass(TextError, ValueError)
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b"\xff\xfe[]", "not a readable JSON vocabulary"),
+    (json.dumps({"a": "x", "b": 1}).encode(), "expected piece -> integer id"),
+    (json.dumps({"a": 0, "b": 0}).encode(), "ids are not 0..1, each once"),
+    (json.dumps(["a", None]).encode(), "expected a list of piece strings"),
+])
+def test_bad_rnnt_vocabulary_files_name_the_file(tmp_path, content, needle):
+    (tmp_path / "rnnt_tokenizer").mkdir()
+    path = tmp_path / "rnnt_tokenizer" / "vocab.json"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=needle) as info:
+        load_rnnt_pieces(tmp_path, None, 2)
+    assert str(info.value).startswith(str(path))

@@ -32,6 +32,10 @@ QUANTIZABLE = re.compile(
     r"|llm\.layers\.\d+\.mixer\.(in_proj|out_proj|q_proj|k_proj|v_proj|o_proj|up_proj|down_proj))$"
 )
 _QUANT_PARTS = (".scales", ".biases")
+# The dtypes a float tensor may be stored in (what the kernels take); integer buffers may be any
+# integer type; a quantized weight is packed uint32.
+FLOATING = (mx.float16, mx.bfloat16, mx.float32)
+_FLOATING_NAMES = "a float (float16, bfloat16 or float32)"
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -85,9 +89,14 @@ def safetensors_files(directory: Path) -> list[Path]:
     index = directory / _SAFETENSORS_INDEX
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError, RecursionError, OSError) as e:  # (UnicodeDecodeError is one)
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map is not an object of tensor -> file names")
+        bad = [f for f in weight_map.values() if Path(f).name != f or f in (".", "..")]
+        if bad:  # a shard is a file beside the index, never a path elsewhere
+            raise CheckpointError(f"{index}: shard {bad[0]!r} is not a file name in {directory}")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (directory / f).exists()]
         if missing:
@@ -107,6 +116,10 @@ def read_tensors(files: Iterable[Path]) -> dict[str, mx.array]:
     tensors: dict[str, mx.array] = {}
     for f in files:
         try:
+            str(f).encode("utf-8")
+        except UnicodeEncodeError:  # MLX takes only UTF-8 paths
+            raise CheckpointError(f"{f}: MLX cannot open a path that is not UTF-8; rename it") from None
+        try:
             part = mx.load(str(f))
         except Exception as e:
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
@@ -124,7 +137,13 @@ def quantization_map(config: VoiceChatConfig) -> dict[str, dict[str, int]]:
     q = config.quantization or config.quantization_config
     if not q:
         return {}
-    default = {"group_size": int(q.get("group_size", 64)), "bits": int(q.get("bits", 4))}
+    def whole(value, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config.json: {where}: expected an integer, got {value!r}")
+        return value
+
+    default = {"group_size": whole(q.get("group_size", 64), "quantization.group_size"),
+               "bits": whole(q.get("bits", 4), "quantization.bits")}
     out: dict[str, dict[str, int]] = {}
     for key, value in q.items():
         if key in ("group_size", "bits", "mode", "quant_method"):
@@ -133,7 +152,8 @@ def quantization_map(config: VoiceChatConfig) -> dict[str, dict[str, int]]:
             continue
         params = dict(default)
         if isinstance(value, dict):
-            params.update({k: int(v) for k, v in value.items() if k in ("group_size", "bits")})
+            params.update({k: whole(v, f"quantization.{key}.{k}") for k, v in value.items()
+                           if k in ("group_size", "bits")})
         elif value is not True:
             raise ConfigError(f"config.json: quantization.{key}: expected an object or a boolean, got {value!r}")
         if not QUANTIZABLE.match(key):
@@ -178,6 +198,10 @@ def _rename_torch_keys(tensors: dict[str, mx.array]) -> dict[str, mx.array]:
         if set(parts) != {"bias_ih", "bias_hh"}:
             missing = "bias_hh" if "bias_ih" in parts else "bias_ih"
             raise CheckpointError(f"{key}: torch LSTM bias is missing its {missing} half")
+        for kind, part in parts.items():  # (the sum below would turn integers into floats unseen)
+            if part.dtype not in FLOATING:
+                raise CheckpointError(f"tensor {key.rsplit('.', 2)[0]}.{kind}_l{key.rsplit('.', 2)[1]} is "
+                                      f"{_dtype_name(part.dtype)}, expected {_FLOATING_NAMES}")
         # One bias for both products; summed in float32 so no rounding is added.
         out[key] = parts["bias_ih"].astype(mx.float32) + parts["bias_hh"].astype(mx.float32)
     return out
@@ -219,6 +243,21 @@ def to_mlx_layout(tensors: dict[str, mx.array], module: nn.Module) -> dict[str, 
 
 # --------------------------------------------------------------------------- strict loading
 
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def _dtype_problem(want: mx.Dtype, got: mx.Dtype) -> str | None:
+    """None when a tensor stored as `got` can stand where the model holds `want`, else what it
+    must be: packed uint32 for a quantized weight (its scales and biases are floats), an integer
+    type for an integer buffer, a float everywhere else."""
+    if want == mx.uint32:
+        return None if got == mx.uint32 else "packed uint32 (a quantized weight)"
+    if mx.issubdtype(want, mx.integer):
+        return None if mx.issubdtype(got, mx.integer) else "an integer type (an index buffer)"
+    return None if got in FLOATING else _FLOATING_NAMES
+
+
 def check_weights(module: nn.Module, tensors: dict[str, mx.array], prefix: str = "") -> None:
     """Every missing, unexpected or misshapen tensor, reported all at once (keys with prefix)."""
     expected = dict(tree_flatten(module.parameters()))
@@ -231,8 +270,8 @@ def check_weights(module: nn.Module, tensors: dict[str, mx.array], prefix: str =
         want, got = expected[key], tensors[key]
         if tuple(want.shape) != tuple(got.shape):
             problems.append(f"tensor {prefix}{key} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-        elif key.endswith(".weight") and want.dtype == mx.uint32 and got.dtype != mx.uint32:
-            problems.append(f"tensor {prefix}{key} is {got.dtype}, expected packed uint32 (quantized)")
+        elif (why := _dtype_problem(want.dtype, got.dtype)) is not None:
+            problems.append(f"tensor {prefix}{key} is {_dtype_name(got.dtype)}, expected {why}")
     if problems:
         head = f"checkpoint does not match the model ({len(problems)} problem{'s' * (len(problems) > 1)}): "
         raise CheckpointError(head + "; ".join(problems))
@@ -271,6 +310,86 @@ def subtree(tensors: dict[str, mx.array], prefix: str) -> dict[str, mx.array]:
     """The tensors under `prefix` ("a.b."), with the prefix removed."""
     n = len(prefix)
     return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+# --------------------------------------------------------------------------- sizes before building
+
+# config.json's layer counts, each against the stored tensors' layer indices.
+_LAYER_STACKS = (
+    ("text_config.num_hidden_layers", r"stt_model\.llm\.layers\.(\d+)\."),
+    ("audio_config.encoder.n_layers", r"stt_model\.perception\.encoder\.layers\.(\d+)\."),
+    ("audio_config.decoder.pred_rnn_layers",
+     r"stt_model\.rnnt_decoder\.prediction\.dec_rnn\.lstm\.(?:weight_ih_l(\d+)$|(\d+)\.Wx$)"),
+    ("tts_config.num_hidden_layers", r"tts_model\.tts_model\.backbone\.layers\.(\d+)\."),
+    ("tts_config.character_encoder.num_hidden_layers",
+     r"tts_model\.tts_model\.embed_subword\.backbone\.encoder\.layers\.(\d+)\."),
+    ("tts_config.mog_head.num_layers", r"tts_model\.tts_model\.mog_head\.mlp_stack\.(\d+)\.mlp\."),
+    ("codec_config.num_quantizers", r"tts_model\.audio_codec\.prvq\.mus_list\.(\d+)$"),
+)
+
+
+def _widths(config: VoiceChatConfig) -> list[tuple[str, int, str, int, int]]:
+    """(field, its value, tensor, axis, offset): the tensor's size on that axis must be the value
+    plus the offset. Rows and 1-D tensors only, which quantization and the torch layout leave as
+    they are."""
+    t, a, tts, codec = config.text_config, config.audio_config, config.tts_config, config.codec_config
+    llm, enc = "stt_model.llm", "stt_model.perception.encoder"
+    return [
+        ("text_config.hidden_size", t.hidden_size, f"{llm}.norm_f.weight", 0, 0),
+        ("text_config.vocab_size", t.vocab_size, "stt_model.embed_tokens.weight", 0, 0),
+        ("text_config.vocab_size", t.vocab_size, "stt_model.lm_head.weight", 0, 0),
+        ("audio_config.preprocessor.features", a.preprocessor.features,
+         "stt_model.perception.preprocessor.featurizer.fb", 1, 0),
+        ("audio_config.preprocessor.n_fft", a.preprocessor.n_fft // 2,
+         "stt_model.perception.preprocessor.featurizer.fb", 2, 1),
+        ("audio_config.encoder.d_model", a.encoder.d_model, f"{enc}.layers.0.norm_out.weight", 0, 0),
+        ("audio_config.encoder.subsampling_conv_channels", a.encoder.subsampling_conv_channels,
+         f"{enc}.pre_encode.conv.0.weight", 0, 0),
+        ("audio_config.output_dim", a.output_dim, "stt_model.perception.proj.weight", 0, 0),
+        ("audio_config.decoder.vocab_size", a.decoder.vocab_size,
+         "stt_model.rnnt_decoder.prediction.embed.weight", 0, 1),
+        ("audio_config.joint.joint_hidden", a.joint.joint_hidden, "stt_model.rnnt_joint.enc.weight", 0, 0),
+        ("tts_config.hidden_size", tts.hidden_size, "tts_model.tts_model.backbone.norm.weight", 0, 0),
+        ("tts_config.character_encoder.char_vocab_size", tts.character_encoder.char_vocab_size,
+         "tts_model.tts_model.embed_subword.embed_tokens.weight", 0, 0),
+        ("tts_config.num_quantizers", tts.num_quantizers, "tts_model.tts_model.rvq_embs", 0, 0),
+        ("tts_config.codebook_size", tts.codebook_size, "tts_model.tts_model.rvq_embs", 1, 0),
+        ("tts_config.latent_size", tts.latent_size, "tts_model.tts_model.rvq_embs", 2, 0),
+        ("tts_config.mog_head.num_predictions", tts.mog_head.num_predictions,
+         "tts_model.tts_model.mog_head.low_mat", 0, 0),
+        ("codec_config.codebook_size", codec.codebook_size, "tts_model.audio_codec.prvq.mus_list.0", 0, 0),
+    ]
+
+
+def check_sizes(config: VoiceChatConfig, tensors: dict[str, mx.array]) -> None:
+    """config.json's layer counts and main widths against the stored tensors' names and shapes
+    (read from the files' headers: nothing is loaded), before any module is built from them. A
+    tensor that is not stored is left to the strict loader, which names every one missing."""
+    problems: list[str] = []
+    for field_path, pattern in _LAYER_STACKS:
+        want = config
+        for part in field_path.split("."):
+            want = getattr(want, part)
+        found = set()
+        for key in tensors:
+            m = re.match(pattern, key)
+            if m:
+                found.add(int(next(g for g in m.groups() if g is not None)))
+        if found and len(found) != want:
+            problems.append(f"{field_path} is {want} but the weights have {len(found)} "
+                            f"(layers {min(found)}..{max(found)})")
+    for field_path, want, key, axis, offset in _widths(config):
+        tensor = tensors.get(key)
+        if tensor is None or tensor.ndim <= axis:
+            continue
+        got = tensor.shape[axis] - offset
+        if got != want:
+            problems.append(f"{field_path} is {want} but tensor {key} has {tensor.shape[axis]} on axis {axis}"
+                            + (f" ({got} + {offset})" if offset else ""))
+    if problems:
+        many = len(problems) > 1
+        raise CheckpointError(f"config.json does not match the weights ({len(problems)} problem{'s' * many}): "
+                              + "; ".join(problems))
 
 
 # --------------------------------------------------------------------------- the checkpoint
@@ -321,6 +440,10 @@ def open_checkpoint(path_or_id: str | os.PathLike) -> Checkpoint:
     directory = resolve(path_or_id)
     config = VoiceChatConfig.from_file(directory / "config.json")
     tensors = read_tensors(safetensors_files(directory))
+    try:
+        check_sizes(config, tensors)
+    except CheckpointError as e:
+        raise CheckpointError(f"{directory}: {e}") from None
     return Checkpoint(directory, config, tensors)
 
 

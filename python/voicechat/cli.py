@@ -8,15 +8,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from importlib import resources
 from pathlib import Path
 
 from .config import EXTRA_DECODING_SECONDS
-from .files import atomic_output
+from .files import OutputError, check_output, output_file, same_file
 
 DEFAULT_MODEL = "mlx-community/NemotronLabs-VoiceChat-11B-4bit"
 
@@ -27,13 +32,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Run NemotronLabs VoiceChat on a WAV: prints the user's transcript and the assistant's "
                     "answer, and writes the spoken answer (22.05 kHz mono PCM16).")
     p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"checkpoint directory or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--audio", help="input audio (any format soundfile reads; resampled to 16 kHz mono; '-': "
-                                    "read from stdin)")
+    p.add_argument("--audio", help="input audio (any format soundfile reads, 1 to 384 kHz; resampled to 16 kHz "
+                                    "mono; '-': read from stdin). With --extra-decoding-seconds and the system "
+                                    "prompt it must fit the model's context: about 2.9 hours for the published "
+                                    "checkpoint, about 5.5 minutes for --demo's tiny one")
     p.add_argument("--output-audio", help="where to write the spoken answer (WAV; '-': to stdout, the answer "
                                            "lines then go to stderr)")
     p.add_argument("-p", "--system-prompt", default=None, help="system prompt (empty: none)")
     p.add_argument("--extra-decoding-seconds", type=float, default=EXTRA_DECODING_SECONDS, metavar="SECONDS",
-                   help=f"seconds of silence appended so the model can finish answering (default: {EXTRA_DECODING_SECONDS:g})")
+                   help=f"seconds of silence appended so the model can finish answering (default: "
+                        f"{EXTRA_DECODING_SECONDS:g}; counted in the input's length)")
     p.add_argument("--seed", type=int, default=0, help="seed of the speech sampler (default: 0)")
     p.add_argument("--output-json", help="write the result (everything but the samples) and timings as JSON "
                                           "('-': to stdout, in place of the answer lines)")
@@ -64,30 +72,59 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-def _check_output_path(path: str | None, what: str) -> None:
-    if path is None:
-        return
-    out = Path(path)
-    if out.is_dir():
-        raise _UsageError(f"{what} {path}: is a directory")
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise _UsageError(f"{what} {path}: directory {parent} does not exist")
-    try:  # a file made and dropped there, before the model runs, not after (os.access says yes to root)
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError:
-        raise _UsageError(f"{what} {path}: directory {parent} is not writable") from None
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Before anything runs: each output can be written, no two outputs are one file, and no
+    output is the input (a rename over it, or a write into it, loses the other)."""
+    named = [(what, path) for what, path in (("--output-audio", args.output_audio),
+                                             ("--output-json", args.output_json)) if path is not None]
+    for what, path in named:
+        if path != "-":
+            try:
+                check_output(path)
+            except OutputError as e:
+                raise _UsageError(f"{what}: {e}") from None
+    stdout = "/dev/stdout" if os.path.exists("/dev/stdout") else None
+
+    def file_of(path: str) -> str | None:  # '-' is stdout
+        return stdout if path == "-" else path
+
+    if len(named) == 2:
+        (what_a, a), (what_b, b) = named
+        if a == "-" and b == "-":
+            raise _UsageError(f"{what_a} - and {what_b} - both want stdout; give one of them a file")
+        fa, fb = file_of(a), file_of(b)
+        if fa is not None and fb is not None and same_file(fa, fb):
+            raise _UsageError(f"{what_a} {a} and {what_b} {b} are the same file; give each its own")
+    if args.audio and args.audio != "-":
+        for what, path in named:
+            out = file_of(path)
+            if out is not None and same_file(out, args.audio):
+                raise _UsageError(f"{what} {path} is the input file (--audio {args.audio}); give another path")
 
 
 class _UsageError(ValueError):
     pass
 
 
-def _write_json_atomic(path: str, data: dict) -> None:
-    with atomic_output(path) as f:
+def _write_json(path: str, data: dict) -> None:
+    with output_file(path) as f:
         json.dump(data, f, indent=2)
         f.write("\n")
+
+
+def _to_stdout(write) -> None:
+    """`write(stdout)`, its failure (EPIPE: the reader has gone; ENOSPC) one OutputError naming
+    stdout. After a failure stdout is pointed at /dev/null: the interpreter's own flush at exit
+    would fail again, with a traceback."""
+    try:
+        write()
+        sys.stdout.flush()
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        raise OutputError(e.errno, f"cannot write stdout: {e.strerror or e}") from None
 
 
 def _demo_inputs(workdir: Path) -> tuple[str, str]:
@@ -98,12 +135,46 @@ def _demo_inputs(workdir: Path) -> tuple[str, str]:
     return str(checkpoint), str(question)
 
 
+class _Stage:
+    """A tqdm line for a stage with no count of its own (the load, the codec): its name and the
+    seconds it has taken, refreshed by a thread of its own until `close()`."""
+
+    def __init__(self, desc: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", leave=False, file=sys.stderr)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="vc-progress", daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            self.bar.refresh()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.bar.close()
+
+
 class _Progress:
-    """A tqdm bar over timeline frames, on a terminal only."""
+    """Progress on a terminal only: the load, the timeline (a tqdm bar over frames), then the codec."""
 
     def __init__(self, enabled: bool):
         self.bar = None
+        self.stage: _Stage | None = None
         self.enabled = enabled
+
+    def begin(self, desc: str) -> None:
+        """A stage with no count: shown until the next stage, the timeline's first frame or `close()`."""
+        self.end_stage()
+        if self.enabled:
+            self.stage = _Stage(desc)
+
+    def end_stage(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -111,11 +182,16 @@ class _Progress:
         if self.bar is None:
             from tqdm import tqdm
 
+            self.end_stage()
             self.bar = tqdm(total=total, unit="frame", desc="timeline", leave=False, file=sys.stderr)
         self.bar.n = done
         self.bar.refresh()
+        if done == total:  # what is left of generate is the codec's
+            self.bar.close()
+            self.begin("codec")
 
     def close(self) -> None:
+        self.end_stage()
         if self.bar is not None:
             self.bar.close()
 
@@ -137,42 +213,51 @@ def run(args: argparse.Namespace) -> int:
         raise _UsageError("--audio is required (or use --demo)")
     if not 0 <= args.seed < 2**64:  # (generate refuses it too, but after the model has loaded)
         raise _UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
-    if args.output_audio == "-" and args.output_json == "-":
-        raise _UsageError("--output-audio - and --output-json - both want stdout; give one of them a file")
-    for path, what in ((args.output_audio, "--output-audio"), (args.output_json, "--output-json")):
-        if path != "-":
-            _check_output_path(path, what)
+    if args.system_prompt is not None:
+        try:  # (bytes that are not UTF-8 reach sys.argv as surrogate escapes)
+            args.system_prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _UsageError("-p/--system-prompt is not valid UTF-8 text") from None
+    _check_outputs(args)
     if args.max_tokens is not None:
         say("note: -n is ignored; the answer is as long as the input timeline plus --extra-decoding-seconds")
 
     # Deferred: importing mlx and the extension takes a moment, and argument errors should not wait.
-    import mlx.core as mx
+    from .audio import open_audio, open_audio_bytes, wav_bytes, write_wav
 
-    from .audio import read_audio_bytes, wav_bytes, write_wav
-    from .session import load
+    # The input is opened and checked before the model loads: a bad path or file fails fast.
+    if args.audio == "-":  # read whole: soundfile needs to seek
+        audio = open_audio_bytes(sys.stdin.buffer.read())
+    elif args.audio:
+        audio = open_audio(args.audio)
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    try:
+        with contextlib.ExitStack() as stack:
+            model = args.model
+            if args.demo:  # a checkpoint made in a folder removed on the way out
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="vc-demo-"))
+                model, question = _demo_inputs(Path(tmp))
+                audio = open_audio(question)
+                say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
+            import mlx.core as mx
 
-    with tempfile.TemporaryDirectory(prefix="vc-demo-") as tmp:
-        model, audio, rate = args.model, args.audio, None
-        if audio == "-":  # read whole before the model loads: a bad pipe fails fast
-            audio, rate = read_audio_bytes(sys.stdin.buffer.read())
-        if args.demo:
-            model, audio = _demo_inputs(Path(tmp))
-            say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
-        start = time.perf_counter()
-        chat = load(model)
-        load_s = time.perf_counter() - start
-        mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
-        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
-        try:
+            from .session import load
+
+            start = time.perf_counter()
+            progress.begin("load")
+            chat = load(model)
+            progress.end_stage()
+            load_s = time.perf_counter() - start
+            mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
             result = chat.generate(audio, system_prompt=args.system_prompt,
                                    extra_decoding_seconds=args.extra_decoding_seconds, seed=args.seed,
-                                   sample_rate=rate, progress=progress)
-        finally:
-            progress.close()
+                                   progress=progress)
+    finally:
+        progress.close()
 
     if args.output_audio == "-":  # a pipe cannot seek: the WAV is made whole in memory first
-        sys.stdout.buffer.write(wav_bytes(result.audio, result.sample_rate))
-        sys.stdout.flush()
+        data = wav_bytes(result.audio, result.sample_rate)
+        _to_stdout(lambda: sys.stdout.buffer.write(data))
     elif args.output_audio:
         write_wav(args.output_audio, result.audio, result.sample_rate)
     timings = {"load_s": load_s, **result.timings}
@@ -181,17 +266,19 @@ def run(args: argparse.Namespace) -> int:
 
         report = {**result.to_json(), "timings": timings, "kernels": kernel_launch(), "tts_thread": chat.tts_thread}
         if args.output_json == "-":  # stdout is the JSON alone, for a pipe
-            json.dump(report, sys.stdout, indent=2)
-            sys.stdout.write("\n")
+            _to_stdout(lambda: sys.stdout.write(json.dumps(report, indent=2) + "\n"))
         else:
-            _write_json_atomic(args.output_json, report)
+            _write_json(args.output_json, report)
 
     if args.output_json != "-":  # (with the WAV on stdout, the lines go to stderr)
         lines = sys.stderr if args.output_audio == "-" else sys.stdout
-        print(f"[user] {_printable(result.user_transcript)}", file=lines)
-        print(_printable(result.text), file=lines)
+        answer = f"[user] {_printable(result.user_transcript)}\n{_printable(result.text)}\n"
         if result.function_text:
-            print(f"[function] {_printable(result.function_text)}", file=lines)
+            answer += f"[function] {_printable(result.function_text)}\n"
+        if lines is sys.stdout:
+            _to_stdout(lambda: sys.stdout.write(answer))
+        else:
+            lines.write(answer)
     frames = result.prompt_frames + result.frames
     gen = result.timings["generate_s"]
     audio_s = result.frames * chat.config.frame_duration
@@ -202,16 +289,43 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that what `run` made (a temp file, the demo's folder)
+    is removed on the way out, as for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated
+
+
+INTERNAL_ERROR = "error: internal error in voicechat (a bug; please report it with the traceback below)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
         return run(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as e:  # our errors are ValueErrors naming the problem
+    except _Terminated:
+        print("error: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except (ValueError, OSError) as e:  # our errors are ValueErrors and OSErrors naming the problem
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, _UsageError) else 1
+    except MemoryError:
+        print("error: out of memory", file=sys.stderr)
+        return 1
+    except Exception:  # anything else is voicechat's own fault: say so, then show where
+        print(INTERNAL_ERROR, file=sys.stderr)
+        traceback.print_exc()
+        return 70  # EX_SOFTWARE
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

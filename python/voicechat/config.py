@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,15 @@ EXTRA_DECODING_SECONDS = 3.0
 MODEL_TYPE = "nemotron_voicechat"
 SPEAKERS = ("Aria",)
 SPEAKER_PROMPT_FRAMES = 37  # frames of the stored speaker latent (audio_prompt_latents.Aria [1, 37, hidden])
+
+# Upper bounds of the sizes: far above the published model's, low enough that what is built from a
+# size before the weights are read (a Python object per layer, a table per position) cannot
+# exhaust memory. The weights are checked against the sizes before anything is built
+# (checkpoint.check_sizes).
+MOST_LAYERS = 512  # layers of a stack, heads, groups, steps
+MOST_WIDTH = 1 << 18  # widths, vocabularies, windows
+MOST_POSITIONS = 1 << 24  # the LLM's context (93 hours of 80 ms frames), the encoder's table
+MIN_RATE, MAX_RATE = 1_000, 384_000  # sample rates, in Hz (as audio.py takes them)
 
 
 class ConfigError(ValueError):
@@ -36,6 +47,8 @@ class _Section:
     """Shared `from_dict` / `to_dict` for the nested sections (unknown keys go to `extra`)."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Fields whose JSON forms `_normalize` reads itself, not by their annotation.
+    OWN_FORMS: typing.ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def section_types(cls) -> dict[str, type]:
@@ -43,8 +56,11 @@ class _Section:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, path: str = ""):
+        _check(data is None or isinstance(data, dict), path.rstrip(".") or "(top level)",
+               f"expected an object, got {type(data).__name__}")
         data = dict(data or {})
         names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "extra"}
+        hints = typing.get_type_hints(cls)
         subs = cls.section_types()
         kwargs: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -53,7 +69,7 @@ class _Section:
                 _check(isinstance(value, dict), f"{path}{key}", f"expected an object, got {type(value).__name__}")
                 kwargs[key] = subs[key].from_dict(value, f"{path}{key}.")
             elif key in names:
-                kwargs[key] = value
+                kwargs[key] = value if key in cls.OWN_FORMS else _typed(value, hints[key], f"{path}{key}")
             else:
                 extra[key] = value
         obj = cls(**kwargs)
@@ -85,11 +101,67 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _positive(obj: _Section, path: str, *names: str) -> None:
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _typed(value: Any, hint: Any, path: str) -> Any:
+    """`value` from JSON as the annotation `hint` says (int, float, bool, str, a tuple or list of
+    them, a dict, or one of these or None), or a ConfigError naming `path`. A float is finite,
+    or "inf" / "-inf" as `to_dict` writes it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        return _typed(value, hint, path)
+    if hint is Any:
+        return value
+    if hint is bool:
+        _check(isinstance(value, bool), path, f"expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        whole = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+        _check((isinstance(value, int) and not isinstance(value, bool)) or whole, path,
+               f"expected an integer, got {_kind(value)} {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, str) and value in ("inf", "-inf"):
+            return float(value)
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), path,
+               f"expected a number, got {_kind(value)} {value!r}")
+        _check(math.isfinite(value), path, f"must be finite, got {value!r}")
+        return float(value)
+    if hint is str:
+        _check(isinstance(value, str), path, f"expected a string, got {_kind(value)} {value!r}")
+        return value
+    if origin in (tuple, list):
+        _check(isinstance(value, (list, tuple)), path, f"expected a list, got {_kind(value)} {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            _check(len(value) == len(args), path, f"expected {len(args)} items, got {len(value)}")
+            items = [_typed(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))]
+        else:
+            items = [_typed(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or hint is dict:
+        _check(isinstance(value, dict), path, f"expected an object, got {_kind(value)} {value!r}")
+        return value
+    raise TypeError(f"config field {path}: unhandled annotation {hint!r}")  # a bug here, not in the file
+
+
+def _positive(obj: _Section, path: str, *names: str, most: int = MOST_WIDTH) -> None:
+    """Integers in [1, most]."""
     for name in names:
         value = getattr(obj, name)
-        _check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-               f"{path}{name}", f"must be a positive integer, got {value!r}")
+        _check(isinstance(value, int) and not isinstance(value, bool) and 0 < value <= most,
+               f"{path}{name}", f"must be an integer in [1, {most}], got {value!r}")
+
+
+def _within(obj: _Section, path: str, name: str, low: float, high: float, low_open: bool = True) -> None:
+    """A number in (low, high] (or [low, high] when not `low_open`)."""
+    value = getattr(obj, name)
+    ok = (low < value if low_open else low <= value) and value <= high
+    _check(ok, f"{path}{name}", f"must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
 
 
 # --------------------------------------------------------------------------- LLM (Nemotron-H)
@@ -119,12 +191,16 @@ class TextConfig(_Section):
     time_step_limit: tuple[float, float] = (0.0, math.inf)
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "mamba_num_heads",
-                  "mamba_head_dim", "ssm_state_size", "conv_kernel", "n_groups", "vocab_size")
+        _positive(self, path, "hidden_size", "intermediate_size", "head_dim", "mamba_head_dim", "ssm_state_size",
+                  "conv_kernel", "vocab_size")
+        _positive(self, path, "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "mamba_num_heads",
+                  "n_groups", most=MOST_LAYERS)
+        _positive(self, path, "max_position_embeddings", most=MOST_POSITIONS)
+        _within(self, path, "layer_norm_epsilon", 0.0, 1.0)
         _check(self.model_type == "nemotron_h", f"{path}model_type",
                f"expected 'nemotron_h', got {self.model_type!r}")
         lo, hi = (float(v) for v in self.time_step_limit)
+        _check(0.0 <= lo <= hi, f"{path}time_step_limit", f"expected [low, high] with 0 <= low <= high, got {[lo, hi]}")
         self.time_step_limit = (lo, hi)
         pattern = self.hybrid_override_pattern
         _check(isinstance(pattern, str) and set(pattern) <= set("M*-") and len(pattern) > 0,
@@ -185,7 +261,14 @@ class PreprocessorConfig(_Section):
     pad_to: int = 0
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "sample_rate", "features", "n_fft")
+        _within(self, path, "sample_rate", MIN_RATE, MAX_RATE, low_open=False)
+        # (the mel filterbank is computed from these two when the model is built)
+        _positive(self, path, "features", most=1 << 10)
+        _positive(self, path, "n_fft", most=1 << 14)
+        _within(self, path, "window_size", 0.0, 1.0)
+        _within(self, path, "window_stride", 0.0, 1.0)
+        _within(self, path, "preemph", 0.0, 1.0, low_open=False)
+        _within(self, path, "log_zero_guard_value", 0.0, 1.0)
         _check(self.window == "hann", f"{path}window", f"only 'hann' is supported, got {self.window!r}")
         _check(self.win_length <= self.n_fft, f"{path}window_size",
                f"window of {self.win_length} samples is longer than n_fft {self.n_fft}")
@@ -208,7 +291,8 @@ def _context_size(value: Any, path: str) -> tuple[int, int]:
            and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
            path, f"expected [left, right] or [[left, right]], got {value!r}")
     left, right = value
-    _check(left >= -1 and right >= 0, path, f"left must be >= -1 and right >= 0, got {value!r}")
+    _check(-1 <= left <= MOST_POSITIONS and 0 <= right <= MOST_POSITIONS, path,
+           f"left must be in [-1, {MOST_POSITIONS}] and right in [0, {MOST_POSITIONS}], got {value!r}")
     return int(left), int(right)
 
 
@@ -232,9 +316,12 @@ class EncoderConfig(_Section):
     use_bias: bool = False
     xscaling: bool = False
 
+    OWN_FORMS = frozenset({"att_context_size"})
+
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "feat_in", "n_layers", "d_model", "n_heads", "ff_expansion_factor",
-                  "subsampling_factor", "subsampling_conv_channels", "conv_kernel_size", "pos_emb_max_len")
+        _positive(self, path, "feat_in", "d_model", "subsampling_conv_channels", "conv_kernel_size")
+        _positive(self, path, "n_layers", "n_heads", "ff_expansion_factor", "subsampling_factor", most=MOST_LAYERS)
+        _positive(self, path, "pos_emb_max_len", most=MOST_POSITIONS)
         self.att_context_size = _context_size(self.att_context_size, f"{path}att_context_size")
         _check(self.d_model % self.n_heads == 0, f"{path}n_heads",
                f"{self.n_heads} heads do not divide d_model {self.d_model}")
@@ -267,7 +354,8 @@ class DecoderConfig(_Section):
     blank_as_pad: bool = True
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "pred_hidden", "pred_rnn_layers", "vocab_size")
+        _positive(self, path, "pred_hidden", "vocab_size")
+        _positive(self, path, "pred_rnn_layers", most=MOST_LAYERS)
 
 
 @dataclass
@@ -298,7 +386,8 @@ class AudioConfig(_Section):
                 "decoder": DecoderConfig, "joint": JointConfig}
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "output_dim", "max_symbols")
+        _positive(self, path, "output_dim")
+        _positive(self, path, "max_symbols", most=MOST_LAYERS)
         enc, dec, joint, pre = self.encoder, self.decoder, self.joint, self.preprocessor
         _check(enc.feat_in == pre.features, f"{path}encoder.feat_in",
                f"{enc.feat_in} differs from preprocessor.features {pre.features}")
@@ -327,8 +416,12 @@ class CharacterEncoderConfig(_Section):
     char_vocab_size: int = 257
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "char_vocab_size")
+        _positive(self, path, "hidden_size", "intermediate_size", "head_dim", "char_vocab_size")
+        _positive(self, path, "num_hidden_layers", "num_attention_heads", "num_key_value_heads", most=MOST_LAYERS)
+        _within(self, path, "rms_norm_eps", 0.0, 1.0)
+        _within(self, path, "query_pre_attn_scalar", 0.0, 1e6)
+        _within(self, path, "attn_logit_softcapping", 0.0, 1e6)
+        _within(self, path, "rope_base", 0.0, 1e12)
         _check(self.num_attention_heads * self.head_dim == self.hidden_size, f"{path}head_dim",
                f"num_attention_heads {self.num_attention_heads} x head_dim {self.head_dim} "
                f"!= hidden_size {self.hidden_size}")
@@ -346,7 +439,9 @@ class MogHeadConfig(_Section):
     eps: float = 1e-6
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "intermediate_size", "low_rank", "num_layers", "num_predictions")
+        _positive(self, path, "intermediate_size", "low_rank", "num_predictions")
+        _positive(self, path, "num_layers", most=MOST_LAYERS)
+        _within(self, path, "eps", 0.0, 1.0)
 
 
 @dataclass
@@ -385,10 +480,20 @@ class TTSConfig(_Section):
         return {"character_encoder": CharacterEncoderConfig, "mog_head": MogHeadConfig}
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window",
-                  "sliding_window_pattern", "latent_size", "num_quantizers", "codebook_size",
-                  "num_iterations")
+        _positive(self, path, "hidden_size", "intermediate_size", "head_dim", "latent_size", "codebook_size")
+        _positive(self, path, "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "sliding_window_pattern", "num_quantizers", "num_iterations", most=MOST_LAYERS)
+        _positive(self, path, "sliding_window", most=MOST_POSITIONS)
+        _check(0 <= self.num_delay_speech_tokens <= MOST_LAYERS, f"{path}num_delay_speech_tokens",
+               f"must be in [0, {MOST_LAYERS}], got {self.num_delay_speech_tokens}")
+        _within(self, path, "rms_norm_eps", 0.0, 1.0)
+        _within(self, path, "exponent", 0.0, 100.0)
+        _within(self, path, "query_pre_attn_scalar", 0.0, 1e6)
+        _within(self, path, "rope_global_base_freq", 0.0, 1e12)
+        _within(self, path, "rope_local_base_freq", 0.0, 1e12)
+        _within(self, path, "noise_scale", 0.0, 100.0, low_open=False)
+        _within(self, path, "guidance_scale", -100.0, 100.0, low_open=False)
+        _within(self, path, "audio_prompt_duration", 0.0, 3600.0)
         _check(self.num_attention_heads * self.head_dim == self.hidden_size, f"{path}head_dim",
                f"num_attention_heads {self.num_attention_heads} x head_dim {self.head_dim} "
                f"!= hidden_size {self.hidden_size}")
@@ -432,10 +537,16 @@ class CodecConfig(_Section):
     codebook_size: int = 1024
 
     def _normalize(self, path: str) -> None:
-        _positive(self, path, "sample_rate", "base_channels", "blocks_per_stage", "block_kernel_size",
-                  "latent_dim", "n_fft", "hop_length", "num_quantizers", "codebook_size")
-        self.channel_multipliers = tuple(int(v) for v in self.channel_multipliers)
-        self.downsample_rates = tuple(int(v) for v in self.downsample_rates)
+        _within(self, path, "sample_rate", MIN_RATE, MAX_RATE, low_open=False)
+        _positive(self, path, "base_channels", "latent_dim", "codebook_size")
+        _positive(self, path, "blocks_per_stage", "block_kernel_size", "n_fft", "hop_length", "num_quantizers",
+                  most=MOST_LAYERS)
+        self.channel_multipliers = tuple(self.channel_multipliers)
+        self.downsample_rates = tuple(self.downsample_rates)
+        for name in ("channel_multipliers", "downsample_rates"):
+            values = getattr(self, name)
+            _check(1 <= len(values) <= 8 and all(1 <= v <= 64 for v in values), f"{path}{name}",
+                   f"must be 1 to 8 integers in [1, 64], got {list(values)}")
         _check(len(self.channel_multipliers) == len(self.downsample_rates), f"{path}downsample_rates",
                f"{len(self.downsample_rates)} rates for {len(self.channel_multipliers)} stages")
         _check(self.n_fft % 2 == 0, f"{path}n_fft", "must be even")
@@ -486,6 +597,10 @@ class VoiceChatConfig(_Section):
                 "tts_config": TTSConfig, "codec_config": CodecConfig}
 
     def _normalize(self, path: str) -> None:
+        for name in ("input_sample_rate", "output_sample_rate"):
+            _within(self, path, name, MIN_RATE, MAX_RATE, low_open=False)
+        _within(self, path, "frame_duration", 0.0, 10.0)
+        _within(self, path, "function_channel_weight", -1e6, 1e6, low_open=False)
         _check(self.model_type == MODEL_TYPE, "model_type",
                f"expected {MODEL_TYPE!r}, got {self.model_type!r} (not a VoiceChat checkpoint)")
         _check(self.speaker in SPEAKERS, "speaker",
@@ -536,16 +651,32 @@ class VoiceChatConfig(_Section):
 
     @classmethod
     def from_file(cls, path: str | Path) -> "VoiceChatConfig":
+        """The config of a checkpoint's config.json; every problem is a ConfigError naming the file."""
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            text = path.read_bytes().decode("utf-8")
+            data = json.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"{path}: no config.json") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a config") from None
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
-        return cls.from_dict(data)
+            raise ConfigError(f"{path}: expected a JSON object, got {_kind(data)}")
+        if "model_type" not in data:  # a file that does not say what it is, is not taken as one
+            raise ConfigError(f"{path}: model_type: missing (a VoiceChat checkpoint says {MODEL_TYPE!r})")
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:  # "config.json: field: ..." -> "<path>: field: ..."
+            message = str(e).removeprefix("config.json: ")
+            raise ConfigError(f"{path}: {message}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to be a config") from None
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()

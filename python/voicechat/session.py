@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .audio import AudioError, load_audio
+from .audio import load_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import EXTRA_DECODING_SECONDS, VoiceChatConfig
 from .model import VoiceChatModel
@@ -35,7 +35,7 @@ from .prepare import prepare_for_decoding
 from .stt.conformer import subsampled_length
 from .stt.rnnt import emitted_tokens, greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
-from .tts_thread import TTSThread, WorkerThread
+from .tts_thread import TTSThread, WorkerThread, release_mlx_state_at_thread_exit
 
 SYNC_EVERY = 32  # frames between host syncs in the timeline loop
 # From 30 s of audio (3001 mel frames) the encoder runs a layer at a time (ConformerEncoder's
@@ -168,18 +168,22 @@ class VoiceChat:
         c = self.config
         return [c.bos_token_id] + self.tokenizer.encode(system_prompt) + [c.eos_token_id]
 
-    def _input_audio(self, audio, sample_rate: int | None, extra_decoding_seconds: float) -> np.ndarray:
+    def _input_audio(self, audio, sample_rate: int | None, extra_decoding_seconds: float,
+                     prompt_frames: int = 0) -> np.ndarray:
         number = isinstance(extra_decoding_seconds, (int, float, np.integer, np.floating))
         if isinstance(extra_decoding_seconds, bool) or not number or not math.isfinite(extra_decoding_seconds) \
                 or extra_decoding_seconds < 0:
             raise InputError(f"extra_decoding_seconds must be a finite number >= 0, got {extra_decoding_seconds!r}")
-        wave = load_audio(audio, self.config.input_sample_rate, sample_rate)
-        extra = int(round(extra_decoding_seconds * self.config.input_sample_rate))
-        if extra:
-            wave = np.concatenate([wave, np.zeros(extra, dtype=np.float32)])
-        if len(wave) <= self.config.audio_config.preprocessor.n_fft // 2:
-            raise AudioError(f"audio is too short ({len(wave)} samples at {self.config.input_sample_rate} Hz)")
-        return wave
+        pre = self.config.audio_config.preprocessor
+
+        def fits(samples: int) -> None:  # before anything is read, resampled or padded
+            self._check_length(prompt_frames, subsampled_length(1 + samples // pre.hop_length))
+
+        # (capped far past any context, so that the product stays a finite float; `fits` refuses it)
+        extra = min(float(extra_decoding_seconds), 1e12)
+        return load_audio(audio, self.config.input_sample_rate, sample_rate,
+                          pad=int(round(extra * self.config.input_sample_rate)),
+                          min_samples=pre.n_fft // 2 + 1, check=fits)
 
     def _check_length(self, prompt_frames: int, frames: int) -> None:
         limit = self.config.text_config.max_position_embeddings
@@ -213,6 +217,7 @@ class VoiceChat:
         # (a negative seed would reach mx.random.key as a TypeError after the encoder ran)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
             raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
         with self._generating:
             return self._generate(audio, system_prompt, extra_decoding_seconds, int(seed), sample_rate, progress,
                                   pipelined)
@@ -231,9 +236,9 @@ class VoiceChat:
             peaks[name] = mx.get_peak_memory() / 1e9
             clock = now
 
-        wave = self._input_audio(audio, sample_rate, extra_decoding_seconds)
         ids = self.prompt_ids(system_prompt)
         prompt_frames = len(ids)
+        wave = self._input_audio(audio, sample_rate, extra_decoding_seconds, prompt_frames)
         mel_frames = 1 + len(wave) // self.config.audio_config.preprocessor.hop_length
         self._check_length(prompt_frames, subsampled_length(mel_frames))  # before any heavy work
         lap("audio_s")
@@ -423,6 +428,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
     """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory).
 
     A `Checkpoint` passed in is used up: its tensors are released once the model holds them."""
+    release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
     checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)
     config = checkpoint.config
     model = VoiceChatModel(config)

@@ -14,6 +14,23 @@ _SPECIAL_PIECES = {"<unk>", "<pad>", "<s>", "</s>"}
 _LANGUAGE_TAG = re.compile(r"^<[a-z]{2,3}-[A-Za-z]{2,4}>$")
 
 
+class TextError(ValueError):
+    """Text that cannot be tokenized (not a str, or not encodable as UTF-8)."""
+
+
+def check_text(text, what: str = "text") -> str:
+    """`text` if it is a str that UTF-8 can encode; a lone surrogate (a non-UTF-8 byte that
+    reached Python as a surrogate escape) is a TextError naming its position."""
+    if not isinstance(text, str):
+        raise TextError(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TextError(f"{what} is not valid Unicode text: {text[e.start]!r} at character {e.start} "
+                        "(a lone surrogate; bytes that were not UTF-8?)") from None
+    return text
+
+
 class TextTokenizer:
     """Byte-level BPE over the model's 131072 ids; decode keeps special tokens unless told."""
 
@@ -23,10 +40,10 @@ class TextTokenizer:
         path = Path(path)
         if not path.is_file():
             raise CheckpointError(f"{path}: no tokenizer.json")
-        try:
-            self._tok = Tokenizer.from_file(str(path))
-        except Exception as e:
-            raise CheckpointError(f"{path}: not a readable tokenizer.json ({e})") from None
+        try:  # (read here, not by its path: a path that is not UTF-8 does not reach Rust)
+            self._tok = Tokenizer.from_str(path.read_bytes().decode("utf-8"))
+        except Exception as e:  # tokenizers raises its own Exception; UTF-8 and OSErrors too
+            raise CheckpointError(f"{path}: not a readable tokenizer.json ({type(e).__name__}: {e})") from None
         self.path = path
 
     @property
@@ -42,7 +59,7 @@ class TextTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`, with no BOS/EOS added (the caller frames prompts itself)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(check_text(text), add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip: Iterable[int] = ()) -> str:
         """Text of `ids` with the ids in `skip` removed first; other specials are kept."""
@@ -63,19 +80,23 @@ def load_rnnt_pieces(directory: str | Path, config_vocabulary: list[str] | None,
         path = Path(directory) / "rnnt_tokenizer" / "vocab.json"
         source = str(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise CheckpointError(f"{directory}: no RNNT vocabulary (config.json rnnt_vocabulary or "
                                   "rnnt_tokenizer/vocab.json)") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+        except (ValueError, RecursionError, OSError) as e:  # JSON, UTF-8 (UnicodeDecodeError), reading
+            raise CheckpointError(f"{path}: not a readable JSON vocabulary ({type(e).__name__}: {e})") from None
         if isinstance(data, dict):
-            by_id = {int(i): p for p, i in data.items()}
-            if sorted(by_id) != list(range(len(by_id))):
-                raise CheckpointError(f"{path}: ids are not 0..{len(by_id) - 1}")
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in data.values()):
+                raise CheckpointError(f"{path}: expected piece -> integer id")
+            by_id = {i: p for p, i in data.items()}
+            if sorted(by_id) != list(range(len(data))):
+                raise CheckpointError(f"{path}: ids are not 0..{len(data) - 1}, each once")
             pieces = [by_id[i] for i in range(len(by_id))]
         elif isinstance(data, list):
-            pieces = [str(p) for p in data]
+            if not all(isinstance(p, str) for p in data):
+                raise CheckpointError(f"{path}: expected a list of piece strings")
+            pieces = list(data)
         else:
             raise CheckpointError(f"{path}: expected an object (piece -> id) or a list of pieces")
     if len(pieces) != size:

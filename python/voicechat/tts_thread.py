@@ -39,13 +39,45 @@ from .tts.backbone import BackboneCache
 _DONE = object()  # the end of the text ids
 
 
+class _ThreadStateRelease:
+    """Held in a `threading.local`: CPython drops it with the rest of its thread's Python state,
+    on that thread, holding the GIL, before `join()` returns, so `__del__` runs there while the
+    interpreter is still whole."""
+
+    def __del__(self):
+        mx.clear_streams()
+
+
+_thread_state = threading.local()
+
+
+def release_mlx_state_at_thread_exit() -> None:
+    """Make the calling thread free what MLX keeps for it (its compile cache and its streams)
+    when it ends. Called by every voicechat entry point that runs MLX work.
+
+    MLX 0.32.4 keeps a compile cache per thread (a `thread_local` shared_ptr): its entries hold
+    the Python callables that were compiled (mlx.nn's activations, our compiled LLM and TTS
+    steps). Left alone, it is destroyed by the C++ thread-local destructors after Python has let
+    go of the thread; its Python objects then take the GIL, and if the interpreter is finalizing
+    by then (the main thread reached exit after `join()`), CPython ends the thread inside that
+    destructor: `terminate called without an active exception`, rc 134, at random. Clearing the
+    thread's streams (`mx.clear_streams()`, which also clears its compile cache) at the end of the
+    thread's Python life frees them while it is safe. Not on the main thread: there it would also
+    drop the streams every thread shares (`mx.new_thread_unsafe_stream`), and the main thread's
+    cache is freed at exit without this race."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    if getattr(_thread_state, "release", None) is None:
+        _thread_state.release = _ThreadStateRelease()
+
+
 class WorkerThread:
     """One host thread that runs jobs one after another, kept for a `VoiceChat`'s life.
 
     MLX 0.32's compile cache is thread-local: with a new thread for every call, the compiled TTS
     step would be traced again at every call. `close()` ends the thread once its jobs are done, after
-    `mx.clear_streams()` on it (MLX 0.32.4 can abort the process at exit over the streams a
-    finished thread left)."""
+    `mx.clear_streams()` on it, which frees its compile cache while the interpreter is whole (see
+    `release_mlx_state_at_thread_exit`)."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -3,20 +3,18 @@
     PYTHONPATH=python pytest benchmarks/bench_gemv.py --benchmark-enable              # tiny shapes
     VOICECHAT_BENCH_SIZE=full pytest benchmarks/bench_gemv.py --benchmark-enable      # published shapes (GPU)
     PYTHONPATH=python python benchmarks/bench_gemv.py --size full --json OUT.json     # table + JSON
-    PYTHONPATH=python python benchmarks/bench_gemv.py --size full --sweep             # + launch-shape sweep
 
 Cases, each ours vs MLX's op, float32 and bfloat16 activations:
 - q4:     4-bit GEMV (1 row) at every distinct Nemotron-H projection shape and the 131072 x 4480
           head, vs `mx.quantized_matmul`;
 - dense:  bf16-weight GEMV (2 rows: the TTS backbone's two CFG rows) at the TTS model's linear
           shapes, vs `x @ w.T`;
-- argmax: both heads' argmax in one pass (the default's streamed integer-MMA walk, and "ours-block":
-          the block layout) vs two `mx.quantized_matmul` + `mx.argmax`;
+- argmax: both heads' argmax in one pass vs two `mx.quantized_matmul` + `mx.argmax`;
 - floor:  every Nemotron-H projection (one distinct weight each) + both heads, one row: the LLM
           step's matmul floor.
 Each timed round evaluates many calls (mx.eval, time.perf_counter, after warm-up); weights are
 cycled over copies totalling >= 256 MB so that a call reads them from memory, not from the
-H200's 50 MB L2. GB/s counts the packed weights, scales and biases once per call. On a CPU the
+GPU's L2 (50-60 MB on sm_90 parts). GB/s counts the packed weights, scales and biases once per call. On a CPU the
 "ours" path is MLX's op itself (the kernels are CUDA only), so only tiny shapes make sense there.
 """
 
@@ -42,7 +40,7 @@ try:  # an installed voicechat first; else the source tree (with tools/dev-build
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from voicechat.kernels import build_info, ext  # noqa: E402
+from voicechat.kernels import build_info  # noqa: E402
 from voicechat.kernels.gemv import (  # noqa: E402
     dense_matvec,
     quantized_matvec,
@@ -142,8 +140,8 @@ ECHO = False  # script mode: print every result as it is measured (a cut-off run
 
 def emit(r: Result) -> Result:
     if ECHO:
-        print(f"  {r.group:<11} {r.name:<14} {r.x:<5} {r.impl:<5} {r.us_per_call:9.1f} us {r.gbps:8.1f} GB/s  "
-              f"{r.extra.get('launch', '')}", flush=True)
+        print(f"  {r.group:<11} {r.name:<14} {r.x:<5} {r.impl:<5} {r.us_per_call:9.1f} us {r.gbps:8.1f} GB/s",
+              flush=True)
     return r
 
 
@@ -167,17 +165,14 @@ def dense_copies(n, k):
     return copies
 
 
-def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0, warps=-1, copies=None):
+def q4_runs(n, k, x_dtype, rows=1):
     """{impl: (calls, run)} for one 4-bit shape."""
-    copies = copies or q4_copies(n, k)
+    copies = q4_copies(n, k)
     x = mx.random.normal((rows, k)).astype(x_dtype)
     calls = max(MIN_CALLS, len(copies))
     order = [copies[i % len(copies)] for i in range(calls)]
 
     def ours():
-        if rows_per_block or threads or warps >= 0:
-            return [ext.quantized_matvec(x, w, s, b, rows_per_block=rows_per_block, threads=threads, warps=warps)
-                    for w, s, b in order]
         return [quantized_matvec(x, w, s, b) for w, s, b in order]
 
     def mlx():
@@ -186,15 +181,13 @@ def q4_runs(n, k, x_dtype, rows=1, rows_per_block=0, threads=0, warps=-1, copies
     return calls, {"ours": ours, "mlx": mlx}
 
 
-def dense_runs(n, k, x_dtype, rows=2, rows_per_block=0, threads=0, warps=-1, copies=None):
-    copies = copies or dense_copies(n, k)
+def dense_runs(n, k, x_dtype, rows=2):
+    copies = dense_copies(n, k)
     x = mx.random.normal((rows, k)).astype(x_dtype)
     calls = max(MIN_CALLS, len(copies))
     order = [copies[i % len(copies)] for i in range(calls)]
 
     def ours():
-        if rows_per_block or threads or warps >= 0:
-            return [ext.dense_matvec(x, w, rows_per_block=rows_per_block, threads=threads, warps=warps) for w in order]
         return [dense_matvec(x, w) for w in order]
 
     def mlx():
@@ -208,8 +201,6 @@ def argmax_runs(n, k, x_dtype):
     h = mx.random.normal((1, k)).astype(x_dtype)
     calls = MIN_CALLS
     return calls, {"ours": lambda: [two_head_argmax(h, head_a, head_b) for _ in range(calls)],
-                   # the block layout the default replaced (CUDA; elsewhere the same as "ours")
-                   "ours-block": lambda: [two_head_argmax(h, head_a, head_b, streamed=0) for _ in range(calls)],
                    "mlx": lambda: [two_head_argmax_reference(h, head_a, head_b) for _ in range(calls)]}
 
 
@@ -236,16 +227,14 @@ def release():
 GROUPS = ("q4", "dense", "argmax", "floor")
 
 
-def run_all(size: str, groups=GROUPS, sweep: bool = False) -> list[Result]:
+def run_all(size: str, groups=GROUPS) -> list[Result]:
     results = []
     cfg = full_config().text_config if size == "full" else tiny_config().text_config
     for n, k in distinct((n, k) for _, n, k in llm_projections(size)) if "q4" in groups else []:
         for x_name, x_dtype in DTYPES.items():
             calls, runs = q4_runs(n, k, x_dtype)
             for impl, run in runs.items():
-                launch = list(ext.gemv_launch_config("quantized", k, n, 4))
-                results.append(measure("q4", f"{n}x{k}", impl, x_name, 1, calls, q4_bytes(n, k), run,
-                                       {"launch": launch} if impl == "ours" else None))
+                results.append(measure("q4", f"{n}x{k}", impl, x_name, 1, calls, q4_bytes(n, k), run))
             del runs
             release()
     for n, k in tts_linear_shapes(size) if "dense" in groups else []:
@@ -269,58 +258,16 @@ def run_all(size: str, groups=GROUPS, sweep: bool = False) -> list[Result]:
             results.append(r)
         del runs
         release()
-    if sweep:
-        results += run_sweep(size)
     return results
-
-
-SWEEP_ROWS = (2, 4, 8)
-# (threads, warps): the block layout (threads splitting K; 0: the shape's default) and the warp
-# layout (warps per block, each warp on its own rows).
-SWEEP_SPLITS = ((0, 0), (0, 2), (0, 4), (0, 8))
-
-
-def run_sweep(size: str) -> list[Result]:
-    """Launch shapes (rows x split) at each 4-bit shape and the four largest TTS ones, float32 x
-    (the model's activations): for tuning pick_launch in csrc/gemv.cpp."""
-    out = []
-    shapes = [("q4", n, k) for n, k in distinct((n, k) for _, n, k in llm_projections(size)) if n < 65536]
-    shapes += [("dense", n, k) for n, k in distinct(tts_linear_shapes(size))[:4]]
-    for kind, n, k in shapes:
-        copies = q4_copies(n, k) if kind == "q4" else dense_copies(n, k)
-        for rows_per_block in SWEEP_ROWS:
-            for threads, warps in SWEEP_SPLITS:
-                if kind == "q4":
-                    calls, runs = q4_runs(n, k, mx.float32, 1, rows_per_block, threads, warps, copies)
-                    nbytes, rows = q4_bytes(n, k), 1
-                else:
-                    calls, runs = dense_runs(n, k, mx.float32, 2, rows_per_block, threads, warps, copies)
-                    nbytes, rows = n * k * 2, 2
-                s = seconds_per_round(runs["ours"], warmup=2, repeats=3, min_seconds=0.02) / calls
-                out.append(emit(Result(f"sweep-{kind}", f"{n}x{k}", "ours", "f32", rows, calls, nbytes, s * 1e6,
-                                       nbytes / s / 1e9, {"launch": [rows_per_block, threads, warps]})))
-                del runs
-        del copies
-        release()
-    return out
 
 
 def table(results: list[Result]) -> str:
     base = {(r.group, r.name, r.x): r for r in results if r.impl == "mlx"}
-    lines = [f"{'case':<8} {'shape':<22} {'x':<5} {'impl':<13} {'us/call':>10} {'GB/s':>9} {'vs mlx':>7}  launch"]
+    lines = [f"{'case':<8} {'shape':<22} {'x':<5} {'impl':<5} {'us/call':>10} {'GB/s':>9} {'vs mlx':>7}"]
     for r in results:
         ref = base.get((r.group, r.name, r.x))
         speedup = f"{ref.us_per_call / r.us_per_call:6.2f}x" if ref and r.impl != "mlx" else ""
-        launch = r.extra.get("launch", "")
-        lines.append(f"{r.group:<8} {r.name:<22} {r.x:<5} {r.impl:<13} {r.us_per_call:10.1f} {r.gbps:9.1f} "
-                     f"{speedup:>7}  {launch}")
-    best = {}
-    for r in results:
-        if r.group.startswith("sweep") and ((r.group, r.name) not in best or r.gbps > best[r.group, r.name].gbps):
-            best[r.group, r.name] = r
-    if best:
-        lines.append("best launch [rows, threads, warps] per shape (warps 0: block layout; threads 0: default):")
-        lines += [f"  {g:<12} {name:<14} {r.extra['launch']}  {r.gbps:8.1f} GB/s" for (g, name), r in best.items()]
+        lines.append(f"{r.group:<8} {r.name:<22} {r.x:<5} {r.impl:<5} {r.us_per_call:10.1f} {r.gbps:9.1f} {speedup:>7}")
     return "\n".join(lines)
 
 
@@ -329,7 +276,6 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=("tiny", "full"), default=SIZE)
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated subset of {','.join(GROUPS)}")
-    p.add_argument("--sweep", action="store_true", help="also time launch shapes (GPU tuning; ~5 min at full size)")
     args = p.parse_args(argv)
     info = {"size": args.size, "device": str(mx.default_device()), "build": build_info(), "mlx": mx.__version__,
             "tf32": os.environ.get("MLX_ENABLE_TF32", "")}
@@ -340,7 +286,7 @@ def main(argv=None) -> int:
         p.error(f"--only: unknown {sorted(unknown)}")
     global ECHO
     ECHO = True
-    results = run_all(args.size, groups, args.sweep)
+    results = run_all(args.size, groups)
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"info": info, "results": [asdict(r) for r in results]}, indent=1))
@@ -386,7 +332,7 @@ def test_dense_matvec(benchmark, n, k, x, impl):
     release()
 
 
-@pytest.mark.parametrize("impl", ["ours", "ours-block", "mlx"])
+@pytest.mark.parametrize("impl", ["ours", "mlx"])
 @pytest.mark.parametrize("x", list(DTYPES))
 def test_two_head_argmax(benchmark, x, impl):
     cfg = full_config().text_config if SIZE == "full" else tiny_config().text_config

@@ -82,7 +82,7 @@ std::string compact_kernel_text(const std::string& text) {
 
 const CudaSource& register_cuda_source(CudaSource source) {
   // Compact texts compile sooner and, where they go inline (see launch_text), cost less at every
-  // launch: MLX-CUDA hashes the whole text then (~0.2 us a KB on the H200).
+  // launch: MLX-CUDA hashes the whole text then.
   source.header = compact_kernel_text(source.header);
   source.source = compact_kernel_text(source.source);
   storage().push_back(std::move(source));

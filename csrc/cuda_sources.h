@@ -40,8 +40,8 @@ struct CudaSource {
 std::string jit_name(const CudaSource& source);
 
 // The header and body a kernel is handed to MLX as. MLX-CUDA 0.32.4 hashes a custom kernel's whole
-// text at every launch (std::hash in CustomKernel::eval_gpu, to name its module): ~0.2 us of host
-// time a KB on the H200, paid ~300 times a frame. So the texts are written to files in `folder`,
+// text at every launch (std::hash in CustomKernel::eval_gpu, to name its module): host time that
+// grows with the text, paid at each of a frame's ~300 launches. So the texts are written to files in `folder`,
 // named by jit_name (which hashes them), and MLX gets two #include lines (the body's inside the
 // kernel) of ~100 bytes. An empty or unusable folder: the texts themselves (included = false).
 struct KernelText {
@@ -99,7 +99,7 @@ int float_bits(float f);
 
 // An int32 array of `values`, made and evaluated once per list and kept for the process: for ints
 // a kernel must read from memory (sizes, an index), never a fresh host array each call (each
-// launch reading one ran ~10 us longer on the H200).
+// launch would wait for its upload).
 const mlx::core::array& kept_ints(const std::vector<int>& values);
 std::string type_arg(const std::string& cuda_type);
 

@@ -14,8 +14,8 @@
 // values: scores in shared memory, see kPartBody), then one block per (b, h) merges the chunks: two
 // launches, or one while the buffers hold <= 1024 slots (one chunk normalizes and writes the result
 // itself). No block waits for another. Every warp of a block works in each phase and no lane's
-// loads wait on one another's, so a step's time does not grow slot by slot (one slot a warp at a
-// time grew the TTS step ~1.5 ms between 40 and 490 positions on the H200). CUDA through
+// loads wait on one another's, so a step's time does not grow slot by slot (as it would with one
+// slot a warp at a time). CUDA through
 // fast::cuda_kernel; elsewhere MLX's attention with the mask (the reference:
 // voicechat.kernels.decode_attention).
 #include <pybind11/pybind11.h>
@@ -131,8 +131,8 @@ constexpr const char* kQkvPrologue = R"(
 // scores (G = 4 lanes a slot, each a strided share of the key row's float4s, two shuffles join
 // them; 8 slots a warp at a time) into shared memory with the block's max; the softmax weights and
 // their sum; the weighted values (a slot a warp at a time, lanes over d), summed over the warps.
-// (One slot a lane, as before, left a 40-slot step with 2 of 8 warps working and ~10 dependent
-// memory round trips: 23 us a TTS layer on the H200.)
+// (One slot a lane would leave a 40-slot step with 2 of 8 warps working and ~10 dependent memory
+// round trips.)
 constexpr const char* kPartBody = R"(  const float sc = __int_as_float(SCALE_BITS);
   const int cur = slot[0];
   const int last = min(offset[0], CAP - 1);  // the highest valid slot

@@ -1,23 +1,22 @@
 // CUDA sources of the decode-speed matrix-vector kernels (csrc/gemv.cpp launches them through
 // mlx::core::fast::cuda_kernel). Included by gemv.cpp only.
 //
-// Two layouts. Block layout: one block computes ROWS output rows for the 1..2 input rows (M); its
-// THREADS threads split K:
-// thread t reads the 16-byte chunks t, t + THREADS, ... of each of the ROWS weight rows (a warp
-// reads 512 contiguous bytes of a row per step), keeps the activations of a chunk in registers
-// while it serves all ROWS rows, and accumulates in float32. A block-wide sum through shared
-// memory ends the block. Warp layout: each warp of a block computes ROWS rows alone, its 32 lanes
-// splitting K the same way; a warp shuffle ends it. Rows past N are clamped onto row N - 1 and not
-// written.
+// Block layout (vc_qmv, vc_dense_mv): one block computes ROWS output rows for the 1..2 input rows
+// (M); its THREADS threads split K: thread t reads the 16-byte chunks t, t + THREADS, ... of each of
+// the ROWS weight rows (a warp reads 512 contiguous bytes of a row per step), keeps the activations
+// of a chunk in registers while it serves all ROWS rows, and accumulates in float32. A block-wide sum
+// through shared memory ends the block. Rows past N are clamped onto row N - 1 and not written.
+// The persistent 4-bit layouts (vc_qmv_stream, vc_qmv_imma_stream, the two-head argmax): see
+// kStreamHeader and kImmaStreamHeader.
 #pragma once
 
 namespace voicechat::gemv_cuda {
 
 // Device helpers of the kernel bodies below (the `header` of fast::cuda_kernel), in include-guarded
 // parts, so that each kernel carries only what it uses: MLX-CUDA 0.32.4 spends host time on a
-// kernel's whole text at every launch (~0.2 us a KB on the H200; see cuda_sources.cpp). A header is
-// kCommonHeader, then the parts its kernel needs in this order: kPairHeader (4-bit pairs), kQmvHeader
-// (the block and warp 4- / 8-bit matvecs; needs kPairHeader), kDenseHeader (the dense matvecs).
+// kernel's whole text at every launch (see cuda_sources.cpp). A header is kCommonHeader, then the
+// parts its kernel needs in this order: kPairHeader (4-bit pairs), kQmvHeader (the block layout's 4- /
+// 8-bit matvec; needs kPairHeader), kDenseHeader (the dense matvecs).
 
 // Loads, reductions and the epilogues every matvec shares.
 constexpr const char* kCommonHeader = R"(
@@ -134,9 +133,7 @@ __device__ __forceinline__ void block_sum(const float* vals, float* part, float*
 // weight next_w[row] (an emitting matvec). The block-walking kernels load it before their product:
 // loaded after the block's last barrier, it is one more trip to memory on every block's path. Kept
 // in the arrays' own types and made float only where the epilogue adds them: a conversion next to
-// the loads waits out their trip to memory there (on the H200, 2026-12-04, 23% of the streamed
-// out_proj's warp samples sat on next_w's bfloat16 -> float right after its load, before the tile's
-// product).
+// the loads would wait out their trip to memory ahead of the tile's product.
 template <typename TB, typename TR, typename TE>
 struct Tail {
   TB bias;
@@ -222,27 +219,6 @@ __device__ __forceinline__ void store_rows(const float* total, const TL& tail, T
     if (row < n) {
       const float v = row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
       finish<EPI, HAS_BIAS>(v, tail, out, m, row, n);
-    }
-  }
-}
-
-// The warp layout's end: each of acc's ROWS * M sums over the warp's 32 lanes (butterfly, so every
-// lane holds every total), then lane r * M + m stores finish(sum) at out[m, row0 + r] for rows
-// inside [0, n). No shared memory, no block barrier.
-template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TO>
-__device__ __forceinline__ void warp_store(float (&acc)[ROWS][M], const TB* bias, const TR* residual, TO* out,
-                                           int row0, int n, int lane) {
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[r][m];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-      const int row = row0 + r;
-      if (lane == r * M + m && row < n) {
-        finish<EPI, HAS_BIAS>(v, bias, residual, out, m, row, n);
-      }
     }
   }
 }
@@ -369,7 +345,7 @@ __device__ __forceinline__ void pair_fma(unsigned int v, const float (*xh)[4], c
 #endif
 )";
 
-// The block and warp layouts' quantized accumulation, and the block layout's matvec whole.
+// The block layout's quantized accumulation and matvec.
 constexpr const char* kQmvHeader = R"(
 #ifndef VC_GEMV_QMV
 #define VC_GEMV_QMV
@@ -400,23 +376,12 @@ __device__ __forceinline__ void load_step(QuantStep<ROWS>& st, const uint4* w4, 
   st.w[0].x = tied(st.w[0].x, loaded, w4);
 }
 
-// Word k (VPW values) of chunk c of x's M rows, times norm_w where NORM, each row's sum of squares
-// gathered in ss.
-template <int K, int M, int VPW, bool NORM, typename TX, typename TN>
-__device__ __forceinline__ void load_x_word(const TX* x, int c, int k, bool vec, const TN* norm_w, float* ss,
-                                            float (&xv)[M][VPW]) {
+// Word k (VPW values) of chunk c of x's M rows.
+template <int K, int M, int VPW, typename TX>
+__device__ __forceinline__ void load_x_word(const TX* x, int c, int k, bool vec, float (&xv)[M][VPW]) {
   constexpr int CHUNK = 4 * VPW;
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
-    if constexpr (NORM) {
-#pragma unroll
-      for (int j = 0; j < VPW; ++j) {
-        ss[m] = fmaf(xv[m][j], xv[m][j], ss[m]);
-        xv[m][j] *= static_cast<float>(norm_w[c * CHUNK + k * VPW + j]);
-      }
-    }
-  }
+  for (int m = 0; m < M; ++m) load_x<VPW>(x + static_cast<size_t>(m) * K + c * CHUNK + k * VPW, xv[m], vec);
 }
 
 // acc[r][m] = sum_k x[m, k] * (scale * q[row0 + r, k] + bias) over this thread's chunks, for the
@@ -424,18 +389,13 @@ __device__ __forceinline__ void load_x_word(const TX* x, int c, int k, bool vec,
 // A 16-byte chunk holds 128 / BITS values of one group (GROUP >= 32): per chunk and row,
 // scale * sum(q x) + bias * sum(x). The next step's loads are issued before this step's math.
 //
-// NORM (an RMSNorm prologue): the product's input is x * norm_w (elementwise) and ss[m] gathers
-// this thread's sum of x[m, k]^2, so that the caller can scale the sums by rsqrt(mean(x^2) + eps)
-// once the block has them: rms_norm(x) * w . q = rsqrt(...) * ((x * w) . q).
 // SPLIT (a group norm's scales still to come): step it's sums go to split[it] instead of acc, so
 // that the caller can scale each by its chunk's group before adding them up (a step's chunk lies in
 // one group: (x * r_g * w) . q = sum_g r_g ((x * w)_g . q_g)).
-template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool NORM = false, bool SPLIT = false,
-          typename TX, typename TS, typename TN = float>
+template <int BITS, int GROUP, int K, int M, int ROWS, int THREADS, bool SPLIT = false, typename TX, typename TS>
 __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* weight, const TS* scales,
                                                const TS* biases, int row0, int n_rows, float (&acc)[ROWS][M],
-                                               int lane, const TN* norm_w = nullptr, float* ss = nullptr,
-                                               float (*split)[ROWS][M] = nullptr) {
+                                               int lane, float (*split)[ROWS][M] = nullptr) {
   constexpr int VPW = 32 / BITS;      // values per word
   constexpr int CHUNK = 4 * VPW;      // values per 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;   // chunks per row
@@ -475,7 +435,7 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         float xv[M][VPW];
-        load_x_word<K, M, VPW, NORM>(x, c, k, vec, norm_w, ss, xv);
+        load_x_word<K, M, VPW>(x, c, k, vec, xv);
         if constexpr (BITS == 4) {
           float xh[M][4], xl[M][4];
 #pragma unroll
@@ -544,16 +504,10 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
   }
 }
 
-// The block-layout quantized matvec, whole: block b computes the RG row groups b * RG .. b * RG + RG - 1,
-// one after the other, group g being rows [g * ROWS, g * ROWS + ROWS). RG > 1 spends a block's fixed
-// work (its start, the partials' loads) once on more rows: on the H200 the launch's time grew with
-// its blocks (in_proj 28.6 / 39.0 / 67.8 us at 2832 / 5664 / 11328 blocks of 8 / 4 / 2 rows). It gained
-// nothing there (28.96 us at RG 2): each group waits out its own trip to memory. (Making each thread's
-// x chunk once and loading the next group during this one's math lost too: 31.0-31.8 us at RG 2-8.)
+// The block-layout quantized matvec, whole: block b computes rows [b * ROWS, b * ROWS + ROWS).
 //
-// NORM 0: x is the product's input. NORM 1: rms_norm(x) * norm_w is (see qmv_accumulate; eps).
-// NORM 2 (an input normalized by its producer): x is a norm's input already times the norm weight,
-// and norm_w holds NP partial sums of its squares per input row ([M, NP] float), NG groups of
+// NORM 0: x is the product's input. NORM 2 (an input normalized by its producer): x is a norm's
+// input already times the norm weight, and norm_w holds NP partial sums of its squares per input row ([M, NP] float), NG groups of
 // NP / NG consecutive ones per row: group g of the K channels (K / NG wide) is scaled by
 // rsqrt(its partials' sum / (K / NG) + eps). The partials are loaded with the first weight lines
 // and used after the product, so they add no trip to memory: NG = 1 (an RMSNorm) scales the row's
@@ -564,12 +518,11 @@ __device__ __forceinline__ void qmv_accumulate(const TX* x, const unsigned int* 
 // out[m, row] * next_w[row] and partials[m, b] = the sum of out[m, row]^2 over the block's rows,
 // so that the next matvec can take them with NORM 2 (NP = the blocks of this launch).
 template <int BITS, int GROUP, int K, int N, int M, int ROWS, int THREADS, int EPI, bool HAS_BIAS, int NORM, int NP,
-          int NG, bool EMIT, int RG, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO,
-          typename TE>
+          int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weight, const TS* scales,
                                           const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                           float eps, TO* out, const TE* next_w, float* normed, float* partials) {
-  constexpr bool ROW_NORM = NORM == 1 || (NORM == 2 && NG == 1);  // one scale a row, at the end
+  constexpr bool ROW_NORM = NORM == 2 && NG == 1;  // one scale a row, at the end
   constexpr bool GROUPS = NORM == 2 && NG > 1;
   constexpr int SUMS = ROWS * M + (ROW_NORM ? M : 0);  // the row sums, then each x row's sum of squares
   constexpr int CHUNK = 128 / BITS;                    // values per 16-byte chunk
@@ -578,13 +531,13 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
   constexpr int GW = K / (NG > 0 ? NG : 1);                          // a norm group's channels
   static_assert(NORM != 2 || (NG >= 1 && NP % (NG > 0 ? NG : 1) == 0), "NP partials in NG equal groups");
   static_assert(!GROUPS || (GW * NG == K && GW % CHUNK == 0), "a chunk lies inside one norm group");
+  static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
   static_assert(!EMIT || (EPI == 1 && ROWS * M <= 32), "EMIT follows a residual, its rows in one warp");
-  static_assert(RG >= 1, "one row group a block at least");
   __shared__ float part[(SUMS > NG * M ? SUMS : NG * M) * THREADS];
   __shared__ float total[SUMS];
   __shared__ float group_total[GROUPS ? NG * M : 1];
   __shared__ float inv_rms[M];
-  float pv[M][PER];  // this thread's partials (NORM 2), loaded now, read after each group's product
+  float pv[M][PER];  // this thread's partials (NORM 2), loaded now, read after the product
   if constexpr (NORM == 2) {
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -595,86 +548,81 @@ __device__ __forceinline__ void qmv_block(const TX* x, const unsigned int* weigh
       }
     }
   }
-  // (The shared arrays are reused group after group: block_sum's closing barrier and the barrier
-  // every thread passes at the next group's block_sum order each group's reads before the next's writes.)
-  for (int pass = 0; pass < RG; ++pass) {
-    const int group = static_cast<int>(blockIdx.x) * RG + pass;
-    const int row0 = group * ROWS;
-    if (RG > 1 && row0 >= N) break;  // the last block's groups past N (the same for the whole block)
-    const auto tail = row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
-    float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
-    float split[GROUPS ? ITERS : 1][ROWS][M];
+  const int group = static_cast<int>(blockIdx.x);
+  const int row0 = group * ROWS;
+  const auto tail = row_tail<ROWS, M, EPI, HAS_BIAS>(bias, residual, row0, N, EMIT ? next_w : nullptr);
+  float acc[ROWS + 1][M];  // acc[ROWS]: the sums of squares, right after the row sums
+  float split[GROUPS ? ITERS : 1][ROWS][M];
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
-    if constexpr (GROUPS) {
+  for (int m = 0; m < M; ++m) acc[ROWS][m] = 0.0f;
+  if constexpr (GROUPS) {
 #pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
+    for (int it = 0; it < ITERS; ++it) {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
+      for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-          for (int m = 0; m < M; ++m) split[it][r][m] = 0.0f;
-        }
+        for (int m = 0; m < M; ++m) split[it][r][m] = 0.0f;
       }
     }
-    qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, NORM == 1, GROUPS>(
-        x, weight, scales, biases, row0, N, reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x, norm_w, acc[ROWS],
-        split);
-    if constexpr (NORM == 2 && NG == 1) {
+  }
+  qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS, GROUPS>(x, weight, scales, biases, row0, N,
+                                                           reinterpret_cast<float (&)[ROWS][M]>(acc), threadIdx.x,
+                                                           split);
+  if constexpr (NORM == 2 && NG == 1) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int j = 0; j < PER; ++j) acc[ROWS][m] += pv[m][j];
+    }
+  }
+  if constexpr (GROUPS) {
+    // The groups' sums of squares (each thread adds its partials to their groups'), then each step's
+    // sums scaled by its chunk's group.
+    float gs[NG * M];
+#pragma unroll
+    for (int o = 0; o < NG * M; ++o) gs[o] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int i = static_cast<int>(threadIdx.x) + j * THREADS;
+      const int g = min(i, NP - 1) / (NP / NG);
+#pragma unroll
+      for (int o = 0; o < NG; ++o) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? pv[m][j] : 0.0f;
+      }
+    }
+    block_sum<NG * M, THREADS>(gs, part, group_total);
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * THREADS + static_cast<int>(threadIdx.x);
+      const int g = min(c * CHUNK, K - 1) / GW;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
+        const float r_g = rsqrtf(group_total[g * M + m] / static_cast<float>(GW) + eps);
 #pragma unroll
-        for (int j = 0; j < PER; ++j) acc[ROWS][m] += pv[m][j];
+        for (int r = 0; r < ROWS; ++r) acc[r][m] = fmaf(r_g, split[it][r][m], acc[r][m]);
       }
     }
-    if constexpr (GROUPS) {
-      // The groups' sums of squares (each thread adds its partials to their groups'), then each step's
-      // sums scaled by its chunk's group.
-      float gs[NG * M];
-#pragma unroll
-      for (int o = 0; o < NG * M; ++o) gs[o] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int i = static_cast<int>(threadIdx.x) + j * THREADS;
-        const int g = min(i, NP - 1) / (NP / NG);
-#pragma unroll
-        for (int o = 0; o < NG; ++o) {
-#pragma unroll
-          for (int m = 0; m < M; ++m) gs[o * M + m] += o == g ? pv[m][j] : 0.0f;
-        }
-      }
-      block_sum<NG * M, THREADS>(gs, part, group_total);
-#pragma unroll
-      for (int it = 0; it < ITERS; ++it) {
-        const int c = it * THREADS + static_cast<int>(threadIdx.x);
-        const int g = min(c * CHUNK, K - 1) / GW;
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float r_g = rsqrtf(group_total[g * M + m] / static_cast<float>(GW) + eps);
-#pragma unroll
-          for (int r = 0; r < ROWS; ++r) acc[r][m] = fmaf(r_g, split[it][r][m], acc[r][m]);
-        }
-      }
+  }
+  block_sum<SUMS, THREADS>(&acc[0][0], part, total);
+  const float* row_scale = nullptr;
+  if constexpr (ROW_NORM) {
+    if (threadIdx.x < M) {
+      inv_rms[threadIdx.x] = rsqrtf(total[ROWS * M + threadIdx.x] / static_cast<float>(K) + eps);
     }
-    block_sum<SUMS, THREADS>(&acc[0][0], part, total);
-    const float* row_scale = nullptr;
-    if constexpr (ROW_NORM) {
-      if (threadIdx.x < M) {
-        inv_rms[threadIdx.x] = rsqrtf(total[ROWS * M + threadIdx.x] / static_cast<float>(K) + eps);
-      }
-      __syncthreads();
-      row_scale = inv_rms;
+    __syncthreads();
+    row_scale = inv_rms;
+  }
+  if constexpr (EMIT) {
+    if (threadIdx.x < 32) {
+      const int row = row0 + static_cast<int>(threadIdx.x) / M;
+      const int m = static_cast<int>(threadIdx.x) % M;
+      const bool valid = threadIdx.x < ROWS * M && row < N;
+      const float v = !valid ? 0.0f : row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
+      emit_rows<M, EPI, HAS_BIAS>(v, valid, row, tail, out, N, normed, partials, group, (N + ROWS - 1) / ROWS);
     }
-    if constexpr (EMIT) {
-      if (threadIdx.x < 32) {
-        const int row = row0 + static_cast<int>(threadIdx.x) / M;
-        const int m = static_cast<int>(threadIdx.x) % M;
-        const bool valid = threadIdx.x < ROWS * M && row < N;
-        const float v = !valid ? 0.0f : row_scale ? total[threadIdx.x] * row_scale[m] : total[threadIdx.x];
-        emit_rows<M, EPI, HAS_BIAS>(v, valid, row, tail, out, N, normed, partials, group, (N + ROWS - 1) / ROWS);
-      }
-    } else {
-      store_rows<ROWS, M, EPI, HAS_BIAS>(total, tail, out, row0, N, row_scale);
-    }
+  } else {
+    store_rows<ROWS, M, EPI, HAS_BIAS>(total, tail, out, row0, N, row_scale);
   }
 }
 
@@ -763,16 +711,14 @@ __device__ __forceinline__ void dense_accumulate(const TX* x, const TW* weight, 
 #endif
 )";
 
-// y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM 1: x is
-// rms_norm(x) * norm_w first (eps from EPS_BITS), formed on the fly (see qmv_accumulate); NORM 2: x
-// was normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).
+// y[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) for 4- or 8-bit affine weights; NORM 2: x was
+// normalized by its producer but for the scale, which norm_w's partial sums give (qmv_block).
 // Template args: BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS (the
-// norm's eps as float bits), RG (row groups a block, one after the other), and the dtypes TX, TS,
-// TB, TR, TN, TO (the kernel name is made of the template args only, so every dtype must be one of
-// them).
+// norm's eps as float bits), and the dtypes TX, TS, TB, TR, TN, TO (the kernel name is made of the
+// template args only, so every dtype must be one of them).
 constexpr const char* kQmvSource = R"(
   const float eps = __int_as_float(EPS_BITS);
-  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, false, RG>(
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr));
 )";
@@ -782,12 +728,12 @@ constexpr const char* kQmvSource = R"(
 // M, ROWS, THREADS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvEmitSource = R"(
   const float eps = __int_as_float(EPS_BITS);
-  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, 1, HAS_BIAS, NORM, NP, NG, true, 1>(
+  vc_gemv::qmv_block<BITS, GROUP, K, N, M, ROWS, THREADS, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials);
 )";
 
-// What the two persistent 4-bit layouts (vc_qmv_stream, vc_qmv_imma) share: their dynamic shared
-// memory, the group totals of a producer's norm, a tile's end. Include-guarded; it needs
+// What the persistent 4-bit layouts (vc_qmv_stream, vc_qmv_imma_stream) share: their dynamic shared
+// memory, x's int8 terms, the group totals of a producer's norm, a tile's end. Include-guarded; it needs
 // kCommonHeader before it.
 constexpr const char* kPersistentHeader = R"(
 #ifndef VC_PERSISTENT_HEADER
@@ -799,59 +745,12 @@ constexpr const char* kPersistentHeader = R"(
 #define VC_DYNAMIC_SMEM(name) unsigned char* name = cuda_emu::dynamic_smem()
 #endif
 
-// A timeline probe's hook (tools/gpu/qmv_timeline.py defines it ahead of this header): warp's
-// moment at `event` (0 its prologue done, 1 a tile in, 2 its share of it summed, 3 the tile stored)
-// of round `round`. Empty in the extension's kernels.
-#ifndef VC_STAMP
-#define VC_STAMP(event, round)
-#endif
-// 1 (the kernels'): a streamed walk asks for its block's first tile alone, and for each next
-// first-round tile once the one before it is in, instead of all STAGES at the start. With every
-// block's STAGES tiles asked for at once (out_proj: 24 MB), the prologue's loads of x and the norm's
-// partials came in behind them. Ramped (qmv_timeline.py, H200, 2026-12-04, one machine, p50): the
-// integer-MMA kernel's prologue at out_proj 4.2 instead of 6.7 us, the float out_proj's last tile
-// stored at 12.1 instead of 13.7 us, down_proj's at 15.3 instead of 16.2. 0 (a probe's define) asks
-// for all STAGES at the start.
-#ifndef VC_RAMP
-#define VC_RAMP 1
-#endif
-// 0 (the kernels'): vc_qmv_stream's warp 0 asks for the block's first tile once every thread's loads
-// of x, the norm's partials and the first Tail are issued (see qmv_stream). 1 (a probe's define, for
-// qmv_timeline.py): before its own loads of x, so that the tile's trip starts first. Timed at out_proj
-// (H200, 2026-12-04, p50): the prologue done at 4.70 us against 3.86, the first tiles in at 5.28
-// against 4.80: worse, so 0 stays.
-#ifndef VC_TILE_FIRST
-#define VC_TILE_FIRST 0
-#endif
-// 0 (the kernels'): vc_qmv_stream asks at the start for every first-round item whose stage x's
-// staged slices do not pass through (see qmv_stream), the others after x's spread. n > 0 (a probe's
-// define, for qmv_timeline.py): at most n at the start, the rest after the spread. Two at the start
-// take the 4-stage warp-group launch at out_proj (8:640:4) with the last round in parts to 119
-// registers under nvcc, more than 640 threads allow; one takes it to 96.
-#ifndef VC_START_ITEMS
-#define VC_START_ITEMS 0
-#endif
-// 2 (the kernels'): where vc_qmv_stream's tiles are whole and a warp group takes all their rows, a
-// tile comes in 2 row groups of ROWS / 2 rows (one bulk copy and one mbarrier each, the first also
-// counting the scales and biases, asked for ahead of the weights), and a warp's product waits for the
-// second only as it gets to its rows, so that the product of a tile's first rows can overlap the
-// arrival of the rest. n (a probe's define): n groups of ROWS / n rows; 1 waits for the whole tile
-// (one mbarrier a stage); -1 a group a row. Nsight Compute (2026-12-05, f32 x, one row, the step's
-// out_proj, 264 x 320, trees alternating on one machine): on an H100 1 14.18-14.75 us (5 runs, mean
-// 14.50), 2 13.98-14.24 (3, mean 14.11), -1 13.95-14.46 (5, mean 14.21), its timelines' round 0
-// summed at 6.21 us p50 with 2 against 6.94 with 1; on an H200 even: 2 11.81-12.10 (5, mean 11.91),
-// 1 11.68-12.03 (5, mean 11.84). So 2, for what it gives the H100 at no measurable cost to the H200.
-// Measured and dropped the same day: column slices of whole warps' chunks, a barrier a slice and a
-// warp waiting for its own: 18.75 us against 14.37-14.56 with a slice a warp (80 bulk copies of 512
-// bytes a tile took the prologue from 4.0 to 8.8 us p50), and no earlier products with two.
-#ifndef VC_ROW_GROUPS
-#define VC_ROW_GROUPS 2
-#endif
-
 // x as block floating point (the integer products' input, vc_imma's and the streamed layout's
-// dp4a product): values v with |v| <= top as 2^E (p0 + p1 / 128 + p2 / 128^2 ...), int8 p with
-// |p| <= 64 (LEVELS terms, 6 + 7 (LEVELS - 1) bits below top).
+// dp4a product): values v with |v| <= top as 2^E (p0 + p1 / 128 + p2 / 128^2 + p3 / 128^3), int8 p
+// with |p| <= 64 (TERMS terms, 6 + 7 (TERMS - 1) = 27 bits below top: as exact as a float32 product).
 namespace vc_levels {
+
+constexpr int TERMS = 4;
 
 // 2^-E (down) and 2^E (up) for values up to `top`: top / 2^E in [32, 64), so the first term's |p| <=
 // 64, each next one's too (x 128). (top's biased exponent e: top in [2^(e - 127), 2^(e - 126)), E = e -
@@ -869,10 +768,8 @@ __device__ __forceinline__ Scale scale_for(float top) {
 // v[6] (bytes 0..3), hi[l] of v[1], v[3], v[5], v[7], the order of a packed 4-bit word's nibbles
 // v & 0x0F0F0F0F and (v >> 4) & 0x0F0F0F0F. |y| <= 64 at every level: adding 1.5 x 2^23 rounds it
 // to the nearest integer (ties to even, as rintf) and leaves that integer's two's complement in the
-// sum's low mantissa bits, so its byte is the sum's low byte. rintf and the float-to-int conversion
-// each run at 16 a cycle an SM, 8 values x 4 levels of each an item: with two blocks an SM expanding
-// x they bound vc_imma's prologue (H200, 2026-12-04, across machines: in_proj 20.7-21.7 -> 18.4 us,
-// up_proj 15.7-16.3 -> 14.9).
+// sum's low mantissa bits, so its byte is the sum's low byte (rintf and the float-to-int conversion
+// run at 16 a cycle an SM on sm_90, an eighth of the FMA's rate: x's expansion would wait on them).
 template <int LEVELS>
 __device__ __forceinline__ void terms8(const float* v, float down, unsigned int* lo, unsigned int* hi) {
   constexpr float ROUNDER = 12582912.0f;
@@ -951,9 +848,8 @@ __device__ __forceinline__ void sum_groups(const Partials<NP, M, THREADS>& p, fl
     const int g = (static_cast<int>(threadIdx.x) + j * THREADS) / (NP / NG);  // past NP: adds zeros
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      // through an empty asm, so that no add is folded next to the partial's load: there it waited on
-      // the load ahead of warp 0's first bulk copies, which the block's copies then waited on
-      // (vc_qmv_stream at out_proj, sm_90 SASS, 2026-12-04)
+      // through an empty asm, so that no add is folded next to the partial's load: there it would wait
+      // on the load ahead of warp 0's first bulk copies, and the block's copies on it
       float v = p.v[j][m];
 #ifdef __CUDA_ARCH__
       asm volatile("" : "+f"(v));
@@ -977,12 +873,6 @@ __device__ __forceinline__ void sum_groups(const Partials<NP, M, THREADS>& p, fl
   __syncthreads();
 }
 
-// load_partials, then sum_groups.
-template <int NP, int NG, int M, int THREADS, typename TN>
-__device__ __forceinline__ void group_totals(const TN* norm_w, float* scratch, int stride, float* group_total) {
-  sum_groups<NP, NG, M, THREADS>(load_partials<NP, M, THREADS>(norm_w), scratch, stride, group_total);
-}
-
 // Lane l < SUMS of one warp: sum l of a tile totalled over the warps' partials (red: WARPS rows of
 // `stride` floats); 0 in the other lanes.
 template <int SUMS, int WARPS>
@@ -994,7 +884,7 @@ __device__ __forceinline__ float tile_total(const float* red, int stride, int la
   return v;
 }
 
-// EPI of store_totals for a two-head argmax (vc_imma's): an item's rows are logits of one of two heads
+// EPI of store_totals for a two-head argmax (vc_imma::qmv_imma_stream's): an item's rows are logits of one of two heads
 // of N / 2 rows each, kept as argmax keys (argmax_totals), not stored as outputs.
 constexpr int EPI_ARGMAX = 3;
 
@@ -1062,19 +952,16 @@ __device__ __forceinline__ void store_tile(const float* red, int stride, int row
 #endif
 )";
 
-// The streamed 4-bit matvec (vc_qmv_stream): the block layout's math with the weight bytes moved
-// by the copy engine instead of the threads' loads. The twelfth session's profile of the block
-// layout at the N = 4480 shapes: 2 blocks an SM, each thread one round trip to memory, then its
-// math and the block sum with nothing in flight (48% of stalls on the L1TEX scoreboard, 2.1
-// waves). Here a block stays on its SM and walks tiles (ROWS consecutive rows, whole K): a
-// warp asks for the next STAGES tiles' weights, scales and biases with cp.async.bulk into shared
-// memory (an mbarrier a stage counts their bytes), so the bytes in flight do not cost registers;
-// every thread keeps its chunks of x in registers for all tiles (loaded once, already split into
-// the pair form of vc_gemv::pair_word, the input norm's scale folded in), and reads each tile's
-// weights from shared memory. A warp goes on to its next tile without waiting for the others; the
-// last one done with a tile stores it and asks for the tile STAGES ahead into its stage
-// (walk_tiles). Include-guarded; it needs kCommonHeader, kPairHeader and
-// kPersistentHeader before it.
+// The streamed 4-bit matvec (vc_qmv_stream): the weight bytes moved by the copy engine instead of
+// the threads' loads. In the block layout each thread makes one trip to memory and then does its
+// math and the block sum with nothing in flight. Here a block stays on its SM and walks tiles (ROWS
+// consecutive rows, whole K): a warp asks for the next STAGES tiles' weights, scales and biases with
+// cp.async.bulk into shared memory (an mbarrier a stage counts their bytes), so the bytes in flight
+// do not cost registers; every thread keeps its chunks of x in registers for all tiles (loaded once,
+// already as int8 terms, the input norm's scale folded in), and reads each tile's weights from shared
+// memory. A warp goes on to its next tile without waiting for the others; the last one done with a
+// tile stores it and asks for the tile STAGES ahead into its stage (walk_tiles). Include-guarded; it
+// needs kCommonHeader and kPersistentHeader before it.
 constexpr const char* kStreamHeader = R"(
 #ifndef VC_STREAM_HEADER
 #define VC_STREAM_HEADER
@@ -1167,19 +1054,6 @@ __device__ __forceinline__ bool last_warp(unsigned int* arrived, int round, int 
   return last != 0u;
 }
 
-// vc_qmv_stream's warp groups (its WG): where a block of THREADS has WG > 1 times the warps that K's
-// CHUNKS take at a chunk a thread (KW), each group of KW warps takes ROWS / WG rows of every item (its
-// threads the same chunks as the other groups'), so that one block an SM has as many warps on each
-// item as two blocks of KW warps have on two; a last round in SPLIT parts keeps whole rows a group.
-// gemv.cpp's stream_warp_groups derives the same on the host (its split from rows / WG):
-// test_gemv_cuda_emulated holds the two equal over the launches stream_launch picks.
-template <int CHUNKS, int THREADS, int ROWS, int SPLIT>
-struct WarpGroups {
-  static constexpr int KW = (CHUNKS + 31) / 32, WARPS = THREADS / 32;
-  static constexpr int WK = WARPS / KW > 0 ? WARPS / KW : 1;  // (no % 0 below where K takes more warps than there are)
-  static constexpr int value = WK >= 2 && WARPS % KW == 0 && (ROWS / SPLIT) % WK == 0 ? WK : 1;
-};
-
 // A stage's layout: ROWS weight rows of ROW_BYTES each, ROW_STRIDE apart (a stride past ROW_BYTES
 // pads the rows, so that a warp reading across rows misses its own shared-memory banks), then the
 // tile's scales and its biases: S_BYTES each in global memory (ROWS rows of S_ROW_BYTES), laid out
@@ -1228,9 +1102,8 @@ struct TileCopies {
 };
 
 // Tile `tile`'s bulk copies into stage st, spread over the lanes of one warp (all 32 calling): lane 0
-// arms the barrier for the tile's bytes, then lane l issues copies l, l + 32, ... One thread issuing
-// a padded slab's 48 copies (the integer-MMA kernel at out_proj) held its warp, and with it the
-// tile's store, for their whole issue.
+// arms the barrier for the tile's bytes, then lane l issues copies l, l + 32, ... (one thread issuing
+// a padded slab's dozens of copies would hold its warp, and with it the tile's store).
 template <typename S>
 __device__ __forceinline__ void fetch_bulk(unsigned char* st, const unsigned char* w, const unsigned char* s,
                                            const unsigned char* b, int tile, unsigned long long* bar, int lane) {
@@ -1411,9 +1284,9 @@ __device__ __forceinline__ void ask_for_items(const W& walk, int from, int to, u
 }
 
 // Warp 0 of a block on the bulk path (all its lanes): the stages' barriers and counts set up, and the
-// block's first items (of its Walk) asked for: with VC_RAMP the first `first` (the stages x is not
-// staged through; the kernel, or walk_tiles's ramp_tiles, asks for the others), else STAGES of them.
-// The block's other threads see the barriers after its next barrier.
+// block's first `first` items (of its Walk) asked for (the kernel, or walk_tiles's ramp_tiles, asks
+// for the others: all STAGES at once, their bytes would hold up the prologue's loads). The block's
+// other threads see the barriers after its next barrier.
 template <int STAGES, typename S, typename W>
 __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* bars, unsigned int* arrived,
                                             unsigned char* stages, const unsigned char* wb, const unsigned char* sb,
@@ -1425,16 +1298,16 @@ __device__ __forceinline__ void start_tiles(const W& walk, unsigned long long* b
     }
   }
   __syncwarp();
-  ask_for_items<S>(walk, 0, VC_RAMP ? first : STAGES, bars, stages, wb, sb, bb, lane);
+  ask_for_items<S>(walk, 0, first, bars, stages, wb, sb, bb, lane);
 }
 
-// With VC_RAMP, warp 0 (all its lanes) once round i's tile is in: round i + 1's first tile asked for,
+// Warp 0 (all its lanes) once round i's tile is in: round i + 1's first tile asked for,
 // while the first round lasts, from round `from` on (the kernel asked for the ones before).
 template <int STAGES, typename S, typename W>
 __device__ __forceinline__ void ramp_tiles(int i, const W& walk, unsigned long long* bars, unsigned char* stages,
                                            const unsigned char* wb, const unsigned char* sb, const unsigned char* bb,
                                            int lane, int from = 1) {
-  if (VC_RAMP != 0 && threadIdx.x < 32 && i + 1 >= from && i + 1 < STAGES && i + 1 < walk.count) {
+  if (threadIdx.x < 32 && i + 1 >= from && i + 1 < STAGES && i + 1 < walk.count) {
     walk.fetch(i + 1, stages + (i + 1) * S::BYTES, wb, sb, bb, &bars[(i + 1) * W::BARS], lane);
   }
 }
@@ -1475,11 +1348,9 @@ __device__ __forceinline__ vc_gemv::Tail<TB, TR, TE> stream_tail(const W& walk, 
 // aligned) the block copies each item's whole tile itself into stage 0, behind barriers, and warp 0
 // stores it. first_tail: stream_tail(walk, 0, ...), which the kernel asks for with x, before its
 // first tiles. ramp_from: the first round's tiles from it on are asked for by ramp_tiles (the kernel
-// asked for the ones before). SUM_WARPS: the warps whose rows of a red buffer hold an item's sums (the
-// first; fewer than WARPS where warp groups share a row of red each, see qmv_stream). best: EPI_ARGMAX's
-// keys (store_totals).
-template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, int SUM_WARPS = WARPS,
-          typename W, typename TB, typename TR, typename TE, typename TO, typename Sums>
+// asked for the ones before). best: EPI_ARGMAX's keys (store_totals).
+template <int M, int WARPS, int STAGES, typename S, int EPI, bool HAS_BIAS, bool EMIT, int N, typename W, typename TB,
+          typename TR, typename TE, typename TO, typename Sums>
 __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned long long* bars, unsigned int* arrived,
                                            float* red, unsigned char* stages, const unsigned char* wb,
                                            const unsigned char* sb, const unsigned char* bb, const TB* bias,
@@ -1491,25 +1362,22 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
   const int lane = threadIdx.x & 31;
   if (bulk) {
     // This lane's Tail of item i, asked for an item ahead so that its trip to memory overlaps an
-    // item's product. Item 0's came with x: asked for here, behind the first tiles' bulk copies, it
-    // came in after them, and the copy into `tail` held every warp until then (20% of out_proj's warp
-    // samples on the H200, 2026-12-04).
+    // item's product. Item 0's comes with x: asked for here, behind the first tiles' bulk copies, it
+    // would come in after them and hold every warp until then.
     auto next_tail = first_tail;
     for (int i = 0; i < walk.count; ++i) {
       const int s = i % STAGES;
       const auto tail = next_tail;
       next_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, i + 1, lane, bias, residual, next_w);
       bar_wait(&bars[s * W::BARS], (i / STAGES) & 1);
-      VC_STAMP(1, i);
       ramp_tiles<STAGES, S>(i, walk, bars, stages, wb, sb, bb, lane, ramp_from);
       with_rows(walk, i, [&](auto rows) {
         constexpr int R = decltype(rows)::value;
         // row group g's barrier (the first passed above), for an item's product
         const auto ready = [&](int g) { bar_wait(&bars[s * W::BARS + g], (i / STAGES) & 1); };
         sums(rows, stages + s * S::BYTES, s, walk.part(i) ? walk.q() * R : 0, ready);
-        VC_STAMP(2, i);
         if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-          const float v = tile_total<R * M, SUM_WARPS>(red + s * WARPS * SUMS, SUMS, lane);
+          const float v = tile_total<R * M, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
           __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
           if (i + STAGES < walk.count) {
             reads_before_copies();  // each lane, before its copies
@@ -1517,7 +1385,6 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
           }
           store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
                                                      partials, best);
-          VC_STAMP(3, i);
         }
       });
     }
@@ -1533,7 +1400,7 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       // red double-buffered: a warp may write the next item's before warp 0 reads this one's
       sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0, [](int) {});
       __syncthreads();  // the stage read and the sums written by every thread
-      store_tile<M, R, SUM_WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
+      store_tile<M, R, WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
                                                           walk.np(), tail, out, normed, partials, best);
     });
   }
@@ -1554,7 +1421,7 @@ struct IsFloat<float> {
   static constexpr bool value = true;
 };
 
-template <int K, int M, int CPT, int THREADS, int KT = THREADS>
+template <int K, int M, int CPT, int THREADS>
 struct StagedX {
   static constexpr int CHUNKS = K / 32;
   static constexpr int BYTES = THREADS / 32 * CPT * M * 4096;  // the block's slices (every warp's)
@@ -1562,12 +1429,10 @@ struct StagedX {
 
   static __device__ __forceinline__ int slot(int chunk, int q) { return chunk * 8 + (q ^ (chunk & 7)); }
 
-  // KT: the threads whose chunks cover K (a warp group's, see qmv_stream); warp w takes the chunks of
-  // warp w % (KT / 32) of the first
   __device__ __forceinline__ void load(const float* x, int lane, int warp) {
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      const int first = (KT < THREADS ? warp % (KT / 32) : warp) * 32 + j * KT;  // the warp's first chunk of round j
+      const int first = warp * 32 + j * THREADS;  // the warp's first chunk of round j
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const float4* src = reinterpret_cast<const float4*>(x + static_cast<size_t>(m) * K) + first * 8;
@@ -1613,26 +1478,23 @@ struct StagedX {
 // the epilogue of vc_gemv::finish, and with EMIT the next norm's input as vc_qmv_emit writes it
 // (partials: one a tile, and one a part of a split last-round tile). N a multiple of ROWS. SPLIT: the
 // parts a last-round tile is cut into (Walk). The dynamic shared memory `smem` holds STAGES tiles
-// (and with XS 2, x's slices past them). LEVELS 0: the pair form's float products (vc_gemv::pair_fma,
-// 5 instructions a pair of weights); 1-4: integer dot products (dp4a: four weights an instruction a
-// term) with each thread's chunk of x as LEVELS int8 terms (vc_levels: 6 + 7 (LEVELS - 1) bits below
-// the chunk's largest |x|), each row's integer sums of a chunk then scaled in float32.
-template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int SPLIT, int LEVELS, int EPI,
+// (and with XS 2, x's slices past them). The products are integer dot products (dp4a: four weights an
+// instruction a term) with each thread's chunk of x as vc_levels::TERMS int8 terms, each row's integer
+// sums of a chunk then scaled in float32 (5 float instructions a pair of weights cost more).
+template <int GROUP, int K, int N, int M, int ROWS, int THREADS, int STAGES, int XS, int SPLIT, int EPI,
           bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR,
           typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weight, const TS* scales,
                                            const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                            float eps, TO* out, const TE* next_w, float* normed, float* partials,
                                            unsigned char* smem) {
-  using vc_gemv::Pair;
   constexpr int CHUNK = 32;  // 4-bit values in a 16-byte chunk
   constexpr int CHUNKS = K / CHUNK;
   constexpr int WARPS = THREADS / 32;
-  constexpr int WG = WarpGroups<CHUNKS, THREADS, ROWS, SPLIT>::value;
-  constexpr int KT = THREADS / WG, SUM_WARPS = WARPS / WG;  // a warp group's threads and warps
-  constexpr int CPT = (CHUNKS + KT - 1) / KT;  // chunks a thread
+  constexpr int CPT = (CHUNKS + THREADS - 1) / THREADS;  // chunks a thread
   constexpr int GROUPS = K / GROUP;
   constexpr int TILES = N / ROWS;
+  constexpr int LV = vc_levels::TERMS;
   // the rows unpadded: a warp reads consecutive chunks of one row
   using S = Stage<ROWS, K / 2, K / 2, ROWS * GROUPS * static_cast<int>(sizeof(TS))>;
   constexpr int SUMS = ROWS * M;
@@ -1641,11 +1503,9 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   static_assert(STAGES >= 2 && SUMS <= 32 && THREADS % 32 == 0, "two stages at least; a tile's sums in one warp");
   static_assert(NORM == 0 || NORM == 2, "no norm, or one its producer applied");
   static_assert(NORM == 0 || (NP % NG == 0 && K % NG == 0 && (K / NG) % CHUNK == 0), "NP partials in NG groups");
-  static_assert(LEVELS >= 0 && LEVELS <= 4, "the pair form, or 1-4 int8 terms of x");
-  // VC_ROW_GROUPS (see its define): each tile's rows in groups, a barrier each (Walk), where the
-  // tiles are whole and a warp takes all their rows
-  constexpr int RG_ASKED = VC_ROW_GROUPS < 0 ? ROWS : VC_ROW_GROUPS;
-  constexpr int BARS = RG_ASKED > 1 && ROWS % RG_ASKED == 0 && WG == 1 && SPLIT == 1 ? RG_ASKED : 1;
+  // Whole tiles come in two row groups, a bulk copy and an mbarrier each (Walk), so that a warp's
+  // product of the first rows overlaps the arrival of the rest.
+  constexpr int BARS = ROWS % 2 == 0 && SPLIT == 1 ? 2 : 1;
   __shared__ unsigned long long bars[STAGES * BARS];
   // Bulk path: arrived[s] counts the warps done with stage s's tiles (never reset: round r's last
   // warp sees r * WARPS + WARPS - 1), red[s] holds their sums of its tile.
@@ -1657,19 +1517,14 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   __shared__ float group_total[NGM];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  // this thread's place in its warp group, and its group
-  const int kt = WG > 1 ? static_cast<int>(threadIdx.x) % KT : static_cast<int>(threadIdx.x);
-  const int wg = WG > 1 ? static_cast<int>(threadIdx.x) / KT : 0;
+  const int kt = static_cast<int>(threadIdx.x);
   const Walk<S, TILES, SPLIT, BARS> walk;
   const bool bulk = vc_gemv::aligned16(weight) && vc_gemv::aligned16(scales) && vc_gemv::aligned16(biases);
   const unsigned char* wb = reinterpret_cast<const unsigned char*>(weight);
   const unsigned char* sb = reinterpret_cast<const unsigned char*>(scales);
   const unsigned char* bb = reinterpret_cast<const unsigned char*>(biases);
   // This thread's chunks of x and the input norm's partials, loaded before the first tiles are asked
-  // for: behind every block's bulk copies (~24 MB at in_proj) they waited ~5 us, a fifth of the
-  // kernel's warp time on the H200 (Nsight Compute's samples, 2026-12-03). With VC_TILE_FIRST the
-  // first tiles go ahead of them (out_proj: 12 MB; the stages x is staged through are asked for
-  // after x's spread either way).
+  // for: behind every block's bulk copies they would wait for the copies' bytes.
   float xv[CPT][M][4][8];
   const bool vec = vc_gemv::aligned16(x);
   // XS (gemv.cpp's pick_stream): float32 x loaded coalesced and handed to each lane through shared
@@ -1677,25 +1532,20 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   // stage, or for one row of x in all but the first (the bulk path asks for those stages' tiles only
   // after x's spread, the others at the start; the block's own copies use the first stage alone), 2
   // through a region of its own past the stages.
-  using SX = StagedX<K, M, CPT, THREADS, KT>;
+  using SX = StagedX<K, M, CPT, THREADS>;
   constexpr int X_STAGES = (SX::BYTES + S::BYTES - 1) / S::BYTES;
-  constexpr bool STAGE_X = IsFloat<TX>::value && (XS == 2 || (XS == 1 && VC_RAMP != 0 && X_STAGES < STAGES &&
-                                                              (X_STAGES == 1 || M == 1)));
+  constexpr bool STAGE_X =
+      IsFloat<TX>::value && (XS == 2 || (XS == 1 && X_STAGES < STAGES && (X_STAGES == 1 || M == 1)));
   const bool staged = STAGE_X && vec;
-  // the first items asked for at the start: the stages x does not pass through (VC_START_ITEMS, a
-  // probe's define, may ask for fewer)
-  const int free_stages = staged && XS == 1 ? STAGES - X_STAGES : 1;
-  const int first = VC_START_ITEMS > 0 && VC_START_ITEMS < free_stages ? VC_START_ITEMS : free_stages;
-  if (VC_TILE_FIRST != 0 && threadIdx.x < 32 && bulk) {
-    start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane, first);
-  }
+  // the first items asked for at the start: the stages x does not pass through
+  const int first = staged && XS == 1 ? STAGES - X_STAGES : 1;
   SX sx;
   if (staged) {
     sx.load(reinterpret_cast<const float*>(x), lane, warp);
   } else {
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      const int c = min(kt + j * KT, CHUNKS - 1);
+      const int c = min(kt + j * THREADS, CHUNKS - 1);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
 #pragma unroll
@@ -1711,7 +1561,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
   }
   const auto first_tail = stream_tail<M, EPI, HAS_BIAS, EMIT, N>(walk, 0, lane, bias, residual, next_w);
   __syncthreads();  // every thread's loads issued
-  if (VC_TILE_FIRST == 0 && threadIdx.x < 32 && bulk) {
+  if (threadIdx.x < 32 && bulk) {
     start_tiles<STAGES, S>(walk, bars, arrived, smem, wb, sb, bb, lane, first);
   }
   // The input norm's scales (NORM 2): each group's partials summed by the block.
@@ -1728,86 +1578,58 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
       __syncthreads();
     }
   }
-  // With VC_RAMP the rest of the first round's tiles are asked for here, once the prologue's loads
-  // are in (and x's staged slices out of their stage), not each once the one before it is in, which a
-  // warp sees only after the prologue's expansion (~1 us later in out_proj's timelines). Nsight
-  // Compute on the H200, 2026-12-04, f32 x, one row, 2 stages (the second tile alone asked for here),
-  // A/B pairs on three machines: the MLP down_proj 15.23-15.62 -> 14.85-14.98 us (a block's 4-5 tiles
-  // wait on their loads); the mamba out_proj 11.42-11.65 -> 11.62-11.74 (its two rounds' loads fill
-  // the DRAM either way; the barrier costs it). Asking early only where a block walks 4 items or more
-  // kept out_proj (11.74 / 11.84 against 11.74) and gave down_proj less (15.01 / 15.07 against 15.26).
-  // With 3 stages or more the ramp chained the first round's trips to memory (~3 us each in the
-  // timelines), likely why 3 stages lost at down_proj; asked for at once here: not measured yet.
-  if (VC_RAMP != 0 && bulk && threadIdx.x < 32) {
+  // The rest of the first round's tiles are asked for here, once the prologue's loads are in (and x's
+  // staged slices out of their stage): asked for at the start, their bytes would hold up the
+  // prologue's loads.
+  if (bulk && threadIdx.x < 32) {
     ask_for_items<S>(walk, first, STAGES, bars, smem, wb, sb, bb, lane);
   }
-  // LEVELS 0: x in pair form (see vc_gemv::pair_word): xh, xl for each word k of a chunk, and per
-  // chunk the offset the pairs add and the sum of the x they saw. LEVELS > 0: x's terms (word k's
-  // lo / hi of vc_levels::terms8, a level each), and per chunk 2^E / 128 times the norm's scale (xup)
-  // and the sum of the scaled x.
-  constexpr int LV = LEVELS > 0 ? LEVELS : 1;
-  float xh[CPT][4][M][4], xl[CPT][4][M][4], offset[CPT][M], xsum[CPT][M], xup[CPT][M];
+  // x's terms (word k's lo / hi of vc_levels::terms8, a level each), and per chunk 2^E / 128 times
+  // the norm's scale (xup) and the sum of the scaled x.
+  float xsum[CPT][M], xup[CPT][M];
   unsigned int tlo[CPT][M][LV][4], thi[CPT][M][LV][4];
 #pragma unroll
   for (int j = 0; j < CPT; ++j) {
-    const int c = min(kt + j * KT, CHUNKS - 1);
+    const int c = min(kt + j * THREADS, CHUNKS - 1);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float r = 1.0f;
       if constexpr (NORM == 2) {
         r = rsqrtf(group_total[(c * CHUNK / (K / NG)) * M + m] / static_cast<float>(K / NG) + eps);
       }
-      if constexpr (LEVELS > 0) {
-        float top = 0.0f, sum = 0.0f;
+      float top = 0.0f, sum = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < 4; ++k) {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            top = fmaxf(top, fabsf(xv[j][m][k][i]));
-            sum += xv[j][m][k][i];
-          }
+        for (int i = 0; i < 8; ++i) {
+          top = fmaxf(top, fabsf(xv[j][m][k][i]));
+          sum += xv[j][m][k][i];
         }
-        const vc_levels::Scale two_e = vc_levels::scale_for(top);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          unsigned int lo[LV], hi[LV];
-          vc_levels::terms8<LV>(xv[j][m][k], two_e.down, lo, hi);
-#pragma unroll
-          for (int l = 0; l < LV; ++l) {
-            tlo[j][m][l][k] = lo[l];
-            thi[j][m][l][k] = hi[l];
-          }
-        }
-        xup[j][m] = two_e.up * (1.0f / 128.0f) * r;
-        xsum[j][m] = sum * r;
-      } else {
-        float hs = 0.0f, ls = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-#pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            xh[j][k][m][s] = xv[j][m][k][s + 4] * r;
-            xl[j][k][m][s] = fmaf(-Pair::LO, xh[j][k][m][s], xv[j][m][k][s] * r);
-            hs += xh[j][k][m][s];
-            ls += xl[j][k][m][s];
-          }
-        }
-        offset[j][m] = fmaf(16.0f + Pair::C, hs, 16.0f * ls);
-        xsum[j][m] = fmaf(1.0f + Pair::LO, hs, ls);
       }
+      const vc_levels::Scale two_e = vc_levels::scale_for(top);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        unsigned int lo[LV], hi[LV];
+        vc_levels::terms8<LV>(xv[j][m][k], two_e.down, lo, hi);
+#pragma unroll
+        for (int l = 0; l < LV; ++l) {
+          tlo[j][m][l][k] = lo[l];
+          thi[j][m][l][k] = hi[l];
+        }
+      }
+      xup[j][m] = two_e.up * (1.0f / 128.0f) * r;
+      xsum[j][m] = sum * r;
     }
   }
   __syncthreads();  // the barriers' init seen by every thread
-  VC_STAMP(0, 0);
-  // This warp's sums of its warp group's R / WG rows of the R in stage st, the tile's rows r0 on (each
-  // thread's, folded over the warp: see fold_sums), into red[b][warp % SUM_WARPS] at the group's place.
-  // ready(g): waits for row group g of the stage (BARS > 1; the first is in before the call).
-  auto row_sums = [&](auto rows, const unsigned char* st, int b, int r0_, auto ready) {
-    constexpr int R = decltype(rows)::value / WG;
+  // This warp's sums of the R rows in stage st, the tile's rows r0 on (each thread's, folded over the
+  // warp: see fold_sums), into red[b][warp]. ready(g): waits for row group g of the stage (BARS > 1;
+  // the first is in before the call).
+  auto row_sums = [&](auto rows, const unsigned char* st, int b, int r0, auto ready) {
+    constexpr int R = decltype(rows)::value;
     constexpr int RM = R * M;
     constexpr int LOG = RM >= 32 ? 5 : RM >= 16 ? 4 : RM >= 8 ? 3 : RM >= 4 ? 2 : RM >= 2 ? 1 : 0;
     static_assert(RM == 1 << LOG, "a tile's (and a part's) rows x M a power of two");
-    const int r0 = r0_ + wg * R;
     float acc[R][M];
     const uint4* w4 = reinterpret_cast<const uint4*>(st);
     const TS* tscale = reinterpret_cast<const TS*>(st + S::SCALES);
@@ -1819,7 +1641,7 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
     }
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      const int c = kt + j * KT;
+      const int c = kt + j * THREADS;
       if (c < CHUNKS) {
         const int g = c * CHUNK / GROUP;
 #pragma unroll
@@ -1830,74 +1652,53 @@ __device__ __forceinline__ void qmv_stream(const TX* x, const unsigned int* weig
           const uint4 wv = w4[(r0 + r) * CHUNKS + c];
           const float scale = static_cast<float>(tscale[(r0 + r) * GROUPS + g]);
           const float bias_g = static_cast<float>(tbias[(r0 + r) * GROUPS + g]);
-          if constexpr (LEVELS > 0) {
-            // each level's integer sum over the chunk (|sum| <= 15 x 64 x 32 < 2^15), then two levels
-            // a word: 128 s0 + s1 and 128 s2 + s3 (< 2^22: exact as floats); the chunk's q . x is
-            // 2^E / 128 ((128 s0 + s1) + (128 s2 + s3) / 2^14)
-            int sums[M][LV];
+          // each level's integer sum over the chunk (|sum| <= 15 x 64 x 32 < 2^15), then two levels
+          // a word: 128 s0 + s1 and 128 s2 + s3 (< 2^22: exact as floats); the chunk's q . x is
+          // 2^E / 128 ((128 s0 + s1) + (128 s2 + s3) / 2^14)
+          int sums[M][LV];
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int l = 0; l < LV; ++l) sums[m][l] = 0;
+          }
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const unsigned int v = vc_gemv::word(wv, k);
+            const unsigned int lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
 #pragma unroll
-              for (int l = 0; l < LV; ++l) sums[m][l] = 0;
-            }
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const unsigned int v = vc_gemv::word(wv, k);
-              const unsigned int lo = v & 0x0F0F0F0Fu, hi = (v >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-              for (int m = 0; m < M; ++m) {
-#pragma unroll
-                for (int l = 0; l < LV; ++l) {
-                  sums[m][l] = vc_levels::dp4a(lo, tlo[j][m][l][k], sums[m][l]);
-                  sums[m][l] = vc_levels::dp4a(hi, thi[j][m][l][k], sums[m][l]);
-                }
+              for (int l = 0; l < LV; ++l) {
+                sums[m][l] = vc_levels::dp4a(lo, tlo[j][m][l][k], sums[m][l]);
+                sums[m][l] = vc_levels::dp4a(hi, thi[j][m][l][k], sums[m][l]);
               }
             }
+          }
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-              int high = sums[m][0] * 128, low = 0;
-              if constexpr (LV > 1) high += sums[m][1];
-              if constexpr (LV > 2) low = sums[m][2] * 128;
-              if constexpr (LV > 3) low += sums[m][3];
-              float q = static_cast<float>(high);
-              if constexpr (LV > 2) q = fmaf(static_cast<float>(low), 1.0f / 16384.0f, q);
-              acc[r][m] += fmaf(scale * xup[j][m], q, bias_g * xsum[j][m]);
-            }
-          } else {
-            float dot[M];
-#pragma unroll
-            for (int m = 0; m < M; ++m) dot[m] = -offset[j][m];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-              const unsigned int v = vc_gemv::word(wv, k);
-              vc_gemv::pair_fma<0, M>(v, xh[j][k], xl[j][k], dot);
-              vc_gemv::pair_fma<1, M>(v, xh[j][k], xl[j][k], dot);
-              vc_gemv::pair_fma<2, M>(v, xh[j][k], xl[j][k], dot);
-              vc_gemv::pair_fma<3, M>(v, xh[j][k], xl[j][k], dot);
-            }
-#pragma unroll
-            for (int m = 0; m < M; ++m) acc[r][m] += fmaf(scale, dot[m], bias_g * xsum[j][m]);
+          for (int m = 0; m < M; ++m) {
+            const int high = sums[m][0] * 128 + sums[m][1], low = sums[m][2] * 128 + sums[m][3];
+            const float q = fmaf(static_cast<float>(low), 1.0f / 16384.0f, static_cast<float>(high));
+            acc[r][m] += fmaf(scale * xup[j][m], q, bias_g * xsum[j][m]);
           }
         }
       }
     }
     const float v = fold_sums<RM, 16>(&acc[0][0], lane);
     if ((lane & ((1 << (5 - LOG)) - 1)) == 0) {
-      red[b][WG > 1 ? warp % SUM_WARPS : warp][wg * RM + ((lane >> (5 - LOG)) & (RM - 1))] = v;
+      red[b][warp][(lane >> (5 - LOG)) & (RM - 1)] = v;
     }
   };
-  // No block barrier a tile on the bulk path (a barrier a tile was a fifth of the warps' time,
-  // 2026-12-03): see walk_tiles.
-  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N, SUM_WARPS>(bulk, walk, bars, arrived, &red[0][0][0], smem,
-                                                                     wb, sb, bb, bias, residual, next_w, out, normed,
-                                                                     partials, first_tail, row_sums, STAGES);
+  // No block barrier a tile on the bulk path (it would hold every warp to the slowest): see walk_tiles.
+  walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(bulk, walk, bars, arrived, &red[0][0][0], smem, wb, sb, bb,
+                                                         bias, residual, next_w, out, normed, partials, first_tail,
+                                                         row_sums, STAGES);
 }
 
 }  // namespace vc_stream
 #endif
 )";
 
-// The 4-bit matvec on the tensor cores' integer MMA (mma.sync m16n8k32, u8 x s8 -> s32): the
+// The 4-bit product on the tensor cores' integer MMA (mma.sync m16n8k32, u8 x s8 -> s32): the
 // weights' nibbles are the u8 A operand as they stand (v & 0x0F0F0F0F: two instructions for eight
 // values, against the float path's five a pair), and x the s8 B operand as a block floating point
 // expansion built once a block in shared memory: each group of 64 inputs is 2^E (p0 + p1 / 128 + p2 /
@@ -1917,35 +1718,9 @@ __device__ __forceinline__ void mma(int* d, const unsigned int* a, const unsigne
       : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// The same with a signed A and an unsigned B (.s8.u8): x's terms as A, the weights' nibbles as B.
-__device__ __forceinline__ void mma_signed_a(int* d, const unsigned int* a, const unsigned int* b) {
-  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 #else
 inline void mma(int* d, const unsigned int* a, const unsigned int* b) { cuda_emu::mma_m16n8k32_u8s8(d, a, b); }
-inline void mma_signed_a(int* d, const unsigned int* a, const unsigned int* b) {
-  cuda_emu::mma_m16n8k32_s8u8(d, a, b);
-}
 #endif
-
-__device__ __forceinline__ uint2 load_words(const uint2* p) {
-  const unsigned int* w = reinterpret_cast<const unsigned int*>(p);
-  return uint2{w[0], w[1]};
-}
-
-// Two weight words: one 8-byte load where the weight is 8-byte aligned (W8), else two 4-byte ones.
-template <bool W8>
-struct Words {
-  static __device__ __forceinline__ uint2 load(const uint2* p) {
-    if constexpr (W8) {
-      return *p;
-    } else {
-      return load_words(p);
-    }
-  }
-};
 
 // An int of magnitude below 2^22 as a float, in two full-rate instructions (no I2F).
 __device__ __forceinline__ float small_int_float(int v) { return __int_as_float(v + 0x4B400000) - 12582912.0f; }
@@ -2008,55 +1783,6 @@ struct LaneTerms {
       acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
       acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
     }
-  }
-};
-
-// One lane's side of an 8-row slab's products (lane 4g + t), one row of x: the MMA's roles swapped, so
-// that 8 weight rows fill its 8 columns (B: column g = the slab's row g, the lane's words 2t, 2t + 1 of
-// a group, nibbles as they stand) and x's terms its rows (A: row g = level g of the expansion, zero
-// past LEVELS). C's row g, columns 2t, 2t + 1 is then level g of rows 2t and 2t + 1. Lanes g >= 4 (no
-// level) add the bias terms instead: rows 2t, 2t + 1's biases times x's sum over quarter g - 4 of
-// the group (words 2q, 2q + 1). Summed over g (the lanes of one t), a lane's two sums are its rows'.
-template <int K, int LEVELS>
-struct LaneTerms8 {
-  using L = Layout<K, 1, LEVELS>;
-  const uint2* terms;
-  const float* per_group;  // factors (level lanes) or quarter sums (bias lanes), 4 floats a group apart
-  int t, g, offset;
-  bool has_term;
-  float weight;  // a level lane's 128^-level (0 past LEVELS); a bias lane's 1
-  unsigned int bias_lane;
-
-  __device__ LaneTerms8(const unsigned char* smem, int lane)
-      : terms(reinterpret_cast<const uint2*>(smem + L::TERMS)),
-        per_group(reinterpret_cast<const float*>(smem + ((lane >> 2) >= 4 ? L::SUMS : L::FACTORS))),
-        t(lane & 3),
-        g(lane >> 2),
-        offset((lane >> 2) >= 4 ? (lane >> 2) - 4 : 0),
-        has_term((lane >> 2) < LEVELS),
-        weight((lane >> 2) >= 4        ? 1.0f
-               : (lane >> 2) < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * (lane >> 2)) << 23)
-                                      : 0.0f),
-        bias_lane((lane >> 2) >= 4 ? 1u : 0u) {}
-
-  // acc[h] (row 2t + h) += 64-wide group grp's share: w the lane's row's words 2t, 2t + 1 of the
-  // group, c0 / c1 rows 2t / 2t + 1's scales (level lanes) or biases (bias lanes).
-  __device__ __forceinline__ void add_group(float (&acc)[2], uint2 w, int grp, float c0, float c1) const {
-    constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
-    int c[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const unsigned int v = step ? w.y : w.x;
-      const unsigned int b[2] = {v & NIBBLES, (v >> 4) & NIBBLES};
-      const uint2 at = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + g] : uint2{0u, 0u};
-      const unsigned int a[4] = {at.x, 0u, at.y, 0u};
-      mma_signed_a(c, a, b);
-    }
-    // a level lane: 2^E times its level's weight, times its integer sums; a bias lane: the quarter's
-    // sum, times 1 (its C is zero: A's rows past LEVELS are)
-    const float f = per_group[grp * (bias_lane ? 4 : 1) + offset] * weight;
-    acc[0] = fmaf(c0 * f, small_int_float(c[0] + static_cast<int>(bias_lane)), acc[0]);
-    acc[1] = fmaf(c1 * f, small_int_float(c[1] + static_cast<int>(bias_lane)), acc[1]);
   }
 };
 
@@ -2130,147 +1856,13 @@ __device__ __forceinline__ void expand_items(const XItems<K, M, THREADS>& items,
   }
 }
 
-// load_x_items, then expand_items.
-template <int K, int M, int LEVELS, int THREADS, typename TX, typename Scale>
-__device__ __forceinline__ void expand_x(const TX* x, unsigned char* smem, Scale scale) {
-  expand_items<K, M, LEVELS, THREADS>(load_x_items<K, M, THREADS>(x), smem, scale);
-}
-
-// A slab's end: the quad's lanes hold a row's levels and its share of the bias term (sum them), then
-// the warps' sums (red: [WARPS][16 M], this slab's buffer of two) go through vc_stream::store_tile.
-// acc is zeroed for the next slab. tail: the thread's row_tail for the slab.
-template <int M, int WARPS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
-__device__ __forceinline__ void finish_slab(float (&acc)[2][M], float (*red)[16 * M], int slab, int g, int t,
-                                            int warp, const TL& tail, TO* out, float* normed, float* partials) {
-  constexpr int SUMS = 16 * M;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 1);
-      acc[h][m] += __shfl_xor_sync(0xffffffffu, acc[h][m], 2);
-      if (t == 0) red[warp][(g + 8 * h) * M + m] = acc[h][m];
-      acc[h][m] = 0.0f;
-    }
-  }
-  __syncthreads();
-  vc_stream::store_tile<M, 16, WARPS, EPI, HAS_BIAS, EMIT, N>(&red[0][0], SUMS, slab * 16, slab, N / 16, tail, out,
-                                                              normed, partials);
-}
-
-// out[m, row] for 16-row slabs, a persistent grid (block b: slabs b, b + grid, ...), the block's warps
-// splitting each slab's groups (warp w: w, w + WARPS, ..., up to INFLIGHT of them in flight); NORM 0
-// / 2, the epilogue of vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The dynamic
-// shared memory holds the expansion (Layout::BYTES).
-template <int K, int N, int M, int WARPS, int LEVELS, int INFLIGHT, int EPI, bool HAS_BIAS, int NORM, int NP, int NG,
-          bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
-__device__ __forceinline__ void qmv_imma(const TX* x, const unsigned int* weight, const TS* scales, const TS* biases,
-                                         const TB* bias, const TR* residual, const TN* norm_w, float eps, TO* out,
-                                         const TE* next_w, float* normed, float* partials, unsigned char* smem) {
-  using L = Layout<K, M, LEVELS>;
-  constexpr int THREADS = WARPS * 32;
-  constexpr int GROUPS = L::GROUPS;
-  constexpr int SLABS = N / 16;
-  constexpr int SUMS = 16 * M;
-  constexpr int NGM = (NORM == 2 ? NG : 1) * M;
-  static_assert(K % 64 == 0 && N % 16 == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "16-row slabs of 64-wide groups");
-  static_assert(WARPS <= K / 64, "a group at least for every warp: a warp without one would idle");
-  static_assert(INFLIGHT >= 1, "a group at least in flight a warp");
-  static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
-  static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
-  __shared__ float red[2][WARPS][SUMS];
-  __shared__ float group_total[NGM];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  if constexpr (NORM == 2) {
-    vc_stream::group_totals<NP, NG, M, THREADS>(norm_w, &red[1][0][0], SUMS, group_total);
-  }
-  expand_x<K, M, LEVELS, THREADS>(x, smem, [&](int grp, int m) {
-    if constexpr (NORM == 2) {
-      constexpr int W = K / NG;
-      return rsqrtf(group_total[(grp * 64 / W) * M + m] / static_cast<float>(W) + eps);
-    } else {
-      return 1.0f;
-    }
-  });
-  __syncthreads();
-  const LaneTerms<K, M, LEVELS> lt(smem, lane);
-  float acc[2][M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.0f;
-  // Slab by slab, each warp's groups in batches of BATCH (its share split evenly, INFLIGHT at most): a
-  // batch's weight words and scales are all loaded first, into registers, and its MMAs run after, so
-  // BATCH groups are in flight a warp. With one loop that loaded each group just before its MMAs
-  // (unrolled four), ptxas issued each group's loads right before that group's MMAs: one or two in
-  // flight. The last batch's spare slots load the warp's last group again (clamped, not predicated:
-  // an `if` around the loads kept them from being hoisted) and add nothing. A ring of groups in
-  // flight across slab ends (the fifteenth session's second version) ran 30-45% slower on the H200:
-  // its per-group bookkeeping and the barrier inside the unrolled ring cost more than the slab ends'
-  // bubbles. The weight's alignment is a template of the walk, chosen once: with the choice inside
-  // the loop the compiler made every 8-byte load two 4-byte ones.
-  constexpr int PER_WARP = (GROUPS + WARPS - 1) / WARPS;
-  constexpr int BATCHES = (PER_WARP + INFLIGHT - 1) / INFLIGHT;
-  constexpr int BATCH = (PER_WARP + BATCHES - 1) / BATCHES;
-  auto slabs = [&](auto words) {
-    for (int i = 0, slab = blockIdx.x; slab < SLABS; ++i, slab += gridDim.x) {
-      const auto tail =
-          vc_gemv::row_tail<16, M, EPI, HAS_BIAS>(bias, residual, slab * 16, N, EMIT ? next_w : nullptr);
-      const int row = slab * 16 + g;
-      const uint2* w_lo = reinterpret_cast<const uint2*>(weight + static_cast<size_t>(row) * (K / 8)) + t;
-      const uint2* w_hi = w_lo + K / 16 * 8;  // row + 8
-      const TS* s_lo = scales + static_cast<size_t>(row) * GROUPS;
-      const TS* b_lo = biases + static_cast<size_t>(row) * GROUPS;
-      for (int first = warp; first < GROUPS; first += BATCH * WARPS) {
-        uint2 wl[BATCH], wh[BATCH];  // words 2t, 2t + 1 of the group, rows g and g + 8
-        TS sl[BATCH], sh[BATCH], bl[BATCH], bh[BATCH];
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          const int grp = min(first + j * WARPS, GROUPS - 1);
-          wl[j] = decltype(words)::load(w_lo + grp * 4);
-          wh[j] = decltype(words)::load(w_hi + grp * 4);
-          sl[j] = s_lo[grp];
-          sh[j] = s_lo[grp + 8 * GROUPS];
-          bl[j] = b_lo[grp];
-          bh[j] = b_lo[grp + 8 * GROUPS];
-        }
-        // ptxas still sank each group's loads down to its MMAs: the batch's first MMA now reads every
-        // load of the batch
-        unsigned int loaded = 0u;
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          loaded |= wl[j].x | wl[j].y | wh[j].x | wh[j].y | __float_as_uint(static_cast<float>(sl[j])) |
-                    __float_as_uint(static_cast<float>(sh[j])) | __float_as_uint(static_cast<float>(bl[j])) |
-                    __float_as_uint(static_cast<float>(bh[j]));
-        }
-        wl[0].x = vc_gemv::tied(wl[0].x, loaded, weight);
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          // a spare slot runs its MMAs on the clamped group and adds nothing: a branch here let the
-          // compiler sink the batch's loads into it, back next to their MMAs
-          const bool live = first + j * WARPS < GROUPS;
-          const int grp = min(first + j * WARPS, GROUPS - 1);
-          const float s0 = live ? static_cast<float>(sl[j]) : 0.0f, s1 = live ? static_cast<float>(sh[j]) : 0.0f;
-          const float b0 = live ? static_cast<float>(bl[j]) : 0.0f, b1 = live ? static_cast<float>(bh[j]) : 0.0f;
-          lt.add_group(acc, wl[j], wh[j], grp, s0, s1, b0, b1);
-        }
-      }
-      finish_slab<M, WARPS, EPI, HAS_BIAS, EMIT, N>(acc, red[i & 1], slab, g, t, warp, tail, out, normed, partials);
-    }
-  };
-  if ((reinterpret_cast<size_t>(weight) & 7) == 0) {
-    slabs(Words<true>{});
-  } else {
-    slabs(Words<false>{});
-  }
-}
-
 }  // namespace vc_imma
 #endif
 )";
 
 // The integer-MMA product on the streamed layout's tiles (vc_qmv_imma_stream): 16-row slabs come
 // by bulk copies into shared memory (as vc_qmv_stream's tiles: warp 0 asks for the next ones),
-// x's expansion is built once a block (as vc_qmv_imma's), and each warp takes its groups of a slab
+// x's expansion is built once a block (vc_imma's Layout), and each warp takes its groups of a slab
 // (w, w + WARPS, ...) from shared memory: no global load, no address math a group beyond an offset.
 // No block barrier a slab: the last warp done with one totals it, refills its stage and stores it.
 // The weights' nibbles are the MMA's A operand as they stand, so a 64-wide group of 16 rows costs a
@@ -2281,16 +1873,15 @@ constexpr const char* kImmaStreamHeader = R"(
 #define VC_IMMA_STREAM_HEADER
 namespace vc_imma {
 
-// out[m, row] for the slabs of SLAB rows a block walks (b, b + grid, ...), STAGES of them in flight;
+// out[m, row] for the 16-row slabs a block walks (b, b + grid, ...), STAGES of them in flight;
 // NORM 0 / 2, the epilogue of vc_gemv::finish, EMIT as vc_qmv_stream's (a partial a slab). The
 // dynamic shared memory holds x's expansion (Layout::BYTES, rounded up to 128) and then the STAGES
-// slabs. SLAB 16: the weights as the MMA's A (LaneTerms); 8 (one row of x): the weights as its B
-// (LaneTerms8), so that half the slab's bytes fit where 16 rows do not (the MLP down_proj).
+// slabs, the weights the MMA's A operand (LaneTerms).
 // EPI_ARGMAX (16-row slabs, no norm, no bias): the two-head argmax. weight / scales / biases are head a's,
 // weight_b / scales_b / biases_b head b's (N / 2 rows each); out, where not null, gets both heads' logits
 // [2, M, N / 2], and keys[(m x 2 + head) x grid + block] the block's best argmax key of each.
-template <int K, int N, int M, int WARPS, int LEVELS, int STAGES, int SLAB, int EPI, bool HAS_BIAS, int NORM, int NP,
-          int NG, bool EMIT, typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
+template <int K, int N, int M, int WARPS, int STAGES, int EPI, bool HAS_BIAS, int NORM, int NP, int NG, bool EMIT,
+          typename TX, typename TS, typename TB, typename TR, typename TN, typename TO, typename TE>
 __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int* weight, const TS* scales,
                                                 const TS* biases, const TB* bias, const TR* residual, const TN* norm_w,
                                                 float eps, TO* out, const TE* next_w, float* normed, float* partials,
@@ -2298,13 +1889,14 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
                                                 const TS* scales_b = nullptr, const TS* biases_b = nullptr,
                                                 unsigned long long* keys = nullptr) {
   constexpr bool ARGMAX = EPI == vc_stream::EPI_ARGMAX;
+  constexpr int LEVELS = vc_levels::TERMS;
+  constexpr int SLAB = 16;
   using L = Layout<K, M, LEVELS>;
   constexpr int THREADS = WARPS * 32;
   constexpr int GROUPS = L::GROUPS;
   constexpr int TILES = N / SLAB;
   constexpr int SUMS = SLAB * M;
-  // A warp reads 8 bytes a lane from rows g and g + 8 (g = lane / 4; with SLAB 8 from row g alone)
-  // at once: rows 4 words of banks apart in a half warp (a stride of 8 words mod 16) keep those reads
+  // A warp reads 8 bytes a lane from rows g and g + 8 (g = lane / 4) at once: rows 4 words of banks apart in a half warp (a stride of 8 words mod 16) keep those reads
   // conflict-free; K / 8 words a row that are a multiple of 16 (K a multiple of 128) would put 2 or 4
   // of those rows on the same banks, so they are padded by 8 words. The lanes' scale and bias loads read one row each (8 rows,
   // 4 lanes a row): rows a multiple of 8 words apart would share 4 banks (4-way conflicts on 4 loads a
@@ -2317,13 +1909,12 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   constexpr int SROW = S::S_ROW_STRIDE / static_cast<int>(sizeof(TS));  // a scale row's stride in TS
   constexpr int FIRST = (L::BYTES + 127) / 128 * 128;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
-  static_assert(K % 64 == 0 && N % SLAB == 0 && M <= 2 && LEVELS >= 1 && LEVELS <= 4, "slabs of 64-wide groups");
-  static_assert(SLAB == 16 || (SLAB == 8 && M == 1), "16-row slabs, or 8-row ones for one row of x");
+  static_assert(K % 64 == 0 && N % SLAB == 0 && M <= 2, "slabs of 64-wide groups");
   static_assert(WARPS <= GROUPS, "a group at least for every warp: a warp without one would idle");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");
   static_assert(NGM <= SUMS, "the norm's group totals fit a slab's sums");
-  static_assert(!ARGMAX || (SLAB == 16 && NORM == 0 && !HAS_BIAS && !EMIT && (N / 2) % SLAB == 0),
+  static_assert(!ARGMAX || (NORM == 0 && !HAS_BIAS && !EMIT && (N / 2) % SLAB == 0),
                 "a two-head argmax: 16-row slabs, each head whole slabs, no norm or bias");
   __shared__ unsigned long long bars[STAGES];
   __shared__ unsigned int arrived[STAGES];  // as vc_qmv_stream's: never reset
@@ -2378,7 +1969,6 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
     }
   });
   __syncthreads();  // the expansion and the barriers' init seen by every thread
-  VC_STAMP(0, 0);
   auto walk = [&](auto slab_sums) {
     vc_stream::walk_tiles<M, WARPS, STAGES, S, EPI, HAS_BIAS, EMIT, N>(
         bulk, slabs, bars, arrived, &red[0][0][0], stages, wb, sb, bb, bias, residual, next_w, out, normed, partials,
@@ -2392,30 +1982,6 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
       }
     }
   };
-  // 8-row slabs: this warp's sums of the slab in stage st, rows 2t and 2t + 1 (totalled over the
-  // lanes of one t), into red[b].
-  if constexpr (SLAB == 8) {
-    const LaneTerms8<K, LEVELS> lt(smem, lane);
-    walk([&](const unsigned char* st, int b) {
-      float acc[2] = {0.0f, 0.0f};
-      const unsigned char* w_row = st + g * S::ROW_STRIDE + t * 8;  // row g: the lane's 8 bytes of a group's 32
-      // rows 2t, 2t + 1's scales (level lanes) or biases (bias lanes)
-      const TS* coef = reinterpret_cast<const TS*>(st + (g >= 4 ? S::BIASES : S::SCALES)) + 2 * t * SROW;
-#pragma unroll 3
-      for (int grp = warp; grp < GROUPS; grp += WARPS) {
-        lt.add_group(acc, *reinterpret_cast<const uint2*>(w_row + grp * 32), grp, static_cast<float>(coef[grp]),
-                     static_cast<float>(coef[SROW + grp]));
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 4);
-        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 8);
-        acc[h] += __shfl_xor_sync(0xffffffffu, acc[h], 16);
-        if (g == 0) red[b][warp][2 * t + h] = acc[h];
-      }
-    });
-    return;
-  }
   const LaneTerms<K, M, LEVELS> lt(smem, lane);
   // This warp's sums of the slab in stage st, rows g and g + 8 (totalled by the quad), into red[b].
   walk([&](const unsigned char* st, int b) {
@@ -2451,81 +2017,58 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
 )";
 
 // y = the 4-bit matvec through vc_imma::qmv_imma_stream: NORM 0 or 2, EPI, HAS_BIAS. Template args: K,
-// N, M, WARPS, LEVELS, STAGES, SLAB, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR,
-// TN, TO.
+// N, M, WARPS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TO.
 constexpr const char* kQmvImmaStreamSource = R"(
   VC_DYNAMIC_SMEM(vc_smem);
   const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, SLAB, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, STAGES, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_smem);
 )";
 
 // kQmvImmaStreamSource with EMIT (out = product + residual, normed = out * next_w, a partial sum of
-// out^2 a slab). Template args: K, N, M, WARPS, LEVELS, STAGES, SLAB, HAS_BIAS, NORM, NP, NG, EPS_BITS, and
-// the dtypes TX, TS, TB, TR, TN, TE, TO.
+// out^2 a slab). Template args: K, N, M, WARPS, STAGES, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes
+// TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvImmaStreamEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_smem);
   const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, SLAB, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, STAGES, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_smem);
 )";
 
 // The two-head argmax on vc_imma::qmv_imma_stream's walk (EPI_ARGMAX): heads a and b, N / 2 rows each
-// (the kernel's N is both), x in LEVELS int8 terms; keys[(m * 2 + head) * grid + block] gets each block's
-// best argmax key (kArgmaxFinishSource takes them, NB = the grid), logits [2, M, N / 2] the logits
-// where WRITE_LOGITS. Template args: K, N, M, WARPS, LEVELS, STAGES, WRITE_LOGITS, and the dtypes TX, TS,
-// TO.
+// (the kernel's N is both); keys[(m * 2 + head) * grid + block] gets each block's best argmax key
+// (kArgmaxFinishSource takes them, NB = the grid), logits [2, M, N / 2] the logits where WRITE_LOGITS.
+// Template args: K, N, M, WARPS, STAGES, WRITE_LOGITS, and the dtypes TX, TS, TO.
 constexpr const char* kImmaStreamArgmaxSource = R"(
   VC_DYNAMIC_SMEM(vc_smem);
-  vc_imma::qmv_imma_stream<K, N, M, WARPS, LEVELS, STAGES, 16, vc_stream::EPI_ARGMAX, false, 0, 1, 1, false>(
+  vc_imma::qmv_imma_stream<K, N, M, WARPS, STAGES, vc_stream::EPI_ARGMAX, false, 0, 1, 1, false>(
       x, weight_a, scales_a, biases_a, static_cast<const TS*>(nullptr), static_cast<const float*>(nullptr),
       static_cast<const float*>(nullptr), 0.0f, WRITE_LOGITS ? logits : static_cast<TO*>(nullptr),
       static_cast<const float*>(nullptr), static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_smem,
       weight_b, scales_b, biases_b, reinterpret_cast<unsigned long long*>(keys));
 )";
 
-// y = the 4-bit matvec (group 64) through vc_imma::qmv_imma: NORM 0 or 2, EPI, HAS_BIAS. Template args:
-// K, N, M, WARPS, LEVELS, INFLIGHT, EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN,
-// TO.
-constexpr const char* kQmvImmaSource = R"(
-  VC_DYNAMIC_SMEM(vc_expansion);
-  const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, INFLIGHT, EPI, HAS_BIAS, NORM, NP, NG, false>(
-      x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
-      static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_expansion);
-)";
-
-// kQmvImmaSource with EMIT (out = product + residual, normed = out * next_w, a partial sum of out^2 a
-// 16-row slab). Template args: K, N, M, WARPS, LEVELS, INFLIGHT, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the
-// dtypes TX, TS, TB, TR, TN, TE, TO.
-constexpr const char* kQmvImmaEmitSource = R"(
-  VC_DYNAMIC_SMEM(vc_expansion);
-  const float eps = __int_as_float(EPS_BITS);
-  vc_imma::qmv_imma<K, N, M, WARPS, LEVELS, INFLIGHT, 1, HAS_BIAS, NORM, NP, NG, true>(
-      x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_expansion);
-)";
-
 // y = the 4-bit matvec of kQmvSource (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a
 // persistent grid, STAGES tiles of ROWS rows in flight a block by bulk copies (dynamic shared memory:
 // STAGES * the tile's bytes, + x's slices with XS 2). Template args: GROUP, K, N, M, ROWS, THREADS,
-// STAGES, XS, SPLIT, LEVELS (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the
-// dtypes TX, TS, TB, TR, TN, TO.
+// STAGES, XS, SPLIT (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX,
+// TS, TB, TR, TN, TO.
 constexpr const char* kQmvStreamSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, LEVELS, EPI, HAS_BIAS, NORM, NP, NG, false>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, EPI, HAS_BIAS, NORM, NP, NG, false>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, static_cast<const float*>(nullptr),
       static_cast<float*>(nullptr), static_cast<float*>(nullptr), vc_stages);
 )";
 
 // kQmvStreamSource with EMIT (as kQmvEmitSource: out = product + residual, normed = out * next_w, and
 // each tile's (and part's) partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES,
-// XS, SPLIT, LEVELS, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
+// XS, SPLIT, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
 constexpr const char* kQmvStreamEmitSource = R"(
   VC_DYNAMIC_SMEM(vc_stages);
   const float eps = __int_as_float(EPS_BITS);
-  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, LEVELS, 1, HAS_BIAS, NORM, NP, NG, true>(
+  vc_stream::qmv_stream<GROUP, K, N, M, ROWS, THREADS, STAGES, XS, SPLIT, 1, HAS_BIAS, NORM, NP, NG, true>(
       x, weight, scales, biases, bias, residual, norm_w, eps, out, next_w, normed, partials, vc_stages);
 )";
 
@@ -2588,74 +2131,6 @@ constexpr const char* kDenseAddNormSource = R"(
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS, 0>(static_cast<const float*>(xs), weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
   vc_gemv::store_rows<ROWS, M, 0, HAS_BIAS>(total, tail, out, row0, N);
-)";
-
-// The warp layout of kQmvSource: block b's warp w computes rows (b * WARPS + w) * ROWS .. + ROWS on
-// its own (its 32 lanes split K; a warp reduction ends it): no shared memory and no block barrier,
-// and each lane walks several chunks of its rows with the next step's loads in flight.
-// Template args: BITS, GROUP, K, N, M, ROWS, WARPS, EPI, HAS_BIAS, TX, TS, TB, TR, TO.
-constexpr const char* kQmvWarpSource = R"(
-  const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-  float acc[ROWS][M];
-  vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, 32>(x, weight, scales, biases, row0, N, acc, lane);
-  vc_gemv::warp_store<ROWS, M, EPI, HAS_BIAS>(acc, bias, residual, out, row0, N, lane);
-)";
-
-// The warp layout of kDenseSource. Template args: K, N, M, ROWS, WARPS, EPI, PRO, HAS_BIAS, TX, TW, TB,
-// TR, TO.
-constexpr const char* kDenseWarpSource = R"(
-  const int lane = threadIdx.x & 31;
-  const int row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-  float acc[ROWS][M];
-  vc_gemv::dense_accumulate<K, M, ROWS, 32, PRO>(x, weight, row0, N, acc, lane);
-  vc_gemv::warp_store<ROWS, M, EPI, HAS_BIAS>(acc, bias, residual, out, row0, N, lane);
-)";
-
-// Two quantized heads of the same shape over the same x: blocks [0, NB) take head a, [NB, 2 NB)
-// head b; each block walks GPB consecutive row groups of its head and keeps the best argmax key
-// of its rows (the value rounded to TO first, as the logits would be stored), one per input row;
-// keys[(m * 2 + head) * NB + block] gets it. Logits are written too when WRITE_LOGITS.
-// Template args: BITS, GROUP, K, N, M, ROWS, THREADS, GPB, WRITE_LOGITS, TX, TS, TO.
-constexpr const char* kArgmaxSource = R"(
-  constexpr int ROW_GROUPS = (N + ROWS - 1) / ROWS;
-  constexpr int NB = (ROW_GROUPS + GPB - 1) / GPB;
-  __shared__ float part[ROWS * M * THREADS];
-  __shared__ float total[ROWS * M];
-  const int head = blockIdx.x / NB;
-  const int block = blockIdx.x % NB;
-  const unsigned int* weight = head == 0 ? weight_a : weight_b;
-  const TS* scales = head == 0 ? scales_a : scales_b;
-  const TS* biases = head == 0 ? biases_a : biases_b;
-  TO* logits = head == 0 ? logits_a : logits_b;
-  unsigned long long best = 0ull;  // per input row, in threads m < M
-  for (int i = 0; i < GPB; ++i) {
-    const int row0 = (block * GPB + i) * ROWS;
-    if (row0 >= N) {
-      break;  // the same for the whole block
-    }
-    float acc[ROWS][M];
-    vc_gemv::qmv_accumulate<BITS, GROUP, K, M, ROWS, THREADS>(x, weight, scales, biases, row0, N, acc, threadIdx.x);
-    vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-    if constexpr (WRITE_LOGITS) {
-      if (threadIdx.x < ROWS * M) {
-        const int row = row0 + threadIdx.x / M;
-        if (row < N) {
-          logits[static_cast<size_t>(threadIdx.x % M) * N + row] = static_cast<TO>(total[threadIdx.x]);
-        }
-      }
-    }
-    if (threadIdx.x < M) {
-      for (int r = 0; r < ROWS && row0 + r < N; ++r) {
-        const float v = static_cast<float>(static_cast<TO>(total[r * M + threadIdx.x]));
-        const unsigned long long key = vc_gemv::argmax_key(v, row0 + r);
-        best = key > best ? key : best;
-      }
-    }
-  }
-  if (threadIdx.x < M) {
-    reinterpret_cast<unsigned long long*>(keys)[(static_cast<size_t>(threadIdx.x) * 2 + head) * NB + block] = best;
-  }
 )";
 
 // ids[j] = the index in the best of keys[j * NB, (j + 1) * NB), one block per j.

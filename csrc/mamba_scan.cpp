@@ -322,7 +322,7 @@ constexpr const char* kConvScanSource = R"(
   };
   // What does not depend on the group's B / C comes first: the row's state, its x channel and its
   // step. Their loads are then in flight together with the B / C convolution's, instead of each
-  // waiting for the last (three dependent trips to memory a block, at ~24 us a launch on the H200).
+  // waiting for the last (three dependent trips to memory a block).
   const int row = (bi * H + h) * P + p;
   float s0[PER_LANE];
 #pragma unroll

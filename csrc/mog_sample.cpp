@@ -73,8 +73,7 @@ __device__ int block_argmax(float v, int i, float* vs, int* is) {
 // TOP_P_BITS, NOISE_BITS: top_p and noise_scale as float bits; MIN_LOG_STD_BITS / MIN_LOG_STD_NEG:
 // min_log_std's magnitude as float bits and its sign.
 //
-// Top-p without comparing every pair (N^2 = 1M steps for one block: most of a 48 us launch on the
-// H200): with f(t) = the mass of the components above t, keep_i <=> f(p_i) < top_p, and f only
+// Top-p without comparing every pair (N^2 = 1M steps for one block): with f(t) = the mass of the components above t, keep_i <=> f(p_i) < top_p, and f only
 // falls as t grows, so the kept components are those with p_i >= tau, tau the smallest p with
 // f(p) < top_p. A bisection over the bits of t (non-negative floats order as their bits) finds it
 // in ~30 block sums; each f(t) sums in one fixed order, so it is monotone in t and the bisection

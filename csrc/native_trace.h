@@ -1,5 +1,5 @@
 // A native stack trace on a fatal signal, for crashes inside MLX or CUDA that Python's faulthandler
-// shows only as Python frames (the TTS worker thread's abort; tools/gpu/tts_thread_retest.sh).
+// shows only as Python frames (an abort on the TTS worker thread, say).
 #pragma once
 
 namespace voicechat {

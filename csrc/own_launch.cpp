@@ -347,8 +347,8 @@ const Driver& driver() {
 }
 
 // A loaded kernel and what its registers allow: a launch of more threads a block than max_threads
-// does not run, and neither MLX's graph nor ours reports it (2026-12-04: a 2-row down_proj matvec
-// of 154 registers a thread, launched with 512 threads, left its output unwritten).
+// does not run, and neither MLX's graph nor ours reports it (the block's registers, its threads times
+// the kernel's per thread, past the SM's 65536: its output is left unwritten).
 struct Loaded {
   CUfunction fn = nullptr;
   int registers = 0;
@@ -506,7 +506,8 @@ class OwnKernel : public mx::Primitive {
     for (auto& out : outputs) {
       // MLX's own launches take stream-ordered device memory (cu::malloc_async), which libmlx does
       // not export; its allocator's malloc gives managed memory (CudaAllocator::malloc is
-      // malloc_async(size, -1, nullptr) in 0.32.4's disassembly): the steady LLM chain ran as fast.
+      // malloc_async(size, -1, nullptr) in 0.32.4's disassembly), which serves a steady chain of launches
+      // as well.
       out.set_data(mx::allocator::malloc(out.nbytes()));
       pointers.push_back(device_pointer(out));
       encoder.set_output_array(out);
@@ -526,9 +527,8 @@ class OwnKernel : public mx::Primitive {
   // MLX 0.32.4 keys a cached executable graph by its nodes' kinds and edges ("K" for any kernel node,
   // its cluster attribute not counted) and updates it in place (cudaGraphExecUpdate) for the next
   // graph of that key; an update between kernel nodes of different cluster shapes is not done right
-  // (MLX's own note where it keys child graphs). On the H100 (2026-12-05), once cluster launches had
-  // run as plain kernel nodes, test_rvq_kernel failed 16 cases, the chain's and MLX ops' among them.
-  // A child graph's key holds its kernels' cluster shapes, so ours goes in as a child graph of its
+  // (MLX's own note where it keys child graphs): cluster launches as plain kernel nodes give wrong
+  // results to the launches that take their cached graph (test_rvq_kernel's sequence). A child graph's key holds its kernels' cluster shapes, so ours goes in as a child graph of its
   // one node: only a node of the same shape ever takes its place.
   void add_cluster_node(mx::cu::CommandEncoder& encoder, void** params) {
     const Driver& api = driver();

@@ -2,8 +2,8 @@
 // here and kept on disk as cubins, then added to MLX's command encoder by a primitive of ours.
 //
 // Why: MLX-CUDA 0.32.4 keeps no custom kernel in its PTX cache (CustomKernel::eval_gpu asks
-// get_jit_module for no disk cache), so every process compiled all of ours again (the LLM step's
-// first 40 steps: 21-27 s a process on the H200), and every launch hashed the kernel's text.
+// get_jit_module for no disk cache), so every process would compile all of ours again (tens of
+// seconds before the LLM step's first steps), and every launch hashes the kernel's text.
 // The pieces that need no GPU (the text NVRTC compiles, the cache file, the NVRTC call itself)
 // build everywhere and are tested on the CPU; the launch builds only against mlx-cuda with CUDA's
 // headers (VC_OWN_LAUNCH).

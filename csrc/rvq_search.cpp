@@ -6,14 +6,13 @@
 //
 // Used by the TTS step (one row, 1..22 codebooks per call) and the codec encoder (all 31
 // codebooks over many frames). Everything accumulates in float32; the residual comes back as
-// float32. Paths: CUDA (a launch per codebook over many blocks, for few rows; opt-in, the whole run in
-// one launch of thread-block clusters), CPU (a C++ loop for few rows,
-// BLAS-backed composed ops for many), anything else the composed ops.
+// float32. Paths: CUDA (the whole run in one launch of thread-block clusters, for few rows, where our
+// own launch runs), CPU (a C++ loop for few rows, BLAS-backed composed ops for many), anything else
+// (MLX's launch, many rows) the composed ops.
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
@@ -82,7 +81,7 @@ class RvqSearch : public mx::Primitive {
   }
 
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("RvqSearch runs on the CPU stream only (GPU uses cuda_kernel).");
+    throw std::runtime_error("RvqSearch runs on the CPU stream only (GPU: the cluster kernel).");
   }
 
   const char* name() const override { return "RvqSearch"; }
@@ -130,16 +129,7 @@ class RvqSearch : public mx::Primitive {
 
 // ---------------------------------------------------------------- CUDA
 
-// CUDA: one launch per codebook, each spread over NB blocks per row (KB codewords each), that
-// meet only through the next launch. The launch for codebook q first finishes codebook q - 1:
-// every block reads q - 1's NB partial argmin keys, takes the best, and forms the residual
-// r - E[q - 1, code] itself (block 0 also stores it and the code); then it scores its KB codewords
-// of q (warp per codeword, lanes over D) and writes its best key. A last launch finishes the last
-// codebook. No block waits for another (a spin-wait version hung inside the compiled TTS step).
-// A key orders (distance, index) as mx.argmin does: smaller distance, then the smaller index.
-//
-// It replaces one block per row that walked every codebook alone (5.8 ms for 22 bf16 codebooks
-// on the H200, where the composed ops took 1.4 ms: one block read 22 MB).
+// CUDA: a key orders (distance, index) as mx.argmin does: smaller distance, then the smaller index.
 constexpr const char* kCudaHeader = R"(
 #ifndef VC_RVQ_HEADER
 #define VC_RVQ_HEADER
@@ -153,7 +143,7 @@ __device__ __forceinline__ unsigned long long key(float dist, int index) {
 
 // The best key (the smallest) of codewords [k0, k1) of one codebook `book` ([K, D]; `norms` its
 // ||e_k||^2) against r (D floats in shared memory), in thread 0: a warp a codeword, lanes over D.
-// Both kernels score this way, so they give the same keys bit for bit. warp_best: WARPS slots.
+// warp_best: WARPS slots.
 template <typename T, int D, int WARPS>
 __device__ __forceinline__ unsigned long long block_best(const T* book, const float* norms, const float* r, int k0,
                                                          int k1, unsigned long long* warp_best) {
@@ -178,92 +168,18 @@ __device__ __forceinline__ unsigned long long block_best(const T* book, const fl
   return best;
 }
 
-// The code of the best of `count` keys (the smallest).
-__device__ __forceinline__ int best_code(const unsigned long long* keys, int count) {
-  unsigned long long best = keys[0];
-  for (int i = 1; i < count; ++i) best = keys[i] < best ? keys[i] : best;
-  return static_cast<int>(best & 0xFFFFFFFFull);
-}
-
 }  // namespace vc_rvq
 #endif
 )";
 
-// Template args: T (codebooks' type), D, K, NB (blocks per row), THREADS, FIRST (no codebook
-// before this one: keys_prev is not read), INTO (FIRST only: codes_in holds the row's codes so far,
-// else codes_out starts as -1). q: [this codebook's index, its column in the code row, the row's
-// width W]. codes_in / codes_out [rows, W]: the row's codes so far, then with codebook q - 1's
-// written in its column (no concatenation of per-launch codes afterwards: a copy launch each).
-constexpr const char* kCudaStepSource = R"(
-  constexpr int KB = K / NB;
-  constexpr int WARPS = THREADS / 32;
-  __shared__ float r[D];
-  __shared__ int chosen;
-  __shared__ unsigned long long warp_best[WARPS];
-  const int row = blockIdx.x / NB;
-  const int blk = blockIdx.x % NB;
-  const int qi = q[0], col = q[1], width = q[2];
-  if constexpr (FIRST) {
-    for (int d = threadIdx.x; d < D; d += THREADS) r[d] = r_prev[static_cast<size_t>(row) * D + d];
-    if (blk == 0) {
-      for (int c = threadIdx.x; c < width; c += THREADS) {
-        codes_out[static_cast<size_t>(row) * width + c] = INTO ? codes_in[static_cast<size_t>(row) * width + c] : -1;
-      }
-    }
-  } else {
-    if (threadIdx.x == 0) {
-      chosen = vc_rvq::best_code(reinterpret_cast<const unsigned long long*>(keys_prev) + static_cast<size_t>(row) * NB, NB);
-    }
-    __syncthreads();
-    const T* e = codebooks + (static_cast<size_t>(qi - 1) * K + chosen) * D;
-    for (int d = threadIdx.x; d < D; d += THREADS) {
-      r[d] = r_prev[static_cast<size_t>(row) * D + d] - static_cast<float>(e[d]);
-    }
-    if (blk == 0) {
-      for (int c = threadIdx.x; c < width; c += THREADS) {
-        codes_out[static_cast<size_t>(row) * width + c] =
-            c == col - 1 ? chosen : codes_in[static_cast<size_t>(row) * width + c];
-      }
-    }
-  }
-  __syncthreads();
-  if (blk == 0) {
-    for (int d = threadIdx.x; d < D; d += THREADS) r_cur[static_cast<size_t>(row) * D + d] = r[d];
-  }
-  const unsigned long long best = vc_rvq::block_best<T, D, WARPS>(
-      codebooks + static_cast<size_t>(qi) * K * D, norms + static_cast<size_t>(qi) * K, r, blk * KB, (blk + 1) * KB,
-      warp_best);
-  if (threadIdx.x == 0) reinterpret_cast<unsigned long long*>(keys)[static_cast<size_t>(row) * NB + blk] = best;
-)";
-
-// The last codebook's finish: its code, in its column of the code row, and the residual. Template
-// args: T, D, K, NB, THREADS. q: [its index, its column, the row's width W]; codes_in / codes [rows, W].
-constexpr const char* kCudaFinishSource = R"(
-  __shared__ int chosen;
-  const int row = blockIdx.x;
-  const int col = q[1], width = q[2];
-  if (threadIdx.x == 0) {
-    chosen = vc_rvq::best_code(reinterpret_cast<const unsigned long long*>(keys_prev) + static_cast<size_t>(row) * NB, NB);
-  }
-  __syncthreads();
-  for (int c = threadIdx.x; c < width; c += THREADS) {
-    codes[static_cast<size_t>(row) * width + c] = c == col ? chosen : codes_in[static_cast<size_t>(row) * width + c];
-  }
-  const T* e = codebooks + (static_cast<size_t>(q[0]) * K + chosen) * D;
-  for (int d = threadIdx.x; d < D; d += THREADS) {
-    residual_out[static_cast<size_t>(row) * D + d] = r_prev[static_cast<size_t>(row) * D + d] - static_cast<float>(e[d]);
-  }
-)";
-
-// The whole run of codebooks in one launch, where our own launch runs it (method "cluster", or "auto"
-// unless VOICECHAT_RVQ_CLUSTER=0; see cluster_wanted): a thread-block cluster of CB blocks a row,
-// each block scoring its K / CB codewords of a codebook as the step kernel does (a warp a codeword,
-// lanes over D, the same sums in the same order: the same codes and residual bit for bit), putting
-// its best key in its shared memory, and after a cluster barrier every block reads the CB keys
-// (distributed shared memory), takes the code and forms the next residual itself. The cluster's
-// blocks are scheduled together, so the barrier cannot wait on a block that never starts (a spin
-// over global memory could: see the step kernel). Each block first asks the L2 for its share of
-// every codebook of the run. count + 1 launches become one: a TTS frame's 36 RVQ launches become 5.
+// The whole run of codebooks in one launch, where our own launch runs it (MLX's cannot ask for
+// clusters): a thread-block cluster of CB blocks a row, each block scoring its K / CB codewords of a
+// codebook (block_best: a warp a codeword, lanes over D), putting its best key in its shared memory,
+// and after a cluster barrier every block reads the CB keys (distributed shared memory), takes the
+// code and forms the next residual itself. The cluster's blocks are scheduled together, so the
+// barrier cannot wait on a block that never starts (a spin over global memory across blocks could
+// hang). Each block first asks the L2 for its share of every codebook of the run. One launch a run
+// of codebooks: a TTS frame's RVQ is one launch an unmasking iteration.
 constexpr const char* kClusterHeader = R"(
 #ifndef VC_CLUSTER_HEADER
 #define VC_CLUSTER_HEADER
@@ -365,49 +281,6 @@ constexpr int kClusterMaxThreads = 1024;
 constexpr int kClusterMaxDim = 4096;     // the dynamic shared memory asked for holds r of this many
 constexpr int kClusterSmem = 8 * (kClusterMaxThreads / 32 + 3) + 4 * kClusterMaxDim;
 
-constexpr int kCudaThreads = 256;
-constexpr int kBlocksPerRow = 32;  // of the 1024 codewords: 32 per block, 4 per warp
-
-const CudaSource& cuda_step_source() {
-  using P = std::pair<std::string, std::string>;
-  auto inst = [](const std::string& t, int d, int k, int nb, bool first, bool into) {
-    return CudaInstance{{"float", first ? "float" : "int64_t", t, "float", "int32_t", "int32_t"},
-                        {"float", "int64_t", "int32_t"},
-                        {P{"T", type_arg(t)}, P{"D", int_arg(d)}, P{"K", int_arg(k)},
-                         P{"NB", int_arg(nb)}, P{"THREADS", "int:256"},
-                         P{"FIRST", first ? "bool:true" : "bool:false"}, P{"INTO", into ? "bool:true" : "bool:false"}}};
-  };
-  static const CudaSource& src = register_cuda_source({
-      "vc_rvq_step",
-      {"r_prev", "keys_prev", "codebooks", "norms", "q", "codes_in"},
-      {"r_cur", "keys", "codes_out"},
-      kCudaStepSource,
-      kCudaHeader,
-      {inst("__nv_bfloat16", 512, 1024, 32, true, true), inst("__nv_bfloat16", 512, 1024, 32, true, false),
-       inst("__nv_bfloat16", 512, 1024, 32, false, false), inst("float", 40, 52, 4, false, false)},
-  });
-  return src;
-}
-
-const CudaSource& cuda_finish_source() {
-  using P = std::pair<std::string, std::string>;
-  auto inst = [](const std::string& t, int d, int k, int nb) {
-    return CudaInstance{{"float", "int64_t", t, "int32_t", "int32_t"},
-                        {"float", "int32_t"},
-                        {P{"T", type_arg(t)}, P{"D", int_arg(d)}, P{"K", int_arg(k)},
-                         P{"NB", int_arg(nb)}, P{"THREADS", "int:256"}}};
-  };
-  static const CudaSource& src = register_cuda_source({
-      "vc_rvq_finish",
-      {"r_prev", "keys_prev", "codebooks", "q", "codes_in"},
-      {"residual_out", "codes"},
-      kCudaFinishSource,
-      kCudaHeader,
-      {inst("__nv_bfloat16", 512, 1024, 32), inst("float", 40, 52, 4)},
-  });
-  return src;
-}
-
 const CudaSource& cuda_cluster_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](const std::string& t, int d, int k, int threads, bool into) {
@@ -458,49 +331,8 @@ std::vector<mx::array> rvq_search_cluster(const mx::array& residual, const mx::a
   return {outs[1], outs[0]};
 }
 
-// Blocks per row: kBlocksPerRow, fewer for small codebooks (a divisor of K, each block >= 1 codeword).
-int blocks_per_row(int k) {
-  int nb = kBlocksPerRow;
-  while (nb > 1 && (k % nb != 0 || k / nb < 1)) nb /= 2;
-  return nb;
-}
-
-// into [rows, Q] (optional): the row's codes so far; the result is then that row with columns
-// [start, start + count) replaced, else the codes [rows, count] alone.
-std::vector<mx::array> rvq_search_cuda(const mx::array& residual, const mx::array& codebooks,
-                                       const mx::array& norms, int start, int count,
-                                       const std::optional<mx::array>& into, mx::Stream s) {
-  static auto step = make_cuda_kernel(cuda_step_source());
-  static auto finish = make_cuda_kernel(cuda_finish_source());
-  const int rows = residual.shape(0), dim = residual.shape(1), size = codebooks.shape(1);
-  const int nb = blocks_per_row(size);
-  const int width = into ? codebooks.shape(0) : count, col0 = into ? start : 0;
-  auto r = mx::astype(residual, mx::float32, s);
-  mx::array keys = r;  // not read by the first step
-  // The first step's codes_in: the row so far, or (not read) any int32 array.
-  mx::array codes = into ? mx::astype(*into, mx::int32, s) : kept_ints({-1});
-  for (int i = 0; i < count; ++i) {
-    const bool first = i == 0;
-    auto outs = step({r, keys, codebooks, norms, kept_ints({start + i, col0 + i, width}), codes},
-                     {{rows, dim}, {rows, nb}, {rows, width}}, {mx::float32, mx::int64, mx::int32},
-                     {rows * nb * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
-                     {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads},
-                      {"FIRST", first}, {"INTO", first && into.has_value()}},
-                     std::nullopt, false, s);
-    r = outs[0];
-    keys = outs[1];
-    codes = outs[2];
-  }
-  auto outs = finish({r, keys, codebooks, kept_ints({start + count - 1, col0 + count - 1, width}), codes},
-                     {{rows, dim}, {rows, width}}, {mx::float32, mx::int32}, {rows * kCudaThreads, 1, 1},
-                     {kCudaThreads, 1, 1},
-                     {{"T", codebooks.dtype()}, {"D", dim}, {"K", size}, {"NB", nb}, {"THREADS", kCudaThreads}},
-                     std::nullopt, false, s);
-  return {outs[1], outs[0]};
-}
-
-// The row `into` with columns [start, start + count) replaced by `codes` (the paths that make the
-// codes on their own).
+// The row `into` with columns [start, start + count) replaced by `codes` (the paths other than the
+// cluster kernel, which writes them there).
 mx::array splice_codes(const mx::array& into, const mx::array& codes, int start, mx::Stream s) {
   const int rows = into.shape(0), width = into.shape(1), count = codes.shape(1);
   auto row = mx::astype(into, mx::int32, s);
@@ -530,7 +362,7 @@ void check_args(const mx::array& residual, const mx::array& codebooks, const mx:
   }
 }
 
-// The codes alone, [B, count] (every path but the CUDA kernels with `into`).
+// The codes alone, [B, count] (every path but the cluster kernel).
 std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::array& codebooks, const mx::array& norms32,
                                         int start, int count, const std::string& method, mx::Stream s) {
   if (method == "composed" || gpu_stream(s)) {
@@ -549,32 +381,15 @@ std::vector<mx::array> rvq_search_codes(const mx::array& residual, const mx::arr
                                 std::make_shared<RvqSearch>(s, start, count), {r32, books, n});
 }
 
-// VOICECHAT_RVQ_CLUSTER: unset or "1": "auto" takes the cluster kernel wherever it runs; "0" keeps the
-// chain of a launch per codebook (the A/B). It was opt-in while it gave wrong, run-to-run different
-// codes on the H200 / H100: MLX's graph cache updated a cached kernel node in place across cluster
-// shapes; since c0a7112 a kernel of clusters enters MLX's graph as a child graph (own_launch.cpp), and
-// the GPU tests of the RVQ, our launch, the TTS, the session and the CLI pass with it as the default
-// (H100, 2026-12-05), and those of the RVQ, our launch, the TTS and the codec on an H200 (the same
-// day; docs/developing.md, item 2).
-// Read at every call (in effect: when the TTS step is built); anything but 0 / 1 is refused.
-bool cluster_wanted() {
-  const char* env = std::getenv("VOICECHAT_RVQ_CLUSTER");
-  const std::string v(env ? env : "");
-  if (!v.empty() && v != "0" && v != "1") {
-    throw std::invalid_argument("VOICECHAT_RVQ_CLUSTER must be 0 or 1, not '" + v + "'");
-  }
-  return v != "0";
-}
-
-// method: "auto", "fused" (the C++ / CUDA kernel), "composed" (MLX ops) or "cluster". into [B, Q] (optional):
-// the rows' codes so far; the codes come back as those rows with [start, start + count) replaced.
+// method: "auto", "fused" (the C++ loop on the CPU, the cluster kernel on CUDA) or "composed" (MLX ops).
+// into [B, Q] (optional): the rows' codes so far; the codes come back as those rows with [start,
+// start + count) replaced.
 std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& codebooks, const mx::array& norms,
                                   int start, int count, const std::string& method,
                                   const std::optional<mx::array>& into, mx::StreamOrDevice s_) {
   check_args(residual, codebooks, norms, start, count);
-  if (method != "auto" && method != "fused" && method != "composed" && method != "cluster") {
-    throw std::invalid_argument("rvq_search: method must be 'auto', 'fused', 'composed' or 'cluster', not '" + method +
-                                "'");
+  if (method != "auto" && method != "fused" && method != "composed") {
+    throw std::invalid_argument("rvq_search: method must be 'auto', 'fused' or 'composed', not '" + method + "'");
   }
   if (into && (into->ndim() != 2 || into->shape(0) != residual.shape(0) || into->shape(1) != codebooks.shape(0) ||
                !mx::issubdtype(into->dtype(), mx::integer))) {
@@ -582,20 +397,17 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
   }
   auto s = mx::to_stream(s_);
   auto norms32 = mx::astype(norms, mx::float32, s);
-  if (method == "cluster" && !cluster_runs(residual, s)) {
-    throw std::invalid_argument("rvq_search: method 'cluster' runs on a CUDA stream through voicechat's own kernel "
-                                "launch, with D <= " + std::to_string(kClusterMaxDim));
+  const bool gpu = gpu_stream(s) && cuda_build();
+  if (method == "fused" && gpu && !cluster_runs(residual, s)) {
+    throw std::invalid_argument("rvq_search: method 'fused' on a CUDA stream is the cluster kernel, which runs "
+                                "through voicechat's own kernel launch, with D <= " + std::to_string(kClusterMaxDim));
   }
-  const bool cluster_auto = method == "auto" && cluster_wanted();
-  if (method == "cluster" || (cluster_auto && residual.shape(0) <= 8 && cluster_runs(residual, s))) {
+  // The cluster kernel for the few rows of a TTS step on a CUDA GPU; the composed ops (a GEMM per
+  // codebook) for many, and where our own launch is off. No mx::contiguous before the kernel: a custom
+  // kernel makes its inputs row-contiguous itself, at eval and only when they are not, while a
+  // Contiguous node costs the TTS step's graph a node each.
+  if (gpu && (method == "fused" || (method == "auto" && residual.shape(0) <= 8 && cluster_runs(residual, s)))) {
     return rvq_search_cluster(residual, codebooks, norms32, start, count, into, s);
-  }
-  // The kernels for the few rows of a TTS step on a CUDA GPU; the composed ops (a GEMM per codebook)
-  // for many. No mx::contiguous there: cuda_kernel makes its inputs row-contiguous itself, at eval
-  // and only when they are not, while a Contiguous node costs the TTS step's graph a node each.
-  if (method != "composed" && gpu_stream(s) && cuda_build() &&
-      (method == "fused" || (method == "auto" && residual.shape(0) <= 8))) {
-    return rvq_search_cuda(residual, codebooks, norms32, start, count, into, s);
   }
   auto out = rvq_search_codes(residual, codebooks, norms32, start, count, method, s);
   if (into) out[0] = splice_codes(*into, out[0], start, s);
@@ -603,9 +415,7 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
 }
 
 void bind(py::module_& m) {
-  cuda_step_source();  // registered at import, so the compile checks see them
-  cuda_finish_source();
-  cuda_cluster_source();
+  cuda_cluster_source();  // registered at import, so the compile checks see it
   m.def("rvq_search", &rvq_search, py::arg("residual"), py::arg("codebooks"), py::arg("norms"), py::arg("start"),
         py::arg("count"), py::arg("method") = "auto", py::kw_only(), py::arg("into") = py::none(),
         py::arg("stream") = py::none(),

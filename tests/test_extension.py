@@ -45,7 +45,7 @@ def test_no_second_libmlx_is_loaded():
     before = mx.get_active_memory()
     a = ext.identity(mx.zeros((1 << 20,), dtype=mx.float32))
     mx.eval(a)
-    # 4 MB, less what small buffers freed meanwhile (on the H200: 16 bytes short of 4 MB exactly)
+    # 4 MB, less what small buffers freed meanwhile (a GPU allocator can give 16 bytes short of 4 MB)
     assert mx.get_active_memory() - before >= (4 << 20) - 4096
 
 

@@ -50,7 +50,7 @@ def test_instance_texts_and_file_names_tell_instances_and_targets_apart():
         ext.own_kernel_text(src["name"], len(src["instances"]))
 
 
-@pytest.mark.parametrize("name", ["vc_qmv_imma", "vc_rvq_step", "vc_rvq_cluster"])
+@pytest.mark.parametrize("name", ["vc_qmv_imma_stream", "vc_decode_attn_part", "vc_rvq_cluster"])
 def test_an_instance_text_compiles_with_nvcc(name, tmp_path):
     """The whole translation unit, prelude included, as NVRTC gets it (nvcc here, for sm_90)."""
     nvcc = shutil.which("nvcc")
@@ -124,7 +124,7 @@ def _nvrtc_or_skip() -> None:
 
 def test_nvrtc_compiles_an_instance_text_to_a_cubin_and_reports_errors():
     _nvrtc_or_skip()
-    cubin = ext.nvrtc_cubin(ext.own_kernel_text("vc_rvq_step", 0, "sm_90"), "sm_90", ext.cuda_include_dirs())
+    cubin = ext.nvrtc_cubin(ext.own_kernel_text("vc_decode_attn_part", 0, "sm_90"), "sm_90", ext.cuda_include_dirs())
     assert cubin[:4] == b"\x7fELF" and b"vc_kernel" in cubin
     with pytest.raises(RuntimeError, match="did not compile"):
         ext.nvrtc_cubin('extern "C" __global__ void vc_kernel() { undeclared_name(); }\n', "sm_90", [])
@@ -183,12 +183,12 @@ def q4(n, k, seed):
 out = {}
 x = mx.random.normal((1, 4480), key=mx.random.key(1))
 w, s, b = q4(22656, 4480, 2)
-out["block"] = quantized_matvec(x, w, s, b)
-out["imma"] = quantized_matvec(x, w, s, b, imma=1)
+out["imma_stream"] = quantized_matvec(x, w, s, b)  # one row at in_proj's shape: the integer MMA
+out["block"] = quantized_matvec(mx.concatenate([x, x * 2]), w, s, b)  # two rows: the block layout
 w2, s2, b2 = q4(4480, 10240, 3)
 x2 = mx.random.normal((1, 10240), key=mx.random.key(4))
 r = mx.random.normal((1, 4480), key=mx.random.key(5))
-y, pre = quantized_matvec_emit_norm(x2, w2, s2, b2, r, mx.ones((4480,)), stages=2)
+y, pre = quantized_matvec_emit_norm(x2, w2, s2, b2, r, mx.ones((4480,)))  # the streamed layout
 out["stream_emit"], out["prenormed"] = y, pre.resolve()
 d = (mx.random.normal((1152, 4608), key=mx.random.key(6)) * 0.02).astype(mx.bfloat16)
 out["dense"] = dense_matvec(mx.random.normal((2, 4608), key=mx.random.key(7)), d)

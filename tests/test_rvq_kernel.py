@@ -1,4 +1,5 @@
-"""The C++ RVQ argmin search equals its pure-MLX reference."""
+"""The C++ RVQ argmin search equals its pure-MLX reference: on the CPU the fused loop and the composed
+ops; on a CUDA GPU the cluster kernel (through our own launch) and the composed ops."""
 
 import mlx.core as mx
 import numpy as np
@@ -17,13 +18,12 @@ def _case(batch, dim, size, books, dtype, seed):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("batch", [1, 500])
 @pytest.mark.parametrize("start,count", [(0, 1), (2, 5), (0, 31)])
-@pytest.mark.parametrize("method", ["fused", "auto", "cluster"])
+@pytest.mark.parametrize("method", ["fused", "auto", "composed"])
 def test_kernel_equals_reference(dtype, batch, start, count, method):
-    # "cluster" among the others: on the GPU its launches and the chain's and MLX ops' take each
-    # other's cached graphs in this file's order, which is how a launch across cluster shapes broke
-    # 16 cases here (H100, 2026-12-05, with the cluster opted in for "auto")
-    if method == "cluster" and not _cluster_launch():
-        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
+    # the methods one after another in one process: on a GPU the cluster kernel's launches and MLX
+    # ops' take each other's cached graphs (a kernel of clusters enters MLX's graph as a child graph,
+    # so that MLX's in-place updates of a cached node never mix cluster shapes)
+    _skip_fused_without_the_cluster_kernel(method)
     if method == "fused" and batch * count > 2000:
         count = min(count, 5)  # the plain C++ loop at 500 x 31 is slow on this CPU, not wrong
     residual, codebooks = _case(batch, 40, 48, 31, dtype, seed=batch + count)
@@ -40,10 +40,9 @@ def test_kernel_equals_reference(dtype, batch, start, count, method):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("start,count", [(0, 1), (4, 6), (25, 6), (0, 31)])
-@pytest.mark.parametrize("method", ["fused", "auto", "composed", "cluster"])
+@pytest.mark.parametrize("method", ["fused", "auto", "composed"])
 def test_codes_into_a_row_keep_its_other_columns(dtype, start, count, method):
-    if method == "cluster" and not _cluster_launch():
-        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
+    _skip_fused_without_the_cluster_kernel(method)
     # The TTS step's use: the codes so far in, that row with the run's columns replaced out.
     residual, codebooks = _case(2, 40, 48, 31, dtype, seed=start + count)
     norms = codebook_norms(codebooks)
@@ -71,6 +70,7 @@ def test_codes_into_must_be_one_integer_row_per_residual():
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_full_size_shapes_one_row(dtype):
+    _skip_fused_without_the_cluster_kernel("fused")
     residual, codebooks = _case(1, 512, 1024, 31, dtype, seed=3)
     codes, r = rvq_search(residual, codebooks, 9, 22, method="fused")
     with mx.stream(mx.cpu):
@@ -81,11 +81,12 @@ def test_full_size_shapes_one_row(dtype):
 
 
 def test_strided_inputs_equal_contiguous_ones_without_copy_nodes_on_cuda():
-    # Transposed views (not row-contiguous) give the same codes and residual. On CUDA the kernels
-    # make their inputs row-contiguous themselves (only when needed): no Contiguous node per call.
+    # Transposed views (not row-contiguous) give the same codes and residual. On CUDA the kernel
+    # makes its inputs row-contiguous itself (only when needed): no Contiguous node per call.
     from voicechat.kernels.gemv import on_cuda_gpu
     from voicechat.llm.opcount import count_ops
 
+    _skip_fused_without_the_cluster_kernel("fused")
     key_r, key_e = mx.random.split(mx.random.key(11))
     residual = mx.random.normal((40, 3), key=key_r).T                            # [3, 40], strided
     codebooks = mx.random.normal((6, 40, 48), key=key_e).transpose(0, 2, 1)   # [6, 48, 40], strided
@@ -104,7 +105,7 @@ def test_exact_codewords_are_found_and_residual_vanishes():
     books = rng.standard_normal((6, 32, 16)).astype(np.float32) * np.float32(4.0) ** -np.arange(6)[:, None, None]
     chosen = rng.integers(0, 32, 6)
     target = sum(books[q, chosen[q]] for q in range(6))[None]
-    for method in ("fused", "composed"):
+    for method in ("fused", "composed") if _fused_runs() else ("composed",):
         codes, r = rvq_search(mx.array(target), mx.array(books), 0, 6, method=method)
         np.testing.assert_array_equal(np.array(codes)[0], chosen)
         assert float(mx.abs(r).max()) < 1e-5
@@ -112,7 +113,7 @@ def test_exact_codewords_are_found_and_residual_vanishes():
 
 def test_ties_pick_the_first_index():
     books = mx.zeros((1, 8, 4))  # every codeword equal: argmin must be 0
-    for method in ("fused", "composed"):
+    for method in ("fused", "composed") if _fused_runs() else ("composed",):
         codes, _ = rvq_search(mx.ones((2, 4)), books, 0, 1, method=method)
         assert np.array(codes).tolist() == [[0], [0]]
 
@@ -127,68 +128,51 @@ def test_bad_arguments_are_errors():
         rvq_search(residual[:, :4], codebooks, 0, 1)
 
 
-def _cluster_launch() -> bool:
-    """Whether the one-launch cluster kernel runs here (a CUDA GPU, our own launch)."""
+def _fused_runs() -> bool:
+    """Whether method "fused" runs here: the CPU's loop, or on a CUDA GPU the cluster kernel (our own
+    launch)."""
     from voicechat.kernels._native import kernel_launch
+    from voicechat.kernels.gemv import on_cuda_gpu
 
-    return kernel_launch()["launch"] == "own"
+    return not on_cuda_gpu() or kernel_launch()["launch"] == "own"
+
+
+def _skip_fused_without_the_cluster_kernel(method: str) -> None:
+    if method == "fused" and not _fused_runs():
+        pytest.skip("on a CUDA GPU the fused kernel is the cluster kernel, which runs through our own launch")
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("size,start,count,into", [(1024, 9, 22, True), (1024, 0, 1, False), (52, 2, 5, True),
                                                    (52, 0, 8, False)])
-def test_cluster_kernel_gives_the_chains_bits(dtype, size, start, count, into):
-    """One launch of 8-block clusters for the whole run (method "cluster") gives the per-codebook
-    chain's codes and residual bit for bit: the full-size TTS shape, one codebook, and K = 52 (blocks
-    of 7 codewords, 3 in the last), each row of a two-row batch its own cluster."""
-    if not _cluster_launch():
+def test_the_cluster_kernel_is_one_launch_for_the_run(dtype, size, start, count, into):
+    """On a CUDA GPU through our own launch, method "auto" for a few rows is one launch of 8-block
+    clusters for the whole run, with the reference's codes: the full-size TTS shape, one codebook, and
+    K = 52 (blocks of 7 codewords, 3 in the last), each row of a two-row batch its own cluster."""
+    from voicechat.kernels._native import kernel_launch
+    from voicechat.llm.opcount import count_ops, custom_kernels
+
+    if kernel_launch()["launch"] != "own":
         pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
     residual, codebooks = _case(2, 512 if size == 1024 else 40, size, 31, dtype, seed=size + count)
     norms = codebook_norms(codebooks)
     row = mx.random.randint(0, size, (2, 31), key=mx.random.key(5)).astype(mx.int32) if into else None
-    codes, r = rvq_search(residual, codebooks, start, count, norms, into=row, method="cluster")
-    want_codes, want_r = rvq_search(residual, codebooks, start, count, norms, into=row, method="fused")
+    codes, r = rvq_search(residual, codebooks, start, count, norms, into=row)
+    assert custom_kernels(count_ops(codes, r)) == 1
+    with mx.stream(mx.cpu):
+        want_codes, want_r = rvq_search_reference(residual, codebooks, start, count, norms, into=row)
+        mx.eval(want_codes, want_r)
     np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
-    np.testing.assert_array_equal(np.array(r).view(np.uint32), np.array(want_r).view(np.uint32))
-    from voicechat.llm.opcount import count_ops, custom_kernels
-
-    assert custom_kernels(count_ops(*rvq_search(residual, codebooks, start, count, norms, into=row,
-                                                method="cluster"))) == 1
+    np.testing.assert_allclose(np.array(r), np.array(want_r), rtol=1e-5, atol=1e-3)
 
 
-def test_cluster_method_where_it_cannot_run_is_an_error():
-    """Off a CUDA GPU (or without our own launch) method "cluster" is refused in one line, not run
-    some other way."""
-    if _cluster_launch():
-        pytest.skip("the cluster kernel runs here")
+def test_fused_on_cuda_without_our_launch_is_an_error():
+    """On a CUDA GPU where our own launch is off, method "fused" (the cluster kernel) is refused in one
+    line, not run some other way; "auto" takes the composed ops there."""
+    from voicechat.kernels.gemv import on_cuda_gpu
+
+    if not on_cuda_gpu() or _fused_runs():
+        pytest.skip("the fused kernel runs here")
     residual, codebooks = _case(1, 8, 16, 3, mx.float32, seed=2)
-    with pytest.raises(ValueError, match="cluster.*own kernel launch"):
-        rvq_search(residual, codebooks, 0, 2, method="cluster")
-
-
-@pytest.mark.parametrize("value,launches", [(None, 1), ("1", 1), ("0", 3)])
-def test_auto_takes_the_cluster_kernel_unless_switched_off(monkeypatch, value, launches):
-    """Where it runs, method "auto" takes the cluster kernel for a few rows (one launch for the run);
-    VOICECHAT_RVQ_CLUSTER=0 keeps the chain (count + 1 launches). The same codes and residual."""
-    if not _cluster_launch():
-        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
-    from voicechat.llm.opcount import count_ops, custom_kernels
-
-    residual, codebooks = _case(2, 512, 1024, 31, mx.bfloat16, seed=6)
-    if value is None:
-        monkeypatch.delenv("VOICECHAT_RVQ_CLUSTER", raising=False)
-    else:
-        monkeypatch.setenv("VOICECHAT_RVQ_CLUSTER", value)
-    codes, r = rvq_search(residual, codebooks, 3, 2)
-    assert custom_kernels(count_ops(codes, r)) == launches
-    want_codes, want_r = rvq_search(residual, codebooks, 3, 2, method="fused")
-    np.testing.assert_array_equal(np.array(codes), np.array(want_codes))
-    np.testing.assert_array_equal(np.array(r).view(np.uint32), np.array(want_r).view(np.uint32))
-
-
-def test_a_bad_cluster_switch_is_refused(monkeypatch):
-    """VOICECHAT_RVQ_CLUSTER other than 0 or 1 is one clear error on every backend, not read as either."""
-    residual, codebooks = _case(1, 8, 16, 3, mx.float32, seed=2)
-    monkeypatch.setenv("VOICECHAT_RVQ_CLUSTER", "yes")
-    with pytest.raises(ValueError, match="VOICECHAT_RVQ_CLUSTER must be 0 or 1, not 'yes'"):
-        rvq_search(residual, codebooks, 0, 2)
+    with pytest.raises(ValueError, match="fused.*own kernel launch"):
+        rvq_search(residual, codebooks, 0, 2, method="fused")

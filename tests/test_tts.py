@@ -499,23 +499,21 @@ def test_frame_code_embedding_equals_the_code_embedding(tiny_checkpoint, tiny):
     np.testing.assert_allclose(np.array(tts.frame_code_embedding(code.reshape(1, 1, q))), want, rtol=1e-5, atol=1e-5)
 
 
-def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny, monkeypatch):
+def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny):
     """On a CUDA GPU an unmasking iteration's codes land in the frame's code row inside the RVQ
-    launches (no concatenation and its copy launches), its input embedding is one launch (no gather
+    launch (no concatenation and its copy launches), its input embedding is one launch (no gather
     or sum of MLX's), and the MoG head adds it to the hidden states inside its first launch, the
     input norm and gate/up (no RMSNorm of MLX's). Our launches: per iteration the MoG head's
     2 L + 3 (the first norm with gate/up, L downs, L - 1 seams with the next gate/up, the final
-    seam, the three stacked projections, the draw), the RVQ's one (the cluster kernel, under our own
-    launch) or count + 1 (the chain, under MLX's), the embedding from the second iteration on. (MLX's
-    own ops left are the frame's random draws.)"""
+    seam, the three stacked projections, the draw), the RVQ's one (the cluster kernel, which runs
+    under our own launch), the embedding from the second iteration on. (MLX's own ops left are the
+    frame's random draws.)"""
     from voicechat.kernels._native import kernel_launch
-    from voicechat.kernels.gemv import on_cuda_gpu
     from voicechat.llm.opcount import count_ops, custom_kernels
 
-    if not on_cuda_gpu():
-        pytest.skip("the kernels run on a CUDA GPU")
+    if kernel_launch()["launch"] != "own":
+        pytest.skip("the kernels run on a CUDA GPU, the RVQ's through our own launch")
     _, ckpt = tiny
-    monkeypatch.delenv("VOICECHAT_RVQ_CLUSTER", raising=False)  # the default, whatever the shell says
     tts = _gemv_tts(tiny_checkpoint, ckpt)
     hidden = mx.random.normal((2, 1, tts.cfg.hidden_size), key=mx.random.key(4))
     codes, key = tts.generate_codes(hidden, mx.random.key(1))
@@ -523,30 +521,10 @@ def test_code_generation_launches_on_cuda(tiny_checkpoint, tiny, monkeypatch):
     for kind in ("Concatenate", "Gather", "Sum", "RMSNorm"):
         assert kind not in counts, counts
     iterations, layers = len(tts._schedule), len(tts.mog_head.mlp_stack) - 1
-    rvq = iterations if kernel_launch()["launch"] == "own" else tts.cfg.num_quantizers + iterations
-    want = iterations * (2 * layers + 3) + rvq + (iterations - 1)
+    want = iterations * (2 * layers + 3) + iterations + (iterations - 1)
     assert custom_kernels(counts) == want, counts
     assert codes.shape == (1, 1, tts.cfg.num_quantizers)
     mx.eval(codes)
     assert 0 <= int(codes.min()) and int(codes.max()) < tts.cfg.codebook_size
 
 
-def test_code_generation_with_the_cluster_rvq_on_cuda(tiny_checkpoint, tiny, monkeypatch):
-    """Under our own launch an unmasking iteration's RVQ is by default one launch of thread-block
-    clusters instead of the chain's count + 1 (VOICECHAT_RVQ_CLUSTER=0), with the same codes for the
-    same key."""
-    from voicechat.kernels._native import kernel_launch
-    from voicechat.llm.opcount import count_ops, custom_kernels
-
-    if kernel_launch()["launch"] != "own":
-        pytest.skip("the cluster kernel runs on a CUDA GPU through our own launch")
-    _, ckpt = tiny
-    tts = _gemv_tts(tiny_checkpoint, ckpt)
-    hidden = mx.random.normal((2, 1, tts.cfg.hidden_size), key=mx.random.key(4))
-    monkeypatch.setenv("VOICECHAT_RVQ_CLUSTER", "0")
-    codes, key = tts.generate_codes(hidden, mx.random.key(1))
-    chain = custom_kernels(count_ops(codes, key))
-    monkeypatch.delenv("VOICECHAT_RVQ_CLUSTER")
-    clustered, key_c = tts.generate_codes(hidden, mx.random.key(1))
-    assert custom_kernels(count_ops(clustered, key_c)) == chain - tts.cfg.num_quantizers
-    assert np.array(clustered).tolist() == np.array(codes).tolist()

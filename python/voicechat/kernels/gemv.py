@@ -104,9 +104,8 @@ def resolved(x):
 # --------------------------------------------------------------------------- quantized
 
 def quantized_matvec_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None,
-                               residual=None, squared_relu: bool = False, norm=None):
+                               residual=None, squared_relu: bool = False):
     x = resolved(x)
-    x = x if norm is None else mx.fast.rms_norm(x, norm[0], norm[1])
     y = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group_size, bits=bits)
     return _epilogue(y if bias is None else y + bias, residual, squared_relu)
 
@@ -118,41 +117,18 @@ def _prenorm_args(x) -> tuple[mx.array, dict]:
 
 
 def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, *, bias=None, residual=None,
-                     squared_relu: bool = False, norm=None, stages: int = 0, imma: int = 0, row_groups: int = 0,
-                     rows_per_block: int = 0, dp4a: int = 0, stream=None):
+                     squared_relu: bool = False, stream=None):
     """`x @ dequantize(w).T (+ bias)`, then `relu(.)^2` (`squared_relu`) or `+ residual` [..., N];
     `x` [..., K] or `Prenormed` (its scales applied in the same launch), w packed uint32
-    [N, K * bits / 32]. `norm = (weight [K], eps)`: the product's input is `rms_norm(x, weight, eps)`,
-    formed in the same launch. (The model does not use `norm`: at the LLM's shapes on the H200 it
-    cost more than the separate norm's launch saved, 8.0 against 5.5 ms of GPU time a step, as every
-    row block re-reads x and the weight; it takes `Prenormed` inputs instead.) Two bfloat16
-    tensor-core variants were tried and lost on the H200; see docs/developing.md. `stages`: the
-    streamed 4-bit layout (each block keeps that many tiles of weights in flight through bulk copies
-    into shared memory; -1 never, 0 where the default picks it). `imma`: the integer tensor-core
-    layout (4-bit group 64: 16-row slabs, x as a block floating point expansion of int8 terms; > 0
-    always; 2-16: that many 64-wide groups in flight a warp instead of the default's); with
-    `stages` > 0 as well, the integer MMA on the streamed layout's tiles (16-row slabs by bulk
-    copies, that many in flight). With both 0 (and `rows_per_block` 0) the default picks: for one row, the streamed integer
-    MMA at the wide outputs of a narrow input (K < 8192, N >= 8192: the mamba in_proj, the MLP
-    up_proj), the float streamed layout where K >= 8192, the block layout elsewhere; `imma` < 0
-    never takes an integer-MMA layout.
-    `row_groups` > 1: the block layout, each block computing that many groups of `rows_per_block`
-    rows (1, 2, 4 or 8; 0 the default) one after the other (the same bits; never faster on the H200,
-    so never the default). `dp4a` 3 or 4: the float streamed layout with its products as integer dot
-    products, each thread's 32 values of x as that many int8 terms (6 + 7 (dp4a - 1) bits below
-    their largest |x|); -1: its float pair form; 0: the default (4 terms for one row of x, else the
-    pair form). Only the CUDA path reads these."""
+    [N, K * bits / 32]. On CUDA the launch follows the shape: for one row of x on sm_90 the streamed
+    integer-MMA layout at the wide outputs of a narrow input (K < 8192, N >= 8192), the streamed
+    layout where K >= 8192, the block layout elsewhere (csrc/gemv.cpp)."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
-                                          squared_relu=squared_relu, norm=norm)
-    if norm is not None and isinstance(x, Prenormed):
-        raise ValueError("quantized_matvec: a Prenormed x takes no norm")
+                                          squared_relu=squared_relu)
     x, pre = _prenorm_args(x)
-    norm_weight, norm_eps = norm if norm is not None else (None, pre.pop("norm_eps", 1e-5))
     return ext.quantized_matvec(x, w, scales, biases, bias, group_size, bits, residual=residual,
-                                activation=_activation(squared_relu), norm_weight=norm_weight,
-                                norm_eps=float(norm_eps), stages=stages, imma=imma, row_groups=row_groups,
-                                rows_per_block=rows_per_block, dp4a=dp4a, stream=stream, **pre)
+                                activation=_activation(squared_relu), stream=stream, **pre)
 
 
 def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size: int = 64,
@@ -163,20 +139,16 @@ def quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_no
 
 
 def quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, group_size: int = 64, bits: int = 4, *,
-                               bias=None, eps: float = 1e-5, stages: int = 0, imma: int = 0, dp4a: int = 0,
-                               stream=None):
+                               bias=None, eps: float = 1e-5, stream=None):
     """`(out, Prenormed)`: `out = x @ dequantize(w).T (+ bias) + residual` as `quantized_matvec`'s, and
     `rms_norm(out, next_norm, eps)` left for the next quantized matvec to apply (the next block's
-    input norm, formed by no launch of its own). One launch on a CUDA GPU; `stages`, `imma` and
-    `dp4a` as `quantized_matvec`'s."""
+    input norm, formed by no launch of its own). One launch on a CUDA GPU."""
     if use_reference():
         return quantized_matvec_emit_norm_reference(x, w, scales, biases, residual, next_norm, group_size, bits,
                                                     bias=bias, eps=eps)
     x, pre = _prenorm_args(x)
     out, weighted, partials = ext.quantized_matvec_emit_norm(x, w, scales, biases, residual, next_norm, bias,
-                                                             group_size, bits, stages=stages, imma=imma,
-                                                             dp4a=dp4a, stream=stream,
-                                                             **pre)
+                                                             group_size, bits, stream=stream, **pre)
     return out, Prenormed(weighted, partials, 1, eps)
 
 
@@ -229,17 +201,17 @@ def two_head_argmax_reference(h, head_a, head_b, return_logits: bool = False):
     return (ids, logits_a, logits_b) if return_logits else ids
 
 
-def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, streamed: int = -1, stream=None):
+def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, stream=None):
     """argmax of `head_a(h)` and of `head_b(h)` as int32 ids [..., 2], in one pass over both.
 
-    With `return_logits`, `(ids, logits_a, logits_b)`. `streamed` (CUDA): 1 both heads' slabs on the
-    streamed integer-MMA walk, 0 the block layout, -1 as VOICECHAT_ARGMAX_STREAMED says (unset: the
-    streamed walk wherever the heads are whole 16-row slabs and the GPU has bulk copies, else the block layout).
+    With `return_logits`, `(ids, logits_a, logits_b)`. On an sm_90 GPU one launch walks both heads'
+    16-row slabs (and a second picks the best of its blocks' keys); heads that are not whole 16-row
+    slabs, and other backends, take MLX's ops.
     """
     if use_reference() or not _heads_fit(head_a, head_b):
         return two_head_argmax_reference(h, head_a, head_b, return_logits)
     out = ext.two_head_argmax(h, _head_arrays(head_a), _head_arrays(head_b), head_a.group_size, head_a.bits,
-                              return_logits, streamed=streamed, stream=stream)
+                              return_logits, stream=stream)
     return tuple(out) if return_logits else out[0]
 
 

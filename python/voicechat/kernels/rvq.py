@@ -55,12 +55,11 @@ def rvq_search(
     method: str = "auto",
     stream=None,
 ) -> tuple[mx.array, mx.array]:
-    """The C++ kernel (CUDA on a CUDA GPU, a fused loop or BLAS ops on the CPU).
+    """The C++ kernel: on a CUDA GPU the whole run in one launch of thread-block clusters (through our
+    own launch), on the CPU a fused loop; MLX ops (a GEMM a codebook) for many rows and elsewhere.
 
-    `method`: "auto", "fused" (force the kernel), "composed" (the C++ composed-ops path) or
-    "cluster" (CUDA through our own launch only: the whole run in one launch of thread-block
-    clusters, the same bits as "fused"; "auto" picks it for a few rows there unless
-    VOICECHAT_RVQ_CLUSTER=0).
+    `method`: "auto" (the kernel for up to 8 rows where it runs, else the ops), "fused" (the kernel;
+    an error on a CUDA GPU where our own launch is off) or "composed" (the ops).
     """
     if use_reference():
         return rvq_search_reference(residual, codebooks, start, count, norms, into)

@@ -184,13 +184,12 @@ inline T warp_exchange(T v, int src) {
 }  // namespace cuda_emu
 
 namespace cuda_emu {
-// mma.sync.aligned.m16n8k32.row.col.s32 for the calling warp, A unsigned and B signed (.u8.s8) or the
-// reverse (.s8.u8), fragments as PTX lays them out (lane 4g + t): A (16x32) a[0] rows g, a[1] rows
+// mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 for the calling warp (A unsigned, B signed),
+// fragments as PTX lays them out (lane 4g + t): A (16x32) a[0] rows g, a[1] rows
 // g + 8 at columns 4t..4t+3, a[2] / a[3] the same at columns 16 + 4t..; B (32x8) b[0] rows
 // 4t..4t+3, b[1] rows 16 + 4t.. of column g; D (16x8 s32) d[0], d[1] row g columns 2t, 2t + 1,
 // d[2], d[3] row g + 8.
-template <bool A_SIGNED>
-inline void mma_m16n8k32(int* d, const unsigned int* a, const unsigned int* b) {
+inline void mma_m16n8k32_u8s8(int* d, const unsigned int* a, const unsigned int* b) {
   auto& w = *block->warps[threadIdx.x / 32];
   const int lane = threadIdx.x % 32;
   for (int i = 0; i < 4; ++i) w.frag[lane][i] = a[i];
@@ -202,9 +201,9 @@ inline void mma_m16n8k32(int* d, const unsigned int* a, const unsigned int* b) {
     return is_signed ? static_cast<int>(static_cast<signed char>(v)) : static_cast<int>(v);
   };
   auto A = [&](int row, int k) {
-    return byte(w.frag[(row % 8) * 4 + (k % 16) / 4][(row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0)], k, A_SIGNED);
+    return byte(w.frag[(row % 8) * 4 + (k % 16) / 4][(row >= 8 ? 1 : 0) + (k >= 16 ? 2 : 0)], k, false);
   };
-  auto B = [&](int k, int col) { return byte(w.frag[col * 4 + (k % 16) / 4][4 + (k >= 16 ? 1 : 0)], k, !A_SIGNED); };
+  auto B = [&](int k, int col) { return byte(w.frag[col * 4 + (k % 16) / 4][4 + (k >= 16 ? 1 : 0)], k, true); };
   const int g = lane / 4, t = lane % 4;
   for (int i = 0; i < 4; ++i) {
     int sum = 0;
@@ -213,8 +212,6 @@ inline void mma_m16n8k32(int* d, const unsigned int* a, const unsigned int* b) {
   }
   w.bar.arrive_and_wait();
 }
-inline void mma_m16n8k32_u8s8(int* d, const unsigned int* a, const unsigned int* b) { mma_m16n8k32<false>(d, a, b); }
-inline void mma_m16n8k32_s8u8(int* d, const unsigned int* a, const unsigned int* b) { mma_m16n8k32<true>(d, a, b); }
 }  // namespace cuda_emu
 
 // A warp barrier that also orders the lanes' memory accesses, as on the GPU.

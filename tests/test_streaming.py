@@ -12,7 +12,7 @@ from voicechat.audio import load_audio
 from voicechat.codec.codec import DecoderStream
 from voicechat.codec.stft import StreamingISTFT, _envelope, envelope_at, istft
 from voicechat.config import PreprocessorConfig
-from voicechat.kernels.rnnt_greedy import initial_state, rnnt_greedy, rnnt_greedy_from, rnnt_greedy_reference
+from voicechat.kernels.rnnt_greedy import initial_state, rnnt_greedy, rnnt_greedy_reference
 from voicechat.stt.conformer import PerceptionStream
 from voicechat.stt.mel import StreamingLogMel, log_mel
 from voicechat.stt.rnnt import TranscriptStream, greedy_table
@@ -110,10 +110,10 @@ def test_greedy_resumed_in_pieces_equals_one_call(dtype, blank_bias):
     args = _weights(90, 48, 56, VOCAB, dtype, seed=3, blank_bias=blank_bias)
     whole = np.array(rnnt_greedy(*args, VOCAB, 10))
     assert (whole >= 0).any()
-    for run in (rnnt_greedy_from, rnnt_greedy_reference):
+    for run in (rnnt_greedy, rnnt_greedy_reference):
         state, tables, pos = initial_state(2, 48, VOCAB), [], 0
         for size in (1, 2, 7, 30, 50):
-            table, state = run(args[0][pos : pos + size], *args[1:], VOCAB, 10, state)
+            table, state = run(args[0][pos : pos + size], *args[1:], VOCAB, 10, start=state)
             tables.append(np.array(table))
             pos += size
         np.testing.assert_array_equal(np.concatenate(tables), whole)

@@ -10,8 +10,8 @@
 
 `enc_proj` is the joint's encoder projection of every frame (`joint.enc(encoded)`, `[F, J]`),
 computed beforehand in one matmul. `lstm` holds `(Wx, Wh, bias)` per layer (gates i, f, g, o).
-Returns `[F, max_symbols]` int32: the tokens emitted at each frame, then -1. `rnnt_greedy_from`
-starts from a given `GreedyState` (the LSTM state and the last emitted token) and also returns the
+Returns `[F, max_symbols]` int32: the tokens emitted at each frame, then -1. Given a `start`, it
+starts from that `GreedyState` (the LSTM state and the last emitted token) and also returns the
 one it ends with: a stream decoded a few frames at a time gives the tokens of one call. The prediction
 network only changes when a token is emitted, so it is evaluated once per emission (and once at
 the start), not once per query: same values, fewer LSTM steps. Everything is float32 inside.
@@ -115,39 +115,23 @@ def rnnt_greedy(
     max_symbols: int,
     stream: mx.Stream | None = None,
     threads: int = 0,
-) -> mx.array:
+    start: GreedyState | None = None,
+) -> mx.array | tuple[mx.array, GreedyState]:
     """The C++ loop, on a CPU stream (the loop is data-dependent and sequential): `stream`, or
     the default CPU stream. Lazy like any op: `mx.async_eval` of the result on a stream of its
     own (`mx.new_stream(mx.cpu)`) runs the loop beside the GPU's work. `threads`: the loop's worker
-    threads (0: by the model's size, up to half the cores); every count gives the same tokens."""
-    if use_reference():
-        return rnnt_greedy_reference(enc_proj, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols)
-    flat = [w for layer in lstm for w in layer]
-    return ext.rnnt_greedy(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id), int(max_symbols),
-                           threads=int(threads), stream=stream)
+    threads (0: by the model's size, up to half the cores); every count gives the same tokens.
 
-
-def rnnt_greedy_from(
-    enc_proj: mx.array,
-    embed: mx.array,
-    lstm: LstmWeights,
-    pred_w: mx.array,
-    pred_b: mx.array,
-    out_w: mx.array,
-    out_b: mx.array,
-    blank_id: int,
-    max_symbols: int,
-    start: GreedyState,
-    stream: mx.Stream | None = None,
-    threads: int = 0,
-) -> tuple[mx.array, GreedyState]:
-    """`rnnt_greedy` from `start` (see `initial_state`): `(table, the state after the last frame)`,
-    both lazy. Decoding frames in pieces, each piece from the state the one before ended with,
-    gives the table of one call over every frame."""
+    `start` (see `initial_state`): decode from that state and return `(table, the state after the
+    last frame)`, both lazy. Decoding frames in pieces, each from the state the one before ended
+    with, gives the table of one call over every frame."""
     if use_reference():
         return rnnt_greedy_reference(enc_proj, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols,
                                      start)
     flat = [w for layer in lstm for w in layer]
+    if start is None:
+        return ext.rnnt_greedy(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id), int(max_symbols),
+                               threads=int(threads), stream=stream)
     table, state, last = ext.rnnt_greedy_from(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id),
                                               int(max_symbols), threads=int(threads), stream=stream,
                                               state=start.lstm, last=start.last)

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import DecoderConfig, JointConfig
-from ..kernels.rnnt_greedy import GreedyState, emitted_tokens, initial_state, rnnt_greedy, rnnt_greedy_from
+from ..kernels.rnnt_greedy import GreedyState, emitted_tokens, initial_state, rnnt_greedy
 
 
 class PredictionRNN(nn.Module):
@@ -151,9 +151,9 @@ class TranscriptStream:
     def push(self, encoded: mx.array) -> mx.array:
         """The lazy `[F, max_symbols]` table of these frames (`encoded [1, F, d_model]`)."""
         w = self.weights
-        table, self.state = rnnt_greedy_from(_encoder_projection(encoded, self.joint), w.embed, w.lstm, w.pred_w,
-                                             w.pred_b, w.out_w, w.out_b, self.blank_id, self.max_symbols,
-                                             self.state, stream=self.stream)
+        table, self.state = rnnt_greedy(_encoder_projection(encoded, self.joint), w.embed, w.lstm, w.pred_w,
+                                        w.pred_b, w.out_w, w.out_b, self.blank_id, self.max_symbols,
+                                        stream=self.stream, start=self.state)
         return table
 
 

@@ -52,7 +52,7 @@ from .text_stream import PieceDeltas, TokenDeltas
 from .tokenizer import decode_pieces
 from .tts_thread import TTSThread
 
-SYNC_EVERY = 32  # (the worker's in-flight bound: unused when it hands back every frame)
+SYNC_EVERY = 32  # the TTS worker's bound on frames in flight (it waits for every frame here anyway)
 
 
 class ContextFull(InputError):
@@ -176,6 +176,20 @@ class LiveSession:
         if not self.keep_input_audio:
             raise InputError("the input is not kept: open the session with keep_input_audio=True")
         return np.concatenate(self._input) if self._input else np.zeros(0, np.float32)
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes the session holds, by what they are for (docs/live.md says which grow with time)."""
+        with self._lock:
+            arrays = lambda xs: sum(int(a.nbytes) for a in xs)  # noqa: E731
+            return {
+                "llm_cache": arrays(self.loop.cache.state) if self.loop.cache is not None else 0,
+                "tts_cache": arrays(self.loop.tts_cache.state),
+                "encoder_cache": arrays(self.perception.state),
+                "ids_and_codes": self._codes.values.nbytes + 8 * (len(self._text_ids) + len(self._function_ids)
+                                                                  + len(self._transcript_ids)),
+                "output_audio": arrays(self._audio),
+                "input_audio": arrays(self._input),
+            }
 
     def push(self, chunk, sample_rate: int = 16000) -> list[Frame]:
         """Take a chunk of input (`[samples]` or `[samples, channels]`; float in [-1, 1] or int16 /
@@ -336,17 +350,16 @@ class LiveSession:
     def _frame(self, audio_frame: mx.array, transcript_row: np.ndarray) -> Frame:
         index = self.frames
         text_id, function_id, code = self.loop.step(audio_frame)
+        stepped_tts = self.loop.position > 1  # (timeline position 0 has no TTS step: code 0)
         with mx.stream(self.chat._timeline_stream):
-            if code is None and self._worker is None:  # position 0: no TTS
-                code = np.zeros((1, 1, self.config.tts_config.num_quantizers), np.int32)
-            if self._worker is not None:
+            if self._worker is not None:  # the worker hands back the codes it made
                 mx.eval(text_id, function_id)
-                code = self._worker.take() if self.loop.position > 1 else \
-                    np.zeros((1, 1, self.config.tts_config.num_quantizers), np.int32)
+                code = self._worker.take() if stepped_tts else None
             else:
-                mx.eval(text_id, function_id, code)
+                mx.eval(text_id, function_id, *([] if code is None else [code]))
             self.host_syncs += 1
-            codes = np.array(code).reshape(-1)
+            codes = np.zeros(self.config.tts_config.num_quantizers, np.int32) if code is None \
+                else np.array(code).reshape(-1)
             text_id, function_id = int(text_id.item()), int(function_id.item())
             decodable = np.where(np.isin(codes, self._control_codes), self._silence_codes, codes)
             audio = self.decoder.push(mx.array(decodable[None, :, None].astype(np.int32)))[0]

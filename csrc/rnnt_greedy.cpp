@@ -11,7 +11,10 @@
 // is emitted, so it is computed once per emission and reused by the following queries. The loop
 // is sequential and data-dependent: it always runs on the CPU stream (a GPU caller's arrays are in
 // unified memory), with weights read in their stored dtype and everything else float32.
-// Output: [F, max_symbols] int32, the tokens of each frame followed by -1.
+// Output: [F, max_symbols] int32, the tokens of each frame followed by -1; `rnnt_greedy_from` also
+// starts from a given (state, last) and returns the state and last token it ends with, so that a
+// stream decoded a few frames at a time gives the same tokens as one call over every frame (the
+// prediction output is a function of (last, state), recomputed bit for bit on resuming).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -20,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -131,12 +135,18 @@ inline std::pair<int, int> slice(int n, int id, int count) {
 // of the classes. Each dot product is computed whole by one thread, with the same code whatever
 // the thread count: the result is bit-identical for any count.
 struct Shared {
-  Shared(const Weights& w, int threads)
+  // state: [2, layers, hidden] float32 (h, then c) to start from.
+  Shared(const Weights& w, int threads, const float* state)
       : layers(static_cast<int>(w.wx.size())), hidden(w.embed.cols), joint(w.pred_w.rows), classes(w.out_w.rows),
         x(hidden), gates(4 * hidden), pred(joint), act(joint), logits(classes), best(threads), barrier(threads) {
     for (int b = 0; b < 2; ++b) {
       h[b].assign(layers, std::vector<float>(hidden, 0.0f));
       c[b] = h[b];
+    }
+    for (int l = 0; l < layers; ++l) {
+      std::copy(state + static_cast<int64_t>(l) * hidden, state + static_cast<int64_t>(l + 1) * hidden, h[0][l].begin());
+      const float* cs = state + static_cast<int64_t>(layers + l) * hidden;
+      std::copy(cs, cs + hidden, c[0][l].begin());
     }
   }
   const int layers, hidden, joint, classes;
@@ -163,13 +173,15 @@ void add_rows(const Matrix& m, int r0, int r1, const float* x, float* y) {
   }
 }
 
+// `last`: the token to start from (blank: none yet); on return (worker 0) the token and state buffer
+// (`cur`) the loop ended with.
 void greedy_worker(const Weights& w, Shared& s, int id, int count, int frames, int blank, int max_symbols,
-                   int32_t* out) {
+                   int32_t* out, int* last_io, int* cur_out) {
   const int H = s.hidden;
   const auto [u0, u1] = slice(H, id, count);
   const auto [j0, j1] = slice(s.joint, id, count);
   const auto [k0, k1] = slice(s.classes, id, count);
-  int cur = 0, last = blank;  // s.h[cur] / s.c[cur]: the state; the other buffer: the candidate
+  int cur = 0, last = *last_io;  // s.h[cur] / s.c[cur]: the state; the other buffer: the candidate
   bool pred_ready = false;
   for (int t = 0; t < frames; ++t) {
     const float* enc = w.enc_proj + static_cast<int64_t>(t) * s.joint;
@@ -226,6 +238,10 @@ void greedy_worker(const Weights& w, Shared& s, int id, int count, int frames, i
       pred_ready = false;
     }
   }
+  if (id == 0) {
+    *last_io = last;
+    *cur_out = cur;
+  }
 }
 
 // Worker threads for a model of this size: one below ~1M weights a step (the barriers would cost
@@ -238,29 +254,43 @@ int auto_threads(const Weights& w) {
   return std::max(1, std::min(8, cores / 2));
 }
 
-void greedy_loop(const Weights& w, int frames, int blank, int max_symbols, int threads, int32_t* out) {
+// state_in / state_out: [2, layers, H] (h, then c); last_in / last_out: the last emitted token.
+void greedy_loop(const Weights& w, int frames, int blank, int max_symbols, int threads, int32_t* out,
+                 const float* state_in, int last_in, float* state_out, int32_t* last_out) {
   std::fill(out, out + static_cast<int64_t>(frames) * max_symbols, -1);
   const int count = std::max(1, std::min(threads > 0 ? threads : auto_threads(w), w.embed.cols));
-  Shared s(w, count);
+  Shared s(w, count, state_in);
+  int last = last_in, cur = 0;
+  int ignored_last = last_in, ignored_cur = 0;  // (only worker 0 reports)
   std::vector<std::thread> pool;
   for (int id = 1; id < count; ++id) {
-    pool.emplace_back(greedy_worker, std::cref(w), std::ref(s), id, count, frames, blank, max_symbols, out);
+    pool.emplace_back(greedy_worker, std::cref(w), std::ref(s), id, count, frames, blank, max_symbols, out,
+                      &ignored_last, &ignored_cur);
   }
-  greedy_worker(w, s, 0, count, frames, blank, max_symbols, out);
+  greedy_worker(w, s, 0, count, frames, blank, max_symbols, out, &last, &cur);
   for (auto& th : pool) th.join();
+  for (int l = 0; l < s.layers; ++l) {
+    std::copy(s.h[cur][l].begin(), s.h[cur][l].end(), state_out + static_cast<int64_t>(l) * s.hidden);
+    std::copy(s.c[cur][l].begin(), s.c[cur][l].end(), state_out + static_cast<int64_t>(s.layers + l) * s.hidden);
+  }
+  *last_out = last;
 }
 
-class RnntGreedy : public mx::UnaryPrimitive {
+class RnntGreedy : public mx::Primitive {
  public:
   RnntGreedy(mx::Stream stream, int blank, int max_symbols, int layers, int threads)
-      : mx::UnaryPrimitive(stream), blank_(blank), max_symbols_(max_symbols), layers_(layers), threads_(threads) {}
+      : mx::Primitive(stream), blank_(blank), max_symbols_(max_symbols), layers_(layers), threads_(threads) {}
 
-  // inputs: enc_proj, embed, (Wx, Wh, bias) per layer, pred_w, pred_b, out_w, out_b
-  void eval_cpu(const std::vector<mx::array>& in, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+  // inputs: enc_proj, embed, (Wx, Wh, bias) per layer, pred_w, pred_b, out_w, out_b, state [2, layers, H]
+  // float32, last [1] int32. outputs: the table [F, max_symbols], the state and last token at the end.
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outputs) override {
+    auto &out = outputs[0], &state_out = outputs[1], &last_out = outputs[2];
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : in) enc.set_input_array(a);
-    enc.set_output_array(out);
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      enc.set_output_array(o);
+    }
     Weights w{in[0].data<float>(), Matrix::of(in[1]), {}, {}, {}, Matrix::of(in[2 + 3 * layers_]),
               in[3 + 3 * layers_].data<float>(), Matrix::of(in[4 + 3 * layers_]), in[5 + 3 * layers_].data<float>()};
     for (int l = 0; l < layers_; ++l) {
@@ -269,12 +299,14 @@ class RnntGreedy : public mx::UnaryPrimitive {
       w.bias.push_back(in[4 + 3 * l].data<float>());
     }
     enc.dispatch([w = std::move(w), frames = static_cast<int>(in[0].shape(0)), blank = blank_,
-                  max_symbols = max_symbols_, threads = threads_, o = out.data<int32_t>()]() {
-      greedy_loop(w, frames, blank, max_symbols, threads, o);
+                  max_symbols = max_symbols_, threads = threads_, o = out.data<int32_t>(),
+                  state_in = in[6 + 3 * layers_].data<float>(), last_in = in[7 + 3 * layers_].data<int32_t>(),
+                  state = state_out.data<float>(), last = last_out.data<int32_t>()]() {
+      greedy_loop(w, frames, blank, max_symbols, threads, o, state_in, *last_in, state, last);
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("RnntGreedy runs on the CPU stream only.");
   }
 
@@ -295,9 +327,12 @@ void expect(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("rnnt_greedy: " + what);
 }
 
-mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const std::vector<mx::array>& lstm,
-                      const mx::array& pred_w, const mx::array& pred_b, const mx::array& out_w,
-                      const mx::array& out_b, int blank_id, int max_symbols, int threads, mx::StreamOrDevice stream) {
+// (state [2, layers, H], last [1]): where to start; none: zeros and blank, the utterance's start.
+std::vector<mx::array> rnnt_greedy_from(const mx::array& enc_proj, const mx::array& embed,
+                                        const std::vector<mx::array>& lstm, const mx::array& pred_w,
+                                        const mx::array& pred_b, const mx::array& out_w, const mx::array& out_b,
+                                        int blank_id, int max_symbols, int threads, mx::StreamOrDevice stream,
+                                        const std::optional<mx::array>& state, const std::optional<mx::array>& last) {
   expect(enc_proj.ndim() == 2, "enc_proj must be [F, J]");
   expect(embed.ndim() == 2, "embed must be [V + 1, H]");
   expect(!lstm.empty() && lstm.size() % 3 == 0, "lstm must hold (Wx, Wh, bias) for each layer");
@@ -318,6 +353,11 @@ mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const s
   expect(blank_id >= 0 && blank_id < classes, "blank_id out of range");
   expect(max_symbols >= 1, "max_symbols must be >= 1");
   expect(threads >= 0, "threads must be >= 0 (0: chosen by the model's size)");
+  expect(state.has_value() == last.has_value(), "give both state and last, or neither");
+  if (state.has_value()) {
+    expect(state->shape() == mx::Shape{2, layers, hidden}, "state must be [2, layers, H] (h, then c)");
+    expect(last->size() == 1, "last must hold one token id");
+  }
 
   // A caller's own CPU stream lets the loop run beside other work (its own worker thread).
   auto s = mx::default_stream(mx::Device::cpu);
@@ -342,8 +382,19 @@ mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const s
   inputs.push_back(f32(pred_b));
   inputs.push_back(weight(out_w));
   inputs.push_back(f32(out_b));
-  return mx::array({frames, max_symbols}, mx::int32, std::make_shared<RnntGreedy>(s, blank_id, max_symbols, layers, threads),
-                   std::move(inputs));
+  inputs.push_back(state.has_value() ? f32(*state) : mx::zeros({2, layers, hidden}, mx::float32, s));
+  inputs.push_back(last.has_value() ? mx::contiguous(mx::reshape(mx::astype(*last, mx::int32, s), {1}, s), false, s)
+                                    : mx::full({1}, blank_id, mx::int32, s));
+  return mx::array::make_arrays({{frames, max_symbols}, {2, layers, hidden}, {1}}, {mx::int32, mx::float32, mx::int32},
+                                std::make_shared<RnntGreedy>(s, blank_id, max_symbols, layers, threads),
+                                std::move(inputs));
+}
+
+mx::array rnnt_greedy(const mx::array& enc_proj, const mx::array& embed, const std::vector<mx::array>& lstm,
+                      const mx::array& pred_w, const mx::array& pred_b, const mx::array& out_w,
+                      const mx::array& out_b, int blank_id, int max_symbols, int threads, mx::StreamOrDevice stream) {
+  return rnnt_greedy_from(enc_proj, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols, threads, stream,
+                          std::nullopt, std::nullopt)[0];
 }
 
 void bind(py::module_& m) {
@@ -355,6 +406,14 @@ void bind(py::module_& m) {
         "[F, max_symbols] int32 tokens per frame, -1 padded. Runs on `stream` (a CPU stream; default: the "
         "default CPU stream). `threads`: worker threads (0: by the model's size, up to half the cores); any "
         "count gives the same tokens.");
+  m.def("rnnt_greedy_from", &rnnt_greedy_from, py::arg("enc_proj"), py::arg("embed"), py::arg("lstm"), py::arg("pred_w"),
+        py::arg("pred_b"), py::arg("out_w"), py::arg("out_b"), py::arg("blank_id"), py::arg("max_symbols"),
+        py::arg("threads") = 0, py::arg("stream") = py::none(), py::arg("state") = py::none(),
+        py::arg("last") = py::none(),
+        "rnnt_greedy from a given prediction-network state [2, layers, H] (h, then c; float32) and last emitted "
+        "token [1] (blank: none yet); both default to the utterance's start. Returns [table, state, last]: "
+        "decoding frames in pieces, each from the state and last token the one before ended with, gives the "
+        "tokens of one call over every frame.");
 }
 
 }  // namespace

@@ -42,9 +42,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # The API lives in voicechat.session; imported on first use so `import voicechat` stays light.
-    if name in ("load", "VoiceChat", "Result"):
+    # The API lives in voicechat.session and voicechat.live; imported on first use so
+    # `import voicechat` stays light.
+    if name in ("load", "VoiceChat", "Result", "InputError", "ModelBusy"):
         from . import session
 
         return getattr(session, name)
+    if name in ("LiveSession", "Frame", "ContextFull"):
+        from . import live
+
+        return getattr(live, name)
     raise AttributeError(f"module 'voicechat' has no attribute {name!r}")

@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help="ignored: the answer is as long as the input timeline (+ extra decoding seconds)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the answer lines (no progress, no timing)")
+    p.add_argument("--stream", action="store_true",
+                   help="run the input through a live session, 80 ms at a time, printing each channel's text as "
+                        "it arrives (same result as without)")
+    p.add_argument("--realtime", action="store_true",
+                   help="with --stream: feed the input (resampled to 16 kHz) and the silence after it at "
+                        "wall-clock speed, and end with a latency summary")
     p.add_argument("--demo", action="store_true",
                    help="run offline on a freshly made tiny synthetic checkpoint and a bundled spoken question "
                         "(random weights: shows the pipeline working, not a real answer)")
@@ -221,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     if args.max_tokens is not None:
         say("note: -n is ignored; the answer is as long as the input timeline plus --extra-decoding-seconds")
+    if args.realtime and not args.stream:
+        raise _UsageError("--realtime paces a --stream run; add --stream")
 
     # Deferred: importing mlx and the extension takes a moment, and argument errors should not wait.
     from .audio import open_audio, open_audio_bytes, wav_bytes, write_wav
@@ -249,9 +257,16 @@ def run(args: argparse.Namespace) -> int:
             progress.end_stage()
             load_s = time.perf_counter() - start
             mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
-            result = chat.generate(audio, system_prompt=args.system_prompt,
-                                   extra_decoding_seconds=args.extra_decoding_seconds, seed=args.seed,
-                                   progress=progress)
+            if args.stream:  # (the answer lines are printed as they arrive)
+                from .cli_stream import run_stream
+
+                progress.close()
+                live_lines = None if args.output_json == "-" else sys.stderr if args.output_audio == "-" else sys.stdout
+                result = run_stream(chat, audio, args, live_lines, _printable, say)
+            else:
+                result = chat.generate(audio, system_prompt=args.system_prompt,
+                                       extra_decoding_seconds=args.extra_decoding_seconds, seed=args.seed,
+                                       progress=progress)
     finally:
         progress.close()
 
@@ -270,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             _write_json(args.output_json, report)
 
-    if args.output_json != "-":  # (with the WAV on stdout, the lines go to stderr)
+    if args.output_json != "-" and not args.stream:  # (with the WAV on stdout, the lines go to stderr)
         lines = sys.stderr if args.output_audio == "-" else sys.stdout
         answer = f"[user] {_printable(result.user_transcript)}\n{_printable(result.text)}\n"
         if result.function_text:
@@ -280,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             lines.write(answer)
     frames = result.prompt_frames + result.frames
-    gen = result.timings["generate_s"]
+    gen = result.timings["live_s" if args.stream else "generate_s"]
     audio_s = result.frames * chat.config.frame_duration
     say(f"{result.frames} frames ({audio_s:.2f} s), {1000 * gen / max(frames, 1):.1f} ms/frame, "
         f"real-time factor {gen / max(audio_s, 1e-9):.3f}, load {load_s:.1f} s")

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from .audio import load_audio
 from .checkpoint import Checkpoint, open_checkpoint
 from .config import EXTRA_DECODING_SECONDS, VoiceChatConfig
+from .frame_loop import FrameLoop
 from .model import VoiceChatModel
 from .prepare import prepare_for_decoding
 from .stt.conformer import subsampled_length
@@ -45,6 +46,10 @@ STEPWISE_MEL_FRAMES = 3000
 
 class InputError(ValueError):
     """A generate() argument that cannot be used (too long, bad prompt, ...)."""
+
+
+class ModelBusy(RuntimeError):
+    """The VoiceChat is held by an open live session: one generate or session runs at a time."""
 
 
 @dataclass
@@ -121,7 +126,10 @@ class VoiceChat:
         self._tts_stream = mx.new_thread_unsafe_stream(mx.default_device())
         self.tts_thread = default_tts_thread()
         self._tts_worker: WorkerThread | None = None  # made at the first threaded generate, then kept
-        self._generating = threading.Lock()
+        # Whose turn it is: None, or the token of the generate or live session that holds the model.
+        self._turn = threading.Condition()
+        self._holder: object | None = None
+        self._holder_is_live = False
 
     def close(self) -> None:
         """Ends the TTS worker thread, if a threaded generate made one (garbage collection and the
@@ -212,15 +220,65 @@ class VoiceChat:
 
         `progress(done, total)` is called as timeline frames are queued. `pipelined=False` runs
         the plain loop (a host sync per frame; same ids and codes, slower). Calls on one VoiceChat
-        from several threads run one at a time (they share its streams and caches' buffers).
+        from several threads run one at a time (they share its streams and caches' buffers); while a
+        live session is open (`live()`), generate raises `ModelBusy`.
         """
-        # (a negative seed would reach mx.random.key as a TypeError after the encoder ran)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
-            raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        seed = _checked_seed(seed)
         release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
-        with self._generating:
-            return self._generate(audio, system_prompt, extra_decoding_seconds, int(seed), sample_rate, progress,
+        turn = self._begin_turn(live=False)
+        try:
+            return self._generate(audio, system_prompt, extra_decoding_seconds, seed, sample_rate, progress,
                                   pipelined)
+        finally:
+            self._end_turn(turn)
+
+    def live(self, system_prompt: str | None = None, seed: int = 0, *, keep_audio: bool = True,
+             keep_input_audio: bool = False):
+        """Open a live session (`voicechat.live.LiveSession`): push input chunks as they come, get
+        each 80 ms frame's ids, text and audio back; `result()` after `finish()` equals `generate` on
+        the same input. `system_prompt` and `seed` as in `generate` (the same errors).
+
+        The session holds this model until it is closed (`with chat.live() as live:`, or `close()`):
+        meanwhile `generate()` and another `live()` raise `ModelBusy`. A `generate()` running on
+        another thread is waited for. `keep_audio`: keep the answer's samples for `result().audio`
+        (318 MB an hour); `keep_input_audio`: keep the 16 kHz input (`LiveSession.input_audio`)."""
+        from .live import LiveSession
+
+        seed = _checked_seed(seed)
+        release_mlx_state_at_thread_exit()
+        self.prompt_ids(system_prompt)  # (its TypeError before the model is taken)
+        turn = self._begin_turn(live=True)
+        try:
+            return LiveSession(self, turn, system_prompt, seed, keep_audio, keep_input_audio)
+        except BaseException:
+            self._end_turn(turn)
+            raise
+
+    def sessions(self):
+        """Hold this model for many live sessions stepped from one thread at a time (a server's):
+        `with chat.sessions() as host: a, b = host.live(...), host.live(...)`
+        (`voicechat.live.LiveHost`). Meanwhile `generate()` and `live()` raise `ModelBusy`."""
+        from .live import LiveHost
+
+        return LiveHost(self)
+
+    def _begin_turn(self, live: bool) -> object:
+        """Take the model: wait for a generate on another thread; refuse while a live session
+        holds it (it may stay open indefinitely). Returns the token `_end_turn` takes."""
+        with self._turn:
+            while self._holder is not None:
+                if self._holder_is_live:
+                    raise ModelBusy("a live session is open on this VoiceChat: close it (or finish it and close it) "
+                                    "before another generate() or live()")
+                self._turn.wait()
+            self._holder, self._holder_is_live = object(), live
+            return self._holder
+
+    def _end_turn(self, turn: object) -> None:
+        with self._turn:
+            if self._holder is turn:
+                self._holder, self._holder_is_live = None, False
+                self._turn.notify_all()
 
     def _generate(self, audio, system_prompt, extra_decoding_seconds, seed, sample_rate, progress,
                   pipelined) -> Result:
@@ -308,73 +366,34 @@ class VoiceChat:
         loop, kept so tests can hold the pipelined one to it). `threaded`: the TTS steps are built on
         a worker thread (`TTSThread`) fed each frame's text id."""
         c = self.config
-        stt, tts = self.listening, self.ear_tts
-        pad = mx.array([[c.pad_token_id]], dtype=mx.int32)
-        silence = self.speaking.codec_silence_tokens
         q = c.tts_config.num_quantizers
-        key = mx.random.key(seed)
         prompt_frames, frames = len(ids), audio_embeds.shape[1]
         total = prompt_frames + frames
-
-        text_out: list[mx.array] = []
-        function_out: list[mx.array] = []
         code_out: list[mx.array] = [mx.zeros((1, 1, q), dtype=mx.int32)]  # no TTS at t = 0
         syncs = 0
-        worker = TTSThread(tts, self._tts_stream, silence, SYNC_EVERY, self._worker_thread()) if threaded else None
-        if worker is not None:
-            worker.start(previous_code, tts_cache, key)
-
-        def tts_step(text_id) -> None:
-            """Frame t's TTS step (t >= 1): on the worker, or here on the timeline's stream."""
-            nonlocal previous_code, key
-            if worker is not None:
-                worker.put(text_id)
-                return
-            previous_code, key = tts.step(previous_code, text_id, tts_cache, key, silence)
-            code_out.append(previous_code)
-            (mx.eval if plain else mx.async_eval)(previous_code, key)
-
+        worker = TTSThread(self.ear_tts, self._tts_stream, self.speaking.codec_silence_tokens, SYNC_EVERY,
+                           self._worker_thread()) if threaded else None
         try:
-            with mx.stream(self._timeline_stream):
-                cache = stt.make_cache()
-                # The system prompt enters on the audio channel; its positions emit pad, so the LLM
-                # takes them in one call. The TTS still steps through them (on pad) to keep its timeline.
-                if prompt_frames:
-                    prompt = stt.embed(mx.array([ids], dtype=mx.int32))
-                    fused = stt.fused_input(mx.broadcast_to(pad, (1, prompt_frames)), prompt,
-                                            mx.broadcast_to(pad, (1, prompt_frames)))
-                    stt.step(fused, cache)
-                    mx.async_eval(*cache.state)
-                    pad_id = mx.array([c.pad_token_id], dtype=mx.int32)  # made from host data: no lazy op to share
-                    text_out += [pad_id] * prompt_frames
-                    function_out += [pad_id] * prompt_frames
-                    for _ in range(1, prompt_frames):
-                        tts_step(pad_id)
-                prev_text, prev_function = pad, pad
-
-                for i in range(frames):
-                    t = prompt_frames + i
-                    if plain:  # the eager step, read back at once
-                        out = stt.step(stt.fused_input(prev_text, audio_embeds[:, i : i + 1], prev_function), cache)
-                        text_id = mx.array([out.text_ids.item()], dtype=mx.int32)
-                        function_id = mx.array([out.function_ids.item()], dtype=mx.int32)
-                        syncs += 1
-                    else:  # the same step as one compiled graph, left on the device
-                        text_id, function_id = stt.decode(prev_text, audio_embeds[:, i : i + 1], prev_function, cache)
-                        mx.async_eval(text_id, function_id)
-                    text_out.append(text_id)
-                    function_out.append(function_id)
-                    if t >= 1:
-                        tts_step(int(text_id.item()) if plain else text_id)
-                    prev_text, prev_function = text_id[None], function_id[None]
-                    if (i + 1) % SYNC_EVERY == 0:  # (the worker bounds its own half)
+            loop = FrameLoop(self.listening, self.ear_tts, self._timeline_stream, c.pad_token_id,
+                             self.speaking.codec_silence_tokens, previous_code, tts_cache, seed, worker, plain)
+            text_out, prompt_codes = loop.prompt(ids)
+            function_out = list(text_out)
+            code_out += prompt_codes
+            for i in range(frames):
+                text_id, function_id, code = loop.step(audio_embeds[:, i : i + 1])
+                text_out.append(text_id)
+                function_out.append(function_id)
+                if code is not None:
+                    code_out.append(code)
+                if (i + 1) % SYNC_EVERY == 0:  # (the worker bounds its own half)
+                    with mx.stream(self._timeline_stream):
                         if worker is None:
-                            mx.eval(text_id, previous_code)
+                            mx.eval(text_id, loop.previous_code)
                         else:  # (not the worker's code: an array two threads read is a race, see tts_thread.py)
                             mx.eval(text_id)
-                        syncs += 1
-                    if progress is not None:
-                        progress(t + 1, total)
+                    syncs += 1
+                if progress is not None:
+                    progress(prompt_frames + i + 1, total)
         except BaseException:  # (an interrupt, or the progress callback's error): no more TTS steps
             if worker is not None:
                 worker.abort()
@@ -387,7 +406,7 @@ class VoiceChat:
         text = mx.concatenate(text_out).tolist()
         function = mx.concatenate(function_out).tolist()
         codes = np.array(mx.concatenate(code_out, axis=1)[0])  # [T, Q]
-        return text, function, codes, syncs + 1
+        return text, function, codes, syncs + loop.syncs + 1
 
     def _decode_audio(self, codes: np.ndarray) -> np.ndarray:
         """Control codes -> silence codes, then the codec over the whole answer."""
@@ -422,6 +441,13 @@ class VoiceChat:
             text.append(int(out.text_ids.item()))
             function.append(int(out.function_ids.item()))
         return text[len(ids):], function[len(ids):]
+
+
+def _checked_seed(seed) -> int:
+    # (a negative seed would reach mx.random.key as a TypeError after the encoder ran)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
+        raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
 
 
 def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:

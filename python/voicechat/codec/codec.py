@@ -24,6 +24,12 @@ look-ahead above (`decode_context`: 3 frames back, 1 ahead for the published cod
 window's own samples. Every window has the same length, so one set of compiled kernels serves
 every input length.
 
+Streaming. `DecoderStream` decodes code frames as they come, with per-layer caches instead of a
+window of history: each ConvNeXt block keeps its last k - 1 input frames, the iSTFT the windowed
+frames still overlapping future samples. A frame's samples are final when it is decoded except
+the last 6 (the iSTFT's overlap with the next frame; the first frame has 6 fewer), which come with
+the next frame or at `finish()`: the stream lags the whole decode by 6 samples (0.27 ms).
+
 Weights are loaded strictly below `tts_model.audio_codec.`; the loader converts the published
 torch layouts (Conv1d [out, in, k], ConvTranspose1d [in, out, k]) by module type. They stay in the
 checkpoint's dtype (bf16 published): the codec computes in float32 and casts each weight as it
@@ -36,12 +42,13 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
 from ..config import CodecConfig
 from ..kernels import use_reference
 from ..kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
-from .stft import istft, istft_reference, stft, stft_reference
+from .stft import StreamingISTFT, istft, istft_reference, stft, stft_reference
 from .stft import padding as stft_padding
 
 MAX_MAGNITUDE = 100.0
@@ -52,17 +59,27 @@ DECODE_CHUNK_FRAMES = 16
 
 # --------------------------------------------------------------------------- layers
 
-@mx.compile
-def _convnext(x, dw_w, dw_b, ln_w, ln_b, w1, b1, w2, b2):
-    """Causal ConvNeXt block on [B, T, C]; the depthwise conv as k shifted multiply-adds."""
-    k, t = dw_w.shape[1], x.shape[1]
-    padded = mx.pad(x, ((0, 0), (k - 1, 0), (0, 0)))
+def _convnext_padded(padded, dw_w, dw_b, ln_w, ln_b, w1, b1, w2, b2):
+    """Causal ConvNeXt block on [B, k - 1 + T, C] (the k - 1 frames before the T it outputs first);
+    the depthwise conv as k shifted multiply-adds."""
+    k = dw_w.shape[1]
+    t = padded.shape[1] - (k - 1)
+    x = padded[:, k - 1 :]
     h = dw_b + padded[:, 0:t] * dw_w[:, 0, 0]
     for j in range(1, k):
         h = h + padded[:, j : j + t] * dw_w[:, j, 0]
     h = mx.fast.layer_norm(h, ln_w, ln_b, LAYER_NORM_EPS)
     h = nn.gelu(h @ w1.reshape(w1.shape[0], -1).T + b1)
     return x + (h @ w2.reshape(w2.shape[0], -1).T + b2)
+
+
+@mx.compile
+def _convnext(x, dw_w, *weights):
+    """`_convnext_padded` from the start of a signal: zeros before it."""
+    return _convnext_padded(mx.pad(x, ((0, 0), (dw_w.shape[1] - 1, 0), (0, 0))), dw_w, *weights)
+
+
+_convnext_continued = mx.compile(_convnext_padded)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -76,10 +93,18 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
 
+    def _weights(self) -> tuple[mx.array, ...]:
+        return tuple(_f32(a) for a in (self.dwconv.weight, self.dwconv.bias, self.norm.weight, self.norm.bias,
+                                       self.pwconv1.weight, self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias))
+
     def __call__(self, x: mx.array) -> mx.array:
-        return _convnext(x, *(_f32(a) for a in (self.dwconv.weight, self.dwconv.bias, self.norm.weight, self.norm.bias,
-                                               self.pwconv1.weight, self.pwconv1.bias, self.pwconv2.weight,
-                                               self.pwconv2.bias)))
+        return _convnext(x, *self._weights())
+
+    def stream(self, x: mx.array, context: mx.array) -> tuple[mx.array, mx.array]:
+        """The block on frames `x` that continue a signal whose last k - 1 frames are `context`
+        (zeros at its start): `(output, the context of the next call)`."""
+        padded = mx.concatenate([context, x], axis=1)
+        return _convnext_continued(padded, *self._weights()), padded[:, padded.shape[1] - context.shape[1] :]
 
     def reference(self, x: mx.array) -> mx.array:
         k, channels = self.dwconv.weight.shape[1], self.dwconv.weight.shape[0]
@@ -162,11 +187,17 @@ class AudioDecoder(nn.Module):
         layers.append(nn.Conv1d(src, cfg.stft_channels, 1, bias=False))
         self.layers = layers
 
-    def __call__(self, x: mx.array) -> mx.array:
-        """Latent [B, T, latent_dim] -> decoder features [B, T * prod(rates), 18]."""
+    def __call__(self, x: mx.array, contexts: list[mx.array] | None = None) -> mx.array:
+        """Latent [B, T, latent_dim] -> decoder features [B, T * prod(rates), 18]. `contexts` (one
+        per ConvNeXt block, see `ConvNeXtBlock.stream`): `x` continues a signal; updated in place."""
+        blocks = 0
         for layer in self.layers:
             if isinstance(layer, ConvNeXtBlock):
-                x = layer(x)
+                if contexts is None:
+                    x = layer(x)
+                else:
+                    x, contexts[blocks] = layer.stream(x, contexts[blocks])
+                blocks += 1
             elif isinstance(layer, nn.ConvTranspose1d):
                 x = _upsample(x, layer)
             else:
@@ -404,3 +435,30 @@ class AudioCodec(nn.Module):
 
     def decode_reference(self, codes: mx.array) -> mx.array:
         return self.decode_latent_reference(self.prvq.decode_reference(codes))
+
+
+class DecoderStream:
+    """`AudioCodec.decode` of code frames given a few at a time, with per-layer caches (no window
+    of history): `push(codes)` returns the samples that became final, `finish()` the last 6.
+    Concatenated, they equal `decode` of every frame at once to float rounding (the same
+    arithmetic on the same values; tested to 1e-5). Holds k - 1 frames per ConvNeXt block and
+    3 iSTFT frames between calls."""
+
+    def __init__(self, codec: AudioCodec, batch: int = 1):
+        self.codec = codec
+        cfg = codec.config
+        self.contexts = [mx.zeros((batch, cfg.block_kernel_size - 1, layer.dwconv.weight.shape[0]), mx.float32)
+                         for layer in codec.decoder.layers if isinstance(layer, ConvNeXtBlock)]
+        self.istft = StreamingISTFT(cfg.n_fft, cfg.hop_length)
+        self.frames = 0
+
+    def push(self, codes: mx.array) -> np.ndarray:
+        """codes [B, Q, T] (no control codes) -> the final samples `[B, n]` float32 (n = 1764 T,
+        6 fewer for the first frame)."""
+        features = self.codec.decoder(self.codec.prvq.decode(codes), self.contexts)
+        self.frames += codes.shape[2]
+        return self.istft.push(_spectrum(features))
+
+    def finish(self) -> np.ndarray:
+        """The samples that waited for a next frame: `[B, 6]` (none before the first frame)."""
+        return self.istft.finish()

@@ -11,7 +11,8 @@ F * hop samples.
 
 The fast paths cut frames with reshapes (hop divides n_fft) and transform with one matmul by a
 DFT basis (window folded in): a few ops on every backend. The `_reference` functions follow the
-formulas literally with mx.fft and an explicit overlap-add loop.
+formulas literally with mx.fft and an explicit overlap-add loop. `StreamingISTFT` is `istft` of
+frames given a few at a time: an output sample is final once no later frame overlaps it.
 """
 
 from __future__ import annotations
@@ -100,12 +101,20 @@ def istft(features: mx.array, n_fft: int = 16, hop: int = 4) -> mx.array:
     return _synthesize(features.astype(mx.float32), window, inverse, _envelope(frames, n_fft, hop), hop)
 
 
+def _windowed_frames(features, window, inverse):
+    """Inverse DFT of each frame [B, F, n_fft], clipped to +-window, times the window."""
+    framed = features @ inverse
+    return mx.clip(framed, -window, window) * window
+
+
+_windowed_frames_compiled = mx.compile(_windowed_frames)
+
+
 @mx.compile
 def _synthesize(features, window, inverse, envelope, hop: int):
     batch, frames, _ = features.shape
     n_fft = window.shape[0]
-    framed = features @ inverse  # [B, F, n_fft]
-    framed = mx.clip(framed, -window, window) * window
+    framed = _windowed_frames(features, window, inverse)  # [B, F, n_fft]
     per_frame = n_fft // hop
     # Overlap-add: the j-th hop of frame f lands on output hop f + j.
     out = None
@@ -115,6 +124,72 @@ def _synthesize(features, window, inverse, envelope, hop: int):
     left = (n_fft - hop) // 2
     out = out.reshape(batch, (frames + per_frame - 1) * hop)[:, left : left + frames * hop]
     return out / envelope
+
+
+def envelope_at(positions: np.ndarray, frames: int | None, n_fft: int, hop: int) -> np.ndarray:
+    """`_envelope`'s values at positions of the untrimmed overlap-add (`frames` frames in all; None:
+    more than reach these positions): the window's squares of the frames covering each position,
+    summed in frame order in float32 (as `_envelope` sums them), at least 1e-10."""
+    w2 = periodic_hann(n_fft) * periodic_hann(n_fft)
+    total = np.zeros(positions.shape, np.float32)
+    for k in range(n_fft // hop - 1, -1, -1):  # the oldest frame first
+        frame = positions // hop - k
+        valid = (frame >= 0) if frames is None else (frame >= 0) & (frame < frames)
+        total = np.where(valid, total + w2[positions % hop + k * hop], total)
+    return np.maximum(total, np.float32(1e-10))
+
+
+class StreamingISTFT:
+    """`istft` of frames given a few at a time (batch rows kept apart): `push(features)` returns the
+    samples no later frame overlaps, `finish()` the last `n_fft - hop - left` (6) that waited for a
+    next frame. Concatenated, they are `istft` of every frame at once (float32 sums in the same
+    order; the inverse DFT is the same matmul). Keeps the last `n_fft / hop - 1` windowed frames."""
+
+    def __init__(self, n_fft: int = 16, hop: int = 4):
+        _check(n_fft, hop)
+        self.n_fft, self.hop, self.per_frame = n_fft, hop, n_fft // hop
+        self.left, _ = padding(n_fft, hop)
+        self._previous: np.ndarray | None = None  # [B, per_frame - 1, n_fft]: the last frames (zeros at the start)
+        self.frames = 0
+
+    def push(self, features: mx.array) -> np.ndarray:
+        """Features [B, F, n_fft + 2] -> the samples `[B, F * hop]` that became final (F * hop - 6
+        at the first call)."""
+        if features.shape[-1] != self.n_fft + 2:
+            raise ValueError(f"expected {self.n_fft + 2} STFT channels, got {features.shape[-1]}")
+        window, _, inverse = _bases(self.n_fft)
+        framed = np.array(_windowed_frames_compiled(features.astype(mx.float32), window, inverse))
+        return self._overlap_add(framed, end=False)
+
+    def finish(self) -> np.ndarray:
+        """The last samples, up to the end of the last frame (none if nothing was pushed)."""
+        if self._previous is None:
+            return np.zeros((0, 0), np.float32)
+        return self._overlap_add(np.zeros((self._previous.shape[0], 0, self.n_fft), np.float32), end=True)
+
+    def _overlap_add(self, framed: np.ndarray, end: bool) -> np.ndarray:
+        batch, count, _ = framed.shape
+        tail = self.per_frame - 1
+        if self._previous is None:
+            self._previous = np.zeros((batch, tail, self.n_fft), np.float32)
+        parts = [self._previous, framed]
+        if end:  # frames past the last add nothing
+            parts.append(np.zeros((batch, tail, self.n_fft), np.float32))
+        stack = np.concatenate(parts, axis=1)
+        hops = count + (tail if end else 0)  # output hops now final: frame f's first hop is hop f
+        out = stack[:, tail : tail + hops, : self.hop]
+        for j in range(1, self.per_frame):  # hop h: frame h's hop 0, then frame h - 1's hop 1, ...
+            out = out + stack[:, tail - j : tail - j + hops, j * self.hop : (j + 1) * self.hop]
+        first = self.frames * self.hop
+        positions = first + np.arange(hops * self.hop)
+        total = self.frames + count if end else None
+        samples = out.reshape(batch, -1) / envelope_at(positions, total, self.n_fft, self.hop)
+        keep = positions >= self.left
+        if end:
+            keep &= positions < self.left + total * self.hop
+        self._previous = np.concatenate([self._previous, framed], axis=1)[:, -tail:]
+        self.frames += count
+        return samples[:, keep]
 
 
 # --------------------------------------------------------------------------- references

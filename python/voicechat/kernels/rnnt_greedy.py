@@ -10,14 +10,16 @@
 
 `enc_proj` is the joint's encoder projection of every frame (`joint.enc(encoded)`, `[F, J]`),
 computed beforehand in one matmul. `lstm` holds `(Wx, Wh, bias)` per layer (gates i, f, g, o).
-Returns `[F, max_symbols]` int32: the tokens emitted at each frame, then -1. The prediction
+Returns `[F, max_symbols]` int32: the tokens emitted at each frame, then -1. Given a `start`, it
+starts from that `GreedyState` (the LSTM state and the last emitted token) and also returns the
+one it ends with: a stream decoded a few frames at a time gives the tokens of one call. The prediction
 network only changes when a token is emitted, so it is evaluated once per emission (and once at
 the start), not once per query: same values, fewer LSTM steps. Everything is float32 inside.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +27,19 @@ import numpy as np
 from ._native import ext, use_reference
 
 LstmWeights = Sequence[tuple[mx.array, mx.array, mx.array]]
+
+
+class GreedyState(NamedTuple):
+    """Where a greedy decode stands between frames: the LSTM state `[2, layers, hidden]` float32
+    (h of every layer, then c) and the last emitted token `[1]` int32 (blank: none yet)."""
+
+    lstm: mx.array
+    last: mx.array
+
+
+def initial_state(layers: int, hidden: int, blank_id: int) -> GreedyState:
+    """The state an utterance starts from: zeros, nothing emitted."""
+    return GreedyState(mx.zeros((2, layers, hidden), mx.float32), mx.array([blank_id], mx.int32))
 
 
 def _f32(a: mx.array) -> mx.array:
@@ -54,13 +69,20 @@ def rnnt_greedy_reference(
     out_b: mx.array,
     blank_id: int,
     max_symbols: int,
-) -> mx.array:
-    """The loop above in composed MLX ops, one host sync per query."""
+    start: GreedyState | None = None,
+) -> mx.array | tuple[mx.array, GreedyState]:
+    """The loop above in composed MLX ops, one host sync per query. With `start`, returns the
+    table and the state it ends with (as `rnnt_greedy_from`)."""
     frames, hidden = enc_proj.shape[0], embed.shape[1]
     out = np.full((frames, max_symbols), -1, dtype=np.int32)
-    state = [(mx.zeros((hidden,)), mx.zeros((hidden,))) for _ in lstm]
+    if start is None:
+        state = [(mx.zeros((hidden,)), mx.zeros((hidden,))) for _ in lstm]
+        last = blank_id
+    else:
+        state = [(_f32(start.lstm[0, i]), _f32(start.lstm[1, i])) for i in range(len(lstm))]
+        last = int(start.last.reshape(-1)[0].item())
     enc = _f32(enc_proj)
-    last, pred = blank_id, None
+    pred = None
     for t in range(frames):
         emitted = 0
         while emitted < max_symbols:
@@ -75,7 +97,10 @@ def rnnt_greedy_reference(
             out[t, emitted] = tok
             emitted += 1
             last, state, pred = tok, candidate, None
-    return mx.array(out)
+    if start is None:
+        return mx.array(out)
+    lstm_state = mx.stack([mx.stack([h for h, _ in state]), mx.stack([c for _, c in state])])
+    return mx.array(out), GreedyState(lstm_state, mx.array([last], mx.int32))
 
 
 def rnnt_greedy(
@@ -90,16 +115,27 @@ def rnnt_greedy(
     max_symbols: int,
     stream: mx.Stream | None = None,
     threads: int = 0,
-) -> mx.array:
+    start: GreedyState | None = None,
+) -> mx.array | tuple[mx.array, GreedyState]:
     """The C++ loop, on a CPU stream (the loop is data-dependent and sequential): `stream`, or
     the default CPU stream. Lazy like any op: `mx.async_eval` of the result on a stream of its
     own (`mx.new_stream(mx.cpu)`) runs the loop beside the GPU's work. `threads`: the loop's worker
-    threads (0: by the model's size, up to half the cores); every count gives the same tokens."""
+    threads (0: by the model's size, up to half the cores); every count gives the same tokens.
+
+    `start` (see `initial_state`): decode from that state and return `(table, the state after the
+    last frame)`, both lazy. Decoding frames in pieces, each from the state the one before ended
+    with, gives the table of one call over every frame."""
     if use_reference():
-        return rnnt_greedy_reference(enc_proj, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols)
+        return rnnt_greedy_reference(enc_proj, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols,
+                                     start)
     flat = [w for layer in lstm for w in layer]
-    return ext.rnnt_greedy(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id), int(max_symbols),
-                           threads=int(threads), stream=stream)
+    if start is None:
+        return ext.rnnt_greedy(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id), int(max_symbols),
+                               threads=int(threads), stream=stream)
+    table, state, last = ext.rnnt_greedy_from(enc_proj, embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id),
+                                              int(max_symbols), threads=int(threads), stream=stream,
+                                              state=start.lstm, last=start.last)
+    return table, GreedyState(state, last)
 
 
 def emitted_tokens(table: mx.array) -> list[int]:

@@ -9,6 +9,12 @@ Attribute names mirror the checkpoint below `stt_model.perception.`:
 Everything is causal: encoder frame i depends on mel frames <= 8 i only (subsampling pads 2 left,
 1 right; attention sees i - left .. i; the depthwise conv pads k - 1 on the left). Activations are
 float32 whatever the weights' dtype.
+
+`PerceptionStream` runs the same network on a signal given a chunk at a time, with caches: each
+subsampling stage keeps the input frames its next output reads (its right zero pad is only read
+by a stage's last output, when the input length is even, so that output waits for `finish`), each
+layer the keys and values of its last `left` frames and the last `k - 1` inputs of its depthwise
+conv. New mel frames give new encoder frames, the same values as the whole-signal pass.
 """
 
 from __future__ import annotations
@@ -18,9 +24,13 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config import AudioConfig, EncoderConfig, PreprocessorConfig
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import AudioConfig, ConfigError, EncoderConfig, PreprocessorConfig
 from ..kernels.rel_pos_attention import position_window, rel_pos_attention
-from .mel import hann_window, log_mel, mel_filterbank
+from .mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
 
 LAYER_NORM_EPS = 1e-5
 
@@ -84,18 +94,48 @@ class CausalSubsampling(nn.Module):
         ]
         self.out = nn.Linear(c * cfg.subsampled_features, cfg.d_model)
 
-    @staticmethod
-    def _pad(x: mx.array) -> mx.array:
-        return mx.pad(x, [(0, 0), (2, 1), (2, 1), (0, 0)])
+    STAGES = 3
+    LEFT, RIGHT = 2, 1  # zero padding before each stride-2 conv, on time and frequency
 
-    def __call__(self, x: mx.array) -> mx.array:
+    @classmethod
+    def _pad(cls, x: mx.array, time: tuple[int, int] = (LEFT, RIGHT)) -> mx.array:
+        return mx.pad(x, [(0, 0), time, (cls.LEFT, cls.RIGHT), (0, 0)])
+
+    def stage(self, i: int, padded: mx.array) -> mx.array:
+        """Stage i (stride-2 conv, then the pointwise conv of stages 1 and 2, ReLU) on its padded input."""
         conv = self.conv
-        x = nn.relu(conv[0](self._pad(x[..., None])))
-        x = nn.relu(conv[3](conv[2](self._pad(x))))
-        x = nn.relu(conv[6](conv[5](self._pad(x))))
+        if i == 0:
+            return nn.relu(conv[0](padded))
+        return nn.relu(conv[3 * i](conv[3 * i - 1](padded)))
+
+    def project(self, x: mx.array) -> mx.array:
+        """The last stage's `[B, T, F, C]` -> `[B, T, d_model]`."""
         b, t, f, c = x.shape
         # Channel-major flatten, as NeMo's [B, C, T, F] -> [B, T, C * F].
         return self.out(x.transpose(0, 1, 3, 2).reshape(b, t, c * f))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = x[..., None]
+        for i in range(self.STAGES):
+            x = self.stage(i, self._pad(x))
+        return self.project(x)
+
+    def stream(self, x: mx.array, state: "SubsamplingState", end: bool = False) -> mx.array:
+        """The output frames that the new input frames `x [1, n, feat]` complete (all of them when
+        `end`: the right zero pad then stands for the input's end). Stage output o reads its input
+        frames 2o - 2 .. 2o; `state` keeps, per stage, those from the next output's first on."""
+        x = x[..., None]
+        for i in range(self.STAGES):
+            pending = mx.concatenate([state.pending[i], self._pad(x, (0, 0))], axis=1)
+            if end:  # the right pad
+                pending = mx.pad(pending, [(0, 0), (0, self.RIGHT), (0, 0), (0, 0)])
+            count = max(0, (pending.shape[1] - 1) // 2)  # outputs whose three taps are all here
+            state.pending[i] = pending[:, 2 * count :]
+            if count == 0:  # (a conv of no output frames is not an op MLX takes; later stages may still end)
+                x = mx.zeros((1, 0, (pending.shape[2] - 3) // 2 + 1, self.conv[0].weight.shape[0]), mx.float32)
+            else:
+                x = self.stage(i, pending[:, : 2 * count + 1])
+        return self.project(x)
 
 
 class FeedForward(nn.Module):
@@ -124,17 +164,30 @@ class RelPositionAttention(nn.Module):
         self.pos_bias_u = mx.zeros((h, d // h))
         self.pos_bias_v = mx.zeros((h, d // h))
 
-    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0,
+                 cache: "EncoderLayerCache | None" = None) -> mx.array:
         """`pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
-        the context's window): only those rows go through `linear_pos`."""
+        the context's window): only those rows go through `linear_pos`. With `cache`, `x` continues a
+        stream: its frames attend to the cached keys and values of the frames before them too (the
+        table is then that of the cached + new length), and the cache keeps the last `left`."""
         b, length, d = x.shape
         h = self.n_heads
         heads = lambda y: y.reshape(b, length, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = heads(self.linear_q(x)), heads(self.linear_k(x)), heads(self.linear_v(x))
         p = self.linear_pos(pos_emb).reshape(pos_emb.shape[0], h, d // h).transpose(1, 0, 2)
         left, right = self.context
+        cached = 0
+        if cache is not None:
+            # The kernel computes each query row on its own: zero rows stand for the cached frames'
+            # queries, whose outputs are dropped, and the new rows get the whole-signal values.
+            cached = cache.keys.shape[2]
+            k = mx.concatenate([cache.keys, k], axis=2)
+            v = mx.concatenate([cache.values, v], axis=2)
+            q = mx.concatenate([mx.zeros((b, h, cached, d // h), q.dtype), q], axis=2)
+            keep = max(0, k.shape[2] - left)
+            cache.keys, cache.values = k[:, :, keep:], v[:, :, keep:]
         out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right,
-                                pos_first)
+                                pos_first)[:, :, cached:]
         return self.linear_out(out.transpose(0, 2, 1, 3).reshape(b, length, d))
 
 
@@ -150,9 +203,15 @@ class ConvModule(nn.Module):
         self.batch_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
         self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, cache: "EncoderLayerCache | None" = None) -> mx.array:
+        """With `cache`, the depthwise conv's left context is the cached last `k - 1` inputs (zeros
+        at a stream's start, as the whole-signal pass pads) instead of zeros, and is updated."""
         x = nn.glu(self.pointwise_conv1(x), axis=-1)
-        x = mx.pad(x, [(0, 0), (self.kernel_size - 1, 0), (0, 0)])
+        if cache is None:
+            x = mx.pad(x, [(0, 0), (self.kernel_size - 1, 0), (0, 0)])
+        else:
+            x = mx.concatenate([cache.conv, x], axis=1)
+            cache.conv = x[:, x.shape[1] - (self.kernel_size - 1) :]
         x = nn.silu(self.batch_norm(self.depthwise_conv(x)))
         return self.pointwise_conv2(x)
 
@@ -171,10 +230,11 @@ class ConformerBlock(nn.Module):
         self.feed_forward2 = FeedForward(d, cfg.ff_expansion_factor)
         self.norm_out = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
 
-    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0,
+                 cache: "EncoderLayerCache | None" = None) -> mx.array:
         x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
-        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first)
-        x = x + self.conv(self.norm_conv(x))
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first, cache)
+        x = x + self.conv(self.norm_conv(x), cache)
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
 
@@ -195,15 +255,27 @@ class ConformerEncoder(nn.Module):
         a launch's inputs until then), and the host queues the whole encoder long before the GPU
         has run it; one layer at a time bounds that at the cost of a wait per layer."""
         x = self.pre_encode(mel)
-        # Only the table rows the attention context reads (71 for [70, 0]), whatever the length.
-        first, count = position_window(x.shape[1], *self.context)
-        pos_emb = relative_positions(x.shape[1], self.d_model, first, count)
+        first, pos_emb = self.position_rows(x.shape[1])
         if stepwise:
             mx.eval(x, pos_emb)
         for layer in self.layers:
             x = layer(x, pos_emb, first)
             if stepwise:
                 mx.eval(x)
+        return x
+
+    def position_rows(self, length: int) -> tuple[int, mx.array]:
+        """`(first, rows)`: only the table rows the attention context reads (71 for [70, 0]),
+        whatever the length."""
+        first, count = position_window(length, *self.context)
+        return first, relative_positions(length, self.d_model, first, count)
+
+    def stream(self, x: mx.array, caches: list["EncoderLayerCache"]) -> mx.array:
+        """The layers on new subsampled frames `x [1, n, d_model]` of a stream, with `caches`
+        (one per layer, updated)."""
+        first, pos_emb = self.position_rows(caches[0].keys.shape[2] + x.shape[1])
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, pos_emb, first, cache)
         return x
 
 
@@ -236,3 +308,80 @@ class Perception(nn.Module):
         encoded = self.encoder(mel.astype(mx.float32), stepwise).astype(mx.float32)
         projected = self.proj(encoded).astype(mx.float32)
         return projected, subsampled_length(lengths.astype(mx.int32)), encoded
+
+
+@dataclass
+class SubsamplingState:
+    """Per subsampling stage, its input frames (padded in frequency) from its next output's first
+    tap on: two zero frames (the left pad) at a stream's start."""
+
+    pending: list[mx.array]
+
+
+@dataclass
+class EncoderLayerCache:
+    """A Conformer layer's state between chunks: the keys and values `[1, heads, <= left, head_dim]`
+    of its last `left` frames and the last `k - 1` inputs `[1, k - 1, d_model]` of its depthwise conv."""
+
+    keys: mx.array
+    values: mx.array
+    conv: mx.array
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [self.keys, self.values, self.conv]
+
+
+class PerceptionStream:
+    """`Perception` (log-mel, encoder, projection) of a 16 kHz signal given a chunk at a time:
+    `push(samples)` returns what those samples completed, `finish()` the rest (the frames that
+    need the signal's end). Concatenated, the outputs equal `perception(perception.log_mel(x))`
+    (the same arithmetic on the same values, row by row). What it holds is bounded: under one
+    mel frame's span of samples, three stage inputs of two frames each, and per layer `left`
+    frames of keys and values and `k - 1` conv inputs.
+
+    The attention must see no frame to its right (`att_context_size [left, 0]`) and a bounded past
+    (`left >= 0`): the published model's [70, 0]."""
+
+    def __init__(self, perception: Perception):
+        cfg = perception.config
+        left, right = cfg.encoder.att_context_size
+        if right != 0 or left < 0:
+            raise ConfigError(f"a live session needs att_context_size [left >= 0, 0]; this model has [{left}, {right}]")
+        self.perception = perception
+        f = perception.preprocessor.featurizer
+        self.mel = StreamingLogMel(cfg.preprocessor, f.fb, f.window)
+        enc = perception.encoder
+        channels, heads = cfg.encoder.subsampling_conv_channels, cfg.encoder.n_heads
+        width = cfg.encoder.feat_in + CausalSubsampling.LEFT + CausalSubsampling.RIGHT
+        self.subsampling = SubsamplingState([])
+        for i in range(CausalSubsampling.STAGES):
+            self.subsampling.pending.append(mx.zeros((1, CausalSubsampling.LEFT, width, 1 if i == 0 else channels)))
+            width = (width - 3) // 2 + 1 + CausalSubsampling.LEFT + CausalSubsampling.RIGHT
+        d, k = cfg.encoder.d_model, cfg.encoder.conv_kernel_size
+        self.caches = [EncoderLayerCache(mx.zeros((1, heads, 0, d // heads)), mx.zeros((1, heads, 0, d // heads)),
+                                         mx.zeros((1, k - 1, d))) for _ in enc.layers]
+        self.frames = 0  # encoder frames returned so far
+
+    @property
+    def state(self) -> list[mx.array]:
+        """Every array carried between chunks (to evaluate after a chunk)."""
+        return self.subsampling.pending + [a for c in self.caches for a in c.state]
+
+    def push(self, samples: np.ndarray) -> tuple[mx.array, mx.array]:
+        """16 kHz mono float32 samples -> `(projected [1, k, output_dim], encoded [1, k, d_model])`
+        of the k >= 0 encoder frames they completed (lazy)."""
+        return self._encode(self.mel.push(samples), end=False)
+
+    def finish(self) -> tuple[mx.array, mx.array]:
+        """The last encoder frames (the input has ended): `subsampled_length(1 + samples // 160)` in all."""
+        return self._encode(self.mel.finish(), end=True)
+
+    def _encode(self, mel: mx.array, end: bool) -> tuple[mx.array, mx.array]:
+        enc = self.perception.encoder
+        x = enc.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)
+        if x.shape[1]:
+            x = enc.stream(x, self.caches)
+        self.frames += x.shape[1]
+        encoded = x.astype(mx.float32)
+        return self.perception.proj(encoded).astype(mx.float32), encoded

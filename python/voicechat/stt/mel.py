@@ -6,6 +6,11 @@ Exactly the checkpoint's featurizer (no dither, no normalization):
   window = symmetric hann(400) zero-padded 56 + 56 to 512, |rfft|^2 over 257 bins,
   mel = fb[128, 257] @ power, log(mel + 2^-24).
 Output `[1, T, 128]` with `T = 1 + len // 160`.
+
+`StreamingLogMel` computes the same frames from samples given a chunk at a time: frame j covers
+the padded samples [160 j, 160 j + 512), i.e. input samples up to 160 j + 255, so it is made as
+soon as those exist; the last frames (within 256 samples of the end) need the reflection of the
+true end and come at `finish()`.
 """
 
 from __future__ import annotations
@@ -62,9 +67,12 @@ def num_frames(num_samples: int, cfg: PreprocessorConfig) -> int:
     return 1 + num_samples // cfg.hop_length
 
 
-def preemphasis(x: mx.array, coeff: float) -> mx.array:
-    """`[x0, x1 - c x0, x2 - c x1, ...]`: the first sample is kept as is."""
-    return mx.concatenate([x[:1], x[1:] - coeff * x[:-1]])
+def preemphasis(x: mx.array, coeff: float, previous: mx.array | None = None) -> mx.array:
+    """`[x0, x1 - c x0, x2 - c x1, ...]`: the first sample is kept as is. `previous` (`[1]`): the
+    sample before `x` when `x` continues a signal (then every sample is `x_n - c x_{n-1}`)."""
+    if previous is None:
+        return mx.concatenate([x[:1], x[1:] - coeff * x[:-1]])
+    return x - coeff * mx.concatenate([previous, x[:-1]])
 
 
 def log_mel(
@@ -86,8 +94,14 @@ def log_mel(
     x = preemphasis(x, cfg.preemph)
     # Reflect without repeating the edge sample: x[pad:0:-1] ... x[-2:-pad-2:-1].
     x = mx.concatenate([x[1 : pad + 1][::-1], x, x[-pad - 1 : -1][::-1]])
-    hop, frames = cfg.hop_length, num_frames(n, cfg)
-    strided = mx.as_strided(x, shape=(frames, cfg.n_fft), strides=(hop, 1))
+    return _log_mel_frames(x, num_frames(n, cfg), cfg, filterbank, window)
+
+
+def _log_mel_frames(padded: mx.array, frames: int, cfg: PreprocessorConfig, filterbank: mx.array | None,
+                    window: mx.array | None) -> mx.array:
+    """Log-mel `[1, frames, features]` of the frames starting every hop from `padded[0]` (the
+    preemphasized, reflect-padded signal from some frame's first sample on)."""
+    strided = mx.as_strided(padded, shape=(frames, cfg.n_fft), strides=(cfg.hop_length, 1))
     if window is None:
         window = mx.array(hann_window(cfg.win_length))
     left = (cfg.n_fft - window.shape[0]) // 2
@@ -99,3 +113,65 @@ def log_mel(
     fb = filterbank.astype(mx.float32).reshape(-1, cfg.n_fft // 2 + 1)
     mel = power @ fb.T
     return mx.log(mel + cfg.log_zero_guard_value)[None]
+
+
+class StreamingLogMel:
+    """`log_mel` of a signal given a chunk at a time: `push(samples)` returns the frames those
+    samples completed, `finish()` the last ones (with the reflection of the true end). Stacked,
+    they are `log_mel` of the whole signal, bit for bit (every frame is the same arithmetic on the
+    same samples). Holds less than one frame's span of samples between calls (plus the chunk)."""
+
+    def __init__(self, cfg: PreprocessorConfig, filterbank: mx.array | None = None, window: mx.array | None = None):
+        self.cfg, self.filterbank, self.window = cfg, filterbank, window
+        self.pad = cfg.n_fft // 2
+        self.samples = 0  # input samples so far
+        self.frames = 0  # frames returned so far
+        self._previous: mx.array | None = None  # the last input sample (preemphasis of the next chunk)
+        self._head = np.zeros(0, np.float32)  # preemphasized samples while the left reflection is not known
+        self._padded: np.ndarray | None = None  # the padded signal from frame `frames`' first sample on
+        self._tail = np.zeros(0, np.float32)  # the last pad + 1 preemphasized samples (the right reflection)
+
+    def push(self, samples: np.ndarray) -> mx.array:
+        """Mono float32 samples -> the log-mel frames `[1, k, features]` they completed (k >= 0)."""
+        samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
+        if samples.size == 0:
+            return self._empty()
+        x = mx.array(samples)
+        emphasized = np.array(preemphasis(x, self.cfg.preemph, self._previous))
+        self._previous = x[-1:]
+        self.samples += samples.size
+        self._tail = np.concatenate([self._tail, emphasized])[-(self.pad + 1):]
+        if self._padded is None:
+            self._head = np.concatenate([self._head, emphasized])
+            if self._head.size <= self.pad:
+                return self._empty()
+            self._padded = np.concatenate([self._head[1 : self.pad + 1][::-1], self._head])
+            self._head = np.zeros(0, np.float32)
+        else:
+            self._padded = np.concatenate([self._padded, emphasized])
+        return self._frames(self._available(self._padded.size))
+
+    def finish(self) -> mx.array:
+        """The frames that need the end of the signal: `1 + samples // hop` in all."""
+        if self.samples <= self.pad:
+            raise ValueError(f"audio of {self.samples} samples is too short for the {self.cfg.n_fft}-point "
+                             f"frontend (need > {self.pad})")
+        self._padded = np.concatenate([self._padded, self._tail[:-1][::-1]])
+        out = self._frames(num_frames(self.samples, self.cfg) - self.frames)
+        self._padded = np.zeros(0, np.float32)
+        return out
+
+    def _available(self, length: int) -> int:
+        """Whole frames in `length` padded samples from the next frame's first sample."""
+        return max(0, (length - self.cfg.n_fft) // self.cfg.hop_length + 1)
+
+    def _frames(self, count: int) -> mx.array:
+        if count <= 0:
+            return self._empty()
+        out = _log_mel_frames(mx.array(self._padded), count, self.cfg, self.filterbank, self.window)
+        self._padded = self._padded[count * self.cfg.hop_length :]
+        self.frames += count
+        return out
+
+    def _empty(self) -> mx.array:
+        return mx.zeros((1, 0, self.cfg.features), mx.float32)

@@ -8,7 +8,8 @@ Attribute names mirror the checkpoint:
 Greedy decoding (spec README): per frame, up to `max_symbols` emissions; the count resets when the
 frame advances and, at the limit, the frame advances without another query; the blank id
 (= vocab size) is never embedded, its prediction input is zeros. The transcript text is
-`voicechat.tokenizer.decode_pieces(ids, pieces)`.
+`voicechat.tokenizer.decode_pieces(ids, pieces)`. `TranscriptStream` decodes a stream of frames a
+few at a time, carrying the LSTM state and last token between calls: the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import DecoderConfig, JointConfig
-from ..kernels.rnnt_greedy import emitted_tokens, rnnt_greedy
+from ..kernels.rnnt_greedy import GreedyState, emitted_tokens, initial_state, rnnt_greedy
 
 
 class PredictionRNN(nn.Module):
@@ -124,12 +125,36 @@ def greedy_table(
     loop itself is one C++ call (VOICECHAT_REFERENCE=1 runs its pure-MLX reference instead).
     `weights`: `loop_weights(decoder, joint, ...)` made beforehand (default: the layers' own).
     """
+    w = weights if weights is not None else loop_weights(decoder, joint)
+    return rnnt_greedy(_encoder_projection(encoded, joint), w.embed, w.lstm, w.pred_w, w.pred_b, w.out_w, w.out_b,
+                       blank_id, max_symbols, stream=stream)
+
+
+def _encoder_projection(encoded: mx.array, joint: RNNTJoint) -> mx.array:
+    """`joint.enc` of every frame of `encoded [1, F, d_model]`: `[F, joint_hidden]` float32."""
     if encoded.ndim != 3 or encoded.shape[0] != 1:
         raise ValueError(f"encoded must be [1, F, d_model], got {tuple(encoded.shape)}")
-    enc_proj = joint.enc(encoded[0].astype(mx.float32)).astype(mx.float32)
-    w = weights if weights is not None else loop_weights(decoder, joint)
-    return rnnt_greedy(enc_proj, w.embed, w.lstm, w.pred_w, w.pred_b, w.out_w, w.out_b, blank_id, max_symbols,
-                       stream=stream)
+    return joint.enc(encoded[0].astype(mx.float32)).astype(mx.float32)
+
+
+class TranscriptStream:
+    """`greedy_table` over a stream of encoder frames given a few at a time: each `push` decodes
+    its frames from the state the previous one ended with (the LSTM state and the last token, a
+    few KB), so the tables of every push, stacked, are the table of one call over every frame."""
+
+    def __init__(self, decoder: RNNTDecoder, joint: RNNTJoint, blank_id: int, max_symbols: int,
+                 stream: mx.Stream | None = None, weights: LoopWeights | None = None):
+        self.joint, self.blank_id, self.max_symbols, self.stream = joint, blank_id, max_symbols, stream
+        self.weights = weights if weights is not None else loop_weights(decoder, joint)
+        self.state: GreedyState = initial_state(len(self.weights.lstm), decoder.hidden, blank_id)
+
+    def push(self, encoded: mx.array) -> mx.array:
+        """The lazy `[F, max_symbols]` table of these frames (`encoded [1, F, d_model]`)."""
+        w = self.weights
+        table, self.state = rnnt_greedy(_encoder_projection(encoded, self.joint), w.embed, w.lstm, w.pred_w,
+                                        w.pred_b, w.out_w, w.out_b, self.blank_id, self.max_symbols,
+                                        stream=self.stream, start=self.state)
+        return table
 
 
 def greedy_decode(

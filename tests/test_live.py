@@ -1,0 +1,244 @@
+"""The live session: pushed in any chunks, its result equals generate() on the same input; bad input,
+busy models, the end of the context."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+import voicechat
+from voicechat.audio import load_audio
+from voicechat.live import ContextFull, LiveSession
+from voicechat.session import InputError, ModelBusy
+from voicechat.synthetic import make_checkpoint, tiny_config
+
+EXTRA = 1.0
+PROMPT = "Be brief."
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_checkpoint):
+    chat = voicechat.load(tiny_checkpoint)
+    yield chat
+    chat.close()
+
+
+@pytest.fixture(scope="module")
+def inputs(spoken_wav, spoken_wav_22k):
+    """name -> (samples as pushed, their rate): PCM16 at 16 kHz, float at 22.05 kHz, and a 16 kHz
+    input long enough for the encoder's attention cache to drop frames (> 70 frames)."""
+    speech16, _ = sf.read(str(spoken_wav), dtype="int16")
+    speech22, rate22 = sf.read(str(spoken_wav_22k), dtype="float32")
+    speech = load_audio(spoken_wav, 16000)
+    long = np.concatenate([speech, np.zeros(4000, np.float32), speech[::-1], speech])
+    return {"speech16k": (speech16, 16000), "speech22k": (speech22, rate22), "long16k": (long, 16000)}
+
+
+_references: dict = {}
+
+
+def reference(chat, inputs, name, system_prompt=None, seed=0):
+    """generate() on the same input (made once per input and settings)."""
+    key = (name, system_prompt, seed)
+    if key not in _references:
+        samples, rate = inputs[name]
+        _references[key] = chat.generate(samples, system_prompt=system_prompt, extra_decoding_seconds=EXTRA,
+                                          seed=seed, sample_rate=rate)
+    return _references[key]
+
+
+def chunk_sizes(kind: str, total: int, rate: int, seed: int = 0) -> list[int]:
+    if kind == "whole":
+        return [total]
+    if kind == "80ms":
+        return [int(0.08 * rate)] * (total // int(0.08 * rate) + 1)
+    rng = np.random.default_rng(seed)  # one sample up to several seconds
+    sizes = [1, 1, 2, 3, 1, 250, 7]
+    while sum(sizes) < total:
+        sizes.append(int(rng.choice([1, 13, 160, 1279, 4000, 3 * rate])))
+    return sizes
+
+
+def run_live(chat, samples, rate, sizes, system_prompt=None, seed=0, bad_inputs=False, **options):
+    """Push `samples` in `sizes`, then finish(EXTRA). Returns (every frame, the result)."""
+    frames = []
+    with chat.live(system_prompt=system_prompt, seed=seed, **options) as live:
+        pos = 0
+        for i, size in enumerate(sizes):
+            if pos >= len(samples):
+                break
+            if bad_inputs and i == 3:
+                for bad, match in ((np.full(5, np.nan, np.float32), "NaN"), (np.zeros((2, 3, 4), np.float32), "shape"),
+                                   (np.array(["a", "b"]), "expected float"), (np.zeros(5, np.complex64), "expected float"),
+                                   (np.zeros((5, 2), samples.dtype), "channel")):
+                    with pytest.raises(InputError, match=match):
+                        live.push(bad, sample_rate=rate)
+                with pytest.raises(InputError, match="Hz"):
+                    live.push(samples[pos : pos + size], sample_rate=rate + 1)
+                for wrong_rate in (0, -16000, 1.5, True, "16000"):
+                    with pytest.raises(InputError, match="sample_rate"):
+                        live.push(samples[pos : pos + size], sample_rate=wrong_rate)
+                assert live.push(samples[:0], sample_rate=rate) == []
+            frames += live.push(samples[pos : pos + size], sample_rate=rate)
+            pos += size
+        frames += live.finish(extra_decoding_seconds=EXTRA)
+        return frames, live.result()
+
+
+def check_equal(frames, result, expected):
+    assert result.text_tokens == expected.text_tokens
+    assert result.function_tokens == expected.function_tokens
+    assert result.audio_codes == expected.audio_codes
+    assert result.user_transcript == expected.user_transcript
+    assert (result.text, result.function_text) == (expected.text, expected.function_text)
+    assert (result.frames, result.prompt_frames) == (expected.frames, expected.prompt_frames)
+    assert result.audio.shape == expected.audio.shape
+    np.testing.assert_allclose(result.audio, expected.audio, rtol=0, atol=1e-5)
+    # what the frames handed out, joined, is the result
+    assert [f.index for f in frames] == list(range(expected.frames))
+    assert [f.text_id for f in frames] == expected.text_tokens
+    assert [f.function_id for f in frames] == expected.function_tokens
+    np.testing.assert_array_equal(np.concatenate([f.audio for f in frames]), result.audio)
+    assert "".join(f.text for f in frames) == expected.text
+    assert "".join(f.function_text for f in frames) == expected.function_text
+    assert "".join(f.transcript for f in frames) == expected.user_transcript
+    # final as they come: 1764 samples a frame, 6 fewer in the first, 6 more in the last
+    sizes = [f.audio.size for f in frames]
+    assert sizes[0] == 1758 and sizes[-1] == 1770 and set(sizes[1:-1]) <= {1764}
+    assert all(f.audio.dtype == np.float32 for f in frames)
+
+
+@pytest.mark.parametrize("name,kind,options", [
+    ("speech16k", "whole", {}),                                  # PCM16 whole
+    ("speech16k", "80ms", {}),
+    ("speech16k", "random", {"bad_inputs": True}),               # bad chunks refused in between
+    ("speech22k", "random", {}),                                 # resampled as it comes
+    ("long16k", "random", {}),                                   # past the encoder's 70-frame cache
+    ("speech16k", "80ms", {"system_prompt": PROMPT, "seed": 5, "tts_thread": True}),
+    ("long16k", "80ms", {"tts_thread": True}),
+])
+def test_live_result_equals_generate(chat, inputs, name, kind, options):
+    options = dict(options)
+    threaded = options.pop("tts_thread", False)
+    samples, rate = inputs[name]
+    expected = reference(chat, inputs, name, options.get("system_prompt"), options.get("seed", 0))
+    if name == "long16k":
+        assert expected.frames > 80
+    chat.tts_thread = threaded
+    try:
+        frames, result = run_live(chat, samples, rate, chunk_sizes(kind, len(samples), rate), **options)
+    finally:
+        chat.tts_thread = False
+    check_equal(frames, result, expected)
+
+
+def test_the_input_is_kept_only_when_asked_and_the_audio_unless_told(chat, inputs):
+    samples, rate = inputs["speech16k"]
+    expected = reference(chat, inputs, "speech16k")
+    frames, result = run_live(chat, samples, rate, [4000] * 20, keep_input_audio=True, keep_audio=False)
+    assert result.audio.size == 0 and result.audio_codes == expected.audio_codes
+    with chat.live() as live:
+        live.push(samples[:3000])
+        with pytest.raises(InputError, match="keep_input_audio"):
+            live.input_audio  # noqa: B018
+    with chat.live(keep_input_audio=True) as live:
+        live.push(samples[:3000])
+        live.push(samples[3000:])
+        np.testing.assert_array_equal(live.input_audio, samples.astype(np.float32) / 32768)
+
+
+def test_live_refuses_what_generate_refuses(chat, inputs):
+    limit = chat.config.text_config.max_position_embeddings
+    for seed in (-1, 2**64, 1.5, True):
+        with pytest.raises(InputError, match="seed must be an integer"):
+            chat.live(seed=seed)
+    for prompt in (123, b"Be brief."):
+        with pytest.raises(TypeError, match="system_prompt must be a str or None"):
+            chat.live(system_prompt=prompt)
+    with pytest.raises(InputError, match="system-prompt tokens"):
+        chat.live(system_prompt="word " * (limit + 10))
+    with chat.live() as live:
+        for extra in (-1, float("nan"), float("inf"), "3"):
+            with pytest.raises(InputError, match="extra_decoding_seconds must be a finite number"):
+                live.finish(extra_decoding_seconds=extra)
+        with pytest.raises(InputError, match="finish"):
+            live.result()
+        live.push(inputs["speech16k"][0])
+        live.finish(0.5)
+        assert live.result().frames > 0
+        with pytest.raises(InputError, match="ended"):
+            live.push(inputs["speech16k"][0])
+        with pytest.raises(InputError, match="ended"):
+            live.finish()
+    # the refusals above left the model free
+    assert chat.generate(inputs["speech16k"][0], sample_rate=16000, extra_decoding_seconds=0.2).frames > 0
+
+
+def test_an_open_session_holds_the_model_until_closed(chat, inputs):
+    samples, rate = inputs["speech16k"]
+    live = chat.live()
+    with pytest.raises(ModelBusy, match="live session is open"):
+        chat.generate(samples, sample_rate=rate)
+    with pytest.raises(ModelBusy):
+        chat.live()
+    live.push(samples[:5000])
+    live.close()  # not finished: abandoned
+    with pytest.raises(InputError, match="ended"):
+        live.push(samples[:100])
+    with chat.live() as again:  # the model is free again
+        assert isinstance(again, LiveSession)
+
+
+def test_a_session_opened_during_a_generate_waits_for_it(chat, inputs):
+    samples, rate = inputs["speech16k"]
+    generating, release = threading.Event(), threading.Event()
+    opened: list = []
+
+    def progress(done, total):
+        generating.set()
+        release.wait()
+
+    worker = threading.Thread(target=lambda: chat.generate(samples, sample_rate=rate, progress=progress))
+    worker.start()
+    generating.wait()
+    opener = threading.Thread(target=lambda: opened.append(chat.live()))
+    opener.start()
+    opener.join(timeout=0.5)
+    assert not opened  # still waiting for the generate
+    release.set()
+    worker.join()
+    opener.join()
+    assert isinstance(opened[0], LiveSession)
+    opened[0].close()
+
+
+def test_the_context_full_ends_the_session_with_one_clear_error(tmp_path, inputs):
+    config = tiny_config()
+    config.text_config.max_position_embeddings = 26
+    small = voicechat.load(make_checkpoint(tmp_path / "small-context", "tiny", config=config))
+    samples, rate = inputs["speech16k"]
+    prompt_frames = len(small.prompt_ids(PROMPT))
+    room = 26 - prompt_frames
+    frames = []
+    twice = np.concatenate([samples, samples])  # more frames than the context holds
+    with small.live(system_prompt=PROMPT) as live:
+        with pytest.raises(ContextFull, match=f"after {room} frames") as caught:
+            for pos in range(0, len(twice), 1280):
+                frames += live.push(twice[pos : pos + 1280], sample_rate=rate)
+        frames += caught.value.frames
+        assert isinstance(caught.value, InputError) and caught.value.limit == 26
+        for call in (lambda: live.push(samples[:1280]), live.finish):  # the session has ended
+            with pytest.raises(ContextFull):
+                call()
+        result = live.result()
+    assert result.frames == room == len(frames) and result.prompt_frames == prompt_frames
+    np.testing.assert_array_equal(np.concatenate([f.audio for f in frames]), result.audio)
+    assert result.audio.size == room * 1764  # the last frame carries the final samples
+    # the frames before the end equal generate() on the input cut short (which fits the context)
+    cut = small.generate(samples[: 16000], system_prompt=PROMPT, extra_decoding_seconds=0, sample_rate=rate)
+    assert cut.frames < room
+    assert result.text_tokens[: cut.frames - 1] == cut.text_tokens[:-1]
+    assert result.audio_codes[: cut.frames - 1] == cut.audio_codes[:-1]

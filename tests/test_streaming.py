@@ -1,0 +1,203 @@
+"""Each streaming piece of a live session equals its whole-signal version: log-mel, the cache-aware
+perception, the resumable RNNT greedy loop, the codec's streaming decoder and iSTFT, text deltas."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import voicechat
+from voicechat.audio import load_audio
+from voicechat.codec.codec import DecoderStream
+from voicechat.codec.stft import StreamingISTFT, _envelope, envelope_at, istft
+from voicechat.config import PreprocessorConfig
+from voicechat.kernels.rnnt_greedy import initial_state, rnnt_greedy, rnnt_greedy_reference
+from voicechat.stt.conformer import PerceptionStream
+from voicechat.stt.mel import StreamingLogMel, log_mel
+from voicechat.stt.rnnt import TranscriptStream, greedy_table
+from voicechat.synthetic import build_tokenizer
+from voicechat.text_stream import PieceDeltas, TokenDeltas
+from voicechat.tokenizer import decode_pieces
+
+from test_rnnt import VOCAB, _weights
+
+
+def _chunks(total: int, kind: str, rng: np.random.Generator) -> list[int]:
+    """Chunk sizes covering `total`: 'whole', 'tiny' (single items first, then the rest), 'random'."""
+    if kind == "whole":
+        return [total]
+    if kind == "tiny":
+        return [1] * min(total, 700) + [max(0, total - 700)]
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(int(rng.integers(1, max(2, total // 4))))
+    return sizes
+
+
+def _streamed(push, finish, data, sizes, axis=0):
+    """Outputs of `push` over `data` cut into `sizes` along `axis`, then `finish()`'s."""
+    out, pos = [], 0
+    for size in sizes:
+        if pos >= data.shape[axis]:
+            break
+        out.append(push(np.take(data, range(pos, min(pos + size, data.shape[axis])), axis=axis)))
+        pos += size
+    out.append(finish())
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_checkpoint):
+    return voicechat.load(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def long_input(spoken_wav):
+    """Speech, reversed speech and silence: over 70 encoder frames (the attention's left context)."""
+    speech = load_audio(spoken_wav, 16000)
+    return np.concatenate([speech, speech[::-1], np.zeros(16000, np.float32), speech, np.zeros(3217, np.float32)])
+
+
+# --------------------------------------------------------------------------- log-mel
+
+@pytest.mark.parametrize("kind", ["whole", "tiny", "random"])
+def test_streaming_log_mel_equals_the_whole_signals(kind):
+    cfg = PreprocessorConfig()
+    rng = np.random.default_rng(len(kind))
+    x = (rng.standard_normal(16000 + 1234) * 0.1).astype(np.float32)
+    stream = StreamingLogMel(cfg)
+    out = _streamed(lambda c: np.array(stream.push(c)), lambda: np.array(stream.finish()), x, _chunks(len(x), kind, rng))
+    np.testing.assert_array_equal(np.concatenate(out, axis=1), np.array(log_mel(mx.array(x), cfg)))
+    # frames come as soon as their samples exist (frame j: samples up to 160 j + 255); finish() the rest
+    before_end = (len(x) - 256) // 160 + 1
+    assert out[-1].shape[1] == 1 + len(x) // 160 - before_end
+
+
+def test_streaming_log_mel_refuses_what_log_mel_refuses():
+    stream = StreamingLogMel(PreprocessorConfig())
+    assert stream.push(np.ones(256, np.float32)).shape == (1, 0, 128)
+    with pytest.raises(ValueError, match="too short"):
+        stream.finish()
+
+
+# --------------------------------------------------------------------------- perception
+
+@pytest.mark.parametrize("kind", ["whole", "tiny", "random"])
+def test_perception_stream_equals_the_whole_signal_pass(chat, long_input, kind):
+    perception = chat.listening.perception
+    projected, lengths, encoded = perception(perception.log_mel(mx.array(long_input)))
+    assert encoded.shape[1] > 80  # well past the attention cache's length
+    stream = PerceptionStream(perception)
+
+    def push(chunk):
+        out = stream.push(chunk)
+        mx.eval(out, stream.state)
+        return out
+
+    out = _streamed(push, stream.finish, long_input, _chunks(len(long_input), kind, np.random.default_rng(7)))
+    np.testing.assert_array_equal(np.concatenate([np.array(p) for p, _ in out], axis=1), np.array(projected))
+    np.testing.assert_array_equal(np.concatenate([np.array(e) for _, e in out], axis=1), np.array(encoded))
+    assert stream.frames == int(lengths[0].item())
+    assert all(c.keys.shape[2] <= 70 for c in stream.caches)  # bounded by the left context
+
+
+# --------------------------------------------------------------------------- RNNT
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("blank_bias", [-4.0, 1.5])
+def test_greedy_resumed_in_pieces_equals_one_call(dtype, blank_bias):
+    args = _weights(90, 48, 56, VOCAB, dtype, seed=3, blank_bias=blank_bias)
+    whole = np.array(rnnt_greedy(*args, VOCAB, 10))
+    assert (whole >= 0).any()
+    for run in (rnnt_greedy, rnnt_greedy_reference):
+        state, tables, pos = initial_state(2, 48, VOCAB), [], 0
+        for size in (1, 2, 7, 30, 50):
+            table, state = run(args[0][pos : pos + size], *args[1:], VOCAB, 10, start=state)
+            tables.append(np.array(table))
+            pos += size
+        np.testing.assert_array_equal(np.concatenate(tables), whole)
+
+
+def test_transcript_stream_equals_greedy_table(chat, long_input):
+    lm, c = chat.listening, chat.config
+    _, _, encoded = lm.perception(lm.perception.log_mel(mx.array(long_input)))
+    whole = np.array(greedy_table(encoded, lm.rnnt_decoder, lm.rnnt_joint, c.rnnt_blank_id, c.audio_config.max_symbols))
+    stream = TranscriptStream(lm.rnnt_decoder, lm.rnnt_joint, c.rnnt_blank_id, c.audio_config.max_symbols)
+    tables, pos = [], 0
+    for size in (1, 1, 5, 13, 200):
+        tables.append(np.array(stream.push(encoded[:, pos : pos + size])))
+        pos += size
+    np.testing.assert_array_equal(np.concatenate(tables), whole)
+    assert (whole >= 0).sum() > 3
+
+
+# --------------------------------------------------------------------------- codec
+
+@pytest.mark.parametrize("frames,sizes", [(1, [1]), (2, [1, 1]), (23, [1] * 23), (23, [2, 3, 5, 13]), (23, [23])])
+def test_decoder_stream_equals_decode(chat, frames, sizes):
+    codec = chat.speaking.audio_codec
+    codes = mx.array(np.random.default_rng(frames).integers(0, 52, (1, 31, frames)).astype(np.int32))
+    stream = DecoderStream(codec)
+    out = _streamed(lambda c: stream.push(mx.array(c)), stream.finish, np.array(codes), sizes, axis=2)
+    assert out[0].shape[1] == sizes[0] * 1764 - 6 and out[-1].shape[1] == 6  # the 6-sample lag
+    np.testing.assert_allclose(np.concatenate(out, axis=1), np.array(codec.decode(codes)), rtol=0, atol=1e-5)
+
+
+def test_streaming_istft_equals_istft():
+    rng = np.random.default_rng(0)
+    features = mx.array(rng.standard_normal((2, 37, 18)).astype(np.float32))
+    stream = StreamingISTFT()
+    out = [stream.push(features[:, a:b]) for a, b in ((0, 1), (1, 4), (4, 5), (5, 37))] + [stream.finish()]
+    np.testing.assert_allclose(np.concatenate(out, axis=1), np.array(istft(features)), rtol=0, atol=1e-6)
+
+
+def test_envelope_at_is_the_whole_envelope():
+    frames = 9
+    whole = np.array(_envelope(frames, 16, 4))
+    np.testing.assert_array_equal(envelope_at(np.arange(6, 6 + frames * 4), frames, 16, 4), whole)
+
+
+# --------------------------------------------------------------------------- text deltas
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(384)
+
+
+def _decode(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def _joined(deltas, ids):
+    parts = [deltas.add(i) for i in ids] + [deltas.finish()]
+    return parts
+
+
+def test_token_deltas_hold_back_characters_cut_between_tokens(tokenizer):
+    text = "  Paris, café 日本 😀 — naïve résumé…  "
+    ids = tokenizer.encode(text).ids
+    # byte-level tokens split the multi-byte characters: some ids alone are not whole characters
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    parts = _joined(TokenDeltas(_decode(tokenizer)), ids)
+    assert "".join(parts) == text.strip()
+    assert not any("\ufffd" in p for p in parts)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_token_deltas_join_to_the_stripped_decode_of_random_ids(tokenizer, seed):
+    """Random ids: stray continuation bytes, cut characters, specials, whitespace runs, skipped ids."""
+    rng = np.random.default_rng(seed)
+    ids = [int(i) for i in rng.integers(0, 384, 300)]
+    ids[:5] = [12, 11, 1, tokenizer.token_to_id("Ġ"), 2]  # skipped ids and a space first
+    skip = {12, 11, 1, 2}
+    expected = tokenizer.decode([i for i in ids if i not in skip], skip_special_tokens=False).strip()
+    assert "".join(_joined(TokenDeltas(_decode(tokenizer), skip), ids)) == expected
+
+
+def test_piece_deltas_join_to_decode_pieces():
+    pieces = ["<unk>", "<en-US>", "▁what", "▁is", "▁", "a", "<s>", "b", "▁the"]
+    ids = [4, 1, 2, 0, 3, 5, 6, 7, 4, 4, 8, 4]
+    deltas = PieceDeltas(pieces)
+    parts = [deltas.add([i]) for i in ids] + [deltas.finish()]
+    assert "".join(parts) == decode_pieces(ids, pieces) == "what isab   the"

@@ -993,22 +993,14 @@ __device__ __forceinline__ void bar_wait(unsigned long long* bar, unsigned int p
                  : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
   }
 }
-#else  // the CPU emulation: a copy lands when it is issued; a barrier's word holds its completed
-// phases (high half) and the bytes its current phase still expects (low half)
-inline void bar_init(unsigned long long* bar) { __atomic_store_n(bar, 0ull, __ATOMIC_SEQ_CST); }
-inline void bar_expect(unsigned long long* bar, unsigned int bytes) { __atomic_fetch_add(bar, bytes, __ATOMIC_SEQ_CST); }
+#else  // the CPU emulation (tests/data/cuda_emu/cuda_emu.h): a copy lands when its phase is waited for
+inline void bar_init(unsigned long long* bar) { cuda_emu::mbarrier_init(bar); }
+inline void bar_expect(unsigned long long* bar, unsigned int bytes) { cuda_emu::mbarrier_expect_tx(bar, bytes); }
 inline void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
-  memcpy(dst, src, bytes);
-  unsigned long long old = __atomic_load_n(bar, __ATOMIC_SEQ_CST), next;
-  do {  // the phase's last bytes complete it
-    next = old - bytes;
-    if ((next & 0xFFFFFFFFull) == 0) next += 1ull << 32;
-  } while (!__atomic_compare_exchange_n(bar, &old, next, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+  cuda_emu::bulk_copy(dst, src, bytes, bar);
 }
-inline void reads_before_copies() {}
-inline void bar_wait(unsigned long long* bar, unsigned int parity) {
-  while (((__atomic_load_n(bar, __ATOMIC_SEQ_CST) >> 32) & 1u) == parity) std::this_thread::yield();
-}
+inline void reads_before_copies() { cuda_emu::fence_proxy_async(); }
+inline void bar_wait(unsigned long long* bar, unsigned int parity) { cuda_emu::mbarrier_wait(bar, parity); }
 #endif
 
 // The sums over a warp of N values (N a power of two <= 32) in 2N - 1 + (5 - log2 N) shuffles

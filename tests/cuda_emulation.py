@@ -10,6 +10,8 @@ hardware's speed.
 
 from __future__ import annotations
 
+import copy
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -96,7 +98,7 @@ void write(const std::string& path, const std::vector<T>& v) {
 """
 
 
-def build(cases: dict[str, Case], tmp: Path) -> Path:
+def build(cases: dict[str, Case], tmp: Path, opt: str = "-O1") -> Path:
     """One executable running any of `cases` by name: `exe NAME DIR BLOCKS THREADS ...` (see `run`)."""
     headers = []
     for c in cases.values():
@@ -107,18 +109,21 @@ def build(cases: dict[str, Case], tmp: Path) -> Path:
             "  std::vector<size_t> counts; std::vector<int> offsets;",
             "  for (int i = 0; i < n_out; ++i) counts.push_back(std::stoull(argv[6 + i]));",
             "  for (int i = 6 + n_out; i < argc; ++i) offsets.push_back(std::stoi(argv[i]));"]
-    main += [f'  if (which == "{name}") {name}::run(dir, blocks, threads, counts, offsets);' for name in cases]
+    main += [f'  if (which == "{name}") cuda_emu_kernels::{name}::run(dir, blocks, threads, counts, offsets);'
+             for name in cases]
     main += ["  return 0;", "}"]
-    text = "\n".join(['#include "cuda_emu.h"', IO, *headers, *(c.cpp(n) for n, c in cases.items()), *main])
-    return compile_emulated(text, tmp / "kernels")
+    # the kernels in namespace cuda_emu_kernels: shared.ld finds their __shared__ statics by it
+    text = "\n".join(['#include "cuda_emu.h"', IO, "namespace cuda_emu_kernels {", *headers,
+                      *(c.cpp(n) for n, c in cases.items()), "}  // namespace cuda_emu_kernels", *main])
+    return compile_emulated(text, tmp / "kernels", opt)
 
 
 def compile_emulated(text: str, exe: Path, opt: str = "-O1") -> Path:
     """C++ `text` (against tests/data/cuda_emu) built by g++ into `exe` (its source beside it)."""
     cpp = exe.with_suffix(".cpp")
     cpp.write_text(text)
-    proc = subprocess.run([shutil.which("g++"), "-std=c++20", opt, "-pthread", "-I", str(EMU), "-o", str(exe),
-                           str(cpp)], capture_output=True, text=True)
+    proc = subprocess.run([shutil.which("g++"), "-std=c++20", opt, "-pthread", "-fdata-sections", "-I", str(EMU),
+                           f"-Wl,-T,{EMU / 'shared.ld'}", "-o", str(exe), str(cpp)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return exe
 
@@ -127,22 +132,53 @@ def _bits(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
 
 
-def run(exe: Path, name: str, case: Case, tmp: Path) -> list[np.ndarray]:
-    """The launch `name` of `exe` on `case`'s inputs: its outputs, then the inputs it writes in place."""
-    d = tmp / name
+def _launch(exe: Path, name: str, case: Case, d: Path, **kwargs) -> subprocess.CompletedProcess:
     d.mkdir(parents=True, exist_ok=True)  # a case may run twice (its inputs written again)
     for i, (a, off) in enumerate(zip(case.inputs, case.offsets)):
         data = _bits(a).reshape(-1)
         (d / f"in{i}.bin").write_bytes(np.concatenate([np.zeros(off, data.dtype), data]).tobytes())
     counts = [int(np.prod(shape)) for _, shape in case.outputs]
-    subprocess.run([str(exe), name, str(d), str(case.blocks), str(case.threads), str(len(counts)),
-                    *map(str, counts), *map(str, case.offsets)], check=True, timeout=300)
+    return subprocess.run([str(exe), name, str(d), str(case.blocks), str(case.threads), str(len(counts)),
+                           *map(str, counts), *map(str, case.offsets)], timeout=300, **kwargs)
+
+
+def run(exe: Path, name: str, case: Case, tmp: Path) -> list[np.ndarray]:
+    """The launch `name` of `exe` on `case`'s inputs: its outputs, then the inputs it writes in place."""
+    d = tmp / name
+    _launch(exe, name, case, d, check=True)
     outs = [np.fromfile(d / f"out{i}.bin", dtype=NP[t]).reshape(shape) for i, (t, shape) in enumerate(case.outputs)]
     for i in case.written:  # after the outputs: the inputs written in place, as they are after the launch
         a = case.inputs[i]
         data = np.fromfile(d / f"in{i}.after.bin", dtype=NP[CUDA_TYPE[a.dtype]])
         outs.append(data[case.offsets[i]:].reshape(a.shape))
     return outs
+
+
+def mutated(case: Case, pattern: str, count: int, replacement: str = "") -> Case:
+    """`case` with regex `pattern` (found `count` times in its kernel's header and body) replaced: a
+    hazard injected, for a test that the emulation catches it."""
+    source = dict(case.source)
+    found = 0
+    for part in ("header", "source"):
+        source[part], n = re.subn(pattern, replacement, source[part])
+        found += n
+    assert found == count, f"{pattern!r} found {found} times, not {count}"
+    out = copy.copy(case)
+    out.source = source
+    return out
+
+
+def run_mutant(case: Case, tmp: Path) -> tuple[list[np.ndarray] | None, str]:
+    """`case` built alone and run: its outputs (None where the emulation aborted) and its stderr."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed")
+    exe = build({"mutant": case}, tmp, "-O0")
+    proc = _launch(exe, "mutant", case, tmp / "mutant", capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None, proc.stderr
+    d = tmp / "mutant"
+    return [np.fromfile(d / f"out{i}.bin", dtype=NP[t]).reshape(shape)
+            for i, (t, shape) in enumerate(case.outputs)], proc.stderr
 
 
 class Emulated:

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cuda_emulation import assert_close_to, build, emulation_fixture, persistent_case, run
+from cuda_emulation import assert_close_to, build, emulation_fixture, mutated, persistent_case, run, run_mutant
 
 
 def stream_case(n, k, threads, blocks, xs=0, split=1, **kw):
@@ -127,3 +127,34 @@ def test_streamed_matvec_with_x_staged_gives_the_same_bits(emulated, emulated_st
     assert len(got) == len(want)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+# every mbarrier wait of the streamed walk (an item's first row group, and the second as the product
+# gets to it), as the registered (compacted) text has them
+WAITS = r"bar_wait\(&bars\[[^;]*\);"
+
+
+@pytest.mark.parametrize("name", ["stream_emit_prenormed", "stream_q4"])
+def test_the_walk_without_its_mbarrier_waits_fails(emulated, tmp_path, name):
+    """A hazard the emulation must catch: the streamed kernel with both bar_wait calls deleted reads
+    its stages before the bulk copies land (garbage): wrong outputs where each block walks no more
+    items than it has stages (stream_emit_prenormed), and where it refills a stage an mbarrier phase
+    still owes bytes to, an abort (stream_q4)."""
+    outputs, _ = run_mutant(mutated(emulated.cases[name], WAITS, 2), tmp_path)
+    if outputs is not None:
+        want = emulated.refs[name]
+        want = [np.array(r) for r in (want if isinstance(want, tuple) else (want,))]
+        assert not all(np.allclose(g, w, rtol=1e-3, atol=1e-3) for g, w in zip(outputs, want))
+
+
+@pytest.mark.parametrize("name, pattern", [
+    # the last warp done with a stage, before it asks for the stage's next tile
+    ("stream_q4", r"reads_before_copies\(\);(?=\nwalk\.fetch\(i \+ STAGES)"),
+    # the block, once x's staged slices are read out of the stage its next tiles go to
+    ("stream_staged_warps_drift", r"reads_before_copies\(\);(?=\n__syncthreads\(\);)"),
+])
+def test_a_copy_into_a_used_stage_without_the_proxy_fence_fails(emulated, tmp_path, name, pattern):
+    """A hazard the emulation must catch: a bulk copy into shared memory the threads have read (a tile
+    that landed there) or written (x's slices) with no fence.proxy.async after that use."""
+    outputs, stderr = run_mutant(mutated(emulated.cases[name], pattern, 1), tmp_path)
+    assert outputs is None and "no fence.proxy.async" in stderr, stderr[-2000:]

@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from cuda_emulation import CUDA_TYPE, SOURCES, Case, as_float, compile_emulated, emulate, normal, promote, quantized
+from cuda_emulation import (CUDA_TYPE, SOURCES, Case, as_float, compile_emulated, emulate, mutated, normal, promote,
+                            quantized, run_mutant)
 
 
 def _argmax_heads(n, k, m, x_dtype):
@@ -92,6 +93,26 @@ def test_two_head_argmax_kernels_emulated(emulated, name):
         t = case.outputs[1][0]
         for got, ref in zip(logits, (ref_a, ref_b)):
             np.testing.assert_allclose(as_float(got, t), ref, rtol=8e-3, atol=8e-3 * np.nanmax(np.abs(ref)))
+
+
+@pytest.mark.parametrize("replacement", [
+    "",  # no block zeroes its keys: they start as the shared memory does
+    "if (blockIdx.x == 0) best_keys[threadIdx.x] = 0ull;",  # only the first block: the others rely on it carrying over
+])
+def test_keys_that_start_from_shared_memory_as_it_is_fail(emulated, tmp_path, replacement):
+    """A hazard the emulation must catch: the argmax kernel's blocks not zeroing their best keys in
+    shared memory (all of them, or all but the first) start from garbage, and the ids the finish takes
+    from the blocks' keys are not the argmax. (Were shared memory zero at first and kept from block to
+    block, both would give the right ids.)"""
+    name = "argmax_stream_f32"
+    case = mutated(emulated.cases[name], r"best_keys\[threadIdx\.x\] = 0ull;", 1, replacement)
+    outputs, _ = run_mutant(case, tmp_path)
+    ref_a, ref_b = emulated.refs[name]
+    want = np.stack([np.argmax(ref_a, -1), np.argmax(ref_b, -1)], -1)
+    if outputs is not None:
+        best = outputs[0].view(np.uint64).max(-1)  # [m, head]: what the finish kernel takes
+        ids = (~(best & np.uint64(0xFFFFFFFF))).astype(np.uint32).astype(np.int64)
+        assert not np.array_equal(ids, want)
 
 
 KEY_VALUES = [[1.0, 3.0, 3.0, -1.0], [-0.0, 0.0], [0.0, -0.0, -1e-30], [-np.inf, -np.inf], [-5.0, -2.0, -2.0, -7.0],

@@ -5,7 +5,7 @@ full-size shapes, against references computed on the CPU stream (float32 matmuls
 through TF32). On the CPU the products are MLX's ops, so only the tests of what the C++ path composes
 there (epilogues, a producer's norm, the emitted norm input, the gated-GELU input, input shapes and
 biases, argument checks, the layers, stacking, the host's launch picks) run; the kernels' own text is
-checked on the CPU by tests/test_emulated_*.py.
+checked on the CPU by tests/test_emulated_*.py (the two-head argmax's ties and NaNs among them).
 """
 
 from __future__ import annotations
@@ -299,6 +299,7 @@ def _check_two_heads(n, k, dtype, rows, plant_ties):
     assert_close(lb, ref_b)
 
 
+@needs_cuda
 @pytest.mark.parametrize("plant_ties", [False, True])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -315,12 +316,14 @@ def test_two_head_argmax_full_size(dtype, plant_ties):
     _check_two_heads(cfg.vocab_size, cfg.hidden_size, dtype, 1, plant_ties)
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_two_head_argmax_takes_heads_not_of_whole_slabs(dtype):
     # 200 rows: the streamed walk cannot take them, so MLX's ops do
     _check_two_heads(200, 128, dtype, 1, plant_ties=True)
 
 
+@needs_cuda
 def test_two_head_argmax_nan_is_the_largest_first_one_wins():
     head_a, head_b = _head(300, 128, seed=4), _head(300, 128, seed=5)
     s = np.array(head_a.scales.astype(mx.float32))

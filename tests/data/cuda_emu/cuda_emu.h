@@ -1,20 +1,34 @@
-// Runs a CUDA kernel body on the CPU, to check a kernel's index math and reductions where there
-// is no GPU: one std::thread per CUDA thread of a block, the blocks one after another (a cluster's
-// blocks together: its barrier and its blocks' shared memory are shared by them).
+// Runs a CUDA kernel body on the CPU, to check a kernel's index math, reductions and the order of
+// its shared-memory traffic where there is no GPU: one std::thread per CUDA thread of a block, the
+// blocks one after another (a cluster's blocks together: its barrier and its blocks' shared memory
+// are shared by them).
 // __shared__ variables become function statics (shared by the block's threads; blocks do not
 // overlap, so a kernel of clusters keeps its shared data in dynamic shared memory), __syncthreads a
 // block barrier, __shfl_xor_sync / __shfl_sync an exchange through a warp barrier, __syncwarp a warp
 // barrier, atomicAdd / atomicMax / __threadfence_block the host's atomics.
+// What the GPU leaves undefined is garbage here: shared memory (static and dynamic) is filled with
+// fresh garbage at every block's start, so nothing a block wrote is there for the next; a bulk copy
+// (cp.async.bulk) fills its destination with garbage when it is issued and writes its bytes only when
+// a thread waits on its mbarrier's phase; a copy into shared memory the block's threads have used
+// (read after an earlier copy landed, or written) needs a fence.proxy.async by the issuing thread
+// after that use, or the emulation aborts. The statics are found through the cuda_emu_shared section
+// (tests/data/cuda_emu/shared.ld collects the kernels' statics, namespace cuda_emu_kernels, there).
 // Only what our kernel sources use is here. Hardware facts (alignment faults, caching, timing)
 // are not modelled.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -36,6 +50,7 @@ struct Dim3 {
 inline thread_local Dim3 threadIdx;
 inline thread_local Dim3 blockIdx;
 inline Dim3 gridDim;
+inline Dim3 blockDim;
 
 struct uint4 {
   unsigned int x, y, z, w;
@@ -61,7 +76,7 @@ inline unsigned int __float_as_uint(float f) {
   return v;
 }
 inline float __int_as_float(int v) { return __uint_as_float(static_cast<unsigned int>(v)); }
-inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+// fmaf (fused, as CUDA's) and the other float functions the kernels call (expf, log1pf, tanhf, ...): <cmath>'s
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }  // CUDA: an approximation within 2 ulp
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -95,12 +110,54 @@ struct __half2 {
 };
 inline float2 __half22float2(__half2 h) { return {static_cast<float>(h.x), static_cast<float>(h.y)}; }
 
+// The kernels' __shared__ statics (shared.ld places them between these).
+extern "C" unsigned char __start_cuda_emu_shared[], __stop_cuda_emu_shared[];
+
 namespace cuda_emu {
 
-struct Block {
-  explicit Block(int threads) : bar(threads) {
-    for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<Warp>());
+constexpr size_t kDynamicSmem = 232448;  // a block's most dynamic shared memory on sm_90
+
+// Garbage: xorshift bytes from `seed`, different for every block.
+inline void fill_garbage(void* p, size_t n, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  auto* out = static_cast<unsigned char*>(p);
+  for (size_t i = 0; i < n; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(out + i, &x, std::min<size_t>(8, n - i));
   }
+}
+
+// The order of events in a launch (copies landing, fences), for the proxy-fence check.
+inline std::atomic<uint64_t> clock{1};
+inline thread_local uint64_t fence_time = 0;  // this CUDA thread's last fence.proxy.async
+
+// An mbarrier: its completed phases, the arrivals its current phase still expects (one: mbarrier.init
+// with a count of 1), the bytes its copies still owe, and those copies, in flight until a wait.
+struct Copy {
+  unsigned char* dst;
+  const unsigned char* src;
+  unsigned int bytes;
+};
+struct Mbarrier {
+  uint64_t completed = 0;
+  int arrivals = 1;
+  int64_t tx = 0;
+  std::vector<Copy> copies;
+};
+
+struct alignas(128) Bytes {
+  unsigned char at[kDynamicSmem];
+};
+
+struct Block {
+  Block(int threads, uint64_t seed) : bar(threads), dynamic(new Bytes), seen(new Bytes) {
+    for (int w = 0; w < threads / 32; ++w) warps.push_back(std::make_unique<Warp>());
+    fill_garbage(smem(), kDynamicSmem, seed);
+    std::memcpy(seen->at, smem(), kDynamicSmem);
+  }
+  unsigned char* smem() { return dynamic->at; }  // the block's dynamic shared memory
   struct Warp {
     std::barrier<> bar{32};
     unsigned long long slot[32];
@@ -108,7 +165,18 @@ struct Block {
   };
   std::barrier<> bar;
   std::vector<std::unique_ptr<Warp>> warps;
-  alignas(128) unsigned char smem[232448];  // the block's dynamic shared memory (Hopper's most)
+  std::unique_ptr<Bytes> dynamic;
+  // Bulk copies: the barriers by address, the dynamic shared memory as the last copy that landed left
+  // each byte (or as it started), and when each copy destination last landed.
+  std::mutex mu;
+  std::vector<std::pair<const void*, Mbarrier>> mbarriers;
+  std::unique_ptr<Bytes> seen;
+  struct Landed {
+    size_t lo, hi;
+    uint64_t time;
+  };
+  std::vector<Landed> landed;
+  uint64_t start = clock++;
 };
 inline thread_local Block* block = nullptr;  // the calling CUDA thread's block
 
@@ -122,13 +190,16 @@ inline thread_local unsigned int rank_in_cluster = 0;
 
 // Launch `kernel` over `blocks` blocks of `threads` threads (threads a multiple of 32), in clusters
 // of `cluster_size` consecutive blocks (blocks a multiple of it), each cluster's threads at once.
+// Every block starts with garbage in its shared memory (its statics too: blocks do not overlap).
 inline void launch(int blocks, int threads, const std::function<void()>& kernel, int cluster_size = 1) {
   gridDim.x = blocks;
+  blockDim.x = threads;
   for (int first = 0; first < blocks; first += cluster_size) {
+    fill_garbage(__start_cuda_emu_shared, __stop_cuda_emu_shared - __start_cuda_emu_shared, 2 * first + 1);
     std::vector<std::unique_ptr<Block>> own;
     std::vector<Block*> members;
     for (int r = 0; r < cluster_size; ++r) {
-      own.push_back(std::make_unique<Block>(threads));
+      own.push_back(std::make_unique<Block>(threads, 2 * (first + r)));
       members.push_back(own.back().get());
     }
     Cluster group(cluster_size * threads, members);
@@ -155,8 +226,8 @@ inline void cluster_sync() { cluster->bar.arrive_and_wait(); }
 // `p` (in this block's dynamic shared memory) in block `r`'s: distributed shared memory
 template <typename T>
 inline const T* cluster_smem(const T* p, unsigned int r) {
-  const auto offset = reinterpret_cast<const unsigned char*>(p) - block->smem;
-  return reinterpret_cast<const T*>(cluster->blocks[r]->smem + offset);
+  const auto offset = reinterpret_cast<const unsigned char*>(p) - block->smem();
+  return reinterpret_cast<const T*>(cluster->blocks[r]->smem() + offset);
 }
 
 }  // namespace cuda_emu
@@ -164,7 +235,119 @@ inline const T* cluster_smem(const T* p, unsigned int r) {
 inline void __syncthreads() { cuda_emu::block->bar.arrive_and_wait(); }
 
 namespace cuda_emu {
-inline unsigned char* dynamic_smem() { return block->smem; }
+inline unsigned char* dynamic_smem() { return block->smem(); }
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "cuda_emu: block %u thread %u: %s\n", blockIdx.x, threadIdx.x, what);
+  std::abort();
+}
+
+// The calling block's mbarrier at `bar` (the block's lock held).
+inline Mbarrier& mbarrier(const void* bar) {
+  for (auto& [at, m] : block->mbarriers) {
+    if (at == bar) return m;
+  }
+  fail("an mbarrier used before mbarrier.init");
+}
+
+// The phase's copies land: their bytes written, what they owe paid, and with no arrival left the
+// phase completes (the block's lock held).
+inline void land(Mbarrier& m) {
+  for (const Copy& c : m.copies) {
+    std::memcpy(c.dst, c.src, c.bytes);
+    const size_t lo = c.dst - block->smem();
+    if (lo < kDynamicSmem) {
+      std::memcpy(block->seen->at + lo, c.dst, c.bytes);
+      const uint64_t now = clock++;
+      auto& landed = block->landed;
+      const auto same = std::find_if(landed.begin(), landed.end(), [&](const Block::Landed& l) { return l.lo == lo; });
+      if (same != landed.end()) {
+        *same = {lo, lo + c.bytes, now};
+      } else {
+        landed.push_back({lo, lo + c.bytes, now});
+      }
+    }
+    m.tx -= c.bytes;
+  }
+  m.copies.clear();
+  if (m.arrivals == 0 && m.tx == 0) {
+    ++m.completed;
+    m.arrivals = 1;
+  }
+}
+
+// mbarrier.init.shared::cta.b64 [bar], 1
+inline void mbarrier_init(unsigned long long* bar) {
+  std::lock_guard<std::mutex> lock(block->mu);
+  *bar = 0;
+  for (auto& [at, m] : block->mbarriers) {
+    if (at == bar) {
+      m = Mbarrier{};
+      return;
+    }
+  }
+  block->mbarriers.emplace_back(bar, Mbarrier{});
+}
+
+// mbarrier.arrive.expect_tx.shared::cta.b64 _, [bar], bytes: the phase owes `bytes` more, and the
+// calling thread arrives.
+inline void mbarrier_expect_tx(unsigned long long* bar, unsigned int bytes) {
+  std::lock_guard<std::mutex> lock(block->mu);
+  Mbarrier& m = mbarrier(bar);
+  if (m.arrivals == 0) fail("an arrival on an mbarrier whose phase expects none");
+  m.tx += bytes;
+  --m.arrivals;
+  if (m.arrivals == 0 && m.tx == 0) {
+    ++m.completed;
+    m.arrivals = 1;
+  }
+}
+
+// cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [src], bytes, [bar]: in
+// flight (dst garbage) until a thread waits on the barrier. Into bytes the block's threads have
+// used (read since an earlier copy landed there, or written since the block started), the issuing
+// thread must have fenced the async proxy (fence.proxy.async) after that use.
+inline void bulk_copy(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+  std::lock_guard<std::mutex> lock(block->mu);
+  Mbarrier& m = mbarrier(bar);
+  auto* d = static_cast<unsigned char*>(dst);
+  const size_t lo = d - block->smem();
+  if (lo < kDynamicSmem) {
+    if (lo + bytes > kDynamicSmem) fail("a bulk copy past the dynamic shared memory");
+    uint64_t used = std::memcmp(d, block->seen->at + lo, bytes) != 0 ? block->start : 0;
+    for (const Block::Landed& l : block->landed) {
+      if (l.lo < lo + bytes && lo < l.hi) used = std::max(used, l.time);
+    }
+    if (used > fence_time) fail("a bulk copy into shared memory the threads have used, with no fence.proxy.async since");
+  }
+  fill_garbage(d, bytes, clock++);
+  if (lo < kDynamicSmem) std::memcpy(block->seen->at + lo, d, bytes);
+  m.copies.push_back({d, static_cast<const unsigned char*>(src), bytes});
+}
+
+// mbarrier.try_wait.parity until the phase of that parity is complete; the waiting thread lands the
+// barrier's copies in flight. A phase still open after a minute has nothing left to complete it (on
+// the GPU: a hang).
+inline void mbarrier_wait(unsigned long long* bar, unsigned int parity) {
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(block->mu);
+      Mbarrier& m = mbarrier(bar);
+      if ((m.completed & 1u) != parity) return;
+      land(m);
+      if ((m.completed & 1u) != parity) return;
+    }
+    if (std::chrono::steady_clock::now() - start > std::chrono::seconds(60)) {
+      fail("an mbarrier wait whose phase never completes");
+    }
+    std::this_thread::yield();
+  }
+}
+
+// fence.proxy.async.shared::cta: the calling thread's earlier use of shared memory ordered before its
+// later bulk copies.
+inline void fence_proxy_async() { fence_time = clock++; }
 }  // namespace cuda_emu
 
 namespace cuda_emu {

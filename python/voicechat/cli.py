@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         return 70  # EX_SOFTWARE
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if handler is not None:  # (None: a handler set outside Python, which cannot be put back)
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

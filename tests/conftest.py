@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,17 +66,35 @@ def pytest_addoption(parser):
     parser.addoption("--fuzz-seed", type=int, default=1, help="first seed of the long fuzz")
 
 
+# Forks the command from a small process and writes its exit code and peak RSS (KiB) to argv[1]. A
+# child forked straight from pytest would count pytest's own RSS as its peak: Linux keeps the high
+# water mark of the image a process had before exec.
+_MEASURING_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execv(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(f"{os.waitstatus_to_exitcode(status)} {usage.ru_maxrss}")
+"""
+
+
 def run_measured(cmd: list[str], *, stdin: bytes | None = None, env: dict | None = None,
                  timeout: float = 600) -> tuple[int, str, str, int]:
-    """Runs `cmd` to its end: (exit code, stdout, stderr, the child's peak resident memory in MiB,
-    as the kernel counted it for that process: os.wait4's ru_maxrss)."""
+    """Runs `cmd` (its first item an absolute path) to its end: (exit code, stdout, stderr, the
+    command's own peak resident memory in MiB: os.wait4's ru_maxrss, the command forked from a
+    small launcher)."""
+    import signal
     import tempfile
     import threading
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                stdout=out, stderr=err, env=env)
-        killer = threading.Timer(timeout, proc.kill)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r") as result:
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _MEASURING_LAUNCHER, result.name, *cmd],
+                                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                stdout=out, stderr=err, env=env, start_new_session=True)
+        killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
         killer.start()
         try:
             if stdin is not None:
@@ -84,14 +103,17 @@ def run_measured(cmd: list[str], *, stdin: bytes | None = None, env: dict | None
                     proc.stdin.close()
                 except BrokenPipeError:  # (the command stopped reading: its exit says why)
                     pass
-            _, status, usage = os.wait4(proc.pid, 0)
+            proc.wait()
         finally:
             killer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        measured = result.read().split()
+        if not measured:  # the launcher was killed with it
+            raise AssertionError(f"{cmd} ran past {timeout} s")
+        code, maxrss_kib = (int(v) for v in measured)
         out.seek(0)
         err.seek(0)
         text = lambda f: f.read().decode("utf-8", "backslashreplace")  # noqa: E731
-        return proc.returncode, text(out), text(err), usage.ru_maxrss // 1024
+        return code, text(out), text(err), maxrss_kib // 1024
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ import threading
 
 import pytest
 
-from voicechat.files import OutputError, check_output, output_file, output_kind, same_file
+from voicechat.files import (OutputError, check_output, output_file, output_kind, remove_pending_outputs,
+                             same_file)
 
 
 @pytest.fixture
@@ -198,3 +199,17 @@ def test_same_file(tmp_path):
     os.link(a, tmp_path / "hard.wav")
     assert same_file(a, tmp_path / "link.wav") and same_file(a, tmp_path / "hard.wav")
     assert not same_file(a, b)
+
+
+def test_the_temp_file_of_a_write_under_way_can_be_removed(tmp_path):
+    """What a signal handler calls before it exits: the half-written temp file goes, the target
+    is never made."""
+    target = tmp_path / "answer.wav"
+    with pytest.raises(OutputError, match=f"cannot write {target}: No such file"):
+        with output_file(target, "wb") as f:
+            f.write(b"half")
+            f.flush()
+            assert len(os.listdir(tmp_path)) == 1  # the temp file
+            remove_pending_outputs()
+            assert os.listdir(tmp_path) == []
+    assert os.listdir(tmp_path) == []

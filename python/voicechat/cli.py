@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 from .config import EXTRA_DECODING_SECONDS
-from .files import OutputError, check_output, output_file, same_file
+from .files import OutputError, check_output, output_file, remove_pending_outputs, same_file
 
 DEFAULT_MODEL = "mlx-community/NemotronLabs-VoiceChat-11B-4bit"
 
@@ -244,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
             model = args.model
             if args.demo:  # a checkpoint made in a folder removed on the way out
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="vc-demo-"))
+                _MADE.append(tmp)
+                stack.callback(_MADE.remove, tmp)
                 model, question = _demo_inputs(Path(tmp))
                 audio = open_audio(question)
                 say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
@@ -304,13 +307,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that what `run` made (a temp file, the demo's folder)
-    is removed on the way out, as for Ctrl-C."""
+# Folders this run has made and not yet removed (the demo's), for the signal handler.
+_MADE: list[str] = []
+_SIGNALS = {signal.SIGTERM: "terminated", signal.SIGINT: "interrupted"}
 
 
-def _on_sigterm(signum, frame):
-    raise _Terminated
+def _on_signal(signum, frame):
+    """SIGTERM or SIGINT: remove what this run has made (the demo's folder, a half-written output's
+    temp file), say so in one line and exit 128 + the signal. Done here rather than by raising: an
+    exception raised from a signal handler can be lost (CPython drops it when the signal lands
+    while an import compiles a module, and the run then goes on)."""
+    for folder in list(_MADE):
+        shutil.rmtree(folder, ignore_errors=True)
+    remove_pending_outputs()
+    with contextlib.suppress(OSError):
+        print(f"error: {_SIGNALS.get(signum, 'killed')}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 INTERNAL_ERROR = "error: internal error in voicechat (a bug; please report it with the traceback below)"
@@ -319,15 +331,12 @@ INTERNAL_ERROR = "error: internal error in voicechat (a bug; please report it wi
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     on_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
+    previous = {sig: signal.signal(sig, _on_signal) for sig in _SIGNALS} if on_main_thread else {}
     try:
         return run(args)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
-    except _Terminated:
-        print("error: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
     except (ValueError, OSError) as e:  # our errors are ValueErrors and OSErrors naming the problem
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, _UsageError) else 1
@@ -339,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 70  # EX_SOFTWARE
     finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # (None: a handler set outside Python, which cannot be put back)
+                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

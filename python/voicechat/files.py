@@ -14,6 +14,8 @@ from pathlib import Path
 
 # A chain of symlinks longer than this is a loop (Linux's own limit is 40).
 _MAX_LINKS = 40
+# Temp files of atomic writes under way, for `remove_pending_outputs`.
+_PENDING: set[str] = set()
 
 
 class OutputError(OSError):
@@ -138,6 +140,7 @@ def output_file(path: str | bytes | os.PathLike, mode: str = "w"):
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as e:  # named after the file asked for, not the temp file
         raise _cannot(name, e) from None
+    _PENDING.add(tmp)
     try:
         try:
             with os.fdopen(fd, mode) as f:
@@ -155,3 +158,14 @@ def output_file(path: str | bytes | os.PathLike, mode: str = "w"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    finally:
+        _PENDING.discard(tmp)
+
+
+def remove_pending_outputs() -> None:
+    """Remove the temp files of atomic writes under way (a process about to exit from a signal
+    handler leaves none behind)."""
+    for tmp in list(_PENDING):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        _PENDING.discard(tmp)

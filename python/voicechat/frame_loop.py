@@ -63,12 +63,16 @@ class FrameLoop:
         self.position = frames
         return [pad_id] * frames, codes
 
-    def step(self, audio_frame: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
-        """The next position with `audio_frame [1, 1, H]` on the audio channel: `(text id [1],
-        function id [1], codes [1, 1, Q])`, all lazy; codes are None at position 0 (no TTS there)
-        and on a worker (it keeps or hands back its own)."""
+    def step(self, audio: mx.array, index: int = 0) -> tuple[mx.array, mx.array, mx.array | None]:
+        """The next position with frame `index` of `audio [1, T, H]` on the audio channel: `(text id
+        [1], function id [1], codes [1, 1, Q])`, all lazy; codes are None at position 0 (no TTS
+        there) and on a worker (it keeps or hands back its own).
+
+        The frame is sliced here, on the loop's stream: a slice made on the caller's stream would
+        make every frame wait across streams, which costs host time a frame on a GPU."""
         lm = self.lm
         with mx.stream(self.stream):
+            audio_frame = audio[:, index : index + 1]
             if self.plain:  # the eager step, read back at once
                 out = lm.step(lm.fused_input(self.prev_text, audio_frame, self.prev_function), self.cache)
                 text_id = mx.array([out.text_ids.item()], dtype=mx.int32)

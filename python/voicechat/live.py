@@ -339,7 +339,7 @@ class LiveSession:
             if emitted is None:  # the chunk's transcript: its loop ran beside the first frame
                 mx.eval(self.perception.state)
                 emitted = np.array(table)
-            frames.append(self._frame(projected[:, i : i + 1], emitted[i]))
+            frames.append(self._frame(projected, i, emitted[i]))
         if end:
             self._end(frames[-1])
         elif self.prompt_frames + self.frames >= self.limit:  # the last frame the context holds
@@ -347,9 +347,10 @@ class LiveSession:
             self._end(frames[-1])
         return frames
 
-    def _frame(self, audio_frame: mx.array, transcript_row: np.ndarray) -> Frame:
+    def _frame(self, projected: mx.array, i: int, transcript_row: np.ndarray) -> Frame:
+        """Frame i of a chunk's `projected` audio channel through the timeline, read back."""
         index = self.frames
-        text_id, function_id, code = self.loop.step(audio_frame)
+        text_id, function_id, code = self.loop.step(projected, i)
         stepped_tts = self.loop.position > 1  # (timeline position 0 has no TTS step: code 0)
         with mx.stream(self.chat._timeline_stream):
             if self._worker is not None:  # the worker hands back the codes it made

@@ -380,7 +380,7 @@ class VoiceChat:
             function_out = list(text_out)
             code_out += prompt_codes
             for i in range(frames):
-                text_id, function_id, code = loop.step(audio_embeds[:, i : i + 1])
+                text_id, function_id, code = loop.step(audio_embeds, i)
                 text_out.append(text_id)
                 function_out.append(function_id)
                 if code is not None:

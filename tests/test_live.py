@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -17,6 +18,10 @@ from voicechat.synthetic import make_checkpoint, tiny_config
 
 EXTRA = 1.0
 PROMPT = "Be brief."
+
+# The streamed codec runs its convolutions on other shapes than the whole-answer decode: on a CPU
+# the samples agree to 1e-5; on a CUDA GPU other kernels round differently (up to 5e-5 on an H100).
+AUDIO_ATOL = 1e-5 if mx.default_device() == mx.cpu else 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +101,7 @@ def check_equal(frames, result, expected):
     assert (result.text, result.function_text) == (expected.text, expected.function_text)
     assert (result.frames, result.prompt_frames) == (expected.frames, expected.prompt_frames)
     assert result.audio.shape == expected.audio.shape
-    np.testing.assert_allclose(result.audio, expected.audio, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(result.audio, expected.audio, rtol=0, atol=AUDIO_ATOL)
     # what the frames handed out, joined, is the result
     assert [f.index for f in frames] == list(range(expected.frames))
     assert [f.text_id for f in frames] == expected.text_tokens

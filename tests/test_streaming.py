@@ -22,6 +22,10 @@ from voicechat.tokenizer import decode_pieces
 
 from test_rnnt import VOCAB, _weights
 
+# The streamed codec runs its convolutions on other shapes than the whole-answer decode: on a CPU
+# the samples agree to 1e-5; on a CUDA GPU other kernels round differently (up to 5e-5 on an H100).
+AUDIO_ATOL = 1e-5 if mx.default_device() == mx.cpu else 1e-4
+
 
 def _chunks(total: int, kind: str, rng: np.random.Generator) -> list[int]:
     """Chunk sizes covering `total`: 'whole', 'tiny' (single items first, then the rest), 'random'."""
@@ -141,7 +145,7 @@ def test_decoder_stream_equals_decode(chat, frames, sizes):
     stream = DecoderStream(codec)
     out = _streamed(lambda c: stream.push(mx.array(c)), stream.finish, np.array(codes), sizes, axis=2)
     assert out[0].shape[1] == sizes[0] * 1764 - 6 and out[-1].shape[1] == 6  # the 6-sample lag
-    np.testing.assert_allclose(np.concatenate(out, axis=1), np.array(codec.decode(codes)), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(out, axis=1), np.array(codec.decode(codes)), rtol=0, atol=AUDIO_ATOL)
 
 
 def test_streaming_istft_equals_istft():

@@ -1,0 +1,1 @@
+"""`vc-serve`: VoiceChat over an OpenAI-Realtime-compatible WebSocket (the `serve` extra)."""

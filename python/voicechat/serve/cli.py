@@ -1,0 +1,99 @@
+"""vc-serve: the model behind an OpenAI-Realtime-compatible WebSocket, with a browser page.
+
+    vc-serve -m mlx-community/NemotronLabs-VoiceChat-11B-4bit          # http://127.0.0.1:8000
+    vc-serve --demo --port 8001                                         # a tiny random-weight model
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import socket
+import sys
+import tempfile
+
+from ..cli import DEFAULT_MODEL
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vc-serve", description="Serve VoiceChat over the OpenAI Realtime protocol "
+                                "(WebSocket /v1/realtime) with a browser page at /.")
+    p.add_argument("-m", "--model", default=DEFAULT_MODEL, help=f"checkpoint directory or hub id (default: {DEFAULT_MODEL})")
+    p.add_argument("--demo", action="store_true", help="serve a freshly made tiny synthetic checkpoint (random weights)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=os.environ.get("VOICECHAT_API_KEY"),
+                   help="require this key (Bearer header or the openai-insecure-api-key.<key> subprotocol; "
+                        "default: $VOICECHAT_API_KEY, else none)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
+                   help="browser origins allowed besides the server's own ('*': any)")
+    p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default: 8)")
+    p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="close a session after this long without a client event (default: 120)")
+    p.add_argument("--max-ahead-seconds", type=float, default=30.0, metavar="SECONDS",
+                   help="refuse audio sent further than this ahead of real time (default: 30)")
+    p.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the model's)")
+    return p
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fails before the model loads if the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise OSError(f"cannot listen on {host}:{port}: {why}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from .app import ServerSettings, create_app
+        from .connection import Limits
+    except ImportError as e:
+        print(f"error: vc-serve needs the serve extra: pip install 'voicechat[serve]' ({e.name} is missing)",
+              file=sys.stderr)
+        return 2
+    if not 1 <= args.max_sessions <= 1024 or not 0 < args.port < 65536 or not args.idle_timeout > 0 \
+            or not args.max_ahead_seconds > 0:
+        print("error: --max-sessions must be 1..1024, --port 1..65535, and the timeouts positive", file=sys.stderr)
+        return 2
+    try:
+        _check_port(args.host, args.port)
+        from ..session import load
+
+        with tempfile.TemporaryDirectory(prefix="vc-serve-") as tmp:
+            if args.demo:
+                from ..synthetic import make_checkpoint
+
+                print("vc-serve: making a tiny synthetic checkpoint (random weights)", file=sys.stderr)
+                model = make_checkpoint(os.path.join(tmp, "ckpt"), size="tiny")
+            else:
+                model = args.model
+            print(f"vc-serve: loading {model}", file=sys.stderr)
+            chat = load(model)
+            name = args.model_name or ("voicechat-demo" if args.demo else os.path.basename(str(model).rstrip("/")))
+            settings = ServerSettings(model_name=name, api_key=args.api_key or None,
+                                      allowed_origins=list(args.allowed_origins), max_sessions=args.max_sessions,
+                                      limits=Limits(max_ahead_seconds=args.max_ahead_seconds,
+                                                    idle_timeout_seconds=args.idle_timeout))
+            app = create_app(chat, settings)
+            print(f"vc-serve: http://{args.host}:{args.port}/  (WebSocket /v1/realtime)", file=sys.stderr)
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=16 << 20,
+                        ws_ping_interval=20, ws_ping_timeout=20)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""vc-serve: a real uvicorn server on a free port, real WebSocket clients, the tiny checkpoint.
+
+A conversation through the server gives what `generate` gives on the same audio, seed and prompt;
+every server event validates against the typed models of the `openai` package; bad clients get an
+`error` event and never hurt another session."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+websockets = pytest.importorskip("websockets")
+from websockets.sync.client import connect  # noqa: E402
+
+import voicechat  # noqa: E402
+from serving import converse, get_json, pcm16_b64, vc_serve  # noqa: E402
+from voicechat.serve.protocol import to_pcm16  # noqa: E402
+
+PROMPT = "Be concise."
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with vc_serve(tiny_checkpoint, "--max-sessions", "9", "--idle-timeout", "3", "--max-ahead-seconds", "20") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def ws_url(server):
+    return server.replace("http", "ws", 1) + "/v1/realtime"
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_checkpoint):
+    with voicechat.load(tiny_checkpoint) as chat:
+        yield chat
+
+
+@pytest.fixture(scope="module")
+def pcm(spoken_wav):
+    samples, rate = sf.read(spoken_wav, dtype="int16")
+    assert rate == 16000
+    return samples[: int(1.6 * rate)]  # a short question keeps the many-client tests quick
+
+
+def _expect(chat, pcm, seed=0, prompt=None, extra=0.4):
+    result = chat.generate(pcm, system_prompt=prompt, seed=seed, sample_rate=16000, extra_decoding_seconds=extra)
+    return result
+
+
+def _assert_same(got, result):
+    assert got.text == result.text
+    assert got.function_text == result.function_text
+    assert got.transcript == result.user_transcript
+    np.testing.assert_array_equal(got.audio, to_pcm16(result.audio))
+
+
+def test_health_and_models(server):
+    health = get_json(server + "/health")
+    assert health["status"] == "ok" and health["sessions"] == 0 and health["max_sessions"] == 9
+    models = get_json(server + "/v1/models")
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+
+
+def test_a_conversation_equals_generate(ws_url, chat, pcm):
+    got = converse(ws_url, pcm, instructions=PROMPT, seed=3, extra=0.4)
+    _assert_same(got, _expect(chat, pcm, seed=3, prompt=PROMPT))
+    assert len(got.of("response.done")) == 1 and len(got.of("input_audio_buffer.committed")) == 1
+
+
+def test_every_server_event_is_a_realtime_event(ws_url, pcm):
+    """At the API's own rates (PCM16 at 24 kHz both ways) each event parses as openai's typed model."""
+    from openai.types.realtime import RealtimeServerEvent
+    from pydantic import TypeAdapter
+
+    import soxr
+
+    pcm24 = to_pcm16(soxr.resample(pcm.astype(np.float32) / 32768, 16000, 24000))
+    got = converse(ws_url, pcm24, input_rate=24000, output_rate=24000, extra=0.2)
+    adapter = TypeAdapter(RealtimeServerEvent)
+    kinds = set()
+    for event in got.events:
+        parsed = adapter.validate_python(event)
+        assert parsed.type == event["type"]
+        kinds.add(event["type"])
+    assert {"session.updated", "response.created", "response.output_audio.delta",
+            "response.output_audio_transcript.delta", "response.done"} <= kinds
+    # 24 kHz out: the answer's 22.05 kHz samples resampled, as long as they should be.
+    frames = len(got.of("response.output_audio.delta")) - 1  # a delta a frame, then the resampler's tail
+    assert abs(len(got.audio) - frames * 0.08 * 24000) <= 8
+
+
+def test_session_created_is_a_realtime_event(ws_url):
+    from openai.types.realtime import SessionCreatedEvent
+
+    with connect(ws_url) as ws:
+        SessionCreatedEvent.model_validate(json.loads(ws.recv(timeout=30)))
+
+
+def _next(ws, kind: str) -> dict:
+    """The next event of type `kind` (frames of an answer under way may come first)."""
+    while True:
+        event = json.loads(ws.recv(timeout=60))
+        if event["type"] == kind:
+            return event
+        assert event["type"] != "error", event
+
+
+def _errors_then_usable(ws, message, update: dict | None = None) -> dict:
+    """Sends `message`; returns the error event; then checks the connection still answers."""
+    ws.send(message)
+    while (error := json.loads(ws.recv(timeout=60)))["type"] != "error":
+        pass
+    ws.send(json.dumps({"type": "session.update", "session": update or {"instructions": "x"}}))
+    _next(ws, "session.updated")
+    return error["error"]
+
+
+@pytest.mark.parametrize("message, code", [
+    ("{not json", "invalid_json"),
+    ("[1, 2]", "invalid_json"),
+    (json.dumps({"type": "conversation.item.create"}), "unknown_event"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": "***"}), "invalid_base64"),
+    (json.dumps({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}), "invalid_audio"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm",
+                                                                                       "rate": 44100}}}}}),
+     "invalid_value"),
+    (json.dumps({"type": "input_audio_buffer.commit"}), "input_audio_buffer_commit_empty"),
+    ("x" * (2 << 20), "message_too_large"),
+])
+def test_a_bad_message_gets_an_error_event_and_the_connection_stays(ws_url, message, code):
+    with connect(ws_url, max_size=16 << 20) as ws:
+        json.loads(ws.recv(timeout=30))  # session.created
+        assert _errors_then_usable(ws, message)["code"] == code
+
+
+def test_a_fast_client_is_refused_past_the_limit_and_goes_on(ws_url, pcm):
+    with connect(ws_url, max_size=16 << 20) as ws:
+        json.loads(ws.recv(timeout=30))
+        ws.send(json.dumps({"type": "session.update", "session": {
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}))
+        json.loads(ws.recv(timeout=30))
+        burst = np.zeros(int(16000 * 12.5), np.int16)  # twice at once: 25 s, past the server's 20 s ahead
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(burst)}))
+        error = _errors_then_usable(ws, json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(burst)}),
+                                    update={"seed": 0})
+        assert error["code"] == "input_audio_buffer_overflow"
+
+
+def test_an_idle_session_times_out(ws_url):
+    with connect(ws_url) as ws:
+        json.loads(ws.recv(timeout=30))
+        error = json.loads(ws.recv(timeout=30))
+        assert error["type"] == "error" and error["error"]["code"] == "session_idle_timeout"
+        with pytest.raises(websockets.exceptions.ConnectionClosed):
+            ws.recv(timeout=30)
+
+
+def test_concurrent_clients_each_get_what_they_get_alone(ws_url, chat, pcm):
+    """Eight sessions interleaved on one model, of different lengths, prompts and seeds, each
+    exactly its `generate` result."""
+    cases = [(pcm[: len(pcm) - 1600 * i], f"prompt {i}" if i % 2 else "", i) for i in range(8)]
+    results: dict[int, object] = {}
+
+    def client(i, samples, prompt, seed):
+        results[i] = converse(ws_url, samples, instructions=prompt, seed=seed, extra=0.24)
+
+    threads = [threading.Thread(target=client, args=(i, *case)) for i, case in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(8))
+    for i, (samples, prompt, seed) in enumerate(cases):
+        _assert_same(results[i], _expect(chat, samples, seed=seed, prompt=prompt or None, extra=0.24))
+
+
+def test_a_disconnect_mid_session_frees_its_state(server, ws_url, pcm):
+    converse(ws_url, pcm, extra=0.2)  # warm: buffers the allocator keeps
+    baseline = get_json(server + "/health")["active_memory_bytes"]
+    for _ in range(3):
+        with connect(ws_url, max_size=16 << 20) as ws:
+            json.loads(ws.recv(timeout=30))
+            ws.send(json.dumps({"type": "session.update", "session": {
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}}))
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(pcm)}))
+            while json.loads(ws.recv(timeout=60))["type"] != "response.output_audio.delta":
+                pass  # the session is mid-answer when the client goes
+    deadline = time.monotonic() + 60
+    while (health := get_json(server + "/health"))["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert health["sessions"] == 0
+    time.sleep(1.0)  # the scheduler closes the dropped sessions after their queued piece
+    assert get_json(server + "/health")["active_memory_bytes"] <= baseline * 1.05 + (1 << 20)
+
+
+@pytest.fixture(scope="module")
+def locked_server(tiny_checkpoint):
+    with vc_serve(tiny_checkpoint, "--api-key", "sesame", "--max-sessions", "1",
+                  "--allowed-origins", "https://app.example") as base:
+        yield base.replace("http", "ws", 1) + "/v1/realtime"
+
+
+def _opens(url, **kw) -> bool:
+    try:
+        with connect(url, open_timeout=30, **kw) as ws:
+            return json.loads(ws.recv(timeout=30))["type"] == "session.created"
+    except websockets.exceptions.InvalidStatus as e:
+        assert e.response.status_code == 403
+        return False
+
+
+def test_the_api_key_as_a_bearer_header_or_a_subprotocol(locked_server):
+    assert not _opens(locked_server)
+    assert not _opens(locked_server, additional_headers={"Authorization": "Bearer wrong"})
+    assert _opens(locked_server, additional_headers={"Authorization": "Bearer sesame"})
+    assert _opens(locked_server, subprotocols=["realtime", "openai-insecure-api-key.sesame"])
+    assert not _opens(locked_server, subprotocols=["realtime", "openai-insecure-api-key.sesam"])
+
+
+def test_origins_are_checked(locked_server):
+    key = {"Authorization": "Bearer sesame"}
+    assert _opens(locked_server, additional_headers=key, origin="https://app.example")
+    assert not _opens(locked_server, additional_headers=key, origin="https://evil.example")
+    host = locked_server.split("/")[2]
+    assert _opens(locked_server, additional_headers=key, origin=f"http://{host}")  # the server's own page
+
+
+def test_past_max_sessions_a_client_gets_an_error_and_a_close_code(locked_server):
+    key = {"Authorization": "Bearer sesame"}
+    with connect(locked_server, additional_headers=key) as first:
+        assert json.loads(first.recv(timeout=30))["type"] == "session.created"
+        with connect(locked_server, additional_headers=key) as second:
+            error = json.loads(second.recv(timeout=30))
+            assert error["type"] == "error" and error["error"]["code"] == "session_limit_reached"
+            with pytest.raises(websockets.exceptions.ConnectionClosed) as closed:
+                second.recv(timeout=30)
+            assert closed.value.rcvd.code == 1013
+        first.send(json.dumps({"type": "session.update", "session": {"instructions": "still here"}}))
+        assert json.loads(first.recv(timeout=30))["type"] == "session.updated"
+
+
+def test_vc_chat_streams_a_file_and_writes_the_answer(ws_url, chat, spoken_wav, tmp_path):
+    """The terminal client through the server: the transcript and answer lines, and a WAV equal to
+    generate's answer (each PCM16)."""
+    import subprocess
+    import sys
+
+    from serving import ROOT
+
+    out = tmp_path / "answer.wav"
+    env = {"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", ws_url, "--audio-file", str(spoken_wav),
+                           "--fast", "--no-playback", "--output-audio", str(out), "--seed", "5", "-p", PROMPT,
+                           "--extra-decoding-seconds", "0.4"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = chat.generate(str(spoken_wav), system_prompt=PROMPT, seed=5, extra_decoding_seconds=0.4)
+    heard = "".join(line[len("[user] "):] for line in proc.stdout.splitlines() if line.startswith("[user] "))
+    assert heard == result.user_transcript
+    got, rate = sf.read(out, dtype="int16")
+    assert rate == 22050
+    np.testing.assert_allclose(got, to_pcm16(result.audio), atol=1)

@@ -111,18 +111,14 @@ class SessionConfig:
         if audio is not None:
             if not isinstance(audio, dict):
                 raise ProtocolError("session.audio must be an object", param="session.audio")
-            rate = _format_rate(audio.get("input"), "input", INPUT_RATES)
-            if rate is not None:
-                if audio_started and rate != self.input_rate:
-                    raise ProtocolError("the input format cannot change once audio has arrived",
-                                        param="session.audio.input.format")
-                self.input_rate = rate
-            rate = _format_rate(audio.get("output"), "output", OUTPUT_RATES)
-            if rate is not None:
-                if audio_started and rate != self.output_rate:
-                    raise ProtocolError("the output format cannot change once audio has arrived",
-                                        param="session.audio.output.format")
-                self.output_rate = rate
+            for name, rates in (("input", INPUT_RATES), ("output", OUTPUT_RATES)):
+                rate = _format_rate(audio.get(name), name, rates)
+                if rate is None:
+                    continue
+                if audio_started and rate != getattr(self, f"{name}_rate"):
+                    raise ProtocolError(f"the {name} format cannot change once audio has arrived",
+                                        param=f"session.audio.{name}.format")
+                setattr(self, f"{name}_rate", rate)
 
 
 def _format_rate(part: object, name: str, rates: tuple[int, ...]) -> int | None:

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def child_env() -> dict:
+    """This process's environment with its import path, so a child imports the same voicechat
+    (the installed package, or the source tree under PYTHONPATH)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
 
 def get_json(url: str) -> dict:
@@ -34,8 +37,7 @@ def get_json(url: str) -> dict:
 def vc_serve(checkpoint: Path, *flags: str, timeout: float = 120.0):
     """A `vc-serve` subprocess serving `checkpoint`; yields its base URL (http://127.0.0.1:PORT)."""
     port = free_port()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "python"), env.get("PYTHONPATH")) if p)
+    env = child_env()
     proc = subprocess.Popen([sys.executable, "-m", "voicechat.serve.cli", "-m", str(checkpoint), "--port", str(port),
                              *flags], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

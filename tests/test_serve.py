@@ -254,10 +254,10 @@ def test_vc_chat_streams_a_file_and_writes_the_answer(ws_url, chat, spoken_wav, 
     import subprocess
     import sys
 
-    from serving import ROOT
+    from serving import child_env
 
     out = tmp_path / "answer.wav"
-    env = {"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"}
+    env = child_env()
     proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", ws_url, "--audio-file", str(spoken_wav),
                            "--fast", "--no-playback", "--output-audio", str(out), "--seed", "5", "-p", PROMPT,
                            "--extra-decoding-seconds", "0.4"], env=env, capture_output=True, text=True, timeout=300)

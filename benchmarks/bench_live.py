@@ -7,7 +7,7 @@
 
 Latency (default): the bundled spoken question, then `--silence` seconds to answer in, pushed in
 80 ms chunks at wall-clock speed (`--fast`: as fast as the session takes them; the first call's
-frames warm the compiled steps, so a first session is run and dropped unless `--cold`). Reported:
+frames warm the compiled steps, so a first live session is run and dropped unless `--cold`). Reported:
 per-frame latency from the arrival of the chunk that completed a frame to `push` returning it
 (p50, p95, max), the frames returned more than one chunk (80 ms) after their chunk arrived, and the
 time from the end of the user's speech to the first non-silent answer audio.
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", choices=["tiny", "full"], default="tiny")
     p.add_argument("--fast", action="store_true", help="push as fast as the session takes the chunks")
-    p.add_argument("--cold", action="store_true", help="measure the first session (compilation included)")
+    p.add_argument("--cold", action="store_true", help="measure the first live session (compilation included)")
     p.add_argument("--silence", type=float, default=4.0, help="seconds of silence after the question (default 4)")
     p.add_argument("--tts-thread", choices=["0", "1"], default=None, help="the TTS on a worker thread (default: "
                                                                            "as VoiceChat decides)")

@@ -52,14 +52,16 @@ def _check_port(host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        import fastapi  # noqa: F401
         import uvicorn
-
-        from .app import ServerSettings, create_app
-        from .connection import Limits
+        import websockets  # noqa: F401
     except ImportError as e:
         print(f"error: vc-serve needs the serve extra: pip install 'voicechat[serve]' ({e.name} is missing)",
               file=sys.stderr)
         return 2
+    from .app import ServerSettings, create_app
+    from .connection import Limits
+
     if not 1 <= args.max_sessions <= 1024 or not 0 < args.port < 65536 or not args.idle_timeout > 0 \
             or not args.max_ahead_seconds > 0:
         print("error: --max-sessions must be 1..1024, --port 1..65535, and the timeouts positive", file=sys.stderr)

@@ -35,6 +35,10 @@ class _Response:
     text: list[str] = field(default_factory=list)
     function_text: list[str] = field(default_factory=list)
 
+    def message_part(self) -> dict:
+        """Where the assistant message's one content part sits, as its events name it."""
+        return dict(response_id=self.id, item_id=self.message_id, output_index=0, content_index=0)
+
 
 class Connection:
     """Runs one client's conversation; every model call goes through the shared scheduler."""
@@ -177,7 +181,7 @@ class Connection:
             self.transcript.append(frame.transcript)
             await self.send(server_event("conversation.item.input_audio_transcription.delta", item_id=self.user_item,
                                          content_index=0, delta=frame.transcript))
-        where = dict(response_id=response.id, item_id=response.message_id, output_index=0, content_index=0)
+        where = response.message_part()
         if frame.text:
             response.text.append(frame.text)
             kind = "response.output_audio_transcript.delta" if "audio" in self.config.output_modalities \
@@ -203,7 +207,7 @@ class Connection:
 
     async def _conversation_done(self) -> None:
         response = self._response()
-        where = dict(response_id=response.id, item_id=response.message_id, output_index=0, content_index=0)
+        where = response.message_part()
         if self.resampler is not None and "audio" in self.config.output_modalities:
             tail = self._resample(np.zeros(0, np.float32), last=True)
             if len(tail):
@@ -221,7 +225,7 @@ class Connection:
     async def _response_done(self, status: str) -> None:
         response, self.response = self._response(), None
         text, function = "".join(response.text), "".join(response.function_text)
-        where = dict(response_id=response.id, item_id=response.message_id, output_index=0, content_index=0)
+        where = response.message_part()
         audio = "audio" in self.config.output_modalities
         if audio:
             await self.send(server_event("response.output_audio_transcript.done", transcript=text, **where))

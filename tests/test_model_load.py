@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from voicechat.checkpoint import open_checkpoint, subtree, to_mlx_layout
+from voicechat.checkpoint import open_checkpoint, to_mlx_layout
 from voicechat.model import VoiceChatModel
 from voicechat.synthetic import make_checkpoint
 

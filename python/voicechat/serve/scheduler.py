@@ -42,14 +42,12 @@ class SessionHandle:
         self.work: collections.deque[Work] = collections.deque()
         self.live = None  # the LiveSession, made on the scheduler's thread at its first work
         self.closed = False
-        self.queued_samples = 0  # input samples queued and not yet run, at their own rates
 
     def push(self, samples: np.ndarray, sample_rate: int) -> None:
         piece = max(1, int(round(FRAME_SECONDS * sample_rate)))
         with self.scheduler.lock:
             for start in range(0, len(samples), piece):
                 self.work.append(Work("push", samples[start : start + piece], sample_rate))
-            self.queued_samples += len(samples)
             self.scheduler.wake.notify()
 
     def finish(self, seconds: float) -> None:
@@ -61,13 +59,9 @@ class SessionHandle:
         """Drops the queued work and frees the session's state (on the scheduler's thread)."""
         with self.scheduler.lock:
             self.work.clear()
-            self.queued_samples = 0
             self.work.append(Work("close"))
             self.closed = True
             self.scheduler.wake.notify()
-
-    def queued_seconds(self, sample_rate: int) -> float:
-        return self.queued_samples / sample_rate
 
 
 class FrameScheduler:
@@ -89,11 +83,6 @@ class FrameScheduler:
             self.sessions.append(handle)
         return handle
 
-    @property
-    def active(self) -> int:
-        with self.lock:
-            return sum(not h.closed for h in self.sessions)
-
     def stop(self) -> None:
         with self.lock:
             self._stopping = True
@@ -113,10 +102,7 @@ class FrameScheduler:
             round_ = []
             for handle in self.sessions:
                 if handle.work:
-                    work = handle.work.popleft()
-                    if work.kind == "push":
-                        handle.queued_samples -= len(work.samples)
-                    round_.append((handle, work))
+                    round_.append((handle, handle.work.popleft()))
             return round_
 
     def _run(self) -> None:

@@ -380,38 +380,55 @@ Loaded limits_of(CUfunction fn, const std::string& what) {
   return k;
 }
 
+// The cubin of `text`: from the cubin cache, else NVRTC (and into the cache). Called without
+// loaded_function's lock and with Python's GIL released (when the calling thread holds it), so that
+// threads compile distinct kernels at once: NVRTC compiles distinct programs concurrently, and a
+// cache file is written under a temporary name and renamed (two threads or processes compiling one
+// text write the same bytes).
+std::string cached_or_compiled(const std::string& text, const std::string& arch) {
+  std::string cubin;
+  const std::string folder = cubin_folder();
+  const std::string path = folder.empty() ? std::string() : folder + "/" + own_kernel_file_name(text) + ".cubin";
+  if (!path.empty() && read_cached_cubin(path, text, cubin)) return cubin;
+  {
+    std::optional<py::gil_scoped_release> released;
+    if (Py_IsInitialized() && PyGILState_Check()) released.emplace();
+    cubin = nvrtc_cubin(text, arch, cuda_include_dirs());
+  }
+  if (!path.empty()) {
+    try {
+      write_cached_cubin(path, text, cubin);
+    } catch (const std::exception& e) {
+      // an unwritable cache costs the next process a compile, never this launch: said once
+      static std::atomic<bool> said{false};
+      if (!said.exchange(true)) {
+        std::fprintf(stderr, "voicechat: cannot keep compiled kernels in %s (%s); every process will compile "
+                     "them again (VOICECHAT_CUBIN_DIR picks the folder)\n", folder.c_str(), e.what());
+      }
+    }
+  }
+  return cubin;
+}
+
 // A kernel by `key` (what tells it apart: device, types, args, shared memory): from this process's
 // table, else the cubin cache, else NVRTC (and into the cache). Modules stay loaded for the process.
-// `text_for(arch)` writes the text, called only on a miss (not at every launch).
+// `text_for(arch)` writes the text, called only on a miss (not at every launch). The table's lock
+// is not held over a compile (cached_or_compiled): two threads that miss one key both compile it,
+// and the first to load it fills the table.
 Loaded loaded_function(const std::string& key, const std::string& what, int smem, const mx::Stream& s,
                        const std::function<std::string(const std::string&)>& text_for) {
   static std::mutex lock;
   static auto* loaded = new std::map<std::string, Loaded>();  // never freed: outlives the runtime
-  std::lock_guard<std::mutex> guard(lock);
-  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    if (auto it = loaded->find(key); it != loaded->end()) return it->second;
+  }
   auto& device = mx::cu::device(s.device);
   const std::string arch =
       "sm_" + std::to_string(device.compute_capability_major()) + std::to_string(device.compute_capability_minor());
-  const std::string text = text_for(arch);
-  std::string cubin;
-  const std::string folder = cubin_folder();
-  const std::string path = folder.empty() ? std::string() : folder + "/" + own_kernel_file_name(text) + ".cubin";
-  if (path.empty() || !read_cached_cubin(path, text, cubin)) {
-    cubin = nvrtc_cubin(text, arch, cuda_include_dirs());
-    if (!path.empty()) {
-      try {
-        write_cached_cubin(path, text, cubin);
-      } catch (const std::exception& e) {
-        // an unwritable cache costs the next process a compile, never this launch: said once
-        static bool said = false;  // (under `lock`)
-        if (!said) {
-          said = true;
-          std::fprintf(stderr, "voicechat: cannot keep compiled kernels in %s (%s); every process will compile "
-                       "them again (VOICECHAT_CUBIN_DIR picks the folder)\n", folder.c_str(), e.what());
-        }
-      }
-    }
-  }
+  const std::string cubin = cached_or_compiled(text_for(arch), arch);
+  std::lock_guard<std::mutex> guard(lock);
+  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
   device.make_current();
   CUfunction fn = load_vc_kernel(cubin);
   if (!fn) {

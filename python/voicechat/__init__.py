@@ -12,6 +12,12 @@ import os
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
+def cache_root() -> str:
+    """The user's cache folder: $XDG_CACHE_HOME, else ~/.cache (voicechat's caches live in its
+    `voicechat/` folder)."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
 def _persistent_kernel_cache() -> None:
     """Keep MLX-CUDA's compiled kernels across reboots (its default is the temp dir): a full-size
     first run compiles minutes of kernels. Per MLX version, as MLX keys its own kernels by name
@@ -21,7 +27,7 @@ def _persistent_kernel_cache() -> None:
     beside it, the folder our kernels' texts are #included from (VOICECHAT_KERNEL_TEXT_DIR; set it
     empty to hand MLX the texts themselves, which costs host time at every launch), and the cubins
     of our own launch (VOICECHAT_CUBIN_DIR; csrc/own_launch.h)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = cache_root()
     os.environ.setdefault("VOICECHAT_KERNEL_TEXT_DIR", os.path.join(root, "voicechat", "kernel-text"))
     # our own launch's cubins (on a CUDA build unless VOICECHAT_OWN_LAUNCH=0), each file beside its text
     os.environ.setdefault("VOICECHAT_CUBIN_DIR", os.path.join(root, "voicechat", "cubin"))
@@ -47,4 +53,8 @@ def __getattr__(name: str):
         from . import session
 
         return getattr(session, name)
+    if name == "precompile":
+        from .precompile import precompile
+
+        return precompile
     raise AttributeError(f"module 'voicechat' has no attribute {name!r}")

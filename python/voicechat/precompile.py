@@ -1,0 +1,281 @@
+"""Compiling ahead of time: every kernel a model's `generate` needs, compiled once on dummy inputs.
+
+    chat = voicechat.load(path)
+    voicechat.precompile(chat, progress=print)   # or: vc-generate -m PATH --precompile
+
+A first run compiles kernels for minutes: MLX JIT-compiles its own ops and every fused graph
+(NVRTC on a CUDA GPU, the system C++ compiler on a CPU), and our CUDA kernels compile through
+NVRTC (`csrc/own_launch.h`). All of it lands in disk caches (MLX_PTX_CACHE_DIR, VOICECHAT_CUBIN_DIR,
+on a CPU $TMPDIR/mlx), so it is paid once per machine: `precompile` pays it up front, on dummy
+inputs, in parallel where MLX allows, and says how far it is (`progress`).
+
+What runs (`PARTS`):
+- on the calling thread, the timeline: the system-prompt prefill and the LLM's compiled decode
+  parts, with the TTS warmup and compiled step beside it (on the TTS worker thread where generate
+  puts it); then one LLM step and one TTS step at a K/V capacity past 1024 slots, where the decode
+  attention kernels switch to their split form (inputs of 82 s and more);
+- on a thread of its own, the speech encoder (at a short length and, with `long_inputs`, past
+  30 s, where it runs a layer at a time) and the RNNT transcript loop on a CPU stream;
+- on a thread of its own, the codec's decode window;
+- then, on the calling thread, one short `generate`: it finds every kernel compiled and warms what
+  MLX keeps per thread, so that the caller's next `generate` runs at warm speed.
+
+What MLX-CUDA 0.32.4 allows at once, and so the rules here:
+- MLX's JIT cache is one per process behind one lock held over the whole NVRTC compile
+  (`get_jit_module`): two threads never compile MLX kernels at the same time, but a thread that
+  builds graphs, encodes launches or compiles our kernels runs beside one that compiles MLX's.
+  Its CPU backend holds one lock over each compiler run the same way.
+- Our kernels compile outside our own lock and with Python's GIL released (`loaded_function` in
+  csrc/own_launch.cpp): distinct kernels compile on several threads at once.
+- MLX keeps per thread: the compile cache of `mx.compile` (a graph traced on one thread is traced
+  again on another), the cuDNN plan caches of convolutions and attention, the cuBLAS and cuDNN
+  handles, the command encoders. So the compiled LLM decode runs on the calling thread and the TTS
+  step on the thread that generate steps it on, and the final `generate` warms the rest.
+- MLX writes its disk cache in place (no temporary name): processes that compile the same kernel
+  at once may read each other's half-written files. Parts therefore run as threads of one process,
+  never as processes sharing a cache folder.
+- The parts read disjoint weights (no array is read by two threads at once: tts_thread.py), and
+  each thread evaluates on its own default stream.
+
+The ids and codes a later `generate` gives do not depend on whether `precompile` ran (tested).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .audio import load_audio
+from .session import STEPWISE_MEL_FRAMES, VoiceChat
+from .stt.rnnt import emitted_tokens, greedy_table
+from .tts_thread import WorkerThread
+
+PARTS = ("timeline", "speech encoder", "codec", "long context", "warm generate")
+# Seconds of the dummy input of the timeline and the warm generate.
+DUMMY_SECONDS = 2.0
+# K/V slots from which the decode attention kernels take their split form (csrc/decode_attention.cpp)
+SPLIT_CAPACITY = 1025
+
+
+@dataclass
+class Progress:
+    """Where a `precompile` is: parts done of `total`, the part last started or finished, kernels
+    compiled so far (new files in the kernel caches) and seconds since it began."""
+
+    done: int
+    total: int
+    part: str
+    kernels: int
+    elapsed: float
+    finished: bool = False
+
+
+def kernel_cache_folders() -> list[Path]:
+    """The folders compiled kernels land in: MLX's (MLX_PTX_CACHE_DIR on a CUDA GPU, its CPU
+    compiler's $TMPDIR/mlx/<version>/cpu) and ours (VOICECHAT_CUBIN_DIR)."""
+    folders = []
+    if mx.default_device() == mx.gpu and os.environ.get("MLX_PTX_CACHE_DIR"):
+        folders.append(Path(os.environ["MLX_PTX_CACHE_DIR"]))
+    else:
+        folders.append(Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu")
+    if os.environ.get("VOICECHAT_CUBIN_DIR"):
+        folders.append(Path(os.environ["VOICECHAT_CUBIN_DIR"]))
+    return folders
+
+
+_KERNEL_SUFFIXES = (".ptx", ".cubin", ".so")
+
+
+def count_kernels(folders: list[Path] | None = None) -> int:
+    """Compiled kernel files in the kernel caches (MLX's .ptx / .so, our .cubin)."""
+    n = 0
+    for folder in kernel_cache_folders() if folders is None else folders:
+        for _, _, files in os.walk(folder):
+            n += sum(1 for f in files if f.endswith(_KERNEL_SUFFIXES))
+    return n
+
+
+def dummy_audio(seconds: float, rate: int = 16000) -> np.ndarray:
+    """The bundled spoken question cut or padded with silence to `seconds`."""
+    question = load_audio(str(resources.files("voicechat") / "data" / "question.wav"), rate)
+    out = np.zeros(int(seconds * rate), np.float32)
+    out[: min(len(out), len(question))] = question[: len(out)]
+    return out
+
+
+def warm_generate(chat: VoiceChat, seconds: float = DUMMY_SECONDS) -> None:
+    """One short `generate` on the calling thread (with a system prompt): a fresh process's next
+    `generate` then runs at warm speed (what MLX keeps per thread is made here)."""
+    chat.generate(dummy_audio(seconds, chat.config.input_sample_rate), system_prompt="Hi.",
+                  sample_rate=chat.config.input_sample_rate, extra_decoding_seconds=0.0)
+
+
+def _speech_encoder(chat: VoiceChat, long_inputs: bool) -> None:
+    """The encoder at a short length (and past STEPWISE_MEL_FRAMES), and the transcript loop."""
+    c = chat.config
+    perception = chat.listening.perception
+    lengths = [DUMMY_SECONDS]
+    if long_inputs:
+        hop = c.audio_config.preprocessor.hop_length
+        lengths.append((STEPWISE_MEL_FRAMES + 8) * hop / c.input_sample_rate)
+    for seconds in lengths:
+        mel = perception.log_mel(mx.array(dummy_audio(seconds, c.input_sample_rate)))
+        embeds, _, encoded = perception(mel, stepwise=mel.shape[1] > STEPWISE_MEL_FRAMES)
+        mx.eval(embeds, encoded)
+    transcript = greedy_table(encoded[:, :8], chat.listening.rnnt_decoder, chat.listening.rnnt_joint,
+                              c.rnnt_blank_id, c.audio_config.max_symbols,
+                              stream=mx.new_thread_unsafe_stream(mx.cpu), weights=chat._transcript_weights)
+    emitted_tokens(transcript)
+
+
+def _codec(chat: VoiceChat) -> None:
+    """The codec's decode over a few windows of silence codes."""
+    frames = int(round(DUMMY_SECONDS / chat.config.frame_duration))
+    codes = np.broadcast_to(np.array(chat.speaking.codec_silence_tokens), (frames, chat.config.tts_config.num_quantizers))
+    chat._decode_audio(np.ascontiguousarray(codes))
+
+
+def _timeline(chat: VoiceChat) -> None:
+    """The system-prompt prefill and the frame loop on dummy audio embeddings, on generate's threads
+    and streams (the LLM here, the TTS on its worker where generate puts it there)."""
+    c = chat.config
+    frames = int(round(DUMMY_SECONDS / c.frame_duration))
+    threaded = chat.tts_thread
+    tts = chat.ear_tts
+    with mx.stream(chat._tts_stream if threaded else chat._timeline_stream):
+        tts_cache = tts.make_cache()
+        previous = tts.warmup(chat.speaking.audio_prompt_latents[c.speaker], chat.warmup_codes(), tts_cache)
+    mx.eval(previous)
+    embeds = mx.zeros((1, frames, c.text_config.hidden_size), mx.float32)
+    chat._timeline(embeds, chat.prompt_ids("Hi."), previous, tts_cache, 0, None, threaded=threaded)
+
+
+def _long_context(chat: VoiceChat) -> None:
+    """One LLM decode step and one TTS step with K/V buffers past SPLIT_CAPACITY slots."""
+    c = chat.config
+    stt, tts = chat.listening, chat.ear_tts
+    t = c.text_config
+    with mx.stream(chat._timeline_stream):
+        cache = stt.make_cache()
+        for entry in cache:
+            if hasattr(entry, "reserve"):
+                entry.reserve(SPLIT_CAPACITY, 1, t.num_key_value_heads, t.head_dim)
+        pad = mx.array([[c.pad_token_id]], mx.int32)
+        ids = stt.decode(pad, mx.zeros((1, 1, t.hidden_size), mx.float32), pad, cache)
+        mx.eval(ids, cache.state)
+
+    def tts_step() -> None:
+        stream = chat._tts_stream if chat.tts_thread else chat._timeline_stream
+        with mx.stream(stream):
+            tts_cache = tts.make_cache()
+            previous = tts.warmup(chat.speaking.audio_prompt_latents[c.speaker], chat.warmup_codes(), tts_cache)
+            tts_cache.reserve(SPLIT_CAPACITY, 2)
+            out = tts.step(previous, mx.array([c.pad_token_id], mx.int32), tts_cache, mx.random.key(0),
+                           chat.speaking.codec_silence_tokens)
+            mx.eval(out, tts_cache.state)
+
+    _on_tts_thread(chat, tts_step)
+
+
+def _on_tts_thread(chat: VoiceChat, job: Callable[[], None]) -> None:
+    """Runs `job` where generate steps the TTS: its worker thread, or here."""
+    if not chat.tts_thread:
+        job()
+        return
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            job()
+        except BaseException as e:  # raised again on the caller's thread
+            errors.append(e)
+
+    chat._worker_thread().submit(run).wait()
+    if errors:
+        raise errors[0]
+
+
+def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = None, *,
+               long_inputs: bool = True, every: float = 0.5) -> Progress:
+    """Run every part of `chat`'s generate once on dummy inputs (`PARTS`), so that the kernels it
+    needs are compiled and kept in the disk caches, and this process's next `generate` runs at
+    warm speed. `progress(Progress)` is called from a thread of its own every `every` seconds and
+    whenever a part ends (the last call has `finished`). `long_inputs`: also the shapes of inputs
+    past 30 s (the encoder a layer at a time) and 82 s (split attention). Returns the last Progress.
+
+    Safe on a model in use by nobody else (it runs generate's own paths, under its lock)."""
+    folders = kernel_cache_folders()
+    start, before = time.perf_counter(), count_kernels(folders)
+    total = len(PARTS) if long_inputs else len(PARTS) - 1
+    state = {"done": 0, "part": PARTS[0]}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def snapshot(finished: bool = False) -> Progress:
+        with lock:
+            done, part = state["done"], state["part"]
+        return Progress(done, total, part, max(0, count_kernels(folders) - before), time.perf_counter() - start,
+                        finished)
+
+    def report() -> None:
+        while not stop.wait(every):
+            progress(snapshot())
+
+    def finished(part: str) -> None:
+        with lock:
+            state["done"] += 1
+            state["part"] = part
+        if progress is not None:
+            progress(snapshot())
+
+    ticker = threading.Thread(target=report, name="voicechat-precompile-progress", daemon=True)
+    if progress is not None:
+        ticker.start()
+    helpers = [WorkerThread(), WorkerThread()]
+    errors: list[BaseException] = []
+
+    def job(fn: Callable[[], None], part: str) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+                finished(part)
+            except BaseException as e:
+                errors.append(e)
+        return run
+
+    try:
+        with chat._generating:
+            waits = [helpers[0].submit(job(lambda: _speech_encoder(chat, long_inputs), "speech encoder")),
+                     helpers[1].submit(job(lambda: _codec(chat), "codec"))]
+            _timeline(chat)
+            finished("timeline")
+            if long_inputs:
+                _long_context(chat)
+                finished("long context")
+            for w in waits:
+                w.wait()
+            if errors:
+                raise errors[0]
+        with lock:
+            state["part"] = "warm generate"
+        warm_generate(chat)
+        finished("warm generate")
+    finally:
+        for h in helpers:
+            h.close()
+        stop.set()
+        if progress is not None:
+            ticker.join()
+    last = snapshot(finished=True)
+    if progress is not None:
+        progress(last)
+    return last

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from importlib import resources
 from pathlib import Path
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help="ignored: the answer is as long as the input timeline (+ extra decoding seconds)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the answer lines (no progress, no timing)")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile every kernel the model needs on dummy inputs, keep them in the disk caches, "
+                        "and exit (run once when building a package or container; needs no --audio)")
     p.add_argument("--demo", action="store_true",
                    help="run offline on a freshly made tiny synthetic checkpoint and a bundled spoken question "
                         "(random weights: shows the pipeline working, not a real answer)")
@@ -98,6 +102,66 @@ def _demo_inputs(workdir: Path) -> tuple[str, str]:
     return str(checkpoint), str(question)
 
 
+class _Stages:
+    """Stage lines on stderr ("load: char table: 2.3 s" as each ends); on a terminal a line under
+    way ticks its seconds (tqdm), so that a long stage (a first run's kernel compiles) is never
+    silent. Precompile progress (`precompile.Progress`) shows parts done and kernels compiled."""
+
+    def __init__(self, enabled: bool, tty: bool):
+        self.enabled, self.tty = enabled, tty
+        self.name: str | None = None
+        self.start = 0.0
+        self.bar = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+
+    def __call__(self, name: str) -> None:
+        self.end()
+        if not self.enabled:
+            return
+        with self._lock:
+            self.name, self.start = name, time.perf_counter()
+            if self.tty:
+                from tqdm import tqdm
+
+                self.bar = tqdm(desc=name, bar_format="{desc} {elapsed}", file=sys.stderr, leave=False)
+        if self.tty and self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, name="vc-generate-stages", daemon=True)
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            with self._lock:
+                if self.bar is not None:
+                    self.bar.refresh()
+
+    def compile_progress(self, p) -> None:
+        """A `precompile.Progress`: the line under way, and a plain line as each part ends."""
+        text = f"{self.name} ({p.done}/{p.total} parts, {p.kernels} kernels compiled)"
+        with self._lock:
+            if self.bar is not None:
+                self.bar.set_description_str(text, refresh=False)
+            elif self.enabled and not p.finished and p.done != getattr(self, "_parts_said", -1):
+                self._parts_said = p.done
+                print(f"{text}: {p.elapsed:.1f} s", file=sys.stderr)
+
+    def end(self) -> None:
+        with self._lock:
+            if self.name is not None:
+                if self.bar is not None:
+                    self.bar.close()
+                    self.bar = None
+                print(f"{self.name}: {time.perf_counter() - self.start:.1f} s", file=sys.stderr)
+                self.name = None
+
+    def close(self) -> None:
+        self.end()
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+
+
 class _Progress:
     """A tqdm bar over timeline frames, on a terminal only."""
 
@@ -133,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     if args.demo and args.audio:
         raise _UsageError("--demo brings its own audio; drop --audio (or drop --demo)")
-    if not args.demo and not args.audio:
+    if args.precompile and (args.audio or args.output_audio or args.output_json):
+        raise _UsageError("--precompile compiles and exits: it takes no --audio, --output-audio or --output-json")
+    if not args.demo and not args.audio and not args.precompile:
         raise _UsageError("--audio is required (or use --demo)")
     if not 0 <= args.seed < 2**64:  # (generate refuses it too, but after the model has loaded)
         raise _UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
@@ -158,17 +224,24 @@ def run(args: argparse.Namespace) -> int:
         if args.demo:
             model, audio = _demo_inputs(Path(tmp))
             say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
-        start = time.perf_counter()
-        chat = load(model)
-        load_s = time.perf_counter() - start
-        mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
-        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+        stages = _Stages(enabled=not args.quiet, tty=sys.stderr.isatty())
         try:
-            result = chat.generate(audio, system_prompt=args.system_prompt,
-                                   extra_decoding_seconds=args.extra_decoding_seconds, seed=args.seed,
-                                   sample_rate=rate, progress=progress)
+            start = time.perf_counter()
+            chat = load(model, progress=lambda stage: stages(f"load: {stage}"))
+            load_s = time.perf_counter() - start
+            if args.precompile:
+                return _precompile(chat, stages, say, load_s)
+            stages("generate")
+            mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
+            progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+            try:
+                result = chat.generate(audio, system_prompt=args.system_prompt,
+                                       extra_decoding_seconds=args.extra_decoding_seconds, seed=args.seed,
+                                       sample_rate=rate, progress=progress)
+            finally:
+                progress.close()
         finally:
-            progress.close()
+            stages.close()
 
     if args.output_audio == "-":  # a pipe cannot seek: the WAV is made whole in memory first
         sys.stdout.buffer.write(wav_bytes(result.audio, result.sample_rate))
@@ -199,6 +272,20 @@ def run(args: argparse.Namespace) -> int:
         f"real-time factor {gen / max(audio_s, 1e-9):.3f}, load {load_s:.1f} s")
     if not args.output_audio:
         say("note: the spoken answer was not written (--output-audio FILE keeps it)")
+    return 0
+
+
+def _precompile(chat, stages: _Stages, say, load_s: float) -> int:
+    """--precompile: every kernel of the model compiled and kept (`voicechat.precompile`)."""
+    import mlx.core as mx
+
+    from .precompile import precompile
+
+    stages(f"compiling {'GPU' if mx.default_device() == mx.gpu else 'CPU'} kernels for this model (first run only)")
+    last = precompile(chat, progress=stages.compile_progress)
+    stages.end()
+    say(f"precompiled: {last.kernels} kernels compiled in {last.elapsed:.1f} s (load {load_s:.1f} s); "
+        "later runs read them from the caches")
     return 0
 
 

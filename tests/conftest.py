@@ -14,6 +14,18 @@ from voicechat.synthetic import make_checkpoint
 QUESTION = "What is the capital of France?"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _char_tables_of_this_run(tmp_path_factory):
+    """The TTS char tables that loads keep on disk go to a folder of this run, not the user's cache
+    (a test that studies the cache sets VOICECHAT_CHAR_TABLE_DIR itself)."""
+    before = os.environ.get("VOICECHAT_CHAR_TABLE_DIR")
+    if before is None:
+        os.environ["VOICECHAT_CHAR_TABLE_DIR"] = str(tmp_path_factory.mktemp("char-table"))
+    yield
+    if before is None:
+        os.environ.pop("VOICECHAT_CHAR_TABLE_DIR", None)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """float32, published (torch) layout, dense."""

@@ -1,0 +1,153 @@
+"""The first run: the TTS char table's disk cache, `voicechat.precompile`, load's warm-up and
+`vc-generate --precompile`. What a cache or a precompile changes must never be an id or a code."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import voicechat
+from voicechat import char_table_cache
+from voicechat.cli import main
+from voicechat.precompile import PARTS, precompile
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint32))
+
+
+def _answer(chat, wav) -> tuple:
+    r = chat.generate(wav, seed=3)
+    return r.text_tokens, r.function_tokens, r.audio_codes, r.user_transcript
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "char-table"
+    monkeypatch.setenv("VOICECHAT_CHAR_TABLE_DIR", str(folder))
+    return folder
+
+
+def test_a_cached_char_table_gives_bit_identical_ids_and_codes(tiny_checkpoint, spoken_wav, table_dir,
+                                                               monkeypatch):
+    first = voicechat.load(tiny_checkpoint)
+    assert first.ear_tts.char_table_source == "computed"
+    files = list(table_dir.glob("*.safetensors"))
+    assert len(files) == 1 and not list(table_dir.glob(".*"))  # written whole, no temp file left
+    cached = voicechat.load(tiny_checkpoint)
+    assert cached.ear_tts.char_table_source == "cache"
+    monkeypatch.setenv("VOICECHAT_CHAR_TABLE_DIR", "")  # empty: no cache
+    uncached = voicechat.load(tiny_checkpoint)
+    assert uncached.ear_tts.char_table_source == "computed, not kept"
+    table = _bits(first.ear_tts.char_table())
+    assert np.array_equal(table, _bits(cached.ear_tts.char_table()))
+    assert np.array_equal(table, _bits(uncached.ear_tts.char_table()))
+    assert _answer(cached, spoken_wav) == _answer(uncached, spoken_wav)
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01  # the last float of the table (its data ends the file)
+    path.write_bytes(bytes(data))
+
+
+def _cut_short(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _other_key(path: Path) -> None:
+    arrays = mx.load(str(path))
+    char_table_cache.write_table(path, "another checkpoint's key", arrays["table"])
+
+
+def _other_shape(path: Path) -> None:
+    arrays = mx.load(str(path))
+    char_table_cache.write_table(path, path.stem, arrays["table"][:-1])
+
+
+@pytest.mark.parametrize("damage", [_flip_last_byte, _cut_short, _other_key, _other_shape])
+def test_a_corrupt_or_foreign_char_table_file_is_recomputed_and_written_again(tiny_checkpoint, table_dir, damage):
+    original = _bits(voicechat.load(tiny_checkpoint).ear_tts.char_table())
+    (path,) = table_dir.glob("*.safetensors")
+    damage(path)
+    again = voicechat.load(tiny_checkpoint).ear_tts
+    assert again.char_table_source == "computed"
+    assert np.array_equal(_bits(again.char_table()), original)
+    assert voicechat.load(tiny_checkpoint).ear_tts.char_table_source == "cache"  # the file is whole again
+
+
+def test_the_checksum_sees_one_flipped_bit_and_swapped_rows():
+    table = mx.array(np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32))
+    words = np.array(table.view(mx.uint32))
+    flipped = words.copy()
+    flipped[4, 2] ^= 1 << 31
+    swapped = words[[1, 0, 2, 3, 4, 5]]
+    total = char_table_cache.checksum(table)
+    for other in (flipped, swapped, words[:, [0, 1, 2, 4, 3]]):
+        assert char_table_cache.checksum(mx.array(other).view(mx.float32)) != total
+    assert char_table_cache.checksum(mx.array(words).view(mx.float32)) == total
+
+
+def test_the_key_follows_the_char_encoders_weights_and_vocabulary_only(tiny_checkpoint, table_dir):
+    chat = voicechat.load(tiny_checkpoint)
+    tts = chat.ear_tts
+    encoder = tts.embed_subword
+    section = tts.cfg.character_encoder.to_dict()
+
+    def key(vocabulary=None, kernels=False) -> str:
+        return char_table_cache.table_key(encoder, section, vocabulary or encoder.vocabulary_digest, kernels)
+
+    base = key()
+    assert key() == base
+    assert key(vocabulary="0" * 64) != base
+    assert key(kernels=True) != base
+    assert char_table_cache.table_key(encoder, {**section, "rope_base": 5e3}, encoder.vocabulary_digest, False) != base
+    weight = encoder.proj_embedding.weight
+    encoder.proj_embedding.weight = mx.concatenate([weight[:1] + 1e-3, weight[1:]])
+    assert key() != base
+    encoder.proj_embedding.weight = weight
+    chat.listening.lm_head.weight = chat.listening.lm_head.weight + 1  # not the char encoder's: same key
+    assert key() == base
+
+
+def test_an_unwritable_char_table_folder_is_one_warning_line(tiny_checkpoint, tmp_path, monkeypatch, capfd):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("VOICECHAT_CHAR_TABLE_DIR", str(blocker / "char-table"))
+    monkeypatch.setattr(char_table_cache, "_said_unwritable", False)
+    chats = [voicechat.load(tiny_checkpoint) for _ in range(2)]
+    assert [c.ear_tts.char_table_source for c in chats] == ["computed, not kept"] * 2
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "char table" in line]
+    assert len(lines) == 1 and lines[0].startswith("voicechat: cannot keep the char table in ")
+    assert "Traceback" not in err
+
+
+def test_precompile_and_the_warm_up_at_load_change_no_id_or_code(tiny_checkpoint, spoken_wav, table_dir):
+    chat = voicechat.load(tiny_checkpoint)
+    seen = []
+    last = precompile(chat, progress=seen.append, long_inputs=False)
+    assert last.finished and last.done == last.total == len(PARTS) - 1
+    assert [p.done for p in seen if not p.finished] == sorted(p.done for p in seen if not p.finished)
+    assert seen[-1] == last
+    stages = []
+    warm = voicechat.load(tiny_checkpoint, progress=stages.append, warmup=True)
+    assert stages == ["opening the checkpoint", "char table", "reading weights", "warming up"]
+    plain = voicechat.load(tiny_checkpoint)
+    assert _answer(chat, spoken_wav) == _answer(plain, spoken_wav) == _answer(warm, spoken_wav)
+
+
+def test_vc_generate_precompile_compiles_and_exits_with_stage_lines(capsys, tiny_checkpoint, table_dir):
+    assert main(["-m", str(tiny_checkpoint), "--precompile"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ""
+    for needle in ("load: opening the checkpoint: ", "load: char table: ", "load: reading weights: ",
+                   "kernels for this model (first run only): ", "precompiled: "):
+        assert needle in err, needle
+    assert main(["-m", str(tiny_checkpoint), "--precompile", "--audio", os.devnull]) == 2
+    assert capsys.readouterr().err.startswith("error: --precompile compiles and exits")

@@ -1,15 +1,18 @@
 """The first run: new processes on empty caches, then on the caches the first one left.
 
     PYTHONPATH=python python benchmarks/bench_cold.py                         # tiny checkpoint (CPU)
-    PYTHONPATH=python python benchmarks/bench_cold.py --size full --precompile --json   # real shapes (GPU)
+    PYTHONPATH=python python benchmarks/bench_cold.py --size full --precompile --json  # real shapes (GPU)
 
 Every run is a new process whose caches are folders of one temp dir made here: XDG_CACHE_HOME,
 MLX_PTX_CACHE_DIR (MLX's CUDA kernels), VOICECHAT_CUBIN_DIR and VOICECHAT_KERNEL_TEXT_DIR (ours),
-VOICECHAT_CHAR_TABLE_DIR (the TTS char table) and TMPDIR (MLX's CPU kernels, $TMPDIR/mlx). Runs
-(`--runs`, in order, sharing those folders):
+VOICECHAT_CHAR_TABLE_DIR (the TTS char table), CUDA_CACHE_PATH (the driver's PTX cache) and TMPDIR
+(MLX's CPU kernels, $TMPDIR/mlx). Runs (`--runs`, in order; all but first-precompile share one set
+of those folders):
 
-- first: empty caches: load, `voicechat.precompile` with `--precompile`, then generate twice (the
-  first is the first run's; the second is the same process warm);
+- first: empty caches: load, then generate twice (the first is the first run's, compiling as it
+  goes; the second is the same process warm);
+- first-precompile (with `--precompile`): empty caches of its own: load, `voicechat.precompile`,
+  then generate twice;
 - second: the caches the first run left: load, generate twice (fresh-process vs in-process warm);
 - warmup: the same caches, `voicechat.load(..., warmup=True)`, generate twice: what a warm-up
   at load leaves of a fresh process's first generate.
@@ -41,9 +44,10 @@ CACHE_VARS = {
     "VOICECHAT_CUBIN_DIR": "cubin",
     "VOICECHAT_KERNEL_TEXT_DIR": "kernel-text",
     "VOICECHAT_CHAR_TABLE_DIR": "char-table",
+    "CUDA_CACHE_PATH": "cuda-driver",
     "TMPDIR": "tmp",
 }
-RUNS = ("first", "second", "warmup")
+RUNS = ("first", "second", "warmup", "first-precompile")
 
 
 def _child(args: argparse.Namespace) -> dict:
@@ -81,9 +85,10 @@ def _child(args: argparse.Namespace) -> dict:
     out["load_stages_s"] = {k: v for k, v in stages.items() if k}
     out["char_table"] = chat.ear_tts.char_table_source
     out["tts_thread"] = chat.tts_thread
-    if args.precompile and args.child == "first":
+    if args.child == "first-precompile":
         last = precompile(chat)
         out["precompile_s"], out["precompile_kernels"] = last.elapsed, last.kernels
+        out["precompile_own_kernels"] = last.own_total  # ours, compiled side by side
     audio = dummy_audio(args.seconds, chat.config.input_sample_rate)
     for name in ("generate_1", "generate_2"):
         t = time.perf_counter()
@@ -106,8 +111,6 @@ def _run_child(run: str, args: argparse.Namespace, env: dict, workdir: Path, che
            "--workdir", str(workdir)]
     if checkpoint:
         cmd += ["--checkpoint", checkpoint]
-    if args.precompile:
-        cmd.append("--precompile")
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - start
@@ -116,6 +119,15 @@ def _run_child(run: str, args: argparse.Namespace, env: dict, workdir: Path, che
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     result["wall_s"] = wall  # from spawning the process to its exit
     return result
+
+
+def _cache_env(root: Path) -> dict:
+    """This process's environment with every cache variable pointing into a new folder of `root`."""
+    env = dict(os.environ)
+    for var, folder in CACHE_VARS.items():
+        (root / folder).mkdir(parents=True)
+        env[var] = str(root / folder)
+    return env
 
 
 def _peer(args: argparse.Namespace, env: dict) -> dict:
@@ -142,6 +154,9 @@ def _summary(results: list[dict]) -> dict:
     s: dict = {}
     if "first" in by:
         s["first_run_end_to_end_s"] = by["first"]["end_to_end_s"]
+    if "first-precompile" in by:
+        s["first_run_precompiled_end_to_end_s"] = by["first-precompile"]["end_to_end_s"]
+        s["precompile_s"] = by["first-precompile"]["precompile_s"]
     if "second" in by:
         g1, g2 = by["second"]["generate_1"], by["second"]["generate_2"]
         s["second_process_load_s"] = by["second"]["load_s"]
@@ -159,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=("tiny", "full"), default="tiny")
     p.add_argument("--seconds", type=float, default=10.7, help="input length (the bundled question + silence)")
-    p.add_argument("--precompile", action="store_true", help="the first run calls voicechat.precompile after load")
-    p.add_argument("--runs", default=",".join(RUNS), help=f"which runs, in order (default: {','.join(RUNS)})")
+    p.add_argument("--precompile", action="store_true",
+                   help="add the first-precompile run (its own empty caches; voicechat.precompile after load)")
+    p.add_argument("--runs", help=f"which runs, in order, of {', '.join(RUNS)} (default: all but first-precompile, "
+                                  "which --precompile adds)")
     p.add_argument("--peer", choices=("mlx-vlm",), help="also time a peer's first run, where it is installed")
     p.add_argument("--peer-model", help="the model the peer runs (a hub id or folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -173,15 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(_child(args)))
         return 0
-    runs = [r for r in args.runs.split(",") if r]
+    runs = [r for r in (args.runs or ",".join(RUNS[:3])).split(",") if r]
+    if args.precompile and "first-precompile" not in runs:
+        runs.append("first-precompile")
     if any(r not in RUNS for r in runs):
         p.error(f"--runs: each of {', '.join(RUNS)}")
 
     workdir = Path(tempfile.mkdtemp(prefix="vc-bench-cold-"))
-    env = dict(os.environ)
-    for var, folder in CACHE_VARS.items():
-        (workdir / folder).mkdir()
-        env[var] = str(workdir / folder)
+    env, env_own = _cache_env(workdir / "shared"), _cache_env(workdir / "own")
     checkpoint = None
     try:
         if args.size == "tiny":
@@ -192,15 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             if not args.json:
                 print(f"run {run} ...", file=sys.stderr)
-            results.append(_run_child(run, args, env, workdir, checkpoint))
-        report = {"size": args.size, "seconds": args.seconds, "precompile": args.precompile,
-                  "summary": _summary(results), "runs": results}
+            results.append(_run_child(run, args, env_own if run == "first-precompile" else env, workdir, checkpoint))
+        report = {"size": args.size, "seconds": args.seconds, "summary": _summary(results), "runs": results}
         if args.peer:
-            peer_env = dict(env)
-            for var, folder in CACHE_VARS.items():  # the peer's own empty caches
-                (workdir / "peer" / folder).mkdir(parents=True)
-                peer_env[var] = str(workdir / "peer" / folder)
-            report["peer"] = _peer(args, peer_env)
+            report["peer"] = _peer(args, _cache_env(workdir / "peer"))  # the peer's own empty caches
         if args.keep:
             report["workdir"] = str(workdir)
         if args.json:
@@ -214,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(report: dict) -> None:
-    print(f"size {report['size']}, {report['seconds']} s input, precompile {report['precompile']}")
+    print(f"size {report['size']}, {report['seconds']} s input")
     for r in report["runs"]:
         if "error" in r:
             print(f"  {r['run']}: {r['error']}\n{r['stderr_tail']}")

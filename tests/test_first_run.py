@@ -21,7 +21,7 @@ def _bits(a: mx.array) -> np.ndarray:
 
 
 def _answer(chat, wav) -> tuple:
-    r = chat.generate(wav, seed=3)
+    r = chat.generate(wav, seed=3, extra_decoding_seconds=1.0)
     return r.text_tokens, r.function_tokens, r.audio_codes, r.user_transcript
 
 
@@ -137,7 +137,7 @@ def test_precompile_and_the_warm_up_at_load_change_no_id_or_code(tiny_checkpoint
     assert seen[-1] == last
     stages = []
     warm = voicechat.load(tiny_checkpoint, progress=stages.append, warmup=True)
-    assert stages == ["opening the checkpoint", "char table", "reading weights", "warming up"]
+    assert stages == ["opening the checkpoint", "char table", "reading weights", "speaker prompt", "warming up"]
     plain = voicechat.load(tiny_checkpoint)
     assert _answer(chat, spoken_wav) == _answer(plain, spoken_wav) == _answer(warm, spoken_wav)
 
@@ -147,7 +147,83 @@ def test_vc_generate_precompile_compiles_and_exits_with_stage_lines(capsys, tiny
     out, err = capsys.readouterr()
     assert out == ""
     for needle in ("load: opening the checkpoint: ", "load: char table: ", "load: reading weights: ",
-                   "kernels for this model (first run only): ", "precompiled: "):
+                   "load: speaker prompt: ", "kernels for this model (first run only): ", "precompiled: "):
         assert needle in err, needle
     assert main(["-m", str(tiny_checkpoint), "--precompile", "--audio", os.devnull]) == 2
     assert capsys.readouterr().err.startswith("error: --precompile compiles and exits")
+
+
+def _nvrtc_or_skip() -> None:
+    from voicechat.kernels import ext
+
+    try:
+        ext.nvrtc_cubin(ext.strided_copy_text("sm_90"), "sm_90")
+    except RuntimeError as e:
+        if "cannot be loaded" in str(e):
+            pytest.skip("no NVRTC here (VOICECHAT_NVRTC names one)")
+        raise
+
+
+def test_kernel_texts_compile_side_by_side_into_the_cubin_cache(tmp_path, monkeypatch):
+    from voicechat.kernels import ext
+    from voicechat.precompile import compile_kernel_texts
+
+    _nvrtc_or_skip()
+    folder = tmp_path / "cubin"
+    monkeypatch.setenv("VOICECHAT_CUBIN_DIR", str(folder))
+    good = [(ext.strided_copy_text(arch), arch) for arch in ("sm_80", "sm_90")]
+    good.append((ext.own_kernel_text("vc_rvq_step", 0, "sm_90"), "sm_90"))
+    bad = ('// sm_90\nextern "C" __global__ void vc_kernel() { undeclared_name(); }\n', "sm_90")
+    seen = []
+    errors = compile_kernel_texts(good + [bad], threads=2, done=seen.append)
+    assert len(errors) == 1 and "did not compile" in errors[0]
+    assert sorted(seen) == [1, 2, 3, 4]
+    paths = [folder / f"{ext.own_kernel_file_name(text)}.cubin" for text, _ in good]
+    for path, (text, _) in zip(paths, good):
+        assert ext.read_cached_cubin(str(path), text)[:4] == b"\x7fELF"
+    stamps = [p.stat().st_mtime_ns for p in paths]
+    assert compile_kernel_texts(good, threads=2) == []  # all kept: none compiled again
+    assert [p.stat().st_mtime_ns for p in paths] == stamps
+    assert sorted(f.name for f in folder.iterdir()) == sorted(p.name for p in paths)  # no temp file left
+
+
+def test_discovery_finds_nothing_where_our_launch_does_not_run(tiny_checkpoint):
+    from voicechat.kernels import ext, kernel_launch
+    from voicechat.precompile import discover_own_kernels
+
+    if kernel_launch()["launch"] == "own":
+        pytest.skip("our own launch runs here")
+    assert discover_own_kernels(voicechat.load(tiny_checkpoint)) == []
+    ext.own_launch_discovery(True)  # where the launch is not built, discovery records nothing
+    ext.own_launch_discovery(False)
+    assert ext.own_launch_discovered() == []
+
+
+def test_nvrtc_lets_other_threads_run_while_it_compiles():
+    """Python runs on another thread through the middle half of a compile: ext.nvrtc_cubin holds no
+    GIL there, so that a pool of threads compiles side by side (with the GIL held, no Python line
+    could run on another thread until the call returned)."""
+    import threading
+    import time
+
+    from voicechat.kernels import ext
+
+    _nvrtc_or_skip()
+    text = ext.own_kernel_text("vc_rvq_step", 0, "sm_90")
+    span = {}
+
+    def compile_once() -> None:
+        span["start"] = time.perf_counter()
+        ext.nvrtc_cubin(text, "sm_90")
+        span["end"] = time.perf_counter()
+
+    worker = threading.Thread(target=compile_once)
+    beats = []
+    worker.start()
+    while worker.is_alive():
+        beats.append(time.perf_counter())
+        time.sleep(0.001)
+    worker.join()
+    start, end = span["start"], span["end"]
+    middle = [b for b in beats if start + (end - start) / 4 < b < end - (end - start) / 4]
+    assert len(middle) >= 3, (end - start, len(beats))

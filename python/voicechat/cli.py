@@ -138,7 +138,8 @@ class _Stages:
 
     def compile_progress(self, p) -> None:
         """A `precompile.Progress`: the line under way, and a plain line as each part ends."""
-        text = f"{self.name} ({p.done}/{p.total} parts, {p.kernels} kernels compiled)"
+        ours = f", ours {p.own_compiled}/{p.own_total}" if p.own_total else ""
+        text = f"{self.name} ({p.done}/{p.total} parts, {p.kernels} kernels compiled{ours})"
         with self._lock:
             if self.bar is not None:
                 self.bar.set_description_str(text, refresh=False)

@@ -10,6 +10,10 @@ on a CPU $TMPDIR/mlx), so it is paid once per machine: `precompile` pays it up f
 inputs, in parallel where MLX allows, and says how far it is (`progress`).
 
 What runs (`PARTS`):
+- our CUDA kernels, side by side: the LLM step, the TTS step and the speech encoder are traced
+  once on a thread of their own with our launch in discovery (`csrc/own_launch.h`: nothing
+  compiles or launches, each kernel's text is recorded), and the texts the cubin cache lacks
+  compile on a pool of threads (`compile_kernel_texts`), beside the codec's part;
 - on the calling thread, the timeline: the system-prompt prefill and the LLM's compiled decode
   parts, with the TTS warmup and compiled step beside it (on the TTS worker thread where generate
   puts it); then one LLM step and one TTS step at a K/V capacity past 1024 slots, where the decode
@@ -26,7 +30,8 @@ What MLX-CUDA 0.32.4 allows at once, and so the rules here:
   builds graphs, encodes launches or compiles our kernels runs beside one that compiles MLX's.
   Its CPU backend holds one lock over each compiler run the same way.
 - Our kernels compile outside our own lock and with Python's GIL released (`loaded_function` in
-  csrc/own_launch.cpp): distinct kernels compile on several threads at once.
+  csrc/own_launch.cpp, and `ext.nvrtc_cubin`): distinct kernels compile on several threads at once,
+  one NVRTC program each; a cubin file is written under a temporary name and renamed.
 - MLX keeps per thread: the compile cache of `mx.compile` (a graph traced on one thread is traced
   again on another), the cuDNN plan caches of convolutions and attention, the cuBLAS and cuDNN
   handles, the command encoders. So the compiled LLM decode runs on the calling thread and the TTS
@@ -43,6 +48,7 @@ The ids and codes a later `generate` gives do not depend on whether `precompile`
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -59,7 +65,7 @@ from .session import STEPWISE_MEL_FRAMES, VoiceChat
 from .stt.rnnt import emitted_tokens, greedy_table
 from .tts_thread import WorkerThread
 
-PARTS = ("timeline", "speech encoder", "codec", "long context", "warm generate")
+PARTS = ("our kernels", "timeline", "speech encoder", "codec", "long context", "warm generate")
 # Seconds of the dummy input of the timeline and the warm generate.
 DUMMY_SECONDS = 2.0
 # K/V slots from which the decode attention kernels take their split form (csrc/decode_attention.cpp)
@@ -77,6 +83,8 @@ class Progress:
     kernels: int
     elapsed: float
     finished: bool = False
+    own_compiled: int = 0  # of our kernels the cache lacked (`own_total`), compiled so far
+    own_total: int = 0
 
 
 def kernel_cache_folders() -> list[Path]:
@@ -110,6 +118,117 @@ def dummy_audio(seconds: float, rate: int = 16000) -> np.ndarray:
     out = np.zeros(int(seconds * rate), np.float32)
     out[: min(len(out), len(question))] = question[: len(out)]
     return out
+
+
+def own_launch_active() -> bool:
+    """Whether our kernels launch through our own launch here, with a cubin cache to fill."""
+    from .kernels import kernel_launch
+
+    return kernel_launch()["launch"] == "own" and bool(os.environ.get("VOICECHAT_CUBIN_DIR"))
+
+
+def discover_own_kernels(chat: VoiceChat, long_inputs: bool = True) -> list[tuple[str, str]]:
+    """The (text, arch) of each of our CUDA kernels that `chat`'s generate launches and the cubin
+    cache lacks: the LLM step (after a system-prompt prefill), the TTS step and the speech encoder
+    traced on a thread of their own with our launch in discovery, never evaluated. Empty where our
+    own launch does not run (a CPU, MLX's launch, no cubin folder)."""
+    from .kernels import ext
+    from .llm.nemotron_h import _nothing_pending
+
+    if not own_launch_active():
+        return []
+    _nothing_pending()  # cached for the process: made here, not on the thread that ends below
+    errors: list[BaseException] = []
+
+    def trace() -> None:
+        ext.own_launch_discovery(True)
+        try:
+            _trace_for_discovery(chat, long_inputs)
+        except BaseException as e:  # raised again on the caller's thread
+            errors.append(e)
+        finally:
+            ext.own_launch_discovery(False)
+
+    tracer = WorkerThread()  # its compile cache (traces holding discovery's zeros) ends with it
+    try:
+        tracer.submit(trace).wait()
+    finally:
+        tracer.close()
+    found = ext.own_launch_discovered()
+    if errors:
+        raise errors[0]
+    if found:  # the copy our launch makes of a non-contiguous input, compiled at its first eval
+        arch = found[0][1]
+        copy = ext.strided_copy_text(arch)
+        path = Path(os.environ["VOICECHAT_CUBIN_DIR"]) / f"{ext.own_kernel_file_name(copy)}.cubin"
+        if ext.read_cached_cubin(str(path), copy) is None:
+            found.append((copy, arch))
+    return [tuple(f) for f in found]
+
+
+def _trace_for_discovery(chat: VoiceChat, long_inputs: bool) -> None:
+    """The graphs whose kernels discovery records, built and dropped (never evaluated)."""
+    c = chat.config
+    stt, tts = chat.listening, chat.ear_tts
+    t = c.text_config
+    pad = mx.array([[c.pad_token_id]], mx.int32)
+    audio = mx.zeros((1, 1, t.hidden_size), mx.float32)
+    capacities = [0, SPLIT_CAPACITY] if long_inputs else [0]
+    for capacity in capacities:
+        cache = stt.make_cache()
+        if capacity:
+            for entry in cache:
+                if hasattr(entry, "reserve"):
+                    entry.reserve(capacity, 1, t.num_key_value_heads, t.head_dim)
+        else:  # a system prompt of 3 positions first, as generate takes it
+            prompt = stt.embed(mx.array([[c.bos_token_id, c.bos_token_id, c.eos_token_id]], mx.int32))
+            stt.step(stt.fused_input(mx.broadcast_to(pad, (1, 3)), prompt, mx.broadcast_to(pad, (1, 3))), cache)
+        text, function = stt.decode(pad, audio, pad, cache, queue=False)
+        stt.decode(text[None], audio, function[None], cache, queue=False)
+        tts_cache = tts.make_cache()
+        previous = tts.warmup(chat.speaking.audio_prompt_latents[c.speaker], chat.warmup_codes(), tts_cache)
+        if capacity:
+            tts_cache.reserve(capacity, 2)
+        tts.step(previous, text, tts_cache, mx.random.key(0), chat.speaking.codec_silence_tokens)
+    perception = chat.listening.perception
+    perception(perception.log_mel(mx.array(dummy_audio(DUMMY_SECONDS, c.input_sample_rate))))
+
+
+def compile_kernel_texts(texts: list[tuple[str, str]], threads: int | None = None,
+                         done: Callable[[int], None] | None = None) -> list[str]:
+    """Compiles each (text, arch) with NVRTC into the cubin cache (VOICECHAT_CUBIN_DIR), on
+    `threads` threads (default: one a CPU core), skipping those it holds already; `done(n)` after
+    each. Returns the errors (one line each): a kernel that does not compile here is left to the
+    launch, which compiles it again and says what failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .kernels import ext
+
+    folder = Path(os.environ.get("VOICECHAT_CUBIN_DIR") or "")
+    if not texts or not str(folder) or str(folder) == ".":
+        return []
+    finished, errors, lock = [0], [], threading.Lock()
+
+    def one(item: tuple[str, str]) -> None:
+        text, arch = item
+        path = str(folder / f"{ext.own_kernel_file_name(text)}.cubin")
+        try:
+            if ext.read_cached_cubin(path, text) is None:
+                ext.write_cached_cubin(path, text, ext.nvrtc_cubin(text, arch))
+        except Exception as e:  # (RuntimeError from NVRTC, OSError from the cache)
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            with lock:
+                errors.append(" ".join(lines[:2]))  # what failed, and NVRTC's first line about it
+        with lock:
+            finished[0] += 1
+            n = finished[0]
+        if done is not None:
+            done(n)
+
+    workers = max(1, min(len(texts), threads or os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="voicechat-nvrtc") as pool:
+        list(pool.map(one, texts))
+    return errors
 
 
 def warm_generate(chat: VoiceChat, seconds: float = DUMMY_SECONDS) -> None:
@@ -216,15 +335,15 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
     folders = kernel_cache_folders()
     start, before = time.perf_counter(), count_kernels(folders)
     total = len(PARTS) if long_inputs else len(PARTS) - 1
-    state = {"done": 0, "part": PARTS[0]}
+    state = {"done": 0, "part": PARTS[0], "own_compiled": 0, "own_total": 0}
     lock = threading.Lock()
     stop = threading.Event()
 
     def snapshot(finished: bool = False) -> Progress:
         with lock:
-            done, part = state["done"], state["part"]
+            done, part, own, own_total = state["done"], state["part"], state["own_compiled"], state["own_total"]
         return Progress(done, total, part, max(0, count_kernels(folders) - before), time.perf_counter() - start,
-                        finished)
+                        finished, own, own_total)
 
     def report() -> None:
         while not stop.wait(every):
@@ -252,10 +371,27 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
                 errors.append(e)
         return run
 
+    def own_kernels(texts: list[tuple[str, str]]) -> None:
+        def compiled(n: int) -> None:
+            with lock:
+                state["own_compiled"] = n
+
+        failed = compile_kernel_texts(texts, done=compiled)
+        if failed:  # the launch compiles them again, and falls back to MLX's launch if it must
+            print(f"voicechat: {len(failed)} of our kernels did not compile ahead ({failed[0]}); their "
+                  "first launch compiles them again", file=sys.stderr)
+
     try:
         with chat._generating:
-            waits = [helpers[0].submit(job(lambda: _speech_encoder(chat, long_inputs), "speech encoder")),
+            texts = discover_own_kernels(chat, long_inputs)
+            with lock:
+                state["own_total"] = len(texts)
+            # NVRTC on a pool of threads beside the codec's MLX kernels; the speech encoder (one of
+            # ours) and the timeline (most of ours) after it, reading the cubins it wrote
+            ours = helpers[0].submit(job(lambda: own_kernels(texts), "our kernels"))
+            waits = [ours, helpers[0].submit(job(lambda: _speech_encoder(chat, long_inputs), "speech encoder")),
                      helpers[1].submit(job(lambda: _codec(chat), "codec"))]
+            ours.wait()
             _timeline(chat)
             finished("timeline")
             if long_inputs:

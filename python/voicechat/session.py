@@ -426,7 +426,8 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     A `Checkpoint` passed in is used up: its tensors are released once the model holds them.
     `progress(stage)` is called as each stage begins: "opening the checkpoint", "char table" (computed
     over the vocabulary, or read from its disk cache: `voicechat.char_table_cache`), "reading weights"
-    (the lazily opened tensors read and converted), and with `warmup` "warming up": one short
+    (the lazily opened tensors read and converted), "speaker prompt" (the codec encodes the TTS
+    warmup's silence), and with `warmup` "warming up": one short
     generate on dummy audio (`precompile.warm_generate`), so that this process's first generate runs
     at warm speed (it compiles every kernel the caches lack)."""
     say = progress or (lambda stage: None)
@@ -446,6 +447,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     mx.eval(model.parameters())
     checkpoint.release()  # the model holds what it uses; converted tensors would stay twice
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)
+    say("speaker prompt")
     chat.warmup_codes()
     # Every array the model holds, the derived private ones too (norm scales, RoPE frequencies,
     # codebook views): a compiled step that closes over a lazy array computes it again at every

@@ -128,10 +128,16 @@ def test_an_unwritable_char_table_folder_is_one_warning_line(tiny_checkpoint, tm
     assert "Traceback" not in err
 
 
-def test_precompile_and_the_warm_up_at_load_change_no_id_or_code(tiny_checkpoint, spoken_wav, table_dir):
+def test_precompile_and_the_warm_up_at_load_change_no_id_or_code(tiny_checkpoint, tiny_checkpoint_q4, spoken_wav,
+                                                                  table_dir, tmp_path, monkeypatch):
+    from voicechat.precompile import is_precompiled
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # where the marker goes
     chat = voicechat.load(tiny_checkpoint)
+    assert not is_precompiled(chat)
     seen = []
     last = precompile(chat, progress=seen.append, long_inputs=False)
+    assert is_precompiled(chat) and not is_precompiled(voicechat.load(tiny_checkpoint_q4))  # other shapes
     assert last.finished and last.done == last.total == len(PARTS) - 1
     assert [p.done for p in seen if not p.finished] == sorted(p.done for p in seen if not p.finished)
     assert seen[-1] == last

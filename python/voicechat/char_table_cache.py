@@ -77,7 +77,8 @@ def code_digest() -> str:
         return _code_digest
 
 
-def _device_text() -> str:
+def device_text() -> str:
+    """The default device, and on a GPU its name and architecture."""
     device = mx.default_device()
     text = str(device)
     if device.type == mx.gpu:
@@ -105,7 +106,7 @@ def table_key(encoder, config_section: dict, vocabulary_digest: str, decode_kern
             h.update(p if isinstance(p, bytes) else str(p).encode())
             h.update(b"\0")
 
-    feed(FORMAT, code_digest(), mx.__version__, _device_text(), decode_kernels)
+    feed(FORMAT, code_digest(), mx.__version__, device_text(), decode_kernels)
     for name in _ENVIRONMENT:
         feed(name, os.environ.get(name, "<unset>"))
     feed(sorted(config_section.items()), encoder.vocab_size, encoder.hidden_size)

@@ -232,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
             load_s = time.perf_counter() - start
             if args.precompile:
                 return _precompile(chat, stages, say, load_s)
+            if _first_run_on_a_gpu(chat):
+                _precompile(chat, stages, say, load_s, long_inputs=False)
             stages("generate")
             mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
             progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
@@ -276,14 +278,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _precompile(chat, stages: _Stages, say, load_s: float) -> int:
-    """--precompile: every kernel of the model compiled and kept (`voicechat.precompile`)."""
+def _first_run_on_a_gpu(chat) -> bool:
+    """Whether this run compiles ahead (`voicechat.precompile`, side by side) before it generates:
+    on a CUDA GPU where no precompile finished for this model (VOICECHAT_PRECOMPILE=0: never; then
+    the kernels compile one by one as generate meets them)."""
+    import os
+
+    from .kernels.gemv import on_cuda_gpu
+    from .precompile import is_precompiled
+
+    return os.environ.get("VOICECHAT_PRECOMPILE", "") != "0" and on_cuda_gpu() and not is_precompiled(chat)
+
+
+def _precompile(chat, stages: _Stages, say, load_s: float, long_inputs: bool = True) -> int:
+    """--precompile (and a first run on a GPU): the model's kernels compiled and kept
+    (`voicechat.precompile`)."""
     import mlx.core as mx
 
     from .precompile import precompile
 
     stages(f"compiling {'GPU' if mx.default_device() == mx.gpu else 'CPU'} kernels for this model (first run only)")
-    last = precompile(chat, progress=stages.compile_progress)
+    last = precompile(chat, progress=stages.compile_progress, long_inputs=long_inputs)
     stages.end()
     say(f"precompiled: {last.kernels} kernels compiled in {last.elapsed:.1f} s (load {load_s:.1f} s); "
         "later runs read them from the caches")

@@ -231,6 +231,43 @@ def compile_kernel_texts(texts: list[tuple[str, str]], threads: int | None = Non
     return errors
 
 
+def _marker(chat: VoiceChat) -> Path:
+    """The file a finished `precompile` leaves for this model's shapes, this code, this MLX, this
+    device and these kernel cache folders (emptied folders are not seen: the caches then fill again
+    as generate runs)."""
+    import hashlib
+    import json
+
+    from . import cache_root
+    from .char_table_cache import code_digest, device_text
+
+    env = {k: os.environ.get(k, "") for k in ("MLX_PTX_CACHE_DIR", "VOICECHAT_CUBIN_DIR", "VOICECHAT_OWN_LAUNCH",
+                                               "VOICECHAT_REFERENCE", "TMPDIR")}
+    what = json.dumps([chat.config.to_dict(), code_digest(), mx.__version__, device_text(), env], sort_keys=True,
+                      default=str)
+    return Path(cache_root()) / "voicechat" / "precompiled" / f"{hashlib.sha256(what.encode()).hexdigest()}.json"
+
+
+def is_precompiled(chat: VoiceChat) -> bool:
+    """Whether `precompile` finished for this model here (see `_marker`): vc-generate's first run on
+    a CUDA GPU precompiles when it did not."""
+    return _marker(chat).is_file()
+
+
+def _mark_precompiled(chat: VoiceChat, last: "Progress") -> None:
+    import json
+
+    from .files import atomic_output
+
+    path = _marker(chat)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as f:
+            json.dump({"seconds": last.elapsed, "kernels": last.kernels, "own_kernels": last.own_total}, f)
+    except OSError:  # a cache folder that cannot be written costs the next run another precompile
+        pass
+
+
 def warm_generate(chat: VoiceChat, seconds: float = DUMMY_SECONDS) -> None:
     """One short `generate` on the calling thread (with a system prompt): a fresh process's next
     `generate` then runs at warm speed (what MLX keeps per thread is made here)."""
@@ -412,6 +449,7 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
         if progress is not None:
             ticker.join()
     last = snapshot(finished=True)
+    _mark_precompiled(chat, last)
     if progress is not None:
         progress(last)
     return last

@@ -103,9 +103,12 @@ def _demo_inputs(workdir: Path) -> tuple[str, str]:
 
 
 class _Stages:
-    """Stage lines on stderr ("load: char table: 2.3 s" as each ends); on a terminal a line under
-    way ticks its seconds (tqdm), so that a long stage (a first run's kernel compiles) is never
-    silent. Precompile progress (`precompile.Progress`) shows parts done and kernels compiled."""
+    """Stage lines on stderr ("load: char table: 2.3 s" as each ends), on a terminal and for
+    --precompile (a build's log): a line under way ticks its seconds on a terminal (tqdm), so that
+    a long stage (a first run's kernel compiles) is never silent. Precompile progress
+    (`precompile.Progress`) shows parts done and kernels compiled. A stage that fails prints no
+    line: a bad input stays one `error:` line (a pipe or a log sees stage lines only with
+    --precompile)."""
 
     def __init__(self, enabled: bool, tty: bool):
         self.enabled, self.tty = enabled, tty
@@ -156,7 +159,13 @@ class _Stages:
                 print(f"{self.name}: {time.perf_counter() - self.start:.1f} s", file=sys.stderr)
                 self.name = None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        if failed:
+            with self._lock:
+                if self.bar is not None:
+                    self.bar.close()  # (leave=False: the line under way is erased)
+                    self.bar = None
+                self.name = None
         self.end()
         self._stop.set()
         if self._ticker is not None:
@@ -225,15 +234,19 @@ def run(args: argparse.Namespace) -> int:
         if args.demo:
             model, audio = _demo_inputs(Path(tmp))
             say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
-        stages = _Stages(enabled=not args.quiet, tty=sys.stderr.isatty())
+        tty = sys.stderr.isatty()
+        stages = _Stages(enabled=not args.quiet and (tty or args.precompile), tty=tty)
+        failed = True
         try:
             start = time.perf_counter()
             chat = load(model, progress=lambda stage: stages(f"load: {stage}"))
             load_s = time.perf_counter() - start
             if args.precompile:
-                return _precompile(chat, stages, say, load_s)
-            if _first_run_on_a_gpu(chat):
-                _precompile(chat, stages, say, load_s, long_inputs=False)
+                code = _precompile(chat, stages, say, load_s)
+                failed = False
+                return code
+            if _first_run_on_a_gpu(chat):  # (said only where the stages are: a bad input stays one line)
+                _precompile(chat, stages, say if stages.enabled else (lambda *a: None), load_s, long_inputs=False)
             stages("generate")
             mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
             progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
@@ -243,8 +256,9 @@ def run(args: argparse.Namespace) -> int:
                                        sample_rate=rate, progress=progress)
             finally:
                 progress.close()
+            failed = False
         finally:
-            stages.close()
+            stages.close(failed)
 
     if args.output_audio == "-":  # a pipe cannot seek: the WAV is made whole in memory first
         sys.stdout.buffer.write(wav_bytes(result.audio, result.sample_rate))

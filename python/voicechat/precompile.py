@@ -296,7 +296,8 @@ def _speech_encoder(chat: VoiceChat, long_inputs: bool) -> None:
 def _codec(chat: VoiceChat) -> None:
     """The codec's decode over a few windows of silence codes."""
     frames = int(round(DUMMY_SECONDS / chat.config.frame_duration))
-    codes = np.broadcast_to(np.array(chat.speaking.codec_silence_tokens), (frames, chat.config.tts_config.num_quantizers))
+    # (the host copy of the silence codes: the TTS reads the array itself on another thread meanwhile)
+    codes = np.broadcast_to(chat._silence_codes, (frames, chat.config.tts_config.num_quantizers))
     chat._decode_audio(np.ascontiguousarray(codes))
 
 

@@ -17,8 +17,11 @@ of those folders):
 - warmup: the same caches, `voicechat.load(..., warmup=True)`, generate twice: what a warm-up
   at load leaves of a fresh process's first generate.
 
-Full size uses random weights in the published 4-bit layout made in memory in each process
-(`voicechat.synthetic.random_checkpoint`, as bench_e2e.py; `weights_s`, not part of load). The
+Full size uses random weights in the published 4-bit layout (`voicechat.synthetic.random_checkpoint`,
+as bench_e2e.py), written once as a safetensors checkpoint in the temp dir (untimed: `setup_s`),
+which every run loads from disk as it would a downloaded one (precompile's worker processes need
+it on disk); `--in-memory` makes them in memory in each process instead (`weights_s`, not part of
+load; precompile then runs its parts as threads). The
 input is the bundled spoken question padded with silence to `--seconds` (default 10.7), with the
 default 3 s of extra decoding. `--peer mlx-vlm --peer-model ID` also times `python -m
 mlx_vlm.generate` on empty caches where mlx_vlm is installed (skipped otherwise). It measures and
@@ -62,12 +65,12 @@ def _child(args: argparse.Namespace) -> dict:
     out: dict = {"run": args.child, "import_s": time.perf_counter() - start, "device": str(mx.default_device())}
     kernels_before = count_kernels()
     t = time.perf_counter()
-    if args.size == "full":
+    if args.checkpoint:
+        model = args.checkpoint
+    else:  # full size, in memory
         from voicechat.synthetic import random_checkpoint
 
         model = random_checkpoint(Path(args.workdir) / f"full-{args.child}", "full", quantize=4)
-    else:
-        model = args.checkpoint
     out["weights_s"] = time.perf_counter() - t
     stages: dict[str, float] = {}
     clock = [time.perf_counter(), None]
@@ -86,6 +89,9 @@ def _child(args: argparse.Namespace) -> dict:
     out["char_table"] = chat.ear_tts.char_table_source
     out["tts_thread"] = chat.tts_thread
     if args.child == "first-precompile":
+        from voicechat.precompile import worker_processes
+
+        out["precompile_processes"] = worker_processes(chat)
         last = precompile(chat)
         out["precompile_s"], out["precompile_kernels"] = last.elapsed, last.kernels
         out["precompile_own_kernels"] = last.own_total  # ours, compiled side by side
@@ -104,6 +110,17 @@ def _child(args: argparse.Namespace) -> dict:
     out["end_to_end_s"] = out["load_s"] + out.get("precompile_s", 0.0) + out["generate_1"]["s"]
     out["voicechat"] = voicechat.__version__
     return out
+
+
+def _write_full_checkpoint(directory: Path) -> None:
+    """Random full-size weights as a checkpoint folder (config.json, tokenizer.json, one
+    model.safetensors in MLX's layout, as open_checkpoint reads any)."""
+    import mlx.core as mx
+
+    from voicechat.synthetic import random_checkpoint
+
+    checkpoint = random_checkpoint(directory, "full", quantize=4)
+    mx.save_safetensors(str(directory / "model.safetensors"), checkpoint.tensors, metadata={"format": "mlx"})
 
 
 def _run_child(run: str, args: argparse.Namespace, env: dict, workdir: Path, checkpoint: str | None) -> dict:
@@ -183,10 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--keep", action="store_true", help="keep the temp dir of caches (its path is printed)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take")
+    p.add_argument("--in-memory", action="store_true", help="full size: random weights made in memory in each run")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child == "setup":
+        _write_full_checkpoint(Path(args.workdir))
+        return 0
     if args.child:
         print(json.dumps(_child(args)))
         return 0
@@ -200,16 +221,23 @@ def main(argv: list[str] | None = None) -> int:
     env, env_own = _cache_env(workdir / "shared"), _cache_env(workdir / "own")
     checkpoint = None
     try:
+        setup = time.perf_counter()
         if args.size == "tiny":
             from voicechat.synthetic import make_checkpoint
 
             checkpoint = str(make_checkpoint(workdir / "tiny", "tiny"))
+        elif not args.in_memory:  # made in a process of its own, whose device memory is then free again
+            checkpoint = str(workdir / "full")
+            subprocess.run([sys.executable, __file__, "--child", "setup", "--workdir", checkpoint],
+                           env=_cache_env(workdir / "setup"), check=True, timeout=args.timeout)  # (its kernels apart)
+        setup_s = time.perf_counter() - setup
         results = []
         for run in runs:
             if not args.json:
                 print(f"run {run} ...", file=sys.stderr)
             results.append(_run_child(run, args, env_own if run == "first-precompile" else env, workdir, checkpoint))
-        report = {"size": args.size, "seconds": args.seconds, "summary": _summary(results), "runs": results}
+        report = {"size": args.size, "seconds": args.seconds, "weights": "in memory" if checkpoint is None else "on disk",
+                  "setup_s": setup_s, "summary": _summary(results), "runs": results}
         if args.peer:
             report["peer"] = _peer(args, _cache_env(workdir / "peer"))  # the peer's own empty caches
         if args.keep:
@@ -225,13 +253,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(report: dict) -> None:
-    print(f"size {report['size']}, {report['seconds']} s input")
+    print(f"size {report['size']}, {report['seconds']} s input, weights {report['weights']} "
+          f"(setup {report['setup_s']:.1f} s)")
     for r in report["runs"]:
         if "error" in r:
             print(f"  {r['run']}: {r['error']}\n{r['stderr_tail']}")
             continue
         g1, g2 = r["generate_1"], r["generate_2"]
-        pre = f", precompile {r['precompile_s']:.1f} s ({r['precompile_kernels']} kernels)" if "precompile_s" in r else ""
+        pre = (f", precompile {r['precompile_s']:.1f} s ({r['precompile_kernels']} kernels, "
+               f"{r['precompile_own_kernels']} of ours, {r['precompile_processes']} worker processes)"
+               if "precompile_s" in r else "")
         print(f"  {r['run']:7s} load {r['load_s']:.2f} s (char table: {r['char_table']}){pre}, "
               f"generate {g1['s']:.2f} s ({g1['ms_per_frame']:.1f} ms/frame), then {g2['s']:.2f} s "
               f"({g2['ms_per_frame']:.1f} ms/frame); end to end {r['end_to_end_s']:.1f} s, "

@@ -13,7 +13,8 @@ import pytest
 import voicechat
 from voicechat import char_table_cache
 from voicechat.cli import main
-from voicechat.precompile import PARTS, precompile
+from voicechat.precompile import (PARTS, PROCESS_PARTS, _seed_kernel_cache, merge_kernel_cache, precompile,
+                                  worker_processes)
 
 
 def _bits(a: mx.array) -> np.ndarray:
@@ -136,7 +137,7 @@ def test_precompile_and_the_warm_up_at_load_change_no_id_or_code(tiny_checkpoint
     chat = voicechat.load(tiny_checkpoint)
     assert not is_precompiled(chat)
     seen = []
-    last = precompile(chat, progress=seen.append, long_inputs=False)
+    last = precompile(chat, progress=seen.append, long_inputs=False, processes=0)
     assert is_precompiled(chat) and not is_precompiled(voicechat.load(tiny_checkpoint_q4))  # other shapes
     assert last.finished and last.done == last.total == len(PARTS) - 1
     assert [p.done for p in seen if not p.finished] == sorted(p.done for p in seen if not p.finished)
@@ -233,3 +234,47 @@ def test_nvrtc_lets_other_threads_run_while_it_compiles():
     start, end = span["start"], span["end"]
     middle = [b for b in beats if start + (end - start) / 4 < b < end - (end - start) / 4]
     assert len(middle) >= 3, (end - start, len(beats))
+
+
+def test_precompile_in_worker_processes_changes_no_id_or_code(tiny_checkpoint, spoken_wav, table_dir):
+    chat = voicechat.load(tiny_checkpoint)
+    seen = []
+    last = precompile(chat, progress=seen.append, long_inputs=False, processes=2)
+    assert last.finished and last.done == last.total == 2 + len(PROCESS_PARTS)
+    assert {p.part for p in seen} >= set(PROCESS_PARTS)
+    assert _answer(chat, spoken_wav) == _answer(voicechat.load(tiny_checkpoint), spoken_wav)
+
+
+def test_a_workers_kernel_cache_merges_whole_and_keeps_what_is_there(tmp_path):
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    (shared / "long").mkdir(parents=True)
+    (shared / "a.ptx").write_bytes(b"shared a")
+    (shared / "long" / "b.ptx").write_bytes(b"shared b")
+    _seed_kernel_cache(shared, private)
+    assert (private / "a.ptx").read_bytes() == b"shared a" and (private / "long" / "b.ptx").read_bytes() == b"shared b"
+    (private / "a.ptx").unlink()  # (a worker never rewrites a file it has: this one is another's)
+    (private / "a.ptx").write_bytes(b"worker a")
+    (private / "c.txt").write_text("c kernels")
+    (private / "c.ptx").write_bytes(b"worker c")
+    (private / ("d" * 245 + ".ptx")).write_bytes(b"a name as long as MLX makes them")
+    assert merge_kernel_cache(private, shared) == 3
+    assert (shared / "a.ptx").read_bytes() == b"shared a"  # kept
+    assert (shared / "c.ptx").read_bytes() == b"worker c" and (shared / "c.txt").read_text() == "c kernels"
+    assert (shared / ("d" * 245 + ".ptx")).exists()
+    assert not [f for f in shared.rglob("*") if f.name.endswith(".tmp")]
+    assert merge_kernel_cache(private, shared) == 0
+
+
+def test_worker_processes_need_weights_on_disk_and_a_whole_number(tiny_checkpoint, tmp_path, monkeypatch):
+    from voicechat.synthetic import random_checkpoint
+
+    chat = voicechat.load(tiny_checkpoint)
+    monkeypatch.setenv("VOICECHAT_PRECOMPILE_PROCESSES", "3")
+    assert worker_processes(chat) == 3
+    monkeypatch.setenv("VOICECHAT_PRECOMPILE_PROCESSES", "0")
+    assert worker_processes(chat) == 0
+    monkeypatch.setenv("VOICECHAT_PRECOMPILE_PROCESSES", "many")
+    with pytest.raises(ValueError, match="VOICECHAT_PRECOMPILE_PROCESSES"):
+        worker_processes(chat)
+    monkeypatch.setenv("VOICECHAT_PRECOMPILE_PROCESSES", "3")
+    assert worker_processes(voicechat.load(random_checkpoint(tmp_path / "mem", "tiny"))) == 0  # in memory only

@@ -9,44 +9,52 @@ NVRTC (`csrc/own_launch.h`). All of it lands in disk caches (MLX_PTX_CACHE_DIR, 
 on a CPU $TMPDIR/mlx), so it is paid once per machine: `precompile` pays it up front, on dummy
 inputs, in parallel where MLX allows, and says how far it is (`progress`).
 
-What runs (`PARTS`):
-- our CUDA kernels, side by side: the LLM step, the TTS step and the speech encoder are traced
-  once on a thread of their own with our launch in discovery (`csrc/own_launch.h`: nothing
+What runs:
+- our CUDA kernels first, side by side: the LLM step, the TTS step and the speech encoder are
+  traced once on a thread of their own with our launch in discovery (`csrc/own_launch.h`: nothing
   compiles or launches, each kernel's text is recorded), and the texts the cubin cache lacks
-  compile on a pool of threads (`compile_kernel_texts`), beside the codec's part;
-- on the calling thread, the timeline: the system-prompt prefill and the LLM's compiled decode
-  parts, with the TTS warmup and compiled step beside it (on the TTS worker thread where generate
-  puts it); then one LLM step and one TTS step at a K/V capacity past 1024 slots, where the decode
-  attention kernels switch to their split form (inputs of 82 s and more);
-- on a thread of its own, the speech encoder (at a short length and, with `long_inputs`, past
-  30 s, where it runs a layer at a time) and the RNNT transcript loop on a CPU stream;
-- on a thread of its own, the codec's decode window;
-- then, on the calling thread, one short `generate`: it finds every kernel compiled and warms what
+  compile on a pool of one thread a CPU core (`compile_kernel_texts`);
+- then MLX's kernels, part by part. Where the checkpoint is on disk and the machine has the cores
+  and memory (`worker_processes`), each part (`PROCESS_PARTS`) runs in a worker process of its
+  own (`python -m voicechat.precompile --worker`), which loads the checkpoint and compiles into a
+  kernel cache of its own, merged into the shared one as it ends. Else they run as threads here
+  (`PARTS`): the timeline on the calling thread (the system-prompt prefill and the LLM's compiled
+  decode parts, the TTS warmup and compiled step on the thread generate steps it on), the speech
+  encoder with the RNNT transcript loop and the codec's decode window on threads of their own.
+  Either way the LLM and the TTS also run once at a K/V capacity past 1024 slots (the decode
+  attention kernels' split form, inputs of 82 s and more) and the speech encoder past 30 s (a layer
+  at a time), unless `long_inputs` is off;
+- last, on the calling thread, one short `generate`: it finds every kernel compiled and warms what
   MLX keeps per thread, so that the caller's next `generate` runs at warm speed.
 
 What MLX-CUDA 0.32.4 allows at once, and so the rules here:
 - MLX's JIT cache is one per process behind one lock held over the whole NVRTC compile
-  (`get_jit_module`): two threads never compile MLX kernels at the same time, but a thread that
-  builds graphs, encodes launches or compiles our kernels runs beside one that compiles MLX's.
-  Its CPU backend holds one lock over each compiler run the same way.
+  (`get_jit_module`): two threads of a process never compile MLX kernels at the same time (a
+  thread that builds graphs, encodes launches or compiles our kernels runs beside one that does).
+  Its CPU backend holds one lock over each compiler run the same way. Only processes compile MLX's
+  kernels side by side.
+- MLX writes its disk cache in place (no temporary name; a kernel file first, the names of its
+  kernels after): processes that share a cache folder may read each other's half-written files. So
+  each worker compiles into a folder of its own, seeded with links to the shared folder's files (MLX
+  writes only files it lacks), and its new files are moved into the shared folder whole (a link
+  under a temporary name, renamed; MLX's kernel files last), never over one that is there.
 - Our kernels compile outside our own lock and with Python's GIL released (`loaded_function` in
   csrc/own_launch.cpp, and `ext.nvrtc_cubin`): distinct kernels compile on several threads at once,
-  one NVRTC program each; a cubin file is written under a temporary name and renamed.
+  one NVRTC program each; a cubin file is written under a temporary name and renamed, so processes
+  share the cubin folder.
 - MLX keeps per thread: the compile cache of `mx.compile` (a graph traced on one thread is traced
   again on another), the cuDNN plan caches of convolutions and attention, the cuBLAS and cuDNN
   handles, the command encoders. So the compiled LLM decode runs on the calling thread and the TTS
   step on the thread that generate steps it on, and the final `generate` warms the rest.
-- MLX writes its disk cache in place (no temporary name): processes that compile the same kernel
-  at once may read each other's half-written files. Parts therefore run as threads of one process,
-  never as processes sharing a cache folder.
-- The parts read disjoint weights (no array is read by two threads at once: tts_thread.py), and
-  each thread evaluates on its own default stream.
+- Parts that run as threads read disjoint weights (no array is read by two threads at once:
+  tts_thread.py), and each thread evaluates on its own default stream.
 
 The ids and codes a later `generate` gives do not depend on whether `precompile` ran (tested).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import tempfile
@@ -65,6 +73,7 @@ from .session import STEPWISE_MEL_FRAMES, VoiceChat
 from .stt.rnnt import emitted_tokens, greedy_table
 from .tts_thread import WorkerThread
 
+# The parts when they run as threads of this process (`PROCESS_PARTS` in worker processes).
 PARTS = ("our kernels", "timeline", "speech encoder", "codec", "long context", "warm generate")
 # Seconds of the dummy input of the timeline and the warm generate.
 DUMMY_SECONDS = 2.0
@@ -167,31 +176,63 @@ def discover_own_kernels(chat: VoiceChat, long_inputs: bool = True) -> list[tupl
 
 
 def _trace_for_discovery(chat: VoiceChat, long_inputs: bool) -> None:
-    """The graphs whose kernels discovery records, built and dropped (never evaluated)."""
+    """The graphs whose kernels discovery records, built on this thread's stream and dropped
+    (never evaluated)."""
+    for capacity in [0, SPLIT_CAPACITY] if long_inputs else [0]:
+        _llm_steps(chat, capacity, 2, evaluate=False)
+        _tts_steps(chat, capacity, 1, evaluate=False)
     c = chat.config
-    stt, tts = chat.listening, chat.ear_tts
-    t = c.text_config
+    perception = chat.listening.perception
+    perception(perception.log_mel(mx.array(dummy_audio(DUMMY_SECONDS, c.input_sample_rate))))
+
+
+def _llm_steps(chat: VoiceChat, capacity: int, steps: int, evaluate: bool = True) -> None:
+    """The LLM as generate runs it on dummy audio: with `capacity` 0 a 3-position system prompt's
+    prefill, else K/V buffers of `capacity` slots; then `steps` compiled decode steps. `evaluate`:
+    on the timeline's stream, queued and settled as generate does; else only built."""
+    c = chat.config
+    stt, t = chat.listening, c.text_config
     pad = mx.array([[c.pad_token_id]], mx.int32)
     audio = mx.zeros((1, 1, t.hidden_size), mx.float32)
-    capacities = [0, SPLIT_CAPACITY] if long_inputs else [0]
-    for capacity in capacities:
+    with mx.stream(chat._timeline_stream if evaluate else mx.default_stream(mx.default_device())):
         cache = stt.make_cache()
         if capacity:
             for entry in cache:
                 if hasattr(entry, "reserve"):
                     entry.reserve(capacity, 1, t.num_key_value_heads, t.head_dim)
-        else:  # a system prompt of 3 positions first, as generate takes it
+        else:
             prompt = stt.embed(mx.array([[c.bos_token_id, c.bos_token_id, c.eos_token_id]], mx.int32))
             stt.step(stt.fused_input(mx.broadcast_to(pad, (1, 3)), prompt, mx.broadcast_to(pad, (1, 3))), cache)
-        text, function = stt.decode(pad, audio, pad, cache, queue=False)
-        stt.decode(text[None], audio, function[None], cache, queue=False)
-        tts_cache = tts.make_cache()
-        previous = tts.warmup(chat.speaking.audio_prompt_latents[c.speaker], chat.warmup_codes(), tts_cache)
+        text, function = pad, pad
+        for _ in range(steps):
+            text, function = stt.decode(text, audio, function, cache, queue=evaluate)
+            if evaluate:
+                mx.async_eval(text, function)
+            text, function = text[None], function[None]
+        if evaluate:
+            mx.eval(text, cache.state)
+
+
+def _tts_steps(chat: VoiceChat, capacity: int, steps: int, evaluate: bool = True) -> None:
+    """The TTS as generate runs it: the warmup, K/V buffers of `capacity` slots if not 0, then
+    `steps` compiled steps on pad. `evaluate`: on generate's TTS stream (call it on the thread
+    generate steps the TTS on: `_on_tts_thread`); else only built."""
+    c = chat.config
+    tts = chat.ear_tts
+    stream = (chat._tts_stream if chat.tts_thread else chat._timeline_stream) if evaluate \
+        else mx.default_stream(mx.default_device())
+    with mx.stream(stream):
+        cache = tts.make_cache()
+        previous = tts.warmup(chat.speaking.audio_prompt_latents[c.speaker], chat.warmup_codes(), cache)
         if capacity:
-            tts_cache.reserve(capacity, 2)
-        tts.step(previous, text, tts_cache, mx.random.key(0), chat.speaking.codec_silence_tokens)
-    perception = chat.listening.perception
-    perception(perception.log_mel(mx.array(dummy_audio(DUMMY_SECONDS, c.input_sample_rate))))
+            cache.reserve(capacity, 2)
+        key, text = mx.random.key(0), mx.array([c.pad_token_id], mx.int32)
+        for _ in range(steps):
+            previous, key = tts.step(previous, text, cache, key, chat.speaking.codec_silence_tokens)
+            if evaluate:
+                mx.async_eval(previous, key)
+        if evaluate:
+            mx.eval(previous, key, cache.state)
 
 
 def compile_kernel_texts(texts: list[tuple[str, str]], threads: int | None = None,
@@ -318,29 +359,8 @@ def _timeline(chat: VoiceChat) -> None:
 
 def _long_context(chat: VoiceChat) -> None:
     """One LLM decode step and one TTS step with K/V buffers past SPLIT_CAPACITY slots."""
-    c = chat.config
-    stt, tts = chat.listening, chat.ear_tts
-    t = c.text_config
-    with mx.stream(chat._timeline_stream):
-        cache = stt.make_cache()
-        for entry in cache:
-            if hasattr(entry, "reserve"):
-                entry.reserve(SPLIT_CAPACITY, 1, t.num_key_value_heads, t.head_dim)
-        pad = mx.array([[c.pad_token_id]], mx.int32)
-        ids = stt.decode(pad, mx.zeros((1, 1, t.hidden_size), mx.float32), pad, cache)
-        mx.eval(ids, cache.state)
-
-    def tts_step() -> None:
-        stream = chat._tts_stream if chat.tts_thread else chat._timeline_stream
-        with mx.stream(stream):
-            tts_cache = tts.make_cache()
-            previous = tts.warmup(chat.speaking.audio_prompt_latents[c.speaker], chat.warmup_codes(), tts_cache)
-            tts_cache.reserve(SPLIT_CAPACITY, 2)
-            out = tts.step(previous, mx.array([c.pad_token_id], mx.int32), tts_cache, mx.random.key(0),
-                           chat.speaking.codec_silence_tokens)
-            mx.eval(out, tts_cache.state)
-
-    _on_tts_thread(chat, tts_step)
+    _llm_steps(chat, SPLIT_CAPACITY, 1)
+    _on_tts_thread(chat, lambda: _tts_steps(chat, SPLIT_CAPACITY, 1))
 
 
 def _on_tts_thread(chat: VoiceChat, job: Callable[[], None]) -> None:
@@ -361,27 +381,204 @@ def _on_tts_thread(chat: VoiceChat, job: Callable[[], None]) -> None:
         raise errors[0]
 
 
+# --------------------------------------------------------------------------- parts in processes
+
+# The parts worker processes run (each process has MLX's JIT lock to itself), heaviest first.
+PROCESS_PARTS = ("llm", "tts", "codec", "speech encoder")
+
+
+def _run_part(chat: VoiceChat, part: str, long_inputs: bool) -> None:
+    frames = int(round(DUMMY_SECONDS / chat.config.frame_duration))
+    capacities = [0, SPLIT_CAPACITY] if long_inputs else [0]
+    if part == "llm":
+        for capacity in capacities:
+            _llm_steps(chat, capacity, 1 if capacity else frames)
+    elif part == "tts":
+        _on_tts_thread(chat, lambda: [_tts_steps(chat, capacity, 1 if capacity else frames) for capacity in capacities])
+    elif part == "codec":
+        _codec(chat)
+    elif part == "speech encoder":
+        _speech_encoder(chat, long_inputs)
+    else:
+        raise ValueError(f"no precompile part named {part!r}")
+
+
+def worker_processes(chat: VoiceChat) -> int:
+    """How many processes `precompile` spreads the parts over (0: threads of this one). Only where
+    the checkpoint is on disk (a worker loads it whole). VOICECHAT_PRECOMPILE_PROCESSES=N sets the
+    number (0: none; at most one a part); else as many as parts, CPU cores and memory allow (each
+    worker holds the model once more: on a GPU its free memory, else the free RAM), if two or more
+    (one worker would only add its load to the same serial compiles)."""
+    from .checkpoint import CheckpointError, safetensors_files
+
+    value = os.environ.get("VOICECHAT_PRECOMPILE_PROCESSES", "")
+    if value and not value.isdigit():
+        raise ValueError(f"VOICECHAT_PRECOMPILE_PROCESSES is {value!r}: use a whole number (0: threads only)")
+    try:
+        safetensors_files(Path(chat.checkpoint.path))
+    except CheckpointError:  # weights made in memory (`synthetic.random_checkpoint`): no process can load them
+        return 0
+    if value:
+        return min(int(value), len(PROCESS_PARTS))
+    if mx.default_device() == mx.gpu:
+        free = int(mx.device_info().get("free_memory", 0))
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    fits = int(max(0, free - 2 * 2**30) // max(1, int(1.25 * chat.checkpoint.nbytes)))
+    count = min(len(PROCESS_PARTS), fits, os.cpu_count() or 1)
+    return count if count >= 2 else 0
+
+
+def _mlx_cache(env: dict[str, str]) -> Path:
+    """MLX's kernel cache folder in a process with environment `env` (kernel_cache_folders' first)."""
+    if mx.default_device() == mx.gpu and env.get("MLX_PTX_CACHE_DIR"):
+        return Path(env["MLX_PTX_CACHE_DIR"])
+    return Path(env.get("TMPDIR") or tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+def _files(folder: Path) -> list[Path]:
+    """Every file below `folder` (relative), MLX's kernel files (.ptx, .so) last: a reader finds a
+    kernel file only once the files that go with it are there."""
+    found = [Path(root, f).relative_to(folder) for root, _, files in os.walk(folder) for f in files
+             if not f.endswith(".tmp")]
+    return sorted(found, key=lambda p: (p.suffix in _KERNEL_SUFFIXES, str(p)))
+
+
+_temp_names = itertools.count()
+
+
+def _place(source: Path, target: Path) -> None:
+    """`source`'s bytes at `target`, which appears whole (a link or copy under a temp name, renamed)."""
+    import shutil
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # (short: MLX's own names run up to 245 characters of the 255 a name may have)
+    tmp = target.with_name(f".vc-{os.getpid()}-{next(_temp_names)}.tmp")
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:  # (another file system)
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def merge_kernel_cache(private: Path, shared: Path) -> int:
+    """Moves the kernel files a worker compiled in `private` into `shared`, each whole (MLX writes
+    its own in place, so a worker compiles into a folder of its own); files `shared` has are kept.
+    Returns how many files were added."""
+    added = 0
+    for rel in _files(private):
+        if not (shared / rel).exists():
+            _place(private / rel, shared / rel)
+            added += 1
+    return added
+
+
+def _seed_kernel_cache(shared: Path, private: Path) -> None:
+    """`private` starts with `shared`'s files (links where one file system holds both): a worker
+    compiles only what is not there yet, and MLX writes only files it lacks."""
+    for rel in _files(shared) if shared.is_dir() else []:
+        _place(shared / rel, private / rel)
+
+
+def _run_in_processes(chat: VoiceChat, count: int, long_inputs: bool, extra_folders: list[tuple[Path, int]],
+                      finished: Callable[[str], None]) -> None:
+    """PROCESS_PARTS on `count` worker processes (`python -m voicechat.precompile --worker`), each
+    loading the checkpoint and compiling into a kernel cache of its own, merged into this one's as
+    it ends."""
+    import shutil
+    import subprocess
+
+    groups = [list(PROCESS_PARTS[i::count]) for i in range(count)]
+    shared = _mlx_cache(dict(os.environ))
+    shared.mkdir(parents=True, exist_ok=True)
+    workers = []
+    try:
+        for parts in groups:
+            root = Path(tempfile.mkdtemp(prefix=".voicechat-precompile-", dir=shared.parent))
+            env = dict(os.environ)
+            if mx.default_device() == mx.gpu:
+                env["MLX_PTX_CACHE_DIR"] = str(root / "ptx")
+            else:
+                env["TMPDIR"] = str(root)
+            private = _mlx_cache(env)
+            _seed_kernel_cache(shared, private)
+            extra_folders.append((private, count_kernels([private])))
+            cmd = [sys.executable, "-m", "voicechat.precompile", "--worker", ",".join(parts),
+                   "--model", str(chat.checkpoint.path)] + (["--long-inputs"] if long_inputs else [])
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            workers.append((proc, parts, root, private))
+        failures = []
+        for proc, parts, root, private in workers:
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {proc.returncode}"]
+                failures.append(f"precompile worker for {', '.join(parts)}: {last[0]}")
+            extra_folders[:] = [(f, n) for f, n in extra_folders if f != private]  # (counted in `shared` now)
+            merge_kernel_cache(private, shared)
+            for part in parts:
+                finished(part)
+        if failures:
+            raise RuntimeError("; ".join(failures))
+    finally:
+        for proc, _, root, private in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            extra_folders[:] = [(f, n) for f, n in extra_folders if f != private]
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _worker(argv: list[str]) -> int:
+    """`python -m voicechat.precompile --worker PARTS --model DIR [--long-inputs]`: one worker."""
+    import argparse
+
+    from .session import load
+
+    p = argparse.ArgumentParser(prog="python -m voicechat.precompile")
+    p.add_argument("--worker", required=True, help="parts, comma-separated: " + ", ".join(PROCESS_PARTS))
+    p.add_argument("--model", required=True)
+    p.add_argument("--long-inputs", action="store_true")
+    args = p.parse_args(argv)
+    with load(args.model) as chat:
+        for part in args.worker.split(","):
+            _run_part(chat, part, args.long_inputs)
+    return 0
+
+
+# --------------------------------------------------------------------------- precompile
+
+
 def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = None, *,
-               long_inputs: bool = True, every: float = 0.5) -> Progress:
+               long_inputs: bool = True, processes: int | None = None, every: float = 0.5) -> Progress:
     """Run every part of `chat`'s generate once on dummy inputs (`PARTS`), so that the kernels it
     needs are compiled and kept in the disk caches, and this process's next `generate` runs at
     warm speed. `progress(Progress)` is called from a thread of its own every `every` seconds and
     whenever a part ends (the last call has `finished`). `long_inputs`: also the shapes of inputs
-    past 30 s (the encoder a layer at a time) and 82 s (split attention). Returns the last Progress.
+    past 30 s (the encoder a layer at a time) and 82 s (split attention). `processes`: worker
+    processes for the parts (default `worker_processes(chat)`; 0: threads of this process).
+    Returns the last Progress.
 
     Safe on a model in use by nobody else (it runs generate's own paths, under its lock)."""
+    count = worker_processes(chat) if processes is None else processes
     folders = kernel_cache_folders()
+    extra_folders: list[tuple[Path, int]] = []  # the workers' own caches while they run, and their files at start
     start, before = time.perf_counter(), count_kernels(folders)
-    total = len(PARTS) if long_inputs else len(PARTS) - 1
-    state = {"done": 0, "part": PARTS[0], "own_compiled": 0, "own_total": 0}
+    parts = ["our kernels", *(PROCESS_PARTS if count else [p for p in PARTS[1:-1]
+                                                        if long_inputs or p != "long context"]), "warm generate"]
+    state = {"done": 0, "part": parts[0], "own_compiled": 0, "own_total": 0}
     lock = threading.Lock()
     stop = threading.Event()
 
     def snapshot(finished: bool = False) -> Progress:
         with lock:
             done, part, own, own_total = state["done"], state["part"], state["own_compiled"], state["own_total"]
-        return Progress(done, total, part, max(0, count_kernels(folders) - before), time.perf_counter() - start,
-                        finished, own, own_total)
+            extra = list(extra_folders)
+        kernels = max(0, count_kernels(folders) - before) + sum(count_kernels([f]) - n for f, n in extra)
+        return Progress(done, len(parts), part, kernels, time.perf_counter() - start, finished, own, own_total)
 
     def report() -> None:
         while not stop.wait(every):
@@ -424,19 +621,23 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
             texts = discover_own_kernels(chat, long_inputs)
             with lock:
                 state["own_total"] = len(texts)
-            # NVRTC on a pool of threads beside the codec's MLX kernels; the speech encoder (one of
-            # ours) and the timeline (most of ours) after it, reading the cubins it wrote
-            ours = helpers[0].submit(job(lambda: own_kernels(texts), "our kernels"))
-            waits = [ours, helpers[0].submit(job(lambda: _speech_encoder(chat, long_inputs), "speech encoder")),
-                     helpers[1].submit(job(lambda: _codec(chat), "codec"))]
-            ours.wait()
-            _timeline(chat)
-            finished("timeline")
-            if long_inputs:
-                _long_context(chat)
-                finished("long context")
-            for w in waits:
-                w.wait()
+            if count:  # our kernels first (the workers read them), then MLX's in the workers
+                job(lambda: own_kernels(texts), "our kernels")()
+                _run_in_processes(chat, count, long_inputs, extra_folders, finished)
+            else:
+                # NVRTC on a pool of threads beside the codec's MLX kernels; the speech encoder (one
+                # of ours) and the timeline (most of ours) after it, reading the cubins it wrote
+                ours = helpers[0].submit(job(lambda: own_kernels(texts), "our kernels"))
+                waits = [ours, helpers[0].submit(job(lambda: _speech_encoder(chat, long_inputs), "speech encoder")),
+                         helpers[1].submit(job(lambda: _codec(chat), "codec"))]
+                ours.wait()
+                _timeline(chat)
+                finished("timeline")
+                if long_inputs:
+                    _long_context(chat)
+                    finished("long context")
+                for w in waits:
+                    w.wait()
             if errors:
                 raise errors[0]
         with lock:
@@ -454,3 +655,7 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
     if progress is not None:
         progress(last)
     return last
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1:]))

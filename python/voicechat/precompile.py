@@ -485,10 +485,10 @@ def _seed_kernel_cache(shared: Path, private: Path) -> None:
 
 
 def _run_in_processes(chat: VoiceChat, count: int, long_inputs: bool, extra_folders: list[tuple[Path, int]],
-                      finished: Callable[[str], None]) -> None:
+                      finished: Callable[[str], None]) -> list[str]:
     """PROCESS_PARTS on `count` worker processes (`python -m voicechat.precompile --worker`), each
     loading the checkpoint and compiling into a kernel cache of its own, merged into this one's as
-    it ends."""
+    it ends. Returns one line for each worker that failed (what it compiled is kept all the same)."""
     import shutil
     import subprocess
 
@@ -509,20 +509,21 @@ def _run_in_processes(chat: VoiceChat, count: int, long_inputs: bool, extra_fold
             extra_folders.append((private, count_kernels([private])))
             cmd = [sys.executable, "-m", "voicechat.precompile", "--worker", ",".join(parts),
                    "--model", str(chat.checkpoint.path)] + (["--long-inputs"] if long_inputs else [])
-            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            with open(root / "stderr", "w") as err:  # (a file: a full pipe would stall the worker)
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
             workers.append((proc, parts, root, private))
         failures = []
         for proc, parts, root, private in workers:
-            _, err = proc.communicate()
+            proc.wait()
             if proc.returncode != 0:
+                err = (root / "stderr").read_text(errors="replace")
                 last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {proc.returncode}"]
-                failures.append(f"precompile worker for {', '.join(parts)}: {last[0]}")
+                failures.append(f"{', '.join(parts)}: {last[0]}")
             extra_folders[:] = [(f, n) for f, n in extra_folders if f != private]  # (counted in `shared` now)
             merge_kernel_cache(private, shared)
             for part in parts:
                 finished(part)
-        if failures:
-            raise RuntimeError("; ".join(failures))
+        return failures
     finally:
         for proc, _, root, private in workers:
             if proc.poll() is None:
@@ -596,6 +597,7 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
         ticker.start()
     helpers = [WorkerThread(), WorkerThread()]
     errors: list[BaseException] = []
+    failed: list[str] = []
 
     def job(fn: Callable[[], None], part: str) -> Callable[[], None]:
         def run() -> None:
@@ -611,9 +613,9 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
             with lock:
                 state["own_compiled"] = n
 
-        failed = compile_kernel_texts(texts, done=compiled)
-        if failed:  # the launch compiles them again, and falls back to MLX's launch if it must
-            print(f"voicechat: {len(failed)} of our kernels did not compile ahead ({failed[0]}); their "
+        not_compiled = compile_kernel_texts(texts, done=compiled)
+        if not_compiled:  # the launch compiles them again, and falls back to MLX's launch if it must
+            print(f"voicechat: {len(not_compiled)} of our kernels did not compile ahead ({not_compiled[0]}); their "
                   "first launch compiles them again", file=sys.stderr)
 
     try:
@@ -623,7 +625,10 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
                 state["own_total"] = len(texts)
             if count:  # our kernels first (the workers read them), then MLX's in the workers
                 job(lambda: own_kernels(texts), "our kernels")()
-                _run_in_processes(chat, count, long_inputs, extra_folders, finished)
+                failed = _run_in_processes(chat, count, long_inputs, extra_folders, finished)
+                if failed:  # (a GPU short of memory, ...): what they did not compile, generate compiles
+                    print(f"voicechat: a precompile worker failed ({failed[0]}); the kernels it did not compile "
+                          "compile as generate meets them", file=sys.stderr)
             else:
                 # NVRTC on a pool of threads beside the codec's MLX kernels; the speech encoder (one
                 # of ours) and the timeline (most of ours) after it, reading the cubins it wrote
@@ -651,7 +656,8 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
         if progress is not None:
             ticker.join()
     last = snapshot(finished=True)
-    _mark_precompiled(chat, last)
+    if not failed:  # (else the next first run precompiles again)
+        _mark_precompiled(chat, last)
     if progress is not None:
         progress(last)
     return last

@@ -118,6 +118,7 @@ class _Stages:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None
+        self._parts_said = -1  # the parts done when a plain progress line was last printed
 
     def __call__(self, name: str) -> None:
         self.end()
@@ -146,7 +147,7 @@ class _Stages:
         with self._lock:
             if self.bar is not None:
                 self.bar.set_description_str(text, refresh=False)
-            elif self.enabled and not p.finished and p.done != getattr(self, "_parts_said", -1):
+            elif self.enabled and not p.finished and p.done != self._parts_said:
                 self._parts_said = p.done
                 print(f"{text}: {p.elapsed:.1f} s", file=sys.stderr)
 

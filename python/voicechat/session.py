@@ -427,9 +427,9 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     `progress(stage)` is called as each stage begins: "opening the checkpoint", "char table" (computed
     over the vocabulary, or read from its disk cache: `voicechat.char_table_cache`), "reading weights"
     (the lazily opened tensors read and converted), "speaker prompt" (the codec encodes the TTS
-    warmup's silence), and with `warmup` "warming up": one short
-    generate on dummy audio (`precompile.warm_generate`), so that this process's first generate runs
-    at warm speed (it compiles every kernel the caches lack)."""
+    warmup's silence), and with `warmup` "warming up": one short generate on dummy audio
+    (`precompile.warm_generate`), so that this process's first generate runs at warm speed (it
+    compiles every kernel the caches lack)."""
     say = progress or (lambda stage: None)
     say("opening the checkpoint")
     checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)

@@ -6,14 +6,14 @@
 Every run is a new process whose caches are folders of one temp dir made here: XDG_CACHE_HOME,
 MLX_PTX_CACHE_DIR (MLX's CUDA kernels), VOICECHAT_CUBIN_DIR and VOICECHAT_KERNEL_TEXT_DIR (ours),
 VOICECHAT_CHAR_TABLE_DIR (the TTS char table), CUDA_CACHE_PATH (the driver's PTX cache) and TMPDIR
-(MLX's CPU kernels, $TMPDIR/mlx). Runs (`--runs`, in order; all but first-precompile share one set
-of those folders):
+(MLX's CPU kernels, $TMPDIR/mlx). Runs (`--runs`, in order; second and warmup run on the caches
+that first left, or that first-precompile left where first does not run):
 
 - first: empty caches: load, then generate twice (the first is the first run's, compiling as it
   goes; the second is the same process warm);
 - first-precompile (with `--precompile`): empty caches of its own: load, `voicechat.precompile`,
   then generate twice;
-- second: the caches the first run left: load, generate twice (fresh-process vs in-process warm);
+- second: warm caches: load, generate twice (fresh-process vs in-process warm);
 - warmup: the same caches, `voicechat.load(..., warmup=True)`, generate twice: what a warm-up
   at load leaves of a fresh process's first generate.
 
@@ -21,11 +21,10 @@ Full size uses random weights in the published 4-bit layout (`voicechat.syntheti
 as bench_e2e.py), written once as a safetensors checkpoint in the temp dir (untimed: `setup_s`),
 which every run loads from disk as it would a downloaded one (precompile's worker processes need
 it on disk); `--in-memory` makes them in memory in each process instead (`weights_s`, not part of
-load; precompile then runs its parts as threads). The
-input is the bundled spoken question padded with silence to `--seconds` (default 10.7), with the
-default 3 s of extra decoding. `--peer mlx-vlm --peer-model ID` also times `python -m
-mlx_vlm.generate` on empty caches where mlx_vlm is installed (skipped otherwise). It measures and
-asserts nothing; `--json` prints one JSON object.
+load; precompile then runs its parts as threads). The input is the bundled spoken question padded
+with silence to `--seconds` (default 10.7), with the default 3 s of extra decoding. `--peer mlx-vlm
+--peer-model ID` also times `python -m mlx_vlm.generate` on empty caches where mlx_vlm is installed
+(skipped otherwise). It measures and asserts nothing; `--json` prints one JSON object.
 """
 
 from __future__ import annotations
@@ -235,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         for run in runs:
             if not args.json:
                 print(f"run {run} ...", file=sys.stderr)
-            results.append(_run_child(run, args, env_own if run == "first-precompile" else env, workdir, checkpoint))
+            # second and warmup run on the caches that first left, or first-precompile without first
+            own = run == "first-precompile" and "first" in runs
+            results.append(_run_child(run, args, env_own if own else env, workdir, checkpoint))
         report = {"size": args.size, "seconds": args.seconds, "weights": "in memory" if checkpoint is None else "on disk",
                   "setup_s": setup_s, "summary": _summary(results), "runs": results}
         if args.peer:

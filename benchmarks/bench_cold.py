@@ -11,8 +11,8 @@ that first left, or that first-precompile left where first does not run):
 
 - first: empty caches: load, then generate twice (the first is the first run's, compiling as it
   goes; the second is the same process warm);
-- first-precompile (with `--precompile`): empty caches of its own: load, `voicechat.precompile`,
-  then generate twice;
+- first-precompile (with `--precompile`): empty caches of its own: load, `voicechat.precompile`
+  (without the shapes of long inputs, as vc-generate's first run on a GPU), then generate twice;
 - second: warm caches: load, generate twice (fresh-process vs in-process warm);
 - warmup: the same caches, `voicechat.load(..., warmup=True)`, generate twice: what a warm-up
   at load leaves of a fresh process's first generate.
@@ -91,7 +91,7 @@ def _child(args: argparse.Namespace) -> dict:
         from voicechat.precompile import worker_processes
 
         out["precompile_processes"] = worker_processes(chat)
-        last = precompile(chat)
+        last = precompile(chat, long_inputs=False)  # as vc-generate's first run on a GPU
         out["precompile_s"], out["precompile_kernels"] = last.elapsed, last.kernels
         out["precompile_own_kernels"] = last.own_total  # ours, compiled side by side
     audio = dummy_audio(args.seconds, chat.config.input_sample_rate)

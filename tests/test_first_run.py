@@ -278,3 +278,9 @@ def test_worker_processes_need_weights_on_disk_and_a_whole_number(tiny_checkpoin
         worker_processes(chat)
     monkeypatch.setenv("VOICECHAT_PRECOMPILE_PROCESSES", "3")
     assert worker_processes(voicechat.load(random_checkpoint(tmp_path / "mem", "tiny"))) == 0  # in memory only
+
+
+def test_the_mlx_version_for_the_kernel_cache_is_the_installed_ones():
+    from importlib.metadata import version
+
+    assert voicechat._mlx_version() == version("mlx") == mx.__version__

@@ -33,13 +33,36 @@ def _persistent_kernel_cache() -> None:
     os.environ.setdefault("VOICECHAT_CUBIN_DIR", os.path.join(root, "voicechat", "cubin"))
     if "MLX_PTX_CACHE_DIR" in os.environ:
         return
+    mlx_version = _mlx_version()
+    if mlx_version is None:
+        return
+    os.environ["MLX_PTX_CACHE_DIR"] = os.path.join(root, "voicechat", f"mlx-{mlx_version}", "ptx")
+
+
+def _mlx_version() -> str | None:
+    """The installed mlx's version, without importing it: from the name of its one dist-info folder
+    beside the package (`mlx-<version>.dist-info`, names normalized), else from importlib.metadata,
+    whose import is most of `import voicechat`'s time."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx")
+    if spec is None:
+        return None
+    for location in spec.submodule_search_locations or []:
+        parent = os.path.dirname(location)
+        try:
+            found = [e[len("mlx-"):-len(".dist-info")] for e in os.listdir(parent)
+                     if e.startswith("mlx-") and e.endswith(".dist-info")]
+        except OSError:
+            continue
+        if len(found) == 1 and "-" not in found[0]:
+            return found[0]
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        mlx_version = version("mlx")
+        return version("mlx")
     except PackageNotFoundError:
-        return
-    os.environ["MLX_PTX_CACHE_DIR"] = os.path.join(root, "voicechat", f"mlx-{mlx_version}", "ptx")
+        return None
 
 
 _persistent_kernel_cache()

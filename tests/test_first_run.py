@@ -284,3 +284,28 @@ def test_the_mlx_version_for_the_kernel_cache_is_the_installed_ones():
     from importlib.metadata import version
 
     assert voicechat._mlx_version() == version("mlx") == mx.__version__
+
+
+def test_discovery_on_a_gpu_names_every_kernel_generate_launches(tiny_checkpoint, spoken_wav, tmp_path, monkeypatch):
+    """Traced in discovery, the LLM step, the TTS step and the speech encoder name the kernels a
+    generate then finds compiled: it compiles none of its own (new cubin files), and its ids and codes
+    are those of a run without precompile."""
+    from voicechat.kernels import kernel_launch
+    from voicechat.precompile import compile_kernel_texts, discover_own_kernels
+
+    if kernel_launch()["launch"] != "own":
+        pytest.skip("our own launch runs on a CUDA GPU")
+    folder = tmp_path / "cubin"
+    monkeypatch.setenv("VOICECHAT_CUBIN_DIR", str(folder))
+    chat = voicechat.load(tiny_checkpoint)
+    before = set(folder.iterdir()) if folder.exists() else set()  # (what the load itself launched)
+    texts = discover_own_kernels(chat, long_inputs=False)
+    assert texts and compile_kernel_texts(texts) == []
+    compiled = set(folder.iterdir())
+    assert len(compiled - before) == len(texts)
+    # (a kernel this process loaded before, in an earlier test, writes no file either way: run alone,
+    # every kernel of the generate path is new here)
+    answer = _answer(chat, spoken_wav)
+    assert set(folder.iterdir()) == compiled
+    monkeypatch.delenv("VOICECHAT_CUBIN_DIR")
+    assert answer == _answer(voicechat.load(tiny_checkpoint), spoken_wav)

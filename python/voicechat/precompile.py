@@ -406,9 +406,11 @@ def _run_part(chat: VoiceChat, part: str, long_inputs: bool) -> None:
 def worker_processes(chat: VoiceChat) -> int:
     """How many processes `precompile` spreads the parts over (0: threads of this one). Only where
     the checkpoint is on disk (a worker loads it whole). VOICECHAT_PRECOMPILE_PROCESSES=N sets the
-    number (0: none; at most one a part); else as many as parts, CPU cores and memory allow (each
-    worker holds the model once more: on a GPU its free memory, else the free RAM), if two or more
-    (one worker would only add its load to the same serial compiles)."""
+    number (0: none; at most one a part); else as many as parts, CPU cores (one left to this
+    process) and memory allow (each worker holds the model once more: on a GPU its free memory,
+    else the free RAM), if two or more (one worker would only add its load to the same serial
+    compiles; on 2 cores the workers' loads and the kernels each compiles for itself cost more than
+    they overlap)."""
     from .checkpoint import CheckpointError, safetensors_files
 
     value = os.environ.get("VOICECHAT_PRECOMPILE_PROCESSES", "")
@@ -425,7 +427,7 @@ def worker_processes(chat: VoiceChat) -> int:
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     fits = int(max(0, free - 2 * 2**30) // max(1, int(1.25 * chat.checkpoint.nbytes)))
-    count = min(len(PROCESS_PARTS), fits, os.cpu_count() or 1)
+    count = min(len(PROCESS_PARTS), fits, (os.cpu_count() or 1) - 1)
     return count if count >= 2 else 0
 
 

@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <variant>
@@ -220,6 +221,28 @@ const Nvrtc& nvrtc() {
 
 }  // namespace
 
+namespace {
+// Discovery (`own_launch_discovery`): a thread that turns it on traces graphs without compiling our
+// kernels. A launch there whose kernel the cubin cache lacks records the kernel's text and gives
+// zeros of its outputs' shapes in place of the launch, so a traced step names every kernel it needs
+// at once, and they compile side by side afterwards (voicechat.precompile). Such a graph is only
+// traced: its values are not the kernels'. Other threads launch as usual.
+thread_local bool discovering = false;
+std::mutex discovered_lock;
+std::vector<std::pair<std::string, std::string>> discovered;  // (text, arch), under discovered_lock
+std::set<std::string> discovered_texts;                         // the same texts, for uniqueness
+}  // namespace
+
+void set_own_launch_discovery(bool on) { discovering = on; }
+
+std::vector<std::pair<std::string, std::string>> take_discovered_kernels() {
+  std::lock_guard<std::mutex> guard(discovered_lock);
+  std::vector<std::pair<std::string, std::string>> out;
+  out.swap(discovered);
+  discovered_texts.clear();
+  return out;
+}
+
 std::string nvrtc_cubin(const std::string& text, const std::string& arch, const std::vector<std::string>& include_dirs) {
   const Nvrtc& api = nvrtc();
   auto check = [&api](int rc, const char* what) {
@@ -380,38 +403,55 @@ Loaded limits_of(CUfunction fn, const std::string& what) {
   return k;
 }
 
+// The cubin of `text`: from the cubin cache, else NVRTC (and into the cache). Called without
+// loaded_function's lock and with Python's GIL released (when the calling thread holds it), so that
+// threads compile distinct kernels at once: NVRTC compiles distinct programs concurrently, and a
+// cache file is written under a temporary name and renamed (two threads or processes compiling one
+// text write the same bytes).
+std::string cached_or_compiled(const std::string& text, const std::string& arch) {
+  std::string cubin;
+  const std::string folder = cubin_folder();
+  const std::string path = folder.empty() ? std::string() : folder + "/" + own_kernel_file_name(text) + ".cubin";
+  if (!path.empty() && read_cached_cubin(path, text, cubin)) return cubin;
+  {
+    std::optional<py::gil_scoped_release> released;
+    if (Py_IsInitialized() && PyGILState_Check()) released.emplace();
+    cubin = nvrtc_cubin(text, arch, cuda_include_dirs());
+  }
+  if (!path.empty()) {
+    try {
+      write_cached_cubin(path, text, cubin);
+    } catch (const std::exception& e) {
+      // an unwritable cache costs the next process a compile, never this launch: said once
+      static std::atomic<bool> said{false};
+      if (!said.exchange(true)) {
+        std::fprintf(stderr, "voicechat: cannot keep compiled kernels in %s (%s); every process will compile "
+                     "them again (VOICECHAT_CUBIN_DIR picks the folder)\n", folder.c_str(), e.what());
+      }
+    }
+  }
+  return cubin;
+}
+
 // A kernel by `key` (what tells it apart: device, types, args, shared memory): from this process's
 // table, else the cubin cache, else NVRTC (and into the cache). Modules stay loaded for the process.
-// `text_for(arch)` writes the text, called only on a miss (not at every launch).
+// `text_for(arch)` writes the text, called only on a miss (not at every launch). The table's lock
+// is not held over a compile (cached_or_compiled): two threads that miss one key both compile it,
+// and the first to load it fills the table.
 Loaded loaded_function(const std::string& key, const std::string& what, int smem, const mx::Stream& s,
                        const std::function<std::string(const std::string&)>& text_for) {
   static std::mutex lock;
   static auto* loaded = new std::map<std::string, Loaded>();  // never freed: outlives the runtime
-  std::lock_guard<std::mutex> guard(lock);
-  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
+  {
+    std::lock_guard<std::mutex> guard(lock);
+    if (auto it = loaded->find(key); it != loaded->end()) return it->second;
+  }
   auto& device = mx::cu::device(s.device);
   const std::string arch =
       "sm_" + std::to_string(device.compute_capability_major()) + std::to_string(device.compute_capability_minor());
-  const std::string text = text_for(arch);
-  std::string cubin;
-  const std::string folder = cubin_folder();
-  const std::string path = folder.empty() ? std::string() : folder + "/" + own_kernel_file_name(text) + ".cubin";
-  if (path.empty() || !read_cached_cubin(path, text, cubin)) {
-    cubin = nvrtc_cubin(text, arch, cuda_include_dirs());
-    if (!path.empty()) {
-      try {
-        write_cached_cubin(path, text, cubin);
-      } catch (const std::exception& e) {
-        // an unwritable cache costs the next process a compile, never this launch: said once
-        static bool said = false;  // (under `lock`)
-        if (!said) {
-          said = true;
-          std::fprintf(stderr, "voicechat: cannot keep compiled kernels in %s (%s); every process will compile "
-                       "them again (VOICECHAT_CUBIN_DIR picks the folder)\n", folder.c_str(), e.what());
-        }
-      }
-    }
-  }
+  const std::string cubin = cached_or_compiled(text_for(arch), arch);
+  std::lock_guard<std::mutex> guard(lock);
+  if (auto it = loaded->find(key); it != loaded->end()) return it->second;
   device.make_current();
   CUfunction fn = load_vc_kernel(cubin);
   if (!fn) {
@@ -432,6 +472,23 @@ Loaded instance_function(const CudaSource& source, const CudaInstance& instance,
   for (const auto& [name, value] : instance.template_args) key += "|" + name + "=" + value;
   return loaded_function(key, source.name, smem, s,
                          [&](const std::string& arch) { return own_kernel_text(source, instance, arch); });
+}
+
+// Discovery's record of one launch: the instance's text, unless the cubin cache holds it already.
+void discover(const CudaSource& source, const CudaInstance& instance, const mx::Stream& s) {
+  auto& device = mx::cu::device(s.device);
+  const std::string arch =
+      "sm_" + std::to_string(device.compute_capability_major()) + std::to_string(device.compute_capability_minor());
+  std::string text = own_kernel_text(source, instance, arch);
+  {
+    std::lock_guard<std::mutex> guard(discovered_lock);
+    if (discovered_texts.count(text)) return;
+  }
+  const std::string folder = cubin_folder();
+  std::string cubin;
+  if (!folder.empty() && read_cached_cubin(folder + "/" + own_kernel_file_name(text) + ".cubin", text, cubin)) return;
+  std::lock_guard<std::mutex> guard(discovered_lock);
+  if (discovered_texts.insert(text).second) discovered.emplace_back(std::move(text), arch);
 }
 
 // An array's device address for a kernel argument; null for an empty one (whose buffer may be none).
@@ -609,6 +666,12 @@ mx::fast::CustomKernelFunction make_own_kernel(const CudaSource& source, int sha
         for (const auto& [name, value] : template_args) {
           instance.template_args.emplace_back(name, template_arg_text(value));
         }
+        if (discovering) {
+          discover(*src, instance, s);
+          std::vector<mx::array> zeros;
+          for (size_t i = 0; i < output_shapes.size(); ++i) zeros.push_back(mx::zeros(output_shapes[i], output_dtypes[i], s));
+          return zeros;
+        }
         const Loaded k = instance_function(*src, instance, shared_memory, s);
         const auto [gx, gy, gz] = grid;
         const auto [tx, ty, tz] = threadgroup;
@@ -699,11 +762,21 @@ void bind(py::module_& m) {
   m.def(
       "nvrtc_cubin",
       [](const std::string& text, const std::string& arch, const std::optional<std::vector<std::string>>& dirs) {
-        return py::bytes(nvrtc_cubin(text, arch, dirs ? *dirs : cuda_include_dirs()));
+        std::string cubin;
+        {
+          py::gil_scoped_release released;  // threads compile distinct texts at once
+          cubin = nvrtc_cubin(text, arch, dirs ? *dirs : cuda_include_dirs());
+        }
+        return py::bytes(cubin);
       },
       py::arg("text"), py::arg("arch") = "sm_90", py::arg("include_dirs") = py::none(),
       "`text` compiled by NVRTC (VOICECHAT_NVRTC names the library, else the loaded / system one); "
-      "include_dirs: cuda_include_dirs() when None.");
+      "include_dirs: cuda_include_dirs() when None. Releases the GIL while NVRTC runs.");
+  m.def("own_launch_discovery", &set_own_launch_discovery, py::arg("on"),
+        "Discovery on the calling thread: our launches there record the texts of kernels the cubin cache "
+        "lacks and give zeros instead of launching (for tracing only; voicechat.precompile).");
+  m.def("own_launch_discovered", &take_discovered_kernels,
+        "The (text, arch) of every kernel discovery recorded since the last call (then forgotten).");
   m.def("strided_copy_text", &strided_copy_text, py::arg("arch") = "sm_90",
         "The kernel that copies a non-row-contiguous input of our own launch into a row-contiguous one.");
   m.def(

@@ -76,6 +76,13 @@ bool own_launch_wanted();
 mlx::core::fast::CustomKernelFunction make_own_kernel(
     const CudaSource& source, int shared_memory, std::function<mlx::core::fast::CustomKernelFunction()> mlx_launch);
 
+// Discovery on the calling thread (off by default): our launches there record the text of each
+// kernel that the cubin cache lacks and give zeros of the outputs' shapes in place of the launch,
+// for a graph that is only traced; take_discovered_kernels returns the (text, arch) recorded so
+// far, once each, and forgets them. Where the launch is not built nothing is recorded.
+void set_own_launch_discovery(bool on);
+std::vector<std::pair<std::string, std::string>> take_discovered_kernels();
+
 // Why this process fell back to MLX's launch (the first failure of ours), or nothing.
 std::optional<std::string> own_launch_fallback();
 

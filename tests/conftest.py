@@ -15,6 +15,23 @@ from voicechat.synthetic import make_checkpoint
 QUESTION = "What is the capital of France?"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _caches_of_this_run(tmp_path_factory):
+    """The TTS char tables that loads keep and precompile's markers go to folders of this run, not
+    the user's cache (XDG_CACHE_HOME; the kernel caches were placed when voicechat was imported; a
+    test that studies the char table cache sets VOICECHAT_CHAR_TABLE_DIR itself)."""
+    saved = {k: os.environ.get(k) for k in ("VOICECHAT_CHAR_TABLE_DIR", "XDG_CACHE_HOME")}
+    root = tmp_path_factory.mktemp("cache")
+    os.environ.setdefault("VOICECHAT_CHAR_TABLE_DIR", str(root / "voicechat" / "char-table"))
+    os.environ["XDG_CACHE_HOME"] = str(root)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """float32, published (torch) layout, dense."""

@@ -12,6 +12,12 @@ import os
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 
+def cache_root() -> str:
+    """The user's cache folder: $XDG_CACHE_HOME, else ~/.cache (voicechat's caches live in its
+    `voicechat/` folder)."""
+    return os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
 def _persistent_kernel_cache() -> None:
     """Keep MLX-CUDA's compiled kernels across reboots (its default is the temp dir): a full-size
     first run compiles minutes of kernels. Per MLX version, as MLX keys its own kernels by name
@@ -21,19 +27,42 @@ def _persistent_kernel_cache() -> None:
     beside it, the folder our kernels' texts are #included from (VOICECHAT_KERNEL_TEXT_DIR; set it
     empty to hand MLX the texts themselves, which costs host time at every launch), and the cubins
     of our own launch (VOICECHAT_CUBIN_DIR; csrc/own_launch.h)."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    root = cache_root()
     os.environ.setdefault("VOICECHAT_KERNEL_TEXT_DIR", os.path.join(root, "voicechat", "kernel-text"))
     # our own launch's cubins (on a CUDA build unless VOICECHAT_OWN_LAUNCH=0), each file beside its text
     os.environ.setdefault("VOICECHAT_CUBIN_DIR", os.path.join(root, "voicechat", "cubin"))
     if "MLX_PTX_CACHE_DIR" in os.environ:
         return
+    mlx_version = _mlx_version()
+    if mlx_version is None:
+        return
+    os.environ["MLX_PTX_CACHE_DIR"] = os.path.join(root, "voicechat", f"mlx-{mlx_version}", "ptx")
+
+
+def _mlx_version() -> str | None:
+    """The installed mlx's version, without importing it: from the name of its one dist-info folder
+    beside the package (`mlx-<version>.dist-info`, names normalized), else from importlib.metadata,
+    whose import is most of `import voicechat`'s time."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mlx")
+    if spec is None:
+        return None
+    for location in spec.submodule_search_locations or []:
+        parent = os.path.dirname(location)
+        try:
+            found = [e[len("mlx-"):-len(".dist-info")] for e in os.listdir(parent)
+                     if e.startswith("mlx-") and e.endswith(".dist-info")]
+        except OSError:
+            continue
+        if len(found) == 1 and "-" not in found[0]:
+            return found[0]
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        mlx_version = version("mlx")
+        return version("mlx")
     except PackageNotFoundError:
-        return
-    os.environ["MLX_PTX_CACHE_DIR"] = os.path.join(root, "voicechat", f"mlx-{mlx_version}", "ptx")
+        return None
 
 
 _persistent_kernel_cache()
@@ -52,4 +81,8 @@ def __getattr__(name: str):
         from . import live
 
         return getattr(live, name)
+    if name == "precompile":
+        from .precompile import precompile
+
+        return precompile
     raise AttributeError(f"module 'voicechat' has no attribute {name!r}")

@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--realtime", action="store_true",
                    help="with --stream: feed the input (resampled to 16 kHz) and the silence after it at "
                         "wall-clock speed, and end with a latency summary")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile every kernel the model needs on dummy inputs, keep them in the disk caches, "
+                        "and exit (run once when building a package or container; needs no --audio)")
     p.add_argument("--demo", action="store_true",
                    help="run offline on a freshly made tiny synthetic checkpoint and a bundled spoken question "
                         "(random weights: shows the pipeline working, not a real answer)")
@@ -164,6 +167,77 @@ class _Stage:
         self.bar.close()
 
 
+class _Stages:
+    """Stage lines on stderr ("load: char table: 2.3 s" as each ends), on a terminal and for
+    --precompile (a build's log): a line under way ticks its seconds on a terminal (tqdm), so that
+    a long stage (a first run's kernel compiles) is never silent. Precompile progress
+    (`precompile.Progress`) shows parts done and kernels compiled. A stage that fails prints no
+    line: a bad input stays one `error:` line (a pipe or a log sees stage lines only with
+    --precompile)."""
+
+    def __init__(self, enabled: bool, tty: bool):
+        self.enabled, self.tty = enabled, tty
+        self.name: str | None = None
+        self.start = 0.0
+        self.bar = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._parts_said = -1  # the parts done when a plain progress line was last printed
+
+    def __call__(self, name: str) -> None:
+        self.end()
+        if not self.enabled:
+            return
+        with self._lock:
+            self.name, self.start = name, time.perf_counter()
+            if self.tty:
+                from tqdm import tqdm
+
+                self.bar = tqdm(desc=name, bar_format="{desc} {elapsed}", file=sys.stderr, leave=False)
+        if self.tty and self._ticker is None:
+            self._ticker = threading.Thread(target=self._tick, name="vc-generate-stages", daemon=True)
+            self._ticker.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            with self._lock:
+                if self.bar is not None:
+                    self.bar.refresh()
+
+    def compile_progress(self, p) -> None:
+        """A `precompile.Progress`: the line under way, and a plain line as each part ends."""
+        ours = f", ours {p.own_compiled}/{p.own_total}" if p.own_total else ""
+        text = f"{self.name} ({p.done}/{p.total} parts, {p.kernels} kernels compiled{ours})"
+        with self._lock:
+            if self.bar is not None:
+                self.bar.set_description_str(text, refresh=False)
+            elif self.enabled and not p.finished and p.done != self._parts_said:
+                self._parts_said = p.done
+                print(f"{text}: {p.elapsed:.1f} s", file=sys.stderr)
+
+    def end(self) -> None:
+        with self._lock:
+            if self.name is not None:
+                if self.bar is not None:
+                    self.bar.close()
+                    self.bar = None
+                print(f"{self.name}: {time.perf_counter() - self.start:.1f} s", file=sys.stderr)
+                self.name = None
+
+    def close(self, failed: bool = False) -> None:
+        if failed:
+            with self._lock:
+                if self.bar is not None:
+                    self.bar.close()  # (leave=False: the line under way is erased)
+                    self.bar = None
+                self.name = None
+        self.end()
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+
+
 class _Progress:
     """Progress on a terminal only: the load, the timeline (a tqdm bar over frames), then the codec."""
 
@@ -216,7 +290,10 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
     if args.demo and args.audio:
         raise _UsageError("--demo brings its own audio; drop --audio (or drop --demo)")
-    if not args.demo and not args.audio:
+    if args.precompile and (args.audio or args.output_audio or args.output_json or args.stream):
+        raise _UsageError("--precompile compiles and exits: it takes no --audio, --output-audio, --output-json "
+                          "or --stream")
+    if not args.demo and not args.audio and not args.precompile:
         raise _UsageError("--audio is required (or use --demo)")
     if not 0 <= args.seed < 2**64:  # (generate refuses it too, but after the model has loaded)
         raise _UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
@@ -254,11 +331,23 @@ def run(args: argparse.Namespace) -> int:
 
             from .session import load
 
-            start = time.perf_counter()
-            progress.begin("load")
-            chat = load(model)
-            progress.end_stage()
-            load_s = time.perf_counter() - start
+            tty = sys.stderr.isatty()
+            stages = _Stages(enabled=not args.quiet and (tty or args.precompile), tty=tty)
+            failed = True
+            try:
+                start = time.perf_counter()
+                chat = load(model, progress=lambda stage: stages(f"load: {stage}"))
+                load_s = time.perf_counter() - start
+                if args.precompile:
+                    _precompile(chat, stages, say, load_s)
+                    failed = False
+                    return 0
+                if _first_run_on_a_gpu(chat):  # (said only where the stages are: a bad input stays one line)
+                    _precompile(chat, stages, say if stages.enabled else (lambda *a: None), load_s,
+                                long_inputs=False)
+                failed = False
+            finally:
+                stages.close(failed)
             mx.reset_peak_memory()  # so that peak_memory_gb describes generate, not the load
             if args.stream:  # (the answer lines are printed as they arrive)
                 from .cli_stream import run_stream
@@ -304,6 +393,31 @@ def run(args: argparse.Namespace) -> int:
         f"real-time factor {gen / max(audio_s, 1e-9):.3f}, load {load_s:.1f} s")
     if not args.output_audio:
         say("note: the spoken answer was not written (--output-audio FILE keeps it)")
+    return 0
+
+
+def _first_run_on_a_gpu(chat) -> bool:
+    """Whether this run compiles ahead (`voicechat.precompile`, side by side) before it generates:
+    on a CUDA GPU where no precompile finished for this model (VOICECHAT_PRECOMPILE=0: never; then
+    the kernels compile one by one as generate meets them)."""
+    from .kernels.gemv import on_cuda_gpu
+    from .precompile import is_precompiled
+
+    return os.environ.get("VOICECHAT_PRECOMPILE", "") != "0" and on_cuda_gpu() and not is_precompiled(chat)
+
+
+def _precompile(chat, stages: _Stages, say, load_s: float, long_inputs: bool = True) -> int:
+    """--precompile (and a first run on a GPU): the model's kernels compiled and kept
+    (`voicechat.precompile`)."""
+    import mlx.core as mx
+
+    from .precompile import precompile
+
+    stages(f"compiling {'GPU' if mx.default_device() == mx.gpu else 'CPU'} kernels for this model (first run only)")
+    last = precompile(chat, progress=stages.compile_progress, long_inputs=long_inputs)
+    stages.end()
+    say(f"precompiled: {last.kernels} kernels compiled in {last.elapsed:.1f} s (load {load_s:.1f} s); "
+        "later runs read them from the caches")
     return 0
 
 

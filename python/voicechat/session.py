@@ -450,11 +450,20 @@ def _checked_seed(seed) -> int:
     return int(seed)
 
 
-def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
+def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str], None] | None = None,
+         warmup: bool = False) -> VoiceChat:
     """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory).
 
-    A `Checkpoint` passed in is used up: its tensors are released once the model holds them."""
+    A `Checkpoint` passed in is used up: its tensors are released once the model holds them.
+    `progress(stage)` is called as each stage begins: "opening the checkpoint", "char table" (computed
+    over the vocabulary, or read from its disk cache: `voicechat.char_table_cache`), "reading weights"
+    (the lazily opened tensors read and converted), "speaker prompt" (the codec encodes the TTS
+    warmup's silence), and with `warmup` "warming up": one short generate on dummy audio
+    (`precompile.warm_generate`), so that this process's first generate runs at warm speed (it
+    compiles every kernel the caches lack)."""
     release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
+    say = progress or (lambda stage: None)
+    say("opening the checkpoint")
     checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)
     config = checkpoint.config
     model = VoiceChatModel(config)
@@ -464,13 +473,21 @@ def load(path_or_id: str | os.PathLike | Checkpoint) -> VoiceChat:
         raise InputError(f"tokenizer.json has {tokenizer.vocab_size} ids but the model only "
                          f"{config.text_config.vocab_size}")
     pieces = load_rnnt_pieces(checkpoint.path, config.rnnt_vocabulary, config.audio_config.decoder.vocab_size)
+    say("char table")
     prepare_for_decoding(model, tokenizer)
+    say("reading weights")
     mx.eval(model.parameters())
     checkpoint.release()  # the model holds what it uses; converted tensors would stay twice
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)
+    say("speaker prompt")
     chat.warmup_codes()
     # Every array the model holds, the derived private ones too (norm scales, RoPE frequencies,
     # codebook views): a compiled step that closes over a lazy array computes it again at every
     # call, and one made on this thread's default stream cannot be evaluated from another thread.
     mx.eval([a for _, a in tree_flatten(model) if isinstance(a, mx.array)])
+    if warmup:
+        from .precompile import warm_generate
+
+        say("warming up")
+        warm_generate(chat)
     return chat

@@ -13,6 +13,8 @@ a step's conditioning is then one row gather.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import math
 from typing import Sequence
 
@@ -169,6 +171,7 @@ class CharAwareSubwordEncoder(nn.Module):
         self.subword_flag_emb = SubwordFlagEmbedding(vocab_size, cfg.hidden_size)
         self.bos_eos_emb = BosEosEmbedding(vocab_size, cfg.hidden_size)
         self._chars: list[tuple[int, ...]] | None = None
+        self.vocabulary_digest: str | None = None  # sha256 of the subword -> chars map (the table's key)
 
     # ------------------------------------------------------------------ vocabulary
 
@@ -186,6 +189,9 @@ class CharAwareSubwordEncoder(nn.Module):
             if 0 <= i < self.vocab_size:
                 chars[i] = tuple(char_index[c] for c in token if c in char_index)
         self._chars = chars
+        lengths = np.fromiter(map(len, chars), np.int32, len(chars))
+        flat = np.fromiter(itertools.chain.from_iterable(chars), np.int32)
+        self.vocabulary_digest = hashlib.sha256(lengths.tobytes() + b"\0" + flat.tobytes()).hexdigest()
 
     @property
     def has_vocabulary(self) -> bool:

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..char_table_cache import cached_table, table_key
 from ..config import ConfigError, TTSConfig
 from .backbone import DEFAULT_CHUNK, Backbone, BackboneCache
 from .char_encoder import CharAwareSubwordEncoder
@@ -155,6 +156,9 @@ class EarTTS(nn.Module):
         self._rvq_norms = None
         self._rvq_offsets = self._all_masked = self._null_text = None
         self._char_table = None
+        # Where the char table came from: "cache", "computed" (and kept on disk), "computed, not
+        # kept" (`voicechat.char_table_cache`); None before it is made.
+        self.char_table_source: str | None = None
         self._step_fn = None
         unprepare_norms(self)
         unstack_projections(self)
@@ -163,7 +167,7 @@ class EarTTS(nn.Module):
         """Build the char vocabulary and the subword -> chars map (`TextTokenizer`); the
         conditioning table is computed on first use."""
         self.embed_subword.set_tokenizer(tokenizer)
-        self._char_table = None
+        self._char_table = self.char_table_source = None
         self._step_fn = None
 
     def _prepare_weights(self) -> None:
@@ -192,10 +196,17 @@ class EarTTS(nn.Module):
         self._weights_ready = True
 
     def char_table(self) -> mx.array:
-        """`[vocab + 1, hidden]`: the text conditioning of every id (last row: ids >= vocab)."""
+        """`[vocab + 1, hidden]`: the text conditioning of every id (last row: ids >= vocab), read
+        from the disk cache when it holds this encoder's (`voicechat.char_table_cache`)."""
         self._prepare_weights()
         if self._char_table is None:
-            self._char_table = self.embed_subword.table()
+            encoder = self.embed_subword
+            if not encoder.has_vocabulary:
+                raise RuntimeError("the TTS char encoder has no vocabulary yet: call set_tokenizer(tokenizer)")
+            self._char_table, self.char_table_source = cached_table(
+                lambda: table_key(encoder, self.cfg.character_encoder.to_dict(), encoder.vocabulary_digest,
+                                  self.decode_kernels),
+                (self.vocab_size + 1, encoder.hidden_size), encoder.table)
         return self._char_table
 
     def prepare(self) -> None:

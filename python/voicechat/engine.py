@@ -14,7 +14,8 @@ Each tick (`step`) runs one timeline frame for every session that has a complete
 queued, as one batch: the LLM step with a row per session (`llm.rows.LMRows`: per-session Mamba
 states, attention keys at per-session positions, both heads' argmax per row), the TTS step with
 two rows per session (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and
-generator key), then each session's codec frame and text. Perception and the transcript run per
+generator key), then the codec on every session's frame as one batch (`codec.push_streams`: each
+session's streamed-decoder caches stacked, then taken back), then each session's text. Perception and the transcript run per
 session as its input arrives (`feed`), as in a `LiveSession`.
 
 The state lives in batched arrays indexed by slot and stays there between ticks (no session's
@@ -27,8 +28,7 @@ capacity, not per session count; the batch shrinks when the highest slots free u
 
 Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
 so `chat.generate`), whatever its neighbours do and whenever they join or leave, wherever the
-backend computes each row independently of the others (MLX on a CPU: tested). The audio is decoded
-per session by its own streamed codec.
+backend computes each row independently of the others (MLX on a CPU: tested).
 
 The engine holds the `VoiceChat` until closed (`with`, or `close()`), as `chat.sessions()` does:
 meanwhile `generate()` and `live()` raise `ModelBusy`. One thread at a time steps it; every session
@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from .codec.codec import push_streams
 from .live import ContextFull, Frame, LiveSession
 from .llm.rows import LMRows
 from .session import InputError, _checked_seed
@@ -50,6 +53,16 @@ from .tts.backbone import DEFAULT_CHUNK
 from .tts.rows import TTSRows
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class TickTimes:
+    """A tick's clock (`time.perf_counter()`): its start, the batched model step read back, and
+    each stepped session's frame made (its codec frame and text included)."""
+
+    started: float
+    stepped: float
+    delivered: dict
 
 
 class EngineFull(RuntimeError):
@@ -87,6 +100,7 @@ class Engine:
             self._no_audio = mx.zeros((1, 1, self._audio_width), mx.float32)
             mx.eval(self._no_audio)
         self.ticks = 0
+        self.last_tick: TickTimes | None = None  # when the last tick's parts were done (perf_counter)
 
     # ------------------------------------------------------------------ sessions
 
@@ -144,6 +158,7 @@ class Engine:
             ready = [s for s in self.sessions if s is not None and s._queue]
             if not ready:
                 return 0
+            started = time.perf_counter()
             chat = self.chat
             rows = self.slots
             active = np.zeros(rows, bool)
@@ -159,9 +174,15 @@ class Engine:
                 mx.eval(text, function, codes)
                 text, function, codes = np.array(text), np.array(function), np.array(codes)
             self.ticks += 1
-            for s in ready:
-                slot = s.slot
-                s._deliver(int(text[slot]), int(function[slot]), codes[slot] if speaking[slot] else self._zero_codes)
+            times = TickTimes(started, time.perf_counter(), {})
+            frame_codes = [codes[s.slot] if speaking[s.slot] else self._zero_codes for s in ready]
+            with mx.stream(chat._timeline_stream):
+                decodable = np.stack([s._decodable(c) for s, c in zip(ready, frame_codes)])
+                audio = push_streams([s.decoder for s in ready], mx.array(decodable[:, :, None]))
+            for s, c, samples in zip(ready, frame_codes, audio):
+                s._deliver(int(text[s.slot]), int(function[s.slot]), c, samples)
+                times.delivered[s] = time.perf_counter()
+            self.last_tick = times
             return len(ready)
 
     def run(self) -> None:
@@ -317,11 +338,12 @@ class EngineSession(LiveSession):
                 self._end()
         return []
 
-    def _deliver(self, text_id: int, function_id: int, codes: np.ndarray) -> None:
-        """This session's frame of a tick: decoded, kept, handed to `collect`."""
+    def _deliver(self, text_id: int, function_id: int, codes: np.ndarray, audio: np.ndarray) -> None:
+        """This session's frame of a tick (its samples decoded in the tick's codec batch): kept,
+        handed to `collect`."""
         _, transcript_row, last = self._queue.popleft()
         self.host_syncs += 1
-        frame = self._emit(text_id, function_id, np.array(codes, np.int32).reshape(-1), transcript_row)
+        frame = self._emit(text_id, function_id, np.array(codes, np.int32).reshape(-1), transcript_row, audio)
         self._outbox.append(frame)
         if last:
             self._end(frame)

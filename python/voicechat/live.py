@@ -362,13 +362,19 @@ class LiveSession:
                 else np.array(code).reshape(-1)
             return self._emit(int(text_id.item()), int(function_id.item()), codes, transcript_row)
 
-    def _emit(self, text_id: int, function_id: int, codes: np.ndarray, transcript_row: np.ndarray) -> Frame:
-        """The next frame from its ids and codes (read back): its audio decoded, every channel's
-        text delta, and all of it kept for `result()`."""
+    def _decodable(self, codes: np.ndarray) -> np.ndarray:
+        """A frame's codes as the codec takes them: control codes -> the silence codes."""
+        return np.where(np.isin(codes, self._control_codes), self._silence_codes, codes).astype(np.int32)
+
+    def _emit(self, text_id: int, function_id: int, codes: np.ndarray, transcript_row: np.ndarray,
+              audio: np.ndarray | None = None) -> Frame:
+        """The next frame from its ids and codes (read back): its audio decoded (unless `audio`, its
+        samples already decoded, is given), every channel's text delta, and all of it kept for
+        `result()`."""
         index = self.frames
-        with mx.stream(self.chat._timeline_stream):
-            decodable = np.where(np.isin(codes, self._control_codes), self._silence_codes, codes)
-            audio = self.decoder.push(mx.array(decodable[None, :, None].astype(np.int32)))[0]
+        if audio is None:
+            with mx.stream(self.chat._timeline_stream):
+                audio = self.decoder.push(mx.array(self._decodable(codes)[None, :, None]))[0]
         self._codes.append(codes)
         self._text_ids.append(text_id)
         self._function_ids.append(function_id)

@@ -171,6 +171,7 @@ def test_push_steps_the_neighbours_queued_input_in_the_same_batches(tiny_checkpo
 
 
 def test_slots_come_in_buckets_and_the_engine_holds_the_model(tiny_checkpoint):
+    assert voicechat.Engine is Engine
     assert [bucket(n) for n in (0, 1, 2, 3, 5, 9, 17, 33, 64, 65, 100)] == [1, 1, 2, 4, 8, 16, 32, 64, 64, 128, 128]
     chat = voicechat.load(tiny_checkpoint)
     engine = Engine(chat, max_sessions=3)

@@ -46,6 +46,8 @@ import mlx.core as mx
 import numpy as np
 
 from .codec.codec import push_streams
+from .kernels._native import reference_ops
+from .kernels.gemv import on_cuda_gpu
 from .live import ContextFull, Frame, LiveSession
 from .llm.rows import LMRows
 from .session import InputError, _checked_seed
@@ -168,7 +170,9 @@ class Engine:
                 audio[s.slot] = s._queue[0][0]
             # Timeline position 0 has no TTS step (its codes are zeros).
             speaking = active & (self.lm.positions >= 1)
-            with mx.stream(chat._timeline_stream):
+            # Many rows take MLX's own ops on a GPU (our kernels serve one session); on a CPU the
+            # kernel faces are already the ops (or C++ loops) whose rows do not depend on each other.
+            with mx.stream(chat._timeline_stream), reference_ops(rows > 1 and on_cuda_gpu()):
                 text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
                 codes = self.tts.step(text, speaking, self._silence)
                 mx.eval(text, function, codes)

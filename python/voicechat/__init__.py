@@ -71,7 +71,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # The API lives in voicechat.session and voicechat.live; imported on first use so
+    # The API lives in voicechat.session, voicechat.live and voicechat.engine; imported on first use so
     # `import voicechat` stays light.
     if name in ("load", "VoiceChat", "Result", "InputError", "ModelBusy"):
         from . import session
@@ -85,4 +85,8 @@ def __getattr__(name: str):
         from .precompile import precompile
 
         return precompile
+    if name in ("Engine", "EngineFull"):
+        from . import engine
+
+        return getattr(engine, name)
     raise AttributeError(f"module 'voicechat' has no attribute {name!r}")

@@ -349,7 +349,6 @@ class LiveSession:
 
     def _frame(self, projected: mx.array, i: int, transcript_row: np.ndarray) -> Frame:
         """Frame i of a chunk's `projected` audio channel through the timeline, read back."""
-        index = self.frames
         text_id, function_id, code = self.loop.step(projected, i)
         stepped_tts = self.loop.position > 1  # (timeline position 0 has no TTS step: code 0)
         with mx.stream(self.chat._timeline_stream):
@@ -361,9 +360,21 @@ class LiveSession:
             self.host_syncs += 1
             codes = np.zeros(self.config.tts_config.num_quantizers, np.int32) if code is None \
                 else np.array(code).reshape(-1)
-            text_id, function_id = int(text_id.item()), int(function_id.item())
-            decodable = np.where(np.isin(codes, self._control_codes), self._silence_codes, codes)
-            audio = self.decoder.push(mx.array(decodable[None, :, None].astype(np.int32)))[0]
+            return self._emit(int(text_id.item()), int(function_id.item()), codes, transcript_row)
+
+    def _decodable(self, codes: np.ndarray) -> np.ndarray:
+        """A frame's codes as the codec takes them: control codes -> the silence codes."""
+        return np.where(np.isin(codes, self._control_codes), self._silence_codes, codes).astype(np.int32)
+
+    def _emit(self, text_id: int, function_id: int, codes: np.ndarray, transcript_row: np.ndarray,
+              audio: np.ndarray | None = None) -> Frame:
+        """The next frame from its ids and codes (read back): its audio decoded (unless `audio`, its
+        samples already decoded, is given), every channel's text delta, and all of it kept for
+        `result()`."""
+        index = self.frames
+        if audio is None:
+            with mx.stream(self.chat._timeline_stream):
+                audio = self.decoder.push(mx.array(self._decodable(codes)[None, :, None]))[0]
         self._codes.append(codes)
         self._text_ids.append(text_id)
         self._function_ids.append(function_id)

@@ -462,3 +462,20 @@ class DecoderStream:
     def finish(self) -> np.ndarray:
         """The samples that waited for a next frame: `[B, 6]` (none before the first frame)."""
         return self.istft.finish()
+
+
+def push_streams(streams: list[DecoderStream], codes: mx.array) -> list[np.ndarray]:
+    """`streams[i].push(codes[i : i + 1])` for every stream (batch 1 each, of one codec), run as one
+    batch: the decoder on all rows with their caches stacked, each stream's caches and overlap-add
+    then taken back. Returns each stream's samples `[n]`."""
+    codec = streams[0].codec
+    contexts = [mx.concatenate([s.contexts[j] for s in streams]) for j in range(len(streams[0].contexts))]
+    features = codec.decoder(codec.prvq.decode(codes), contexts)
+    framed = streams[0].istft.windowed(_spectrum(features))
+    mx.eval(contexts)
+    out = []
+    for i, stream in enumerate(streams):
+        stream.contexts = [c[i : i + 1] for c in contexts]
+        stream.frames += codes.shape[2]
+        out.append(stream.istft.add(framed[i : i + 1])[0])
+    return out

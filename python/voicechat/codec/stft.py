@@ -155,10 +155,18 @@ class StreamingISTFT:
     def push(self, features: mx.array) -> np.ndarray:
         """Features [B, F, n_fft + 2] -> the samples `[B, F * hop]` that became final (F * hop - 6
         at the first call)."""
+        return self.add(self.windowed(features))
+
+    def windowed(self, features: mx.array) -> np.ndarray:
+        """Features [B, F, n_fft + 2] -> their windowed inverse frames `[B, F, n_fft]` (row by row:
+        one call may serve several streams' rows, each then `add`ed to its own stream)."""
         if features.shape[-1] != self.n_fft + 2:
             raise ValueError(f"expected {self.n_fft + 2} STFT channels, got {features.shape[-1]}")
         window, _, inverse = _bases(self.n_fft)
-        framed = np.array(_windowed_frames_compiled(features.astype(mx.float32), window, inverse))
+        return np.array(_windowed_frames_compiled(features.astype(mx.float32), window, inverse))
+
+    def add(self, framed: np.ndarray) -> np.ndarray:
+        """`push` from frames `windowed` already made: the samples that became final."""
         return self._overlap_add(framed, end=False)
 
     def finish(self) -> np.ndarray:

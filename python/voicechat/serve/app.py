@@ -67,9 +67,9 @@ def origin_allowed(ws: WebSocket, allowed: list[str]) -> bool:
 
 def create_app(chat, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving one loaded `VoiceChat` to many clients: their sessions share the model, and
-    its frames are interleaved fairly (`FrameScheduler`)."""
+    every session's frame of a round is stepped in one batch (`FrameScheduler`)."""
     settings = settings or ServerSettings()
-    scheduler = FrameScheduler(chat)
+    scheduler = FrameScheduler(chat, max_sessions=settings.max_sessions)
     app = FastAPI(title="voicechat", docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.connections = 0

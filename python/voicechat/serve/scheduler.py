@@ -1,9 +1,10 @@
-"""One thread that runs every live session's model work, fairly, a frame at a time.
+"""One thread that runs every live session's model work: all sessions' frames in one batch a round.
 
-MLX's streams are used by one thread at a time and the loaded model steps one frame at a time,
-so every session's `push`, `finish` and close runs on this thread. Audio is queued in pieces of
-one 80 ms frame: each round takes one piece from each session that has work, so a client that
-sends a minute of audio at once delays the others by at most a frame each round.
+MLX's streams are used by one thread at a time, so every session's input, step and close runs on
+this thread, through one `voicechat.engine.Engine`. Audio is queued in pieces of one 80 ms frame:
+each round feeds one piece from each session that has work, then one engine tick steps every
+session with a complete frame together (one batched frame), then each session's frames go out. A
+client that sends a minute of audio at once is stepped a frame a round like the others.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..engine import Engine, EngineFull
 from ..live import ContextFull
 from ..session import InputError
 
@@ -40,8 +42,9 @@ class SessionHandle:
         self.system_prompt, self.seed = system_prompt, seed
         self.on_frames, self.on_error = on_frames, on_error
         self.work: collections.deque[Work] = collections.deque()
-        self.live = None  # the LiveSession, made on the scheduler's thread at its first work
+        self.live = None  # the EngineSession, made on the scheduler's thread at its first work
         self.closed = False
+        self.finishing = False  # its input has ended: the last frames are on their way
 
     def push(self, samples: np.ndarray, sample_rate: int) -> None:
         piece = max(1, int(round(FRAME_SECONDS * sample_rate)))
@@ -65,11 +68,12 @@ class SessionHandle:
 
 
 class FrameScheduler:
-    """Owns the model's thread of work for all sessions of one loaded `VoiceChat`."""
+    """Owns the model's thread of work for all sessions of one loaded `VoiceChat`
+    (`max_sessions`: the most conversations the engine holds at once)."""
 
-    def __init__(self, chat):
+    def __init__(self, chat, max_sessions: int = 64):
         self.chat = chat
-        self.host = chat.sessions()  # the model is the server's while it runs
+        self.engine = Engine(chat, max_sessions=max_sessions)  # the model is the server's while it runs
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.sessions: list[SessionHandle] = []
@@ -91,27 +95,40 @@ class FrameScheduler:
                 handle.work.append(Work("close"))
             self.wake.notify()
         self._thread.join(timeout=30)
-        self.host.close()
+        self.engine.close()
 
-    def _next_round(self) -> list[tuple[SessionHandle, Work]]:
+    def _busy(self) -> bool:
+        """Work queued, or frames waiting for a tick (called with the lock held)."""
+        return any(h.work or (h.live is not None and h.live.queued) for h in self.sessions)
+
+    def _next_round(self) -> list[tuple[SessionHandle, Work]] | None:
         with self.lock:
-            while not self._stopping and not any(h.work for h in self.sessions):
+            while not self._stopping and not self._busy():
                 self.wake.wait()
             if self._stopping and not any(h.work for h in self.sessions):
-                return []
-            round_ = []
-            for handle in self.sessions:
-                if handle.work:
-                    round_.append((handle, handle.work.popleft()))
-            return round_
+                return None
+            return [(handle, handle.work.popleft()) for handle in self.sessions if handle.work]
 
     def _run(self) -> None:
         while True:
             round_ = self._next_round()
-            if not round_:
+            if round_ is None:
                 return
             for handle, work in round_:
                 self._do(handle, work)
+            try:
+                stepped = self.engine.step()
+            except Exception as e:  # a bug: every stepping session ends, the server goes on
+                traceback.print_exc()
+                for handle in list(self.sessions):
+                    if handle.live is not None:
+                        handle.on_error(e, True)
+                        self._end_live(handle)
+                continue
+            if stepped:
+                for handle in list(self.sessions):
+                    if handle.live is not None:
+                        self._hand_out(handle)
 
     def _do(self, handle: SessionHandle, work: Work) -> None:
         if work.kind == "close":
@@ -122,24 +139,44 @@ class FrameScheduler:
         try:
             if handle.live is None:
                 # The answer's samples go to the client as they come: none kept for result().
-                handle.live = self.host.live(system_prompt=handle.system_prompt or None, seed=handle.seed,
-                                             keep_audio=False)
+                handle.live = self.engine.live(system_prompt=handle.system_prompt or None, seed=handle.seed,
+                                               keep_audio=False)
+                handle.finishing = False
             if work.kind == "push":
-                frames = handle.live.push(work.samples, sample_rate=work.sample_rate)
-                handle.on_frames(frames, False)
+                handle.live.feed(work.samples, sample_rate=work.sample_rate)
             else:
-                frames = handle.live.finish(extra_decoding_seconds=work.seconds)
-                handle.on_frames(frames, True)
-                self._end_live(handle)
+                handle.live.feed_end(work.seconds)
+                handle.finishing = True
+                if handle.live.ended:  # (no frame was left to make)
+                    self._hand_out(handle)
         except InputError as e:
             fatal = isinstance(e, ContextFull)
             handle.on_error(e, fatal)
             if fatal:
                 self._end_live(handle)
+        except EngineFull as e:  # (more conversations at once than the engine holds)
+            handle.on_error(e, True)
         except Exception as e:  # a bug: this session ends, the others go on
             traceback.print_exc()
             handle.on_error(e, True)
             self._end_live(handle)
+
+    def _hand_out(self, handle: SessionHandle) -> None:
+        """The session's frames of this round to its client; its end once finish's frames are out."""
+        live = handle.live
+        try:
+            frames = live.collect()
+        except ContextFull as e:
+            if e.frames:
+                handle.on_frames(e.frames, False)
+            handle.on_error(e, True)
+            self._end_live(handle)
+            return
+        if handle.finishing and live.ended:
+            handle.on_frames(frames, True)
+            self._end_live(handle)
+        elif frames:
+            handle.on_frames(frames, False)
 
     def _end_live(self, handle: SessionHandle) -> None:
         """The conversation is over: its state is freed; a later push starts a new one."""

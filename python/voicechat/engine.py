@@ -1,0 +1,363 @@
+"""Many live conversations on one model: every session with input stepped together, one batched frame.
+
+    engine = voicechat.Engine(chat, max_sessions=32)
+    a = engine.live(system_prompt="Be concise.", seed=0)   # a LiveSession: push / finish / result
+    b = engine.live(seed=1)
+    frames = a.push(chunk, sample_rate=16000)               # as chat.live(); steps b too if b has input
+
+    # a server's loop: feed every session, one tick, hand out the frames
+    a.feed(chunk_a); b.feed(chunk_b)
+    engine.step()                                            # one frame for each session with input
+    a.collect(), b.collect()                                 # the frames each one completed
+
+Each tick (`step`) runs one timeline frame for every session that has a complete 80 ms of input
+queued, as one batch: the LLM step with a row per session (`llm.rows.LMRows`: per-session Mamba
+states, attention keys at per-session positions, both heads' argmax per row), the TTS step with
+two rows per session (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and
+generator key), then the codec on every session's frame as one batch (`codec.push_streams`: each
+session's streamed-decoder caches stacked, then taken back), then each session's text. Perception and the transcript run per
+session as its input arrives (`feed`), as in a `LiveSession`.
+
+The state lives in batched arrays indexed by slot and stays there between ticks (no session's
+keys are gathered or scattered per frame: that would copy every session's whole cache every
+frame). A session takes the lowest free slot; its system prompt and the TTS warmup run alone first
+(the same code as `chat.live`), then its state is written into the slot's rows. Rows of sessions
+without input in a tick are computed and discarded (their state is kept by a select). Slot counts
+come in buckets (1, 2, 4, 8, ...) so that the compiled steps are traced once per bucket and cache
+capacity, not per session count; the batch shrinks when the highest slots free up.
+
+Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
+so `chat.generate`), whatever its neighbours do and whenever they join or leave, wherever the
+backend computes each row independently of the others (MLX on a CPU: tested).
+
+The engine holds the `VoiceChat` until closed (`with`, or `close()`), as `chat.sessions()` does:
+meanwhile `generate()` and `live()` raise `ModelBusy`. One thread at a time steps it; every session
+method takes the engine's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .codec.codec import push_streams
+from .kernels._native import reference_ops
+from .kernels.gemv import on_cuda_gpu
+from .live import ContextFull, Frame, LiveSession
+from .llm.rows import LMRows
+from .session import InputError, _checked_seed
+from .tts.backbone import DEFAULT_CHUNK
+from .tts.rows import TTSRows
+
+SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class TickTimes:
+    """A tick's clock (`time.perf_counter()`): its start, the batched model step read back, and
+    each stepped session's frame made (its codec frame and text included)."""
+
+    started: float
+    stepped: float
+    delivered: dict
+
+
+class EngineFull(RuntimeError):
+    """The engine already holds `max_sessions` open sessions."""
+
+
+def bucket(n: int) -> int:
+    """The slot count that holds `n` rows: the smallest bucket >= n (powers of two past the list)."""
+    for size in SLOT_BUCKETS:
+        if size >= n:
+            return size
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+class Engine:
+    """Owns a loaded `VoiceChat` and steps its live sessions together (see the module docstring).
+    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it)."""
+
+    def __init__(self, chat, max_sessions: int = 64):
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise InputError(f"max_sessions must be a whole number >= 1, got {max_sessions!r}")
+        self.chat = chat
+        self.max_sessions = max_sessions
+        self._lock = threading.RLock()
+        self._turn = chat._begin_turn(live=True)
+        self._closed = False
+        c = chat.config
+        self._silence = chat.speaking.codec_silence_tokens
+        self._zero_codes = np.zeros(c.tts_config.num_quantizers, np.int32)
+        self._audio_width = c.text_config.hidden_size
+        self.sessions: list[EngineSession | None] = [None]
+        with mx.stream(chat._timeline_stream):
+            self.lm = LMRows(chat.listening, 1, c.pad_token_id)
+            self.tts = TTSRows(chat.ear_tts, 1, DEFAULT_CHUNK)
+            self._no_audio = mx.zeros((1, 1, self._audio_width), mx.float32)
+            mx.eval(self._no_audio)
+        self.ticks = 0
+        self.last_tick: TickTimes | None = None  # when the last tick's parts were done (perf_counter)
+
+    # ------------------------------------------------------------------ sessions
+
+    def live(self, system_prompt: str | None = None, seed: int = 0, *, keep_audio: bool = True,
+             keep_input_audio: bool = False) -> "EngineSession":
+        """A new session, as `chat.live(...)` makes one (the same arguments and errors)."""
+        seed = _checked_seed(seed)
+        self.chat.prompt_ids(system_prompt)  # (its TypeError first)
+        with self._lock:
+            if self._closed:
+                raise InputError("this Engine is closed")
+            open_now = sum(s is not None for s in self.sessions)
+            if open_now >= self.max_sessions:
+                raise EngineFull(f"the engine holds its maximum of {self.max_sessions} sessions")
+            slot = next((i for i, s in enumerate(self.sessions) if s is None), len(self.sessions))
+            session = EngineSession(self, slot, system_prompt, seed, keep_audio, keep_input_audio)
+            self._resize(max(slot + 1, self.slots))
+            self.sessions[slot] = session
+            session._join()
+            return session
+
+    @property
+    def slots(self) -> int:
+        """Rows of the batched state (a bucket)."""
+        return self.lm.slots
+
+    @property
+    def open_sessions(self) -> int:
+        return sum(s is not None for s in self.sessions)
+
+    def _resize(self, rows: int) -> None:
+        size = bucket(rows)
+        if size == self.lm.slots:
+            return
+        with mx.stream(self.chat._timeline_stream):
+            self.lm.resize(size)
+            self.tts.resize(size)
+        self.sessions = (self.sessions + [None] * size)[:size]
+
+    def _release(self, session: "EngineSession") -> None:
+        """The session no longer steps: its slot is free, and the batch shrinks if it can."""
+        with self._lock:
+            if session.slot < len(self.sessions) and self.sessions[session.slot] is session:
+                self.sessions[session.slot] = None
+            used = max((i + 1 for i, s in enumerate(self.sessions) if s is not None), default=1)
+            if not self._closed:
+                self._resize(used)
+
+    # ------------------------------------------------------------------ the tick
+
+    def step(self) -> int:
+        """One frame for every session with a complete 80 ms of input queued, as one batch; each
+        session's frame goes to its `collect()`. Returns how many sessions stepped."""
+        with self._lock:
+            ready = [s for s in self.sessions if s is not None and s._queue]
+            if not ready:
+                return 0
+            started = time.perf_counter()
+            chat = self.chat
+            rows = self.slots
+            active = np.zeros(rows, bool)
+            audio = [self._no_audio] * rows
+            for s in ready:
+                active[s.slot] = True
+                audio[s.slot] = s._queue[0][0]
+            # Timeline position 0 has no TTS step (its codes are zeros).
+            speaking = active & (self.lm.positions >= 1)
+            # Many rows take MLX's own ops on a GPU (our kernels serve one session); on a CPU the
+            # kernel faces are already the ops (or C++ loops) whose rows do not depend on each other.
+            with mx.stream(chat._timeline_stream), reference_ops(rows > 1 and on_cuda_gpu()):
+                text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
+                codes = self.tts.step(text, speaking, self._silence)
+                mx.eval(text, function, codes)
+                text, function, codes = np.array(text), np.array(function), np.array(codes)
+            self.ticks += 1
+            times = TickTimes(started, time.perf_counter(), {})
+            frame_codes = [codes[s.slot] if speaking[s.slot] else self._zero_codes for s in ready]
+            with mx.stream(chat._timeline_stream):
+                decodable = np.stack([s._decodable(c) for s, c in zip(ready, frame_codes)])
+                audio = push_streams([s.decoder for s in ready], mx.array(decodable[:, :, None]))
+            for s, c, samples in zip(ready, frame_codes, audio):
+                s._deliver(int(text[s.slot]), int(function[s.slot]), c, samples)
+                times.delivered[s] = time.perf_counter()
+            self.last_tick = times
+            return len(ready)
+
+    def run(self) -> None:
+        """Step until no session has input queued."""
+        while self.step():
+            pass
+
+    # ------------------------------------------------------------------ life
+
+    def close(self) -> None:
+        """Close every session and let the model go."""
+        with self._lock:
+            if self._closed:
+                return
+            for s in list(self.sessions):
+                if s is not None:
+                    s.close()
+            self._closed = True
+            self.chat._end_turn(self._turn)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EngineSession(LiveSession):
+    """A `LiveSession` stepped by an `Engine`: `push`, `finish`, `result`, `close` as there (`push`
+    and `finish` step the engine until this session's input is used up, stepping the others'
+    queued input in the same batches). For a server's loop, `feed` and `feed_end` only queue the
+    input (and check it: `InputError` changes nothing), `Engine.step` runs the frames, and
+    `collect` returns this session's frames so far."""
+
+    def __init__(self, engine: Engine, slot: int, system_prompt, seed, keep_audio, keep_input_audio):
+        # The system prompt and the TTS warmup run alone, as in `chat.live`; `_join` hands the state on.
+        super().__init__(engine.chat, object(), system_prompt, seed, keep_audio, keep_input_audio, tts_thread=False)
+        self._lock = engine._lock
+        self.engine, self.slot = engine, slot
+        self._queue: collections.deque = collections.deque()  # [audio frame [1, 1, H], transcript row, last]
+        self._outbox: list[Frame] = []
+        self._overflow = False  # input arrived past the context: ContextFull once its frames are out
+
+    def _join(self) -> None:
+        loop, engine = self.loop, self.engine
+        with mx.stream(self.chat._timeline_stream):
+            engine.lm.insert(self.slot, loop.cache, loop.position, loop.prev_text, loop.prev_function)
+            engine.tts.insert(self.slot, loop.tts_cache, loop.tts_cache.offset, loop.previous_code, loop.key)
+        self._joined_at = loop.position
+        self.loop = None  # the slot's rows hold the state now
+
+    # ------------------------------------------------------------------ API
+
+    def feed(self, chunk, sample_rate: int = 16000) -> None:
+        """Take a chunk (as `push`) and queue its frames for `Engine.step`."""
+        LiveSession.push(self, chunk, sample_rate)
+
+    def feed_end(self, extra_decoding_seconds: float | None = None) -> None:
+        """End the input (as `finish`); the last frames are queued for `Engine.step`."""
+        args = () if extra_decoding_seconds is None else (extra_decoding_seconds,)
+        LiveSession.finish(self, *args)
+
+    def push(self, chunk, sample_rate: int = 16000) -> list[Frame]:
+        with self._lock:
+            self.feed(chunk, sample_rate)
+            return self._drain()
+
+    def finish(self, extra_decoding_seconds: float | None = None) -> list[Frame]:
+        with self._lock:
+            self.feed_end(extra_decoding_seconds)
+            return self._drain()
+
+    def collect(self) -> list[Frame]:
+        """The frames made since the last call. Once input past the model's context has been fed,
+        raises `ContextFull` (its `frames`: these frames) after the last frame that fits."""
+        with self._lock:
+            frames, self._outbox = self._outbox, []
+            if self._overflow and self._context_full:
+                self._overflow = False
+                raise ContextFull(self._full_message(), frames, self.limit)
+            return frames
+
+    @property
+    def queued(self) -> int:
+        """Frames waiting for a tick."""
+        return len(self._queue)
+
+    @property
+    def ended(self) -> bool:
+        """The timeline is over (`finish` done, or the context full): `result()` may be read."""
+        return self._ended
+
+    def held_bytes(self) -> dict[str, int]:
+        """As `LiveSession.held_bytes`, the LLM's and TTS's caches counted as this session's share
+        of the engine's rows (rows are as long as the longest session's)."""
+        with self._lock:
+            engine = self.engine
+            share = lambda arrays, rows: sum(int(a.nbytes) for a in arrays) // max(rows, 1)  # noqa: E731
+            return {
+                "llm_cache": share(engine.lm.state, engine.slots),
+                "tts_cache": share(engine.tts.buffers, engine.slots),
+                "encoder_cache": sum(int(a.nbytes) for a in self.perception.state),
+                "ids_and_codes": self._codes.values.nbytes + 8 * (len(self._text_ids) + len(self._function_ids)
+                                                                  + len(self._transcript_ids)),
+                "output_audio": sum(int(a.nbytes) for a in self._audio),
+                "input_audio": sum(int(a.nbytes) for a in self._input),
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._queue.clear()
+            super().close()
+            self.engine._release(self)
+
+    # ------------------------------------------------------------------ internals
+
+    def _drain(self) -> list[Frame]:
+        while self._queue:
+            self.engine.step()
+        return self.collect()
+
+    def _take(self, samples: np.ndarray, end: bool, count_input: bool = True) -> list[Frame]:
+        """16 kHz samples through perception and the transcript; the frames they complete queued."""
+        if count_input:
+            self.input_samples += samples.size
+            if self.keep_input_audio and samples.size:
+                self._input.append(samples.copy())
+        with mx.stream(self.chat._timeline_stream):
+            projected, encoded = self.perception.push(samples)
+            if end:
+                last_projected, last_encoded = self.perception.finish()
+                projected = mx.concatenate([projected, last_projected], axis=1)
+                encoded = mx.concatenate([encoded, last_encoded], axis=1)
+            count = projected.shape[1]
+            if count:
+                table = self.transcript.push(encoded)
+                mx.eval(projected, self.perception.state)
+                emitted = np.array(table)
+                room = self.limit - self.prompt_frames - self.frames - len(self._queue)
+                for i in range(min(count, room)):
+                    self._queue.append([projected[:, i : i + 1], emitted[i], False])
+                mx.eval([entry[0] for entry in self._queue])
+                if count > room:
+                    self._overflow = True
+            else:
+                mx.eval(self.perception.state)
+        if end:
+            if self._queue:
+                self._queue[-1][2] = True
+            else:
+                self._end()
+        return []
+
+    def _deliver(self, text_id: int, function_id: int, codes: np.ndarray, audio: np.ndarray) -> None:
+        """This session's frame of a tick (its samples decoded in the tick's codec batch): kept,
+        handed to `collect`."""
+        _, transcript_row, last = self._queue.popleft()
+        self.host_syncs += 1
+        frame = self._emit(text_id, function_id, np.array(codes, np.int32).reshape(-1), transcript_row, audio)
+        self._outbox.append(frame)
+        if last:
+            self._end(frame)
+        elif self.prompt_frames + self.frames >= self.limit:  # the last frame the context holds
+            self._context_full = True
+            self._queue.clear()
+            self._end(frame)
+
+    def _end(self, last: Frame | None = None) -> None:
+        if self._ended:
+            return
+        super()._end(last)
+        self.engine._release(self)

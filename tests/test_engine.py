@@ -1,0 +1,226 @@
+"""The engine: live sessions stepped together in one batched frame give each session exactly what it
+gets alone, whatever its neighbours do and whenever they join or leave."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import soundfile as sf
+
+import voicechat
+from voicechat.audio import load_audio
+from voicechat.engine import Engine, EngineFull, bucket
+from voicechat.live import ContextFull
+from voicechat.session import InputError, ModelBusy
+from voicechat.synthetic import make_checkpoint, tiny_config
+
+EXTRA = 0.5
+PROMPT = "Be brief."
+# Long enough that the session's LLM and TTS caches outgrow their first 256 slots while its
+# neighbours' do not: rows of different capacities in one batch.
+LONG_PROMPT = " ".join(["answer in one short sentence and keep to the facts"] * 12)
+AUDIO_ATOL = 1e-5 if mx.default_device() == mx.cpu else 1e-4
+
+
+@pytest.fixture(scope="module")
+def inputs(spoken_wav, spoken_wav_22k):
+    speech16, _ = sf.read(str(spoken_wav), dtype="int16")
+    speech22, rate22 = sf.read(str(spoken_wav_22k), dtype="float32")
+    speech = load_audio(spoken_wav, 16000)
+    noise = (np.random.default_rng(3).standard_normal(19000) * 0.05).astype(np.float32)
+    return {"speech16k": (speech16, 16000), "speech22k": (speech22, rate22), "noise": (noise, 16000),
+            "reversed": (speech[::-1].copy(), 16000), "short": (speech[:9000], 16000)}
+
+
+@dataclass
+class Plan:
+    """One session of a schedule: its input, settings, the tick it joins at and its piece size."""
+
+    name: str
+    system_prompt: str | None
+    seed: int
+    join: int
+    piece: int
+    leave: int | None = None  # closed unfinished at this tick (no result)
+    bad_inputs: bool = False
+
+
+def generate_all(chat, inputs, plans):
+    return {i: chat.generate(inputs[p.name][0], system_prompt=p.system_prompt, extra_decoding_seconds=EXTRA,
+                             seed=p.seed, sample_rate=inputs[p.name][1])
+            for i, p in enumerate(plans) if p.leave is None}
+
+
+def feed_bad(session, rate):
+    for bad, match in ((np.full(5, np.nan, np.float32), "NaN"), (np.zeros((2, 3, 4), np.float32), "shape"),
+                       (np.zeros(5, np.complex64), "expected float")):
+        with pytest.raises(InputError, match=match):
+            session.feed(bad, sample_rate=rate)
+    with pytest.raises(InputError, match="Hz"):
+        session.feed(np.zeros(100, np.float32), sample_rate=rate + 1)
+
+
+def run_schedule(chat, inputs, plans, max_sessions=8):
+    """Feed every joined session a piece a tick (then finish), one engine step a tick, until all
+    are done. Returns ({plan index: (frames, result)}, the batch sizes seen, the engine's ticks)."""
+    out, frames, sessions, fed, finished = {}, {}, {}, {}, set()
+    batches = []
+    with Engine(chat, max_sessions=max_sessions) as engine:
+        tick = 0
+        while len(finished) < len(plans):
+            for i, p in enumerate(plans):
+                if p.join == tick:
+                    sessions[i] = engine.live(system_prompt=p.system_prompt, seed=p.seed)
+                    frames[i], fed[i] = [], 0
+                if i in finished or i not in sessions:
+                    continue
+                live = sessions[i]
+                if p.leave == tick:
+                    live.close()
+                    finished.add(i)
+                    continue
+                samples, rate = inputs[p.name]
+                if p.bad_inputs and fed[i] == 2 * p.piece:
+                    feed_bad(live, rate)
+                if fed[i] < len(samples):
+                    live.feed(samples[fed[i] : fed[i] + p.piece], sample_rate=rate)
+                    fed[i] += p.piece
+                elif not live.ended and live.queued == 0 and fed[i] != -1:
+                    live.feed_end(EXTRA)
+                    fed[i] = -1
+            batches.append(engine.step())
+            for i, live in sessions.items():
+                if i in finished:
+                    continue
+                frames[i] += live.collect()
+                if live.ended:
+                    out[i] = (frames[i], live.result())
+                    live.close()
+                    finished.add(i)
+            tick += 1
+        ticks = engine.ticks
+    return out, batches, ticks
+
+
+def check_equal(frames, result, expected):
+    assert result.text_tokens == expected.text_tokens
+    assert result.function_tokens == expected.function_tokens
+    assert result.audio_codes == expected.audio_codes
+    assert result.user_transcript == expected.user_transcript
+    assert (result.text, result.function_text) == (expected.text, expected.function_text)
+    assert (result.frames, result.prompt_frames) == (expected.frames, expected.prompt_frames)
+    assert result.audio.shape == expected.audio.shape
+    np.testing.assert_allclose(result.audio, expected.audio, rtol=0, atol=AUDIO_ATOL)
+    assert [f.index for f in frames] == list(range(expected.frames))
+    assert [f.text_id for f in frames] == expected.text_tokens
+    np.testing.assert_array_equal(np.concatenate([f.audio for f in frames]), result.audio)
+    assert "".join(f.text for f in frames) == expected.text
+    assert "".join(f.transcript for f in frames) == expected.user_transcript
+
+
+SCHEDULE = [
+    Plan("speech16k", None, 0, join=0, piece=1280),
+    Plan("noise", LONG_PROMPT, 7, join=1, piece=1280),
+    Plan("noise", PROMPT, 11, join=2, piece=640, leave=9),  # leaves half way; its slot is reused
+    Plan("speech22k", PROMPT, 5, join=3, piece=1279),  # resampled as it comes
+    Plan("reversed", None, 2**40, join=5, piece=4000, bad_inputs=True),
+    Plan("short", PROMPT, 3, join=12, piece=2000),  # joins into the slot the leaver freed
+]
+
+
+@pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "tiny_checkpoint_q4"])
+def test_each_session_in_a_batch_equals_its_generate(request, inputs, checkpoint):
+    with voicechat.load(request.getfixturevalue(checkpoint)) as chat:
+        plans = SCHEDULE if checkpoint == "tiny_checkpoint" else SCHEDULE[:2] + SCHEDULE[4:]
+        assert len(chat.prompt_ids(LONG_PROMPT)) > 200
+        expected = generate_all(chat, inputs, plans)
+        out, batches, ticks = run_schedule(chat, inputs, plans)
+    assert max(batches) >= 4  # sessions did share frames
+    assert ticks < sum(r.frames for _, r in out.values())
+    assert set(out) == set(expected)
+    for i, (frames, result) in out.items():
+        check_equal(frames, result, expected[i])
+
+
+def test_push_steps_the_neighbours_queued_input_in_the_same_batches(tiny_checkpoint, inputs):
+    chat = voicechat.load(tiny_checkpoint)  # the references: chat.live alone
+    a_samples, _ = inputs["speech16k"]
+    b_samples, _ = inputs["short"]
+    alone = []
+    for samples, seed, prompt in ((a_samples, 1, None), (b_samples, 2, PROMPT)):
+        with chat.live(system_prompt=prompt, seed=seed) as live:
+            frames = [f for pos in range(0, len(samples), 3000) for f in live.push(samples[pos : pos + 3000])]
+            frames += live.finish(EXTRA)
+            alone.append((frames, live.result()))
+    with Engine(chat, max_sessions=2) as engine:
+        a, b = engine.live(seed=1), engine.live(system_prompt=PROMPT, seed=2)
+        b.feed(b_samples)  # queued: stepped by a's pushes
+        a_frames = [f for pos in range(0, len(a_samples), 3000) for f in a.push(a_samples[pos : pos + 3000])]
+        b_frames = b.collect()
+        assert b_frames and b.queued == 0
+        a_frames += a.finish(EXTRA)
+        b_frames += b.finish(EXTRA)
+        results = a.result(), b.result()
+        assert engine.ticks < results[0].frames + results[1].frames
+    for (frames, result), (alone_frames, alone_result) in zip(((a_frames, results[0]), (b_frames, results[1])), alone):
+        check_equal(frames, result, alone_result)
+        np.testing.assert_array_equal(result.audio, alone_result.audio)
+
+
+def test_slots_come_in_buckets_and_the_engine_holds_the_model(tiny_checkpoint):
+    assert voicechat.Engine is Engine
+    assert [bucket(n) for n in (0, 1, 2, 3, 5, 9, 17, 33, 64, 65, 100)] == [1, 1, 2, 4, 8, 16, 32, 64, 64, 128, 128]
+    chat = voicechat.load(tiny_checkpoint)
+    engine = Engine(chat, max_sessions=3)
+    with pytest.raises(ModelBusy):
+        chat.generate(np.zeros(8000, np.float32), sample_rate=16000)
+    with pytest.raises(ModelBusy):
+        chat.live()
+    sessions = [engine.live(seed=i) for i in range(3)]
+    assert engine.slots == 4 and [s.slot for s in sessions] == [0, 1, 2]
+    with pytest.raises(EngineFull):
+        engine.live()
+    for bad, error in (({"seed": -1}, InputError), ({"seed": 1.5}, InputError), ({"system_prompt": 3}, TypeError)):
+        with pytest.raises(error):
+            engine.live(**bad)
+    sessions[2].close()
+    assert engine.slots == 2
+    sessions[0].close()
+    assert engine.slots == 2  # slot 1 is still held
+    again = engine.live(seed=9)
+    assert again.slot == 0
+    held = again.held_bytes()
+    assert held["llm_cache"] > 0 and held["tts_cache"] > 0
+    engine.close()
+    with pytest.raises(InputError):
+        again.push(np.zeros(1280, np.float32))
+    chat.generate(np.zeros(8000, np.float32), sample_rate=16000, extra_decoding_seconds=0)
+    with pytest.raises(InputError, match="max_sessions"):
+        Engine(chat, max_sessions=0)
+
+
+def test_the_context_full_ends_one_session_and_not_its_neighbour(tmp_path, inputs):
+    config = tiny_config()
+    config.text_config.max_position_embeddings = 26
+    small = voicechat.load(make_checkpoint(tmp_path / "small-context", "tiny", config=config))
+    samples, rate = inputs["speech16k"]
+    short, _ = inputs["short"]
+    short = short[:12000]  # fits the context with its extra seconds
+    expected = small.generate(short, extra_decoding_seconds=0.3, seed=4, sample_rate=rate)
+    room = 26 - len(small.prompt_ids(PROMPT))
+    with Engine(small, max_sessions=2) as engine:
+        full, other = engine.live(system_prompt=PROMPT), engine.live(seed=4)
+        full.feed(np.concatenate([samples, samples]), sample_rate=rate)  # more than the context holds
+        other.feed(short, sample_rate=rate)
+        other.feed_end(0.3)
+        engine.run()
+        with pytest.raises(ContextFull, match=f"after {room} frames") as caught:
+            full.collect()
+        assert len(caught.value.frames) == room and full.ended
+        with pytest.raises(ContextFull):
+            full.feed(samples[:1280])
+        check_equal(other.collect(), other.result(), expected)
+        assert full.result().frames == room

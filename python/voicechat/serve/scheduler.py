@@ -9,6 +9,7 @@ sends a minute of audio at once delays the others by at most a frame each round.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import traceback
 from dataclasses import dataclass
@@ -20,6 +21,14 @@ from ..live import ContextFull
 from ..session import InputError
 
 FRAME_SECONDS = 0.08
+
+
+class SessionLost(RuntimeError):
+    """The model behind a connection is gone (a Ray replica that died): the connection ends."""
+
+
+class NoCapacity(RuntimeError):
+    """No model has room for another session: the client is told to try again later."""
 
 
 @dataclass
@@ -76,6 +85,17 @@ class FrameScheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="voicechat-scheduler", daemon=True)
         self._thread.start()
+
+    @contextlib.asynccontextmanager
+    async def connect(self, on_lost: Callable[[BaseException], None]):
+        """A connection's place on the model, for its life: `open` its conversations there. Here
+        the model is in this process and cannot be lost, so the place is the scheduler itself."""
+        yield self
+
+    def health(self) -> dict:
+        import mlx.core as mx
+
+        return {"active_memory_bytes": mx.get_active_memory()}
 
     def open(self, system_prompt: str | None, seed: int, on_frames, on_error) -> SessionHandle:
         handle = SessionHandle(self, system_prompt, seed, on_frames, on_error)

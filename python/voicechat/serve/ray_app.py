@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from ray import serve
 from ..session import InputError
 from .scheduler import FrameScheduler, NoCapacity, SessionLost
 
+APP_NAME = "voicechat"
 END = ("end",)
 
 
@@ -283,7 +285,7 @@ class RayOptions:
     max_replicas: int | None = None
     sessions_per_replica: int = 8  # a replica's limit: Serve's max_ongoing_requests
     target_sessions: int | None = None  # autoscaling's target_ongoing_requests (default: 3/4 of the limit)
-    gpus_per_replica: float = 1.0  # 0: the replica runs on CPU cores (cpus_per_replica)
+    gpus_per_replica: float | None = 1.0  # 0: on CPU cores (cpus_per_replica); None: 1 where the cluster has GPUs
     cpus_per_replica: float = 1.0
     admission_timeout_s: float = 10.0  # how long a new connection waits for a free slot
     drain_timeout_s: float = 600.0  # a replica scaled down serves its sessions this long at most
@@ -301,8 +303,8 @@ class RayOptions:
 
 def build_app(model: str, settings, options: RayOptions):
     """The Serve application: the ingress bound to the model replicas."""
-    resources = {"num_gpus": options.gpus_per_replica} if options.gpus_per_replica else \
-        {"num_cpus": options.cpus_per_replica}
+    gpus = 1.0 if options.gpus_per_replica is None else options.gpus_per_replica
+    resources = {"num_gpus": gpus} if gpus else {"num_cpus": options.cpus_per_replica}
     autoscaling = options.autoscaling()
     replica = serve.deployment(ModelReplica, name="VoiceChatModel").options(
         ray_actor_options=resources, max_ongoing_requests=options.sessions_per_replica,
@@ -331,3 +333,28 @@ def app(args: dict):
     options = RayOptions(**numbers)
     settings.max_sessions = options.max_sessions()
     return build_app(model, settings, options)
+
+
+def serve_forever(model: str, settings, options: RayOptions, host: str, port: int, address: str | None,
+                  say=print) -> None:
+    """`vc-serve --ray`: joins the Ray cluster at `address` (None: the one RAY_ADDRESS names, else a
+    new one on this machine), deploys the app behind Serve's proxy at host:port, and serves until
+    interrupted; then the app is deleted (the cluster stays if it was not started here)."""
+    ray.init(address=address, log_to_driver=False)
+    try:
+        if options.gpus_per_replica is None:  # one GPU a replica where the cluster has GPUs
+            options.gpus_per_replica = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+        where = f"{options.gpus_per_replica:g} GPU" if options.gpus_per_replica else \
+            f"{options.cpus_per_replica:g} CPU"
+        say(f"vc-serve: deploying on Ray ({where} a replica; {ray.cluster_resources().get('GPU', 0):g} GPUs, "
+            f"{ray.cluster_resources().get('CPU', 0):g} CPUs in the cluster)")
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(model, settings, options), name=APP_NAME, route_prefix="/")
+        say(f"vc-serve: http://{host}:{port}/  (WebSocket /v1/realtime)")
+        try:
+            while True:
+                time.sleep(3600)
+        finally:
+            serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()

@@ -32,16 +32,7 @@ APP = "voicechat"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(num_cpus=3, object_store_memory=150 << 20, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(cluster, tiny_checkpoint):
+def server(ray_cluster, tiny_checkpoint):
     """The base URL of Serve's proxy with the app deployed: two replicas of three sessions each."""
     from voicechat.serve.ray_app import app
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from glob import escape as glob_escape
 import os
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 
 from .cli import _UsageError as UsageError
@@ -42,7 +42,7 @@ class Job:
     system_prompt: str | None
     seed: int
     extra_decoding_seconds: float
-    problem: str | None = None
+    problem: str | None = None  # (named after the manifest's line)
 
 
 def audio_suffixes() -> set[str]:
@@ -94,18 +94,19 @@ def _manifest_jobs(manifest: str, system_prompt: str | None, seed: int, extra: f
             job = Job(where, None, None, system_prompt, seed, extra)
             jobs.append(job)
             if not isinstance(entry, dict):
-                job.problem = "a manifest line must be a JSON object"
+                job.problem = f"{where}: a manifest line must be a JSON object"
                 continue
             path = entry.get("path")
             if not isinstance(path, str) or not path:
-                job.problem = "`path` must be a non-empty string"
+                job.problem = f"{where}: `path` must be a non-empty string"
                 continue
             job.path = str(base / path)
             job.input, job.stem = path, Path(path).stem
             job.system_prompt = entry.get("system_prompt", system_prompt)
             job.seed = entry.get("seed", seed)
             job.extra_decoding_seconds = entry.get("extra_decoding_seconds", extra)
-            job.problem = _bad_fields(entry)
+            problem = _bad_fields(entry)
+            job.problem = f"{where}: {problem}" if problem else None
     if not jobs:
         raise UsageError(f"--batch {manifest}: the manifest lists no inputs")
     return jobs
@@ -293,7 +294,7 @@ def run_batch(args: argparse.Namespace, say) -> int:
 def _record(out: Path, summary: Summary, job: Job, row: dict, progress) -> None:
     if row["error"]:
         summary.mark(job, "failed", row["error"], row["audio_seconds"] or None)
-        progress.write(f"error: {_naming(job, row['error'])}")
+        progress.write(f"error: {_naming(job, row['error'])}", file=sys.stderr)
     else:
         with output_file(out / f"{job.stem}.wav", "wb") as f:
             f.write(row["wav"])
@@ -305,8 +306,10 @@ def _record(out: Path, summary: Summary, job: Job, row: dict, progress) -> None:
 
 
 def _naming(job: Job, message: str) -> str:
-    """The message, with the input's name first unless it already names the file."""
-    return message if job.path and message.startswith(job.path) else f"{job.input}: {message}"
+    """The message, with the input's name first unless it names the file (an audio error) or
+    the manifest's line (a bad line) already."""
+    return message if message.startswith((job.path or job.input, job.input)) or job.problem else \
+        f"{job.input}: {message}"
 
 
 def _progress(total: int, initial: int, quiet: bool):

@@ -316,14 +316,22 @@ def build_app(model: str, settings, options: RayOptions):
 
 
 def app(args: dict):
-    """`serve run voicechat.serve.ray_app:app model=PATH [replicas=N | min_replicas=A max_replicas=B]
-    [sessions_per_replica=8] [target_sessions=6] [gpus_per_replica=1] [api_key=KEY] [model_name=NAME]`"""
+    """The application for `serve run voicechat.serve.ray_app:app model=PATH [name=value ...]` and
+    Serve config files: `model`, `model_name`, `api_key`, `allowed_origins` (comma-separated),
+    `idle_timeout`, `max_ahead_seconds` as vc-serve's options, and RayOptions' fields."""
     from .app import ServerSettings
+    from .connection import Limits
 
     args = dict(args)
-    model = args.pop("model")
-    settings = ServerSettings(model_name=args.pop("model_name", None) or str(model).rstrip("/").rsplit("/", 1)[-1],
-                              api_key=args.pop("api_key", None))
+    if "model" not in args:
+        raise ValueError("the model argument is required: model=PATH_OR_HUB_ID")
+    model = str(args.pop("model"))
+    origins = args.pop("allowed_origins", "")
+    limits = Limits(**{field: float(args.pop(name)) for name, field in (
+        ("idle_timeout", "idle_timeout_seconds"), ("max_ahead_seconds", "max_ahead_seconds")) if name in args})
+    settings = ServerSettings(model_name=args.pop("model_name", None) or model.rstrip("/").rsplit("/", 1)[-1],
+                              api_key=args.pop("api_key", None), limits=limits,
+                              allowed_origins=[o for o in str(origins).split(",") if o])
     numbers = {name: type_(args.pop(name)) for name, type_ in (
         ("replicas", int), ("min_replicas", int), ("max_replicas", int), ("sessions_per_replica", int),
         ("target_sessions", int), ("gpus_per_replica", float), ("cpus_per_replica", float),

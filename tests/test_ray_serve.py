@@ -186,3 +186,13 @@ def test_a_killed_replica_ends_only_its_own_sessions(ws_url, chat, pcm):
     # A new session goes to a live replica.
     got = converse(ws_url, pcm, seed=7, extra=0.4)
     _assert_same(got, chat.generate(pcm, seed=7, sample_rate=16000, extra_decoding_seconds=0.4))
+
+
+@pytest.mark.parametrize("flags", [["--replicas", "2", "--min-replicas", "1"], ["--replicas", "0"],
+                                   ["--min-replicas", "3", "--max-replicas", "2"]])
+def test_vc_serve_ray_misuse_is_one_error_line(flags, tiny_checkpoint, capsys):
+    from voicechat.serve.cli import main
+
+    assert main(["--ray", "-m", str(tiny_checkpoint), "--port", str(free_port()), *flags]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: give --replicas"), err

@@ -102,7 +102,7 @@ class ModelReplica:
         self.scheduler = FrameScheduler(self.chat)
 
     def check_health(self) -> None:
-        if not self.scheduler._thread.is_alive():
+        if not self.scheduler.alive():  # (Serve then replaces this replica)
             raise RuntimeError("the scheduler's thread has stopped")
 
     async def session(self, mailbox, key: str):
@@ -287,6 +287,7 @@ class RayOptions:
     target_sessions: int | None = None  # autoscaling's target_ongoing_requests (default: 3/4 of the limit)
     gpus_per_replica: float | None = 1.0  # 0: on CPU cores (cpus_per_replica); None: 1 where the cluster has GPUs
     cpus_per_replica: float = 1.0
+    ingress_replicas: int = 1  # processes that hold the clients' WebSockets (no GPU)
     admission_timeout_s: float = 10.0  # how long a new connection waits for a free slot
     drain_timeout_s: float = 600.0  # a replica scaled down serves its sessions this long at most
 
@@ -311,7 +312,8 @@ def build_app(model: str, settings, options: RayOptions):
         graceful_shutdown_timeout_s=options.drain_timeout_s, health_check_period_s=10,
         **({"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": options.replicas}))
     ingress = serve.deployment(Ingress, name="VoiceChatIngress").options(
-        ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max(100, 2 * options.max_sessions()))
+        num_replicas=options.ingress_replicas, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=max(100, 2 * options.max_sessions()))
     return ingress.bind(replica.bind(model), settings, options.admission_timeout_s)
 
 
@@ -334,7 +336,7 @@ def app(args: dict):
                               allowed_origins=[o for o in str(origins).split(",") if o])
     numbers = {name: type_(args.pop(name)) for name, type_ in (
         ("replicas", int), ("min_replicas", int), ("max_replicas", int), ("sessions_per_replica", int),
-        ("target_sessions", int), ("gpus_per_replica", float), ("cpus_per_replica", float),
+        ("target_sessions", int), ("ingress_replicas", int), ("gpus_per_replica", float), ("cpus_per_replica", float),
         ("admission_timeout_s", float), ("drain_timeout_s", float)) if name in args}
     if args:
         raise ValueError(f"unknown arguments: {', '.join(sorted(args))}")

@@ -92,6 +92,9 @@ class FrameScheduler:
         the model is in this process and cannot be lost, so the place is the scheduler itself."""
         yield self
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def health(self) -> dict:
         import mlx.core as mx
 

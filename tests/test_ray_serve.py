@@ -76,12 +76,13 @@ def _replica_actors() -> list[str]:
 
 
 class PacedClient(threading.Thread):
-    """One session: connects, sends its audio at wall-clock pace, commits, and records every event
-    and the close code."""
+    """One session: connects, sends its audio at wall-clock pace, commits once `may_commit` is set,
+    and records every event and the close code."""
 
-    def __init__(self, url: str, pcm: np.ndarray, seed: int, started: threading.Barrier):
+    def __init__(self, url: str, pcm: np.ndarray, seed: int, started: threading.Barrier,
+                 may_commit: threading.Event):
         super().__init__(daemon=True)
-        self.url, self.pcm, self.seed, self.started = url, pcm, seed, started
+        self.url, self.pcm, self.seed, self.started, self.may_commit = url, pcm, seed, started, may_commit
         self.events: list[dict] = []
         self.close_code: int | None = None
         self.answering = threading.Event()  # the first audio of the answer came back
@@ -122,6 +123,7 @@ class PacedClient(threading.Thread):
             for i in range(0, len(self.pcm), step):
                 ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(self.pcm[i : i + step])}))
                 time.sleep(0.08)
+            self.may_commit.wait(timeout=120)
             ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
         except ConnectionClosed:
             pass
@@ -130,9 +132,9 @@ class PacedClient(threading.Thread):
         return Conversation(events=self.events)
 
 
-def _sessions(ws_url, pcm, seeds) -> list[PacedClient]:
+def _sessions(ws_url, pcm, seeds, may_commit: threading.Event) -> list[PacedClient]:
     started = threading.Barrier(len(seeds))
-    clients = [PacedClient(ws_url, pcm, seed, started) for seed in seeds]
+    clients = [PacedClient(ws_url, pcm, seed, started, may_commit) for seed in seeds]
     for c in clients:
         c.start()
     return clients
@@ -153,7 +155,9 @@ def test_six_sessions_on_two_replicas_each_equal_generate(ws_url, chat, pcm):
     """Six at once: each was admitted (`session.created` comes once a replica has taken it), so
     both replicas hold three."""
     seeds = list(range(10, 16))
-    clients = _sessions(ws_url, pcm, seeds)
+    may_commit = threading.Event()
+    may_commit.set()
+    clients = _sessions(ws_url, pcm, seeds, may_commit)
     for c in clients:
         c.join(timeout=300)
     for c, seed in zip(clients, seeds):
@@ -164,11 +168,13 @@ def test_six_sessions_on_two_replicas_each_equal_generate(ws_url, chat, pcm):
 
 def test_a_killed_replica_ends_only_its_own_sessions(ws_url, chat, pcm):
     seeds = list(range(20, 26))
-    clients = _sessions(ws_url, pcm, seeds)
+    may_commit = threading.Event()  # no session ends before the kill
+    clients = _sessions(ws_url, pcm, seeds, may_commit)
     for c in clients:
         assert c.answering.wait(timeout=120), c.failure
     victim = _replica_actors()[0]
     ray.kill(ray.get_actor(victim, namespace="serve"))
+    may_commit.set()
     for c in clients:
         c.join(timeout=300)
         assert c.failure is None, c.failure

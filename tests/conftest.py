@@ -77,6 +77,18 @@ def spoken_wav(spoken_wav_22k, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A small local Ray cluster (CPU only) for the tests that use Ray; yields its address, which
+    a child process joins with `--ray-address`. Skips where ray is not installed."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, object_store_memory=150 << 20, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
 def pytest_addoption(parser):
     parser.addoption("--fuzz-cases", type=int, default=0,
                      help="run the long fuzz (tests/test_fuzz.py) over this many cases of each kind")

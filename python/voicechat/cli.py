@@ -61,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="run offline on a freshly made tiny synthetic checkpoint and a bundled spoken question "
                         "(random weights: shows the pipeline working, not a real answer)")
+    batch = p.add_argument_group("many inputs (voicechat/batch.py)")
+    batch.add_argument("--batch", metavar="INPUTS", help="answer every audio file of a folder, or every line of a "
+                       "JSONL manifest (path, system_prompt, seed, extra_decoding_seconds), into --output-dir")
+    batch.add_argument("--output-dir", metavar="OUT", help="with --batch: OUT/NAME.wav and OUT/NAME.json an input; "
+                       "inputs already answered there are skipped")
+    batch.add_argument("--ray", action="store_true", help="with --batch: a Ray Data actor pool, a model per GPU")
+    batch.add_argument("--ray-address", metavar="ADDRESS", help="with --batch: the Ray cluster to join (implies --ray)")
+    batch.add_argument("--workers", type=int, help="with --batch --ray: models to run (default: the cluster's GPUs)")
     p.add_argument("--version", action=_VersionAction, nargs=0,
                    help="print voicechat's version, the mlx it runs on and how its kernels launch, and exit")
     return p
@@ -288,6 +296,12 @@ def _printable(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr))
+    if args.batch is not None or args.output_dir or args.ray or args.ray_address or args.workers is not None:
+        if args.batch is None:
+            raise _UsageError("--output-dir, --ray, --ray-address and --workers go with --batch INPUTS")
+        from .batch import run_batch
+
+        return run_batch(args, say)
     if args.demo and args.audio:
         raise _UsageError("--demo brings its own audio; drop --audio (or drop --demo)")
     if args.precompile and (args.audio or args.output_audio or args.output_json or args.stream):

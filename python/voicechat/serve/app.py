@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from urllib.parse import urlsplit
 
-import mlx.core as mx
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from .connection import Connection, Limits
-from .scheduler import FrameScheduler
+from .protocol import error_event
+from .scheduler import FrameScheduler, NoCapacity
 
 API_KEY_SUBPROTOCOL = "openai-insecure-api-key."
 REALTIME_SUBPROTOCOL = "realtime"
@@ -65,11 +65,17 @@ def origin_allowed(ws: WebSocket, allowed: list[str]) -> bool:
     return bool(host) and urlsplit(origin).netloc == host
 
 
-def create_app(chat, settings: ServerSettings | None = None) -> FastAPI:
+async def _refuse(ws: WebSocket, why: str) -> None:
+    await ws.send_json(error_event(f"{why}; try again later", code="session_limit_reached", kind="server_error"))
+    await ws.close(code=CLOSE_TRY_AGAIN, reason="too many sessions")
+
+
+def create_app(chat, settings: ServerSettings | None = None, scheduler=None) -> FastAPI:
     """An app serving one loaded `VoiceChat` to many clients: their sessions share the model, and
-    every session's frame of a round is stepped in one batch (`FrameScheduler`)."""
+    every session's frame of a round is stepped in one batch (`FrameScheduler`). Or, with `scheduler`
+    and no `chat`, the same app in front of models elsewhere (`voicechat.serve.ray_app`)."""
     settings = settings or ServerSettings()
-    scheduler = FrameScheduler(chat, max_sessions=settings.max_sessions)
+    scheduler = scheduler if scheduler is not None else FrameScheduler(chat, max_sessions=settings.max_sessions)
     app = FastAPI(title="voicechat", docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.connections = 0
@@ -84,7 +90,7 @@ def create_app(chat, settings: ServerSettings | None = None) -> FastAPI:
     def health() -> dict:
         return {"status": "ok", "model": settings.model_name, "sessions": app.state.connections,
                 "max_sessions": settings.max_sessions, "uptime_s": round(time.time() - started, 1),
-                "active_memory_bytes": mx.get_active_memory()}
+                **scheduler.health()}
 
     @app.get("/v1/models")
     def models() -> dict:
@@ -105,15 +111,13 @@ def create_app(chat, settings: ServerSettings | None = None) -> FastAPI:
         offered = _offered_subprotocols(ws)
         await ws.accept(subprotocol=REALTIME_SUBPROTOCOL if REALTIME_SUBPROTOCOL in offered else None)
         if app.state.connections >= settings.max_sessions:
-            from .protocol import error_event
-
-            await ws.send_json(error_event(f"the server holds its maximum of {settings.max_sessions} sessions; "
-                                           "try again later", code="session_limit_reached", kind="server_error"))
-            await ws.close(code=CLOSE_TRY_AGAIN, reason="too many sessions")
+            await _refuse(ws, f"the server holds its maximum of {settings.max_sessions} sessions")
             return
         app.state.connections += 1
         try:
             await Connection(ws, scheduler, settings.model_name, settings.limits).run()
+        except NoCapacity as e:
+            await _refuse(ws, str(e))
         finally:
             app.state.connections -= 1
 

@@ -2,6 +2,7 @@
 
     vc-serve -m mlx-community/NemotronLabs-VoiceChat-11B-4bit          # http://127.0.0.1:8000
     vc-serve --demo --port 8001                                         # a tiny random-weight model
+    vc-serve --ray --replicas 4 -m ...                                  # on Ray Serve: a model per GPU
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ahead-seconds", type=float, default=30.0, metavar="SECONDS",
                    help="refuse audio sent further than this ahead of real time (default: 30)")
     p.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the model's)")
+    ray = p.add_argument_group("Ray Serve (the ray extra; docs/deploy.md)")
+    ray.add_argument("--ray", action="store_true", help="serve on Ray Serve: a replica of the model per GPU, "
+                     "--max-sessions each; joins $RAY_ADDRESS's cluster, else starts one here")
+    ray.add_argument("--ray-address", default=None, metavar="ADDRESS", help="the Ray cluster to join (implies --ray)")
+    ray.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default: 1)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscale on active sessions from this many")
+    ray.add_argument("--max-replicas", type=int, default=None, help="... up to this many")
+    ray.add_argument("--target-sessions", type=int, default=None,
+                     help="autoscaling's aim of active sessions per replica (default: 3/4 of --max-sessions)")
     return p
 
 
@@ -47,6 +57,30 @@ def _check_port(host: str, port: int) -> None:
         except OSError as e:
             why = "already in use" if e.errno == errno.EADDRINUSE else e.strerror
             raise OSError(f"cannot listen on {host}:{port}: {why}") from None
+
+
+def _serve_on_ray(args: argparse.Namespace, model: str, settings) -> int:
+    try:
+        from .ray_app import RayOptions, serve_forever
+    except ImportError as e:
+        print(f"error: vc-serve --ray needs the ray extra: pip install 'voicechat[ray]' ({e.name} is missing)",
+              file=sys.stderr)
+        return 2
+    counts = (args.replicas, args.min_replicas, args.max_replicas, args.target_sessions)
+    if any(n is not None and not 1 <= n <= 4096 for n in counts) or (
+            args.replicas is not None and (args.min_replicas or args.max_replicas)) or \
+            (args.min_replicas or 1) > (args.max_replicas or args.min_replicas or 1):
+        print("error: give --replicas, or --min-replicas/--max-replicas, each 1..4096", file=sys.stderr)
+        return 2
+    if os.path.exists(model):  # a replica's working directory is not this one
+        model = os.path.abspath(model)
+    options = RayOptions(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                         sessions_per_replica=args.max_sessions, target_sessions=args.target_sessions,
+                         gpus_per_replica=None)
+    settings.max_sessions = options.max_sessions()
+    serve_forever(model, settings, options, args.host, args.port, args.ray_address,
+                  say=lambda line: print(line, file=sys.stderr))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         _check_port(args.host, args.port)
-        from ..session import load
-
         with tempfile.TemporaryDirectory(prefix="vc-serve-") as tmp:
             if args.demo:
                 from ..synthetic import make_checkpoint
@@ -78,13 +110,17 @@ def main(argv: list[str] | None = None) -> int:
                 model = make_checkpoint(os.path.join(tmp, "ckpt"), size="tiny")
             else:
                 model = args.model
-            print(f"vc-serve: loading {model}", file=sys.stderr)
-            chat = load(model)
             name = args.model_name or ("voicechat-demo" if args.demo else os.path.basename(str(model).rstrip("/")))
             settings = ServerSettings(model_name=name, api_key=args.api_key or None,
                                       allowed_origins=list(args.allowed_origins), max_sessions=args.max_sessions,
                                       limits=Limits(max_ahead_seconds=args.max_ahead_seconds,
                                                     idle_timeout_seconds=args.idle_timeout))
+            if args.ray or args.ray_address:
+                return _serve_on_ray(args, str(model), settings)
+            from ..session import load
+
+            print(f"vc-serve: loading {model}", file=sys.stderr)
+            chat = load(model)
             app = create_app(chat, settings)
             print(f"vc-serve: http://{args.host}:{args.port}/  (WebSocket /v1/realtime)", file=sys.stderr)
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=16 << 20,

@@ -12,7 +12,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from .protocol import (FUNCTION_CALL_NAME, ProtocolError, SessionConfig, decode_pcm16, encode_pcm16, error_event,
                        new_id, parse_client_event, response_object, server_event)
-from .scheduler import FrameScheduler
+from .scheduler import FrameScheduler, SessionLost
+
+CLOSE_INTERNAL_ERROR = 1011  # the model behind the session is gone
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Connection:
         self.session_id = new_id("sess")
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
+        self.place = None  # where this connection's conversations run (`scheduler.connect`)
         self.handle = None
         self.started_at: float | None = None  # wall clock at the conversation's first audio
         self.received_seconds = 0.0
@@ -72,14 +75,19 @@ class Connection:
     # ------------------------------------------------------------------ the connection's life
 
     async def run(self) -> None:
-        await self.send(server_event("session.created", session=self.config.to_event(self.session_id)))
-        sender = asyncio.create_task(self._send_outbox())
-        try:
-            await self._receive_loop()
-        finally:
-            if self.handle is not None:
-                self.handle.close()
-            sender.cancel()
+        """Raises `NoCapacity` before `session.created` when no model has room for the session."""
+        async with self.scheduler.connect(self._on_lost) as self.place:
+            await self.send(server_event("session.created", session=self.config.to_event(self.session_id)))
+            sender = asyncio.create_task(self._send_outbox())
+            try:
+                await self._receive_loop()
+            finally:
+                if self.handle is not None:
+                    self.handle.close()
+                sender.cancel()
+
+    def _on_lost(self, exc: BaseException) -> None:
+        self._on_error(exc, True)
 
     async def send(self, event: dict) -> None:
         async with self._sending:
@@ -146,7 +154,7 @@ class Connection:
                                 code="input_audio_buffer_overflow", event_id=event_id)
         self.received_seconds += seconds
         if self.handle is None:
-            self.handle = self.scheduler.open(self.config.instructions or None, self.config.seed,
+            self.handle = self.place.open(self.config.instructions or None, self.config.seed,
                                               self._on_frames, self._on_error)
         self.handle.push(pcm, self.config.input_rate)
 
@@ -248,8 +256,12 @@ class Connection:
     async def _send_error(self, exc: BaseException, fatal: bool) -> None:
         from ..session import InputError
 
+        if isinstance(exc, SessionLost):
+            await self.send(error_event(str(exc), code="session_lost", kind="server_error"))
+            await self.ws.close(code=CLOSE_INTERNAL_ERROR, reason="model lost")
+            return
         if isinstance(exc, InputError):
-            await self.send(error_event(str(exc), code=type(exc).__name__))
+            await self.send(error_event(str(exc), code=getattr(exc, "code", type(exc).__name__)))
         else:
             await self.send(error_event(f"internal error: {type(exc).__name__}: {exc}", code="server_error",
                                         kind="server_error"))

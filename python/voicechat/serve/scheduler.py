@@ -10,6 +10,7 @@ client that sends a minute of audio at once is stepped a frame a round like the 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import traceback
 from dataclasses import dataclass
@@ -22,6 +23,14 @@ from ..live import ContextFull
 from ..session import InputError
 
 FRAME_SECONDS = 0.08
+
+
+class SessionLost(RuntimeError):
+    """The model behind a connection is gone (a Ray replica that died): the connection ends."""
+
+
+class NoCapacity(RuntimeError):
+    """No model has room for another session: the client is told to try again later."""
 
 
 @dataclass
@@ -80,6 +89,20 @@ class FrameScheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="voicechat-scheduler", daemon=True)
         self._thread.start()
+
+    @contextlib.asynccontextmanager
+    async def connect(self, on_lost: Callable[[BaseException], None]):
+        """A connection's place on the model, for its life: `open` its conversations there. Here
+        the model is in this process and cannot be lost, so the place is the scheduler itself."""
+        yield self
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def health(self) -> dict:
+        import mlx.core as mx
+
+        return {"active_memory_bytes": mx.get_active_memory()}
 
     def open(self, system_prompt: str | None, seed: int, on_frames, on_error) -> SessionHandle:
         handle = SessionHandle(self, system_prompt, seed, on_frames, on_error)

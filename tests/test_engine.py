@@ -189,9 +189,10 @@ def test_slots_come_in_buckets_and_the_engine_holds_the_model(tiny_checkpoint):
     sessions[2].close()
     assert engine.slots == 2
     sessions[0].close()
-    assert engine.slots == 2  # slot 1 is still held
+    assert engine.slots == 1 and sessions[1].slot == 0  # the one left steps alone, in slot 0
+    assert engine.alone is sessions[1]
     again = engine.live(seed=9)
-    assert again.slot == 0
+    assert again.slot == 1 and engine.slots == 2 and engine.alone is None
     held = again.held_bytes()
     assert held["llm_cache"] > 0 and held["tts_cache"] > 0
     engine.close()

@@ -97,11 +97,15 @@ class Engine:
         self._audio_width = c.text_config.hidden_size
         self.sessions: list[EngineSession | None] = [None]
         with mx.stream(chat._timeline_stream):
-            self.lm = LMRows(chat.listening, 1, c.pad_token_id)
-            self.tts = TTSRows(chat.ear_tts, 1, DEFAULT_CHUNK)
+            self.lm = LMRows(chat.listening, 0, c.pad_token_id)
+            self.tts = TTSRows(chat.ear_tts, 0, DEFAULT_CHUNK)
             self._no_audio = mx.zeros((1, 1, self._audio_width), mx.float32)
             mx.eval(self._no_audio)
+        self._alone: EngineSession | None = None
         self.ticks = 0
+        # Ticks by the path they took: "alone" (one session, `FrameLoop.step`: the single-session
+        # kernels) or "rows" (the batched steps).
+        self.path_ticks = {"alone": 0, "rows": 0}
         self.last_tick: TickTimes | None = None  # when the last tick's parts were done (perf_counter)
 
     # ------------------------------------------------------------------ sessions
@@ -119,37 +123,59 @@ class Engine:
                 raise EngineFull(f"the engine holds its maximum of {self.max_sessions} sessions")
             slot = next((i for i, s in enumerate(self.sessions) if s is None), len(self.sessions))
             session = EngineSession(self, slot, system_prompt, seed, keep_audio, keep_input_audio)
+            if open_now == 0:
+                self.sessions = [session]
+                self._alone = session  # steps on its own loop
+                return session
             self._resize(max(slot + 1, self.slots))
+            if self._alone is not None:  # no longer alone: its state goes into its rows
+                alone, self._alone = self._alone, None
+                alone._join()
             self.sessions[slot] = session
             session._join()
             return session
 
     @property
     def slots(self) -> int:
-        """Rows of the batched state (a bucket)."""
-        return self.lm.slots
+        """Slots in use (a bucket): rows of the batched state, or 1 while a session steps alone."""
+        return len(self.sessions)
+
+    @property
+    def alone(self) -> "EngineSession | None":
+        """The session that steps on its own `FrameLoop` (the only one open), or None."""
+        return self._alone
 
     @property
     def open_sessions(self) -> int:
         return sum(s is not None for s in self.sessions)
 
     def _resize(self, rows: int) -> None:
+        """Slots for `rows` (a bucket). One slot has no batched rows: its session steps alone."""
         size = bucket(rows)
-        if size == self.lm.slots:
-            return
         with mx.stream(self.chat._timeline_stream):
-            self.lm.resize(size)
-            self.tts.resize(size)
+            self.lm.resize(size if size > 1 else 0)
+            self.tts.resize(size if size > 1 else 0)
         self.sessions = (self.sessions + [None] * size)[:size]
 
     def _release(self, session: "EngineSession") -> None:
-        """The session no longer steps: its slot is free, and the batch shrinks if it can."""
+        """The session no longer steps: its slot is free, and the batch shrinks if it can; the one
+        session left steps alone, in slot 0."""
         with self._lock:
             if session.slot < len(self.sessions) and self.sessions[session.slot] is session:
                 self.sessions[session.slot] = None
+            if self._alone is session:
+                self._alone = None
+            if self._closed:
+                return
+            left = [s for s in self.sessions if s is not None]
+            if len(left) == 1 and self._alone is None:
+                last = left[0]
+                with mx.stream(self.chat._timeline_stream):
+                    last._leave_rows()
+                self.sessions = [last]
+                last.slot, self._alone = 0, last
             used = max((i + 1 for i, s in enumerate(self.sessions) if s is not None), default=1)
-            if not self._closed:
-                self._resize(used)
+            self._resize(used)
 
     # ------------------------------------------------------------------ the tick
 
@@ -160,6 +186,9 @@ class Engine:
             ready = [s for s in self.sessions if s is not None and s._queue]
             if not ready:
                 return 0
+            if self._alone is not None:
+                self._step_alone(self._alone)
+                return 1
             started = time.perf_counter()
             chat = self.chat
             rows = self.slots
@@ -170,24 +199,41 @@ class Engine:
                 audio[s.slot] = s._queue[0][0]
             # Timeline position 0 has no TTS step (its codes are zeros).
             speaking = active & (self.lm.positions >= 1)
-            # Many rows take MLX's own ops on a GPU (our kernels serve one session); on a CPU the
-            # kernel faces are already the ops (or C++ loops) whose rows do not depend on each other.
-            with mx.stream(chat._timeline_stream), reference_ops(rows > 1 and on_cuda_gpu()):
+            # Rows take MLX's own ops on a GPU (our kernels serve one session); on a CPU the kernel
+            # faces are already the ops (or C++ loops) whose rows do not depend on each other.
+            with mx.stream(chat._timeline_stream), reference_ops(on_cuda_gpu()):
                 text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
                 codes = self.tts.step(text, speaking, self._silence)
                 mx.eval(text, function, codes)
                 text, function, codes = np.array(text), np.array(function), np.array(codes)
             self.ticks += 1
+            self.path_ticks["rows"] += 1
             times = TickTimes(started, time.perf_counter(), {})
+            # Read by slot before any frame is handed out: a session that ends frees its slot, and
+            # the one left then moves to slot 0.
+            ids = [(int(text[s.slot]), int(function[s.slot])) for s in ready]
             frame_codes = [codes[s.slot] if speaking[s.slot] else self._zero_codes for s in ready]
             with mx.stream(chat._timeline_stream):
                 decodable = np.stack([s._decodable(c) for s, c in zip(ready, frame_codes)])
                 audio = push_streams([s.decoder for s in ready], mx.array(decodable[:, :, None]))
-            for s, c, samples in zip(ready, frame_codes, audio):
-                s._deliver(int(text[s.slot]), int(function[s.slot]), c, samples)
+            for s, (text_id, function_id), c, samples in zip(ready, ids, frame_codes, audio):
+                s.host_syncs += 1
+                s._deliver(text_id, function_id, c, samples)
                 times.delivered[s] = time.perf_counter()
             self.last_tick = times
             return len(ready)
+
+    def _step_alone(self, session: "EngineSession") -> None:
+        """The tick of a session alone: its frame as `chat.live` makes it (`FrameLoop.step` with
+        the single-session kernels, then its codec frame), its state in its own caches."""
+        started = time.perf_counter()
+        text_id, function_id, codes = session._step(session._queue[0][0], 0)
+        self.ticks += 1
+        self.path_ticks["alone"] += 1
+        times = TickTimes(started, time.perf_counter(), {})
+        session._deliver(text_id, function_id, codes, None)
+        times.delivered[session] = time.perf_counter()
+        self.last_tick = times
 
     def run(self) -> None:
         """Step until no session has input queued."""
@@ -201,10 +247,10 @@ class Engine:
         with self._lock:
             if self._closed:
                 return
+            self._closed = True  # (no slot moves while the sessions close)
             for s in list(self.sessions):
                 if s is not None:
                     s.close()
-            self._closed = True
             self.chat._end_turn(self._turn)
 
     def __enter__(self) -> "Engine":
@@ -231,12 +277,17 @@ class EngineSession(LiveSession):
         self._overflow = False  # input arrived past the context: ContextFull once its frames are out
 
     def _join(self) -> None:
+        """The session's state goes from its loop into its slot's rows."""
         loop, engine = self.loop, self.engine
         with mx.stream(self.chat._timeline_stream):
             engine.lm.insert(self.slot, loop.cache, loop.position, loop.prev_text, loop.prev_function)
             engine.tts.insert(self.slot, loop.tts_cache, loop.tts_cache.offset, loop.previous_code, loop.key)
-        self._joined_at = loop.position
-        self.loop = None  # the slot's rows hold the state now
+        loop.cache = loop.tts_cache = None  # the slot's rows hold the state now
+
+    def _leave_rows(self) -> None:
+        """The session's state goes from its slot's rows back into its loop (it steps alone)."""
+        engine = self.engine
+        self.loop.resume(*engine.lm.take(self.slot), *engine.tts.take(self.slot))
 
     # ------------------------------------------------------------------ API
 
@@ -284,6 +335,8 @@ class EngineSession(LiveSession):
         of the engine's rows (rows are as long as the longest session's)."""
         with self._lock:
             engine = self.engine
+            if self.loop.cache is not None:  # (stepping alone: its own caches)
+                return LiveSession.held_bytes(self)
             share = lambda arrays, rows: sum(int(a.nbytes) for a in arrays) // max(rows, 1)  # noqa: E731
             return {
                 "llm_cache": share(engine.lm.state, engine.slots),
@@ -342,11 +395,10 @@ class EngineSession(LiveSession):
                 self._end()
         return []
 
-    def _deliver(self, text_id: int, function_id: int, codes: np.ndarray, audio: np.ndarray) -> None:
-        """This session's frame of a tick (its samples decoded in the tick's codec batch): kept,
-        handed to `collect`."""
+    def _deliver(self, text_id: int, function_id: int, codes: np.ndarray, audio: np.ndarray | None) -> None:
+        """This session's frame of a tick (its samples decoded in the tick's codec batch, or here
+        when `audio` is None): kept, handed to `collect`."""
         _, transcript_row, last = self._queue.popleft()
-        self.host_syncs += 1
         frame = self._emit(text_id, function_id, np.array(codes, np.int32).reshape(-1), transcript_row, audio)
         self._outbox.append(frame)
         if last:

@@ -63,6 +63,16 @@ class FrameLoop:
         self.position = frames
         return [pad_id] * frames, codes
 
+    def resume(self, cache: NemotronHCache, position: int, prev_text: mx.array, prev_function: mx.array,
+               tts_cache: BackboneCache, previous_code: mx.array, key: mx.array) -> None:
+        """Go on from a timeline's state kept elsewhere (the batched engine's rows hand a session's
+        state back this way): the LLM cache, the next position, the last ids `[1, 1]`, the TTS's
+        cache, previous code `[1, 1, Q]` and key. Not on a worker (it carries the TTS state)."""
+        if self.worker is not None:
+            raise ValueError("a loop whose TTS steps on a worker cannot take another TTS state")
+        self.cache, self.position, self.prev_text, self.prev_function = cache, position, prev_text, prev_function
+        self.tts_cache, self.previous_code, self.key = tts_cache, previous_code, key
+
     def step(self, audio: mx.array, index: int = 0) -> tuple[mx.array, mx.array, mx.array | None]:
         """The next position with frame `index` of `audio [1, T, H]` on the audio channel: `(text id
         [1], function id [1], codes [1, 1, Q])`, all lazy; codes are None at position 0 (no TTS

@@ -349,6 +349,11 @@ class LiveSession:
 
     def _frame(self, projected: mx.array, i: int, transcript_row: np.ndarray) -> Frame:
         """Frame i of a chunk's `projected` audio channel through the timeline, read back."""
+        return self._emit(*self._step(projected, i), transcript_row)
+
+    def _step(self, projected: mx.array, i: int) -> tuple[int, int, np.ndarray]:
+        """Frame i of `projected` through the LLM and the TTS (`FrameLoop.step`): its text id,
+        function id and codes `[Q]`, read back."""
         text_id, function_id, code = self.loop.step(projected, i)
         stepped_tts = self.loop.position > 1  # (timeline position 0 has no TTS step: code 0)
         with mx.stream(self.chat._timeline_stream):
@@ -360,7 +365,7 @@ class LiveSession:
             self.host_syncs += 1
             codes = np.zeros(self.config.tts_config.num_quantizers, np.int32) if code is None \
                 else np.array(code).reshape(-1)
-            return self._emit(int(text_id.item()), int(function_id.item()), codes, transcript_row)
+            return int(text_id.item()), int(function_id.item()), codes
 
     def _decodable(self, codes: np.ndarray) -> np.ndarray:
         """A frame's codes as the codec takes them: control codes -> the silence codes."""

@@ -123,7 +123,7 @@ class KVCache:
 
     def copy(self) -> "KVCache":
         self.settle()
-        return KVCache(_own_buffer(self.keys), _own_buffer(self.values), self.offset)
+        return KVCache(own_buffer(self.keys), own_buffer(self.values), self.offset)
 
     def reset(self) -> None:
         self.keys = self.values = self.pending = None
@@ -145,7 +145,7 @@ def _nothing_pending() -> mx.array:
     return nothing
 
 
-def _own_buffer(a: mx.array | None) -> mx.array | None:
+def own_buffer(a: mx.array | None) -> mx.array | None:
     """The same values in a buffer of their own (mx.array(a) would share a's): a select of a with
     itself, bit for bit."""
     return None if a is None else mx.where(mx.array(True), a, a)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .nemotron_h import DuplexLM, KVCache, MambaCache, NemotronHCache
+from .nemotron_h import DuplexLM, KVCache, MambaCache, NemotronHCache, own_buffer
 
 CAPACITY_STEP = KVCache.step  # attention slots added at a time (as a single session's cache grows)
 
@@ -86,9 +86,13 @@ class LMRows:
         return out
 
     def resize(self, slots: int) -> None:
-        """`slots` rows: the first min(old, new) kept, new ones empty."""
+        """`slots` rows: the first min(old, new) kept, new ones empty. At 0 the buffers go back to
+        their first capacity."""
         if slots == self.slots:
             return
+        if slots == 0:
+            self.capacity = CAPACITY_STEP
+            self.state = self._empty_rows(0)
         keep = min(slots, self.slots)
         if slots > self.slots:
             extra = self._empty_rows(slots - self.slots)
@@ -146,6 +150,23 @@ class LMRows:
         self.prev_function = _put_row(self.prev_function, slot, prev_function.reshape(1, 1).astype(mx.int32))
         self.positions[slot] = position
         mx.eval(self.state, self.prev_text, self.prev_function)
+
+    def take(self, slot: int) -> tuple[NemotronHCache, int, mx.array, mx.array]:
+        """Row `slot`'s state as a single session's (the inverse of `insert`): its cache (batch 1,
+        buffers of its own at the rows' capacity, which the single-session step may write in
+        place), next position and previous ids `[1, 1]`."""
+        position = int(self.positions[slot])
+        cache = self.lm.make_cache()
+        arrays = iter(self.state)
+        for c, kind in zip(cache, self.kinds):
+            if kind == "mamba":
+                c.conv, c.ssm = (own_buffer(next(arrays)[slot : slot + 1]) for _ in range(2))
+            elif kind == "attention":
+                c.keys, c.values = (own_buffer(next(arrays)[slot : slot + 1]) for _ in range(2))
+                c.offset = position
+        prev_text, prev_function = self.prev_text[slot : slot + 1], self.prev_function[slot : slot + 1]
+        mx.eval(cache.state, prev_text, prev_function)
+        return cache, position, prev_text, prev_function
 
     # ------------------------------------------------------------------ the step
 

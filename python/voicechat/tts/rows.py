@@ -26,6 +26,7 @@ from ..kernels.gemv import on_cuda_gpu
 from ..kernels.mog_sample import choose_component, component_mean
 from ..kernels.rvq import rvq_search
 from .backbone import BackboneCache, layer_kv, stacked_kv, window_groups
+from ..llm.nemotron_h import own_buffer
 from .ear_tts import EarTTS, frame_noise
 
 
@@ -73,9 +74,14 @@ class TTSRows:
             self.capacities[g] = cap
 
     def resize(self, slots: int) -> None:
-        """`slots` rows: the first min(old, new) kept, new ones empty."""
+        """`slots` rows: the first min(old, new) kept, new ones empty. At 0 the buffers go back to
+        their first capacity."""
         if slots == self.slots:
             return
+        if slots == 0:
+            self.capacities, self.buffers = [0] * len(self.groups), []
+            self.slots = 0
+            self._reserve(1)
         rows = 2 * self.kv_heads
         keep = min(slots, self.slots)
         if slots > self.slots:
@@ -110,6 +116,19 @@ class TTSRows:
         self.keys = _put_row(self.keys, slot, key.reshape(1, 2))
         self.positions[slot] = position
         mx.eval(self.buffers, self.previous_code, self.keys)
+
+    def take(self, slot: int) -> tuple[BackboneCache, mx.array, mx.array]:
+        """Row pair `slot`'s state as a single session's (the inverse of `insert`): its cache (CFG
+        batch 2, buffers of its own at the rows' capacities, which the single-session step may
+        write in place; its offset the row's position), previous codes `[1, 1, Q]` and generator key."""
+        position = int(self.positions[slot])
+        rows = 2 * self.kv_heads
+        cache = self.tts.backbone.make_cache(self.chunk)
+        cache.buffers = [own_buffer(b[:, slot * rows : (slot + 1) * rows]) for b in self.buffers]
+        cache.offset = position
+        previous_code, key = self.previous_code[slot : slot + 1], self.keys[slot]
+        mx.eval(cache.buffers, previous_code, key)
+        return cache, previous_code, key
 
     # ------------------------------------------------------------------ the step
 

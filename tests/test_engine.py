@@ -63,9 +63,10 @@ def feed_bad(session, rate):
         session.feed(np.zeros(100, np.float32), sample_rate=rate + 1)
 
 
-def run_schedule(chat, inputs, plans, max_sessions=8):
+def run_schedule(chat, inputs, plans, max_sessions=8, alone=None):
     """Feed every joined session a piece a tick (then finish), one engine step a tick, until all
-    are done. Returns ({plan index: (frames, result)}, the batch sizes seen, the engine's ticks)."""
+    are done. Returns ({plan index: (frames, result)}, the batch sizes seen, the engine's ticks);
+    `alone` (a list) gets, per tick, the plan index of the session that stepped alone (or None)."""
     out, frames, sessions, fed, finished = {}, {}, {}, {}, set()
     batches = []
     with Engine(chat, max_sessions=max_sessions) as engine:
@@ -91,7 +92,10 @@ def run_schedule(chat, inputs, plans, max_sessions=8):
                 elif not live.ended and live.queued == 0 and fed[i] != -1:
                     live.feed_end(EXTRA)
                     fed[i] = -1
+            stepping_alone = engine.alone
             batches.append(engine.step())
+            if alone is not None:
+                alone.append(next((i for i, live in sessions.items() if live is stepping_alone), None))
             for i, live in sessions.items():
                 if i in finished:
                     continue
@@ -225,3 +229,51 @@ def test_the_context_full_ends_one_session_and_not_its_neighbour(tmp_path, input
             full.feed(samples[:1280])
         check_equal(other.collect(), other.result(), expected)
         assert full.result().frames == room
+
+
+def live_alone(chat, samples, rate, system_prompt, seed, piece):
+    """(frames, result) of `chat.live` fed `piece` samples at a time."""
+    with chat.live(system_prompt=system_prompt, seed=seed) as live:
+        frames = [f for pos in range(0, len(samples), piece) for f in live.push(samples[pos : pos + piece], rate)]
+        frames += live.finish(EXTRA)
+        return frames, live.result()
+
+
+def test_a_session_alone_takes_the_single_session_step(tiny_checkpoint, inputs):
+    samples, rate = inputs["speech22k"]
+    chat = voicechat.load(tiny_checkpoint)
+    assert getattr(chat.listening, "_decode_fns", None) is None  # the compiled decode step, made at first use
+    with Engine(chat, max_sessions=4) as engine:
+        live = engine.live(system_prompt=PROMPT, seed=5)
+        assert engine.alone is live and engine.slots == 1 and engine.lm.slots == engine.tts.slots == 0
+        frames = []
+        for pos in range(0, len(samples), 1500):
+            frames += live.push(samples[pos : pos + 1500], sample_rate=rate)
+            # its state is its own loop's: the single-session caches, stepped a frame at a time
+            assert live.loop.position == live.prompt_frames + live.frames
+            assert live.loop.tts_cache.offset > live.frames
+        frames += live.finish(EXTRA)
+        result = live.result()
+        assert engine.path_ticks == {"alone": result.frames, "rows": 0}
+    assert chat.listening._decode_fns is not None  # `DuplexLM.decode` ran: chat.live's step
+    expected_frames, expected = live_alone(chat, samples, rate, PROMPT, 5, 1500)
+    check_equal(frames, result, expected)
+    np.testing.assert_array_equal(result.audio, expected.audio)
+    assert result.host_syncs == expected.host_syncs
+
+
+def test_sessions_move_between_stepping_alone_and_the_rows_exactly(tiny_checkpoint, inputs):
+    plans = [
+        Plan("speech16k", PROMPT, 1, join=0, piece=1280),  # alone, then with the next, alone, with the last
+        Plan("short", None, 2, join=3, piece=1280),  # joins (a batch of 2) and ends first
+        Plan("noise", LONG_PROMPT, 3, join=22, piece=1280),  # joins in slot 1; alone in slot 0 once the first ends
+    ]
+    with voicechat.load(tiny_checkpoint) as chat:
+        expected = generate_all(chat, inputs, plans)
+        alone = []
+        out, batches, ticks = run_schedule(chat, inputs, plans, alone=alone)
+    owners = [i for n, i in enumerate(alone) if n == 0 or alone[n - 1] != i]
+    assert owners == [0, None, 0, None, 2]
+    assert max(batches) == 2
+    for i, (frames, result) in out.items():
+        check_equal(frames, result, expected[i])

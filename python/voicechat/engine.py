@@ -15,20 +15,31 @@ queued, as one batch: the LLM step with a row per session (`llm.rows.LMRows`: pe
 states, attention keys at per-session positions, both heads' argmax per row), the TTS step with
 two rows per session (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and
 generator key), then the codec on every session's frame as one batch (`codec.push_streams`: each
-session's streamed-decoder caches stacked, then taken back), then each session's text. Perception and the transcript run per
-session as its input arrives (`feed`), as in a `LiveSession`.
+session's streamed-decoder caches stacked, then taken back), then each session's text. Perception
+and the transcript run per session as its input arrives (`feed`), as in a `LiveSession`.
 
-The state lives in batched arrays indexed by slot and stays there between ticks (no session's
-keys are gathered or scattered per frame: that would copy every session's whole cache every
-frame). A session takes the lowest free slot; its system prompt and the TTS warmup run alone first
-(the same code as `chat.live`), then its state is written into the slot's rows. Rows of sessions
-without input in a tick are computed and discarded (their state is kept by a select). Slot counts
-come in buckets (1, 2, 4, 8, ...) so that the compiled steps are traced once per bucket and cache
-capacity, not per session count; the batch shrinks when the highest slots free up.
+A session open on its own steps alone (`Engine.alone`): its tick is `chat.live`'s frame, the
+single-session step (`FrameLoop.step`: `DuplexLM.decode`, `EarTTS.step`, with every CUDA kernel
+those use) on its own caches, then its codec frame. When a second session joins, the first one's
+state is written into row 0 of the batched arrays; when sessions leave and one is left, its row is
+taken back into single-session caches (buffers of their own) and it moves to slot 0. Both moves
+copy that session's caches once, at the join or the leave, never per frame. `path_ticks` counts the
+ticks each way took.
+
+While two or more are open, the state lives in batched arrays indexed by slot and stays there
+between ticks (no session's keys are gathered or scattered per frame: that would copy every
+session's whole cache every frame). A session takes the lowest free slot; its system prompt and
+the TTS warmup run alone first (the same code as `chat.live`), then its state is written into the
+slot's rows. Rows of sessions without input in a tick are computed and discarded (their state is
+kept by a select). Slot counts come in buckets (2, 4, 8, ...) so that the compiled steps are traced
+once per bucket and cache capacity, not per session count; the batch shrinks when the highest
+slots free up. On a GPU the batched steps run every kernel face's pure-MLX reference
+(`kernels._native.reference_ops`: our kernels serve one row).
 
 Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
 so `chat.generate`), whatever its neighbours do and whenever they join or leave, wherever the
-backend computes each row independently of the others (MLX on a CPU: tested).
+backend computes each row independently of the others (MLX on a CPU: tested); and on any backend
+for a session that has only ever stepped alone (it runs `chat.live`'s ops).
 
 The engine holds the `VoiceChat` until closed (`with`, or `close()`), as `chat.sessions()` does:
 meanwhile `generate()` and `live()` raise `ModelBusy`. One thread at a time steps it; every session

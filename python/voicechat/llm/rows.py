@@ -9,14 +9,16 @@ keep their state (a select), so sessions step only when they have input.
 
 The state stays in place between frames, so a frame reads each weight once for all rows and copies
 no session's keys and values; a joining session's state (made alone, system prompt and all) is
-written into a free row, and a row is dropped by forgetting it.
+written into a free row (`insert`), a row is dropped by forgetting it, and `take` hands a row back
+as a single session's cache (the engine's last session then steps alone).
 
 Exactness: each row is computed by the ops the single-session step runs on it (the attention's
 mask and the key write take the row's own position; keys past a row's position are masked out and
 contribute exact zeros), so where the backend's ops give a row's result independently of the
 other rows (MLX on a CPU: tested), a session's ids are the same alone or in any batch. The
 single-session kernels (one row, one position) are not used here: on a GPU the rows take MLX's
-own ops (quantized matmul for many rows, attention with per-row masks).
+own ops (quantized matmul for many rows, attention with per-row masks); a session alone steps on
+`DuplexLM.decode` instead.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ their codes, key and position.
 Exactness rests on the same property as `voicechat.llm.rows`: each row goes through the ops the
 single-session step runs on it, and slots past a row's position are masked out (exact zeros).
 The single-session kernels (one CFG pair, one position) are not used: on a GPU the rows take
-MLX's own ops; the RVQ search takes the same C++ loop on a CPU.
+MLX's own ops; the RVQ search takes the same C++ loop on a CPU. `insert` writes a single session's
+state into a row pair, `take` hands a row pair back as one (a session alone steps on `EarTTS.step`).
 """
 
 from __future__ import annotations

@@ -279,7 +279,8 @@ class EngineSession(LiveSession):
     `collect` returns this session's frames so far."""
 
     def __init__(self, engine: Engine, slot: int, system_prompt, seed, keep_audio, keep_input_audio):
-        # The system prompt and the TTS warmup run alone, as in `chat.live`; `_join` hands the state on.
+        # The system prompt and the TTS warmup run alone, as in `chat.live`: the state is in `self.loop`
+        # (a session alone steps on it) until `_join` moves it into the batched rows.
         super().__init__(engine.chat, object(), system_prompt, seed, keep_audio, keep_input_audio, tts_thread=False)
         self._lock = engine._lock
         self.engine, self.slot = engine, slot
@@ -342,8 +343,8 @@ class EngineSession(LiveSession):
         return self._ended
 
     def held_bytes(self) -> dict[str, int]:
-        """As `LiveSession.held_bytes`, the LLM's and TTS's caches counted as this session's share
-        of the engine's rows (rows are as long as the longest session's)."""
+        """As `LiveSession.held_bytes`; in a batch, the LLM's and TTS's caches counted as this
+        session's share of the engine's rows (rows are as long as the longest session's)."""
         with self._lock:
             engine = self.engine
             if self.loop.cache is not None:  # (stepping alone: its own caches)

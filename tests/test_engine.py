@@ -63,13 +63,13 @@ def feed_bad(session, rate):
         session.feed(np.zeros(100, np.float32), sample_rate=rate + 1)
 
 
-def run_schedule(chat, inputs, plans, max_sessions=8, alone=None):
+def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, path_ticks=None):
     """Feed every joined session a piece a tick (then finish), one engine step a tick, until all
     are done. Returns ({plan index: (frames, result)}, the batch sizes seen, the engine's ticks);
     `alone` (a list) gets, per tick, the plan index of the session that stepped alone (or None)."""
     out, frames, sessions, fed, finished = {}, {}, {}, {}, set()
     batches = []
-    with Engine(chat, max_sessions=max_sessions) as engine:
+    with Engine(chat, max_sessions=max_sessions, rows=rows) as engine:
         tick = 0
         while len(finished) < len(plans):
             for i, p in enumerate(plans):
@@ -106,6 +106,8 @@ def run_schedule(chat, inputs, plans, max_sessions=8, alone=None):
                     finished.add(i)
             tick += 1
         ticks = engine.ticks
+        if path_ticks is not None:
+            path_ticks.update(engine.path_ticks)
     return out, batches, ticks
 
 
@@ -149,6 +151,20 @@ def test_each_session_in_a_batch_equals_its_generate(request, inputs, checkpoint
         check_equal(frames, result, expected[i])
 
 
+def test_sessions_stepped_in_turn_equal_their_generate(tiny_checkpoint, inputs):
+    """`rows=False` (a CUDA GPU's default): each session steps on its own loop, one after another in
+    a tick; joins, a leaver, bad chunks and a reused slot change nothing of the others."""
+    with voicechat.load(tiny_checkpoint) as chat:
+        expected = generate_all(chat, inputs, SCHEDULE)
+        paths = {}
+        out, batches, ticks = run_schedule(chat, inputs, SCHEDULE, rows=False, path_ticks=paths)
+    assert max(batches) >= 4 and ticks < sum(r.frames for _, r in out.values())
+    assert paths["rows"] == 0 and paths["alone"] >= sum(r.frames for _, r in out.values())
+    assert set(out) == set(expected)
+    for i, (frames, result) in out.items():
+        check_equal(frames, result, expected[i])
+
+
 def test_push_steps_the_neighbours_queued_input_in_the_same_batches(tiny_checkpoint, inputs):
     chat = voicechat.load(tiny_checkpoint)  # the references: chat.live alone
     a_samples, _ = inputs["speech16k"]
@@ -178,7 +194,7 @@ def test_slots_come_in_buckets_and_the_engine_holds_the_model(tiny_checkpoint):
     assert voicechat.Engine is Engine
     assert [bucket(n) for n in (0, 1, 2, 3, 5, 9, 17, 33, 64, 65, 100)] == [1, 1, 2, 4, 8, 16, 32, 64, 64, 128, 128]
     chat = voicechat.load(tiny_checkpoint)
-    engine = Engine(chat, max_sessions=3)
+    engine = Engine(chat, max_sessions=3, rows=True)
     with pytest.raises(ModelBusy):
         chat.generate(np.zeros(8000, np.float32), sample_rate=16000)
     with pytest.raises(ModelBusy):

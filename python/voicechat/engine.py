@@ -36,6 +36,12 @@ once per bucket and cache capacity, not per session count; the batch shrinks whe
 slots free up. On a GPU the batched steps run every kernel face's pure-MLX reference
 (`kernels._native.reference_ops`: our kernels serve one row).
 
+`rows` picks how two or more sessions step: as batched rows (above), or each alone in turn on its
+own caches and the single-session kernels. The default is rows except on a CUDA GPU: there the
+fused one-row kernels step a session in ~5 ms at full size, while the batched rows on MLX's ops
+take ~40 ms for two sessions and ~160 ms for eight (benchmarks/bench_batch.py), so sessions in turn
+serve more of them in real time until the kernels take B rows.
+
 Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
 so `chat.generate`), whatever its neighbours do and whenever they join or leave, wherever the
 backend computes each row independently of the others (MLX on a CPU: tested); and on any backend
@@ -94,11 +100,12 @@ class Engine:
     """Owns a loaded `VoiceChat` and steps its live sessions together (see the module docstring).
     `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it)."""
 
-    def __init__(self, chat, max_sessions: int = 64):
+    def __init__(self, chat, max_sessions: int = 64, *, rows: bool | None = None):
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise InputError(f"max_sessions must be a whole number >= 1, got {max_sessions!r}")
         self.chat = chat
         self.max_sessions = max_sessions
+        self.rows = not on_cuda_gpu() if rows is None else bool(rows)
         self._lock = threading.RLock()
         self._turn = chat._begin_turn(live=True)
         self._closed = False
@@ -114,8 +121,8 @@ class Engine:
             mx.eval(self._no_audio)
         self._alone: EngineSession | None = None
         self.ticks = 0
-        # Ticks by the path they took: "alone" (one session, `FrameLoop.step`: the single-session
-        # kernels) or "rows" (the batched steps).
+        # Ticks by the path they took: "alone" (a session on its own `FrameLoop.step`: the
+        # single-session kernels) or "rows" (the batched steps); a tick in turn counts each session.
         self.path_ticks = {"alone": 0, "rows": 0}
         self.last_tick: TickTimes | None = None  # when the last tick's parts were done (perf_counter)
 
@@ -134,6 +141,11 @@ class Engine:
                 raise EngineFull(f"the engine holds its maximum of {self.max_sessions} sessions")
             slot = next((i for i, s in enumerate(self.sessions) if s is None), len(self.sessions))
             session = EngineSession(self, slot, system_prompt, seed, keep_audio, keep_input_audio)
+            if not self.rows:  # every session steps on its own loop
+                self.sessions = (self.sessions + [None])[: max(slot + 1, len(self.sessions))]
+                self.sessions[slot] = session
+                self._alone = session if open_now == 0 else None
+                return session
             if open_now == 0:
                 self.sessions = [session]
                 self._alone = session  # steps on its own loop
@@ -179,6 +191,11 @@ class Engine:
             if self._closed:
                 return
             left = [s for s in self.sessions if s is not None]
+            if not self.rows:
+                self._alone = left[0] if len(left) == 1 else None
+                used = max((i + 1 for i, s in enumerate(self.sessions) if s is not None), default=1)
+                self.sessions = self.sessions[:used]
+                return
             if len(left) == 1 and self._alone is None:
                 last = left[0]
                 with mx.stream(self.chat._timeline_stream):
@@ -197,9 +214,12 @@ class Engine:
             ready = [s for s in self.sessions if s is not None and s._queue]
             if not ready:
                 return 0
-            if self._alone is not None:
-                self._step_alone(self._alone)
-                return 1
+            if self._alone is not None or not self.rows:
+                started = time.perf_counter()
+                delivered = {s: self._step_alone(s) for s in ready}
+                self.ticks += 1
+                self.last_tick = TickTimes(started, time.perf_counter(), delivered)
+                return len(ready)
             started = time.perf_counter()
             chat = self.chat
             rows = self.slots
@@ -234,17 +254,13 @@ class Engine:
             self.last_tick = times
             return len(ready)
 
-    def _step_alone(self, session: "EngineSession") -> None:
-        """The tick of a session alone: its frame as `chat.live` makes it (`FrameLoop.step` with
-        the single-session kernels, then its codec frame), its state in its own caches."""
-        started = time.perf_counter()
+    def _step_alone(self, session: "EngineSession") -> float:
+        """A session's frame as `chat.live` makes it (`FrameLoop.step` with the single-session
+        kernels, then its codec frame), its state in its own caches. Returns when it was delivered."""
         text_id, function_id, codes = session._step(session._queue[0][0], 0)
-        self.ticks += 1
         self.path_ticks["alone"] += 1
-        times = TickTimes(started, time.perf_counter(), {})
         session._deliver(text_id, function_id, codes, None)
-        times.delivered[session] = time.perf_counter()
-        self.last_tick = times
+        return time.perf_counter()
 
     def run(self) -> None:
         """Step until no session has input queued."""

@@ -20,7 +20,7 @@ and the transcript run per session as its input arrives (`feed`), as in a `LiveS
 
 A session open on its own steps alone (`Engine.alone`): its tick is `chat.live`'s frame, the
 single-session step (`FrameLoop.step`: `DuplexLM.decode`, `EarTTS.step`, with every CUDA kernel
-those use) on its own caches, then its codec frame. When a second session joins, the first one's
+those use) on its own caches, then its codec frame. When another session joins, the first one's
 state is written into row 0 of the batched arrays; when sessions leave and one is left, its row is
 taken back into single-session caches (buffers of their own) and it moves to slot 0. Both moves
 copy that session's caches once, at the join or the leave, never per frame. `path_ticks` counts the

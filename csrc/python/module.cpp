@@ -45,7 +45,7 @@ py::dict build_info() {
   info["backend"] = VC_BACKEND;
   info["compiler"] = __VERSION__;
   info["kernels"] = cuda_sources().size();  // CUDA kernel sources (csrc/kernels)
-  info["own_launch"] = own_launch_built();  // csrc/own_launch.h: used unless VOICECHAT_OWN_LAUNCH=0
+  info["own_launch"] = own_launch_built();  // csrc/cuda/own_launch.h: used unless VOICECHAT_OWN_LAUNCH=0
   return info;
 }
 

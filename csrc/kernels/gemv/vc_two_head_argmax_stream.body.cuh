@@ -1,6 +1,6 @@
 // The two-head argmax on vc_imma::qmv_imma_stream's walk (EPI_ARGMAX): heads a and b, N / 2 rows each
 // (the kernel's N is both); keys[(m * 2 + head) * grid + block] gets each block's best argmax key
-// (kArgmaxFinishSource takes them, NB = the grid), logits [2, M, N / 2] the logits where WRITE_LOGITS.
+// (vc_argmax_finish takes them, NB = the grid), logits [2, M, N / 2] the logits where WRITE_LOGITS.
 // Template args: K, N, M, WARPS, STAGES, WRITE_LOGITS, and the dtypes TX, TS, TO.
   VC_DYNAMIC_SMEM(vc_smem);
   vc_imma::qmv_imma_stream<K, N, M, WARPS, STAGES, vc_stream::EPI_ARGMAX, false, 0, 1, 1, false>(

@@ -11,8 +11,8 @@
 // G = H / HK (grouped heads). MLX's fast attention takes neither a mask array nor head dim 72 on
 // CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
 // NC chunks of CH slots per (b, h) each make the softmax of their valid slots (max, sum, weighted
-// values: scores in shared memory, see jit::decode_attention::part_tail_body), then one block per (b, h) merges the chunks: two
-// launches, or one while the buffers hold <= 1024 slots (one chunk normalizes and writes the result
+// values: scores in shared memory, see csrc/kernels/decode_attention/part_tail.body.cuh), then one
+// block per (b, h) merges the chunks: two launches, or one while the buffers hold <= 1024 slots (one chunk normalizes and writes the result
 // itself). No block waits for another. Every warp of a block works in each phase and no lane's
 // loads wait on one another's, so a step's time does not grow slot by slot (as it would with one
 // slot a warp at a time). CUDA through
@@ -60,7 +60,8 @@ const CudaSource& part_source() {
       "vc_decode_attn_part",
       {"q", "k", "v", "offset", "dims", "k_new", "v_new", "slot"},
       {"part"},
-      std::string(jit::decode_attention::part_head_body) + jit::decode_attention::plain_prologue_body + jit::decode_attention::part_tail_body,
+      std::string(jit::decode_attention::part_head_body) + jit::decode_attention::plain_prologue_body +
+          jit::decode_attention::part_tail_body,
       block_reduce_header(),
       // the TTS backbone, the LLM's grouped heads (its decode step writing the cache in place)
       {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false), inst(128, 40, 8, true, true)},
@@ -83,7 +84,8 @@ const CudaSource& qkv_part_source() {
       "vc_decode_attn_qkv_part",
       {"qkv", "q_scale", "k_scale", "inv_freq", "k", "v", "offset", "dims", "slot"},
       {"part", "k_out", "v_out"},
-      std::string(jit::decode_attention::part_head_body) + jit::decode_attention::qkv_prologue_body + jit::decode_attention::part_tail_body,
+      std::string(jit::decode_attention::part_head_body) + jit::decode_attention::qkv_prologue_body +
+          jit::decode_attention::part_tail_body,
       head_norm_rope_header() + block_reduce_header(),
       // the TTS backbone's step (one chunk, then several; writing the cache in place), grouped heads in
       // bfloat16

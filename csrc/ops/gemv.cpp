@@ -5,8 +5,8 @@
 //   two_head_argmax  : argmax of x @ dequant(w_a).T and of x @ dequant(w_b).T (the LLM's lm_head
 //                      and function_head) without writing the logits (unless asked to)
 //
-// CUDA: our kernels (csrc/kernels/gemv, put together in gemv_sources.cpp) through fast::cuda_kernel, activations float32 or bfloat16 at
-// the same speed, float32 accumulation. Everywhere else, and for shapes the kernels do not
+// CUDA: our kernels (csrc/kernels/gemv, put together in gemv_sources.cpp) through
+// fast::cuda_kernel, activations float32 or bfloat16 at the same speed, float32 accumulation. Everywhere else, and for shapes the kernels do not
 // cover, MLX's own ops (which are also the references). Each shape has one launch: the block
 // layout, or on sm_90 for one row of x at the wide shapes a persistent layout (pick_stream,
 // pick_imma_stream).

@@ -10,9 +10,10 @@
 //
 // gumbel(u) = -log(-log(u + 1e-8) + 1e-8). Composed (voicechat.tts.mog_head), that is a softmax, a
 // sort, a scan, the masking, a logsumexp, the Gumbel argmax, two gathers and two matmuls. Here one
-// block of 512 threads; the top-p mass above a component is a block sum (no sort, see jit::mog_sample::vc_mog_sample_body), so
-// a component whose mass lies within float rounding of top_p may be decided differently from the
-// sorted scan's. CUDA through fast::cuda_kernel; elsewhere the composed reference.
+// block of 512 threads; the top-p mass above a component is a block sum (no sort, see
+// csrc/kernels/mog_sample/vc_mog_sample.body.cuh), so a component whose mass lies within float
+// rounding of top_p may be decided differently from the sorted scan's. CUDA through
+// fast::cuda_kernel; elsewhere the composed reference.
 
 #include "voicechat/mog_sample.h"
 

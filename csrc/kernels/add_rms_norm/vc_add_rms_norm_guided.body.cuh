@@ -1,6 +1,6 @@
 // The same seam over a classifier-free-guidance pair, the MoG head's last: rows 0 (conditioned) and 1
 // (not) of h, y [2, C] in one block, and out [C] = z0 + g * (z0 - z1), the guided input of the head's
-// projections (composed: the seam, then a launch for the guidance). Template args as jit::add_rms_norm::vc_add_rms_norm_body's and
+// projections (composed: the seam, then a launch for the guidance). Template args as vc_add_rms_norm's and
 // G_BITS (the guidance scale as float bits).
   constexpr int PER = (C + THREADS - 1) / THREADS;
   __shared__ float scratch[THREADS / 32];

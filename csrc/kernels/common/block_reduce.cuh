@@ -1,3 +1,6 @@
+// vc_block_sum / vc_block_max<THREADS>(v, scratch): the sum / max of v over the block, in every
+// thread (scratch: THREADS / 32 floats, free again on return). Include-guarded: several kernels'
+// headers may carry it.
 #ifndef VC_BLOCK_REDUCE
 #define VC_BLOCK_REDUCE
 template <int THREADS>

@@ -1,3 +1,6 @@
+// vc_head_norm_rope<D, TX>(x, scale, inv_freq, eps, position, o, lane), one warp: one attention
+// head's RMS norm (times scale) and rotate-half RoPE, the TTS's head preparation (qkv_heads,
+// decode_attention_qkv). Include-guarded.
 #ifndef VC_HEAD_NORM_ROPE
 #define VC_HEAD_NORM_ROPE
 // One head of D values at x, by one warp (lane-strided pairs i, i + D/2): RMS norm over the head

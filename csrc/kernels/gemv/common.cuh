@@ -1,3 +1,19 @@
+// The decode-speed matrix-vector kernels' device code (csrc/ops/gemv.cpp launches them).
+//
+// Block layout (vc_qmv, vc_dense_mv): one block computes ROWS output rows for the 1..2 input rows
+// (M); its THREADS threads split K: thread t reads the 16-byte chunks t, t + THREADS, ... of each of
+// the ROWS weight rows (a warp reads 512 contiguous bytes of a row per step), keeps the activations
+// of a chunk in registers while it serves all ROWS rows, and accumulates in float32. A block-wide sum
+// through shared memory ends the block. Rows past N are clamped onto row N - 1 and not written.
+// The persistent 4-bit layouts (vc_qmv_stream, vc_qmv_imma_stream, the two-head argmax): see
+// stream.cuh and imma_stream.cuh.
+//
+// A kernel's header is made of include-guarded parts, so that each kernel carries only what it uses
+// (MLX-CUDA spends host time on a kernel's whole text at every launch): this file, then the parts its
+// kernel needs in this order: pair.cuh (4-bit pairs), block_qmv.cuh (the block layout's 4- / 8-bit
+// matvec; needs pair.cuh), block_dense.cuh (the dense matvecs); persistent.cuh and stream.cuh (the
+// streamed layout), imma.cuh and imma_stream.cuh (the integer-MMA layout).
+//
 // Loads, reductions and the epilogues every matvec shares.
 #ifndef VC_GEMV_COMMON
 #define VC_GEMV_COMMON

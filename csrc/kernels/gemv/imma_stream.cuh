@@ -5,7 +5,7 @@
 // No block barrier a slab: the last warp done with one totals it, refills its stage and stores it.
 // The weights' nibbles are the MMA's A operand as they stand, so a 64-wide group of 16 rows costs a
 // warp ~36 instructions against ~80 for the pair form's float math. Include-guarded; it needs
-// jit::gemv::stream and jit::gemv::imma before it.
+// stream.cuh and imma.cuh before it.
 #ifndef VC_IMMA_STREAM_HEADER
 #define VC_IMMA_STREAM_HEADER
 namespace vc_imma {

@@ -1,6 +1,6 @@
 // What the persistent 4-bit layouts (vc_qmv_stream, vc_qmv_imma_stream) share: their dynamic shared
 // memory, x's int8 terms, the group totals of a producer's norm, a tile's end. Include-guarded; it needs
-// jit::gemv::common before it.
+// common.cuh before it.
 #ifndef VC_PERSISTENT_HEADER
 #define VC_PERSISTENT_HEADER
 // The kernel body's dynamic shared memory (the emulation has no `extern __shared__`).

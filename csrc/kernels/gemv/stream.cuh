@@ -7,7 +7,7 @@
 // already as int8 terms, the input norm's scale folded in), and reads each tile's weights from shared
 // memory. A warp goes on to its next tile without waiting for the others; the last one done with a
 // tile stores it and asks for the tile STAGES ahead into its stage (walk_tiles). Include-guarded; it
-// needs jit::gemv::common and jit::gemv::persistent before it.
+// needs common.cuh and persistent.cuh before it.
 #ifndef VC_STREAM_HEADER
 #define VC_STREAM_HEADER
 namespace vc_stream {

@@ -1,4 +1,4 @@
-// jit::gemv::vc_qmv_imma_stream_body with EMIT (out = product + residual, normed = out * next_w, a partial sum of
+// vc_qmv_imma_stream with EMIT (out = product + residual, normed = out * next_w, a partial sum of
 // out^2 a slab). Template args: K, N, M, WARPS, STAGES, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes
 // TX, TS, TB, TR, TN, TE, TO.
   VC_DYNAMIC_SMEM(vc_smem);

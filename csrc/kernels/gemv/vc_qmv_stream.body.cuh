@@ -1,4 +1,4 @@
-// y = the 4-bit matvec of jit::gemv::vc_qmv_body (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a
+// y = the 4-bit matvec of vc_qmv (NORM 0 or 2, EPI, HAS_BIAS) through vc_stream::qmv_stream: a
 // persistent grid, STAGES tiles of ROWS rows in flight a block by bulk copies (dynamic shared memory:
 // STAGES * the tile's bytes, + x's slices with XS 2). Template args: GROUP, K, N, M, ROWS, THREADS,
 // STAGES, XS, SPLIT (vc_stream::qmv_stream), EPI, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX,

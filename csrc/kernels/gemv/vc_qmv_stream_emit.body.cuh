@@ -1,4 +1,4 @@
-// jit::gemv::vc_qmv_stream_body with EMIT (as jit::gemv::vc_qmv_emit_body: out = product + residual, normed = out * next_w, and
+// vc_qmv_stream with EMIT (as vc_qmv_emit: out = product + residual, normed = out * next_w, and
 // each tile's (and part's) partial sum of out^2). Template args: GROUP, K, N, M, ROWS, THREADS, STAGES,
 // XS, SPLIT, HAS_BIAS, NORM, NP, NG, EPS_BITS, and the dtypes TX, TS, TB, TR, TN, TE, TO.
   VC_DYNAMIC_SMEM(vc_stages);

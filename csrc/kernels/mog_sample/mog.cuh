@@ -1,3 +1,4 @@
+// Device helpers of vc_mog_sample.
 namespace vc_mog {
 
 // (value, index) of the largest value, the smallest index among equals; -inf everywhere gives index 0.

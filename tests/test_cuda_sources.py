@@ -43,6 +43,26 @@ def wrap(src: dict, instances: list[dict]) -> str:
 
 
 SOURCES = ext.cuda_sources()
+KERNELS = Path(__file__).parents[1] / "csrc" / "kernels"
+
+
+def test_the_library_embeds_the_kernel_files_byte_for_byte():
+    """The CUDA texts are the files of csrc/kernels, embedded at build time as they are: what this nvcc
+    check, the CPU emulation and a GPU's compiles get."""
+    on_disk = {p.relative_to(KERNELS).as_posix(): p.read_text() for p in KERNELS.rglob("*.cuh")}
+    assert on_disk, "no kernel files"
+    assert ext.kernel_files() == on_disk
+
+
+def test_a_kernel_body_is_the_file_named_after_it():
+    """A registered kernel's body is the compacted text of <folder>/<name>.body.cuh (decode attention's
+    two parts are pieces of that folder put together)."""
+    bodies = {Path(path).name: text for path, text in ext.kernel_files().items() if path.endswith(".body.cuh")}
+    named = [src for src in SOURCES if f"{src['name']}.body.cuh" in bodies]
+    assert {src["name"] for src in SOURCES} - {src["name"] for src in named} == {
+        "vc_decode_attn_part", "vc_decode_attn_qkv_part"}
+    for src in named:
+        assert src["source"] == ext.compact_kernel_text(bodies[f"{src['name']}.body.cuh"]), src["name"]
 
 
 def test_template_args_make_a_valid_kernel_name():

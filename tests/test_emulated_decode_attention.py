@@ -14,7 +14,7 @@ from cuda_emulation import Case, emulate, float_bits
 from voicechat.kernels.decode_attention import decode_attention_reference
 from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
 
-# Slots per block of the attention's first launch (csrc/decode_attention.cpp): all of them up to
+# Slots per block of the attention's first launch (csrc/ops/decode_attention.cpp): all of them up to
 # ATTN_CHUNK (one launch), else ATTN_SPLIT_CHUNK a block and a merge launch.
 ATTN_CHUNK, ATTN_SPLIT_CHUNK = 1024, 256
 

@@ -3,7 +3,7 @@ CPU emulation (tests/cuda_emulation.py: the MMA's fragments as PTX lays them out
 product: 16-row slabs by bulk copies and their stages' reuse, each warp's groups of a slab from shared
 memory (scale rows padded where K is a multiple of 1024), x's block floating point expansion at any
 scale, the last warp's store, and the block's own copies where the weight is misaligned. 2 stages,
-as csrc/gemv.cpp launches it."""
+as csrc/ops/gemv.cpp launches it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (tests/cuda_emulation.py), equal MLX's product: the tiles a block walks, the stages it reuses
 (refilled by whichever warp is done last), each tile's two row groups, the last round's parts, the
 block's own copies of a misaligned weight, the input norm folded into x's int8 terms, and x staged
-through shared memory (XS). One row of x, 8-row tiles and 2 stages, as csrc/gemv.cpp launches it."""
+through shared memory (XS). One row of x, 8-row tiles and 2 stages, as csrc/ops/gemv.cpp launches it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Our own kernel launch (the default where built, VOICECHAT_OWN_LAUNCH=0 for MLX's; csrc/own_launch.h): the text NVRTC
+"""Our own kernel launch (the default where built, VOICECHAT_OWN_LAUNCH=0 for MLX's; csrc/cuda/own_launch.h): the text NVRTC
 compiles for each registered instance, the cubin cache on disk, NVRTC itself where a library is
 there, and on a CUDA GPU the launch against MLX's own path."""
 
@@ -77,14 +77,11 @@ def test_the_launch_compiles_against_mlx_cuda_headers():
     if cuda is None or compiler is None:
         pytest.skip("no CUDA headers or no C++ compiler here")
     import mlx.core as mx
-    import pybind11
-    import sysconfig
 
     csrc = Path(__file__).parents[1] / "csrc"
     mlx_include = Path(mx.__file__).parent / "include"
     cmd = [compiler, "-std=c++20", "-fsyntax-only", "-DVC_OWN_LAUNCH=1", '-DVC_BACKEND="cuda"', f"-I{mlx_include}",
-           f"-I{csrc}", f"-I{csrc / 'compat'}", f"-I{cuda}", f"-I{pybind11.get_include()}",
-           f"-I{sysconfig.get_paths()['include']}", str(csrc / "own_launch.cpp")]
+           f"-I{csrc}", f"-I{csrc / 'compat'}", f"-I{cuda}", str(csrc / "cuda" / "own_launch.cpp")]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

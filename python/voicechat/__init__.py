@@ -26,7 +26,7 @@ def _persistent_kernel_cache() -> None:
     MLX-CUDA 0.32.4 keeps none of our kernels there (it asks for no disk cache for custom kernels):
     beside it, the folder our kernels' texts are #included from (VOICECHAT_KERNEL_TEXT_DIR; set it
     empty to hand MLX the texts themselves, which costs host time at every launch), and the cubins
-    of our own launch (VOICECHAT_CUBIN_DIR; csrc/own_launch.h)."""
+    of our own launch (VOICECHAT_CUBIN_DIR; csrc/cuda/own_launch.h)."""
     root = cache_root()
     os.environ.setdefault("VOICECHAT_KERNEL_TEXT_DIR", os.path.join(root, "voicechat", "kernel-text"))
     # our own launch's cubins (on a CUDA build unless VOICECHAT_OWN_LAUNCH=0), each file beside its text

@@ -5,13 +5,13 @@
 
 A first run compiles kernels for minutes: MLX JIT-compiles its own ops and every fused graph
 (NVRTC on a CUDA GPU, the system C++ compiler on a CPU), and our CUDA kernels compile through
-NVRTC (`csrc/own_launch.h`). All of it lands in disk caches (MLX_PTX_CACHE_DIR, VOICECHAT_CUBIN_DIR,
+NVRTC (`csrc/cuda/own_launch.h`). All of it lands in disk caches (MLX_PTX_CACHE_DIR, VOICECHAT_CUBIN_DIR,
 on a CPU $TMPDIR/mlx), so it is paid once per machine: `precompile` pays it up front, on dummy
 inputs, in parallel where MLX allows, and says how far it is (`progress`).
 
 What runs:
 - our CUDA kernels first, side by side: the LLM step, the TTS step and the speech encoder are
-  traced once on a thread of their own with our launch in discovery (`csrc/own_launch.h`: nothing
+  traced once on a thread of their own with our launch in discovery (`csrc/cuda/own_launch.h`: nothing
   compiles or launches, each kernel's text is recorded), and the texts the cubin cache lacks
   compile on a pool of one thread a CPU core (`compile_kernel_texts`);
 - then MLX's kernels, part by part. Where the checkpoint is on disk and the machine has the cores
@@ -39,7 +39,7 @@ What MLX-CUDA 0.32.4 allows at once, and so the rules here:
   writes only files it lacks), and its new files are moved into the shared folder whole (a link
   under a temporary name, renamed; MLX's kernel files last), never over one that is there.
 - Our kernels compile outside our own lock and with Python's GIL released (`loaded_function` in
-  csrc/own_launch.cpp, and `ext.nvrtc_cubin`): distinct kernels compile on several threads at once,
+  csrc/cuda/own_launch.cpp, and `ext.nvrtc_cubin`): distinct kernels compile on several threads at once,
   one NVRTC program each; a cubin file is written under a temporary name and renamed, so processes
   share the cubin folder.
 - MLX keeps per thread: the compile cache of `mx.compile` (a graph traced on one thread is traced
@@ -77,7 +77,7 @@ from .tts_thread import WorkerThread
 PARTS = ("our kernels", "timeline", "speech encoder", "codec", "long context", "warm generate")
 # Seconds of the dummy input of the timeline and the warm generate.
 DUMMY_SECONDS = 2.0
-# K/V slots from which the decode attention kernels take their split form (csrc/decode_attention.cpp)
+# K/V slots from which the decode attention kernels take their split form (csrc/ops/decode_attention.cpp)
 SPLIT_CAPACITY = 1025
 
 

@@ -44,7 +44,7 @@ def build_info() -> dict:
 
 def kernel_launch() -> dict:
     """How this process launches our CUDA kernels: `launch` "own" (compiled by us, the cubins kept on
-    disk; csrc/own_launch.h), "mlx" (MLX's custom kernels: VOICECHAT_OWN_LAUNCH=0, a build without
+    disk; csrc/cuda/own_launch.h), "mlx" (MLX's custom kernels: VOICECHAT_OWN_LAUNCH=0, a build without
     ours, or ours failed: `own_launch_fallback` says why), or None (no CUDA kernels here)."""
     backend = build_info()["backend"]
     fallback = ext.own_launch_fallback()

@@ -95,7 +95,7 @@ def decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps: float, k, v, offs
     key and value in `slot` of `k` and `v` themselves, in place. They must be views of the cache's
     own buffers, no later reader may want the slot's old contents, and the caller must order the
     launch after every earlier reader of the buffers and every later reader after it (MLX sees no
-    write: `tts.backbone.settle`; see csrc/decode_attention.cpp)."""
+    write: `tts.backbone.settle`; see csrc/ops/decode_attention.cpp)."""
     if not qkv_kernel_takes(qkv, k, v):
         if write_cache:
             raise ValueError("decode_attention_qkv: write_cache needs the CUDA kernel (see qkv_kernel_takes)")

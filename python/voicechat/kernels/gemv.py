@@ -2,7 +2,7 @@
 
 At decode time every LLM projection, both 131072-wide heads and the TTS backbone's linears see
 one or two rows; those products are bound by how fast the weights stream from memory. On a CUDA
-GPU these functions run our kernels (csrc/gemv_cuda.h: 16-byte weight loads, float32
+GPU these functions run our kernels (csrc/kernels/gemv: 16-byte weight loads, float32
 accumulation, float32 or bfloat16 activations at the same speed); elsewhere, and for shapes the
 kernels do not take (more than 2 rows, K not a multiple of 8 for dense weights), MLX's own ops,
 which are also the `_reference` twins.
@@ -122,7 +122,7 @@ def quantized_matvec(x, w, scales, biases, group_size: int = 64, bits: int = 4, 
     `x` [..., K] or `Prenormed` (its scales applied in the same launch), w packed uint32
     [N, K * bits / 32]. On CUDA the launch follows the shape: for one row of x on sm_90 the streamed
     integer-MMA layout at the wide outputs of a narrow input (K < 8192, N >= 8192), the streamed
-    layout where K >= 8192, the block layout elsewhere (csrc/gemv.cpp)."""
+    layout where K >= 8192, the block layout elsewhere (csrc/ops/gemv.cpp)."""
     if use_reference():
         return quantized_matvec_reference(x, w, scales, biases, group_size, bits, bias=bias, residual=residual,
                                           squared_relu=squared_relu)

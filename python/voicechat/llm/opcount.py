@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 VIEWS = frozenset({"Reshape", "Slice", "Transpose", "Squeeze", "ExpandDims", "Broadcast", "AsStrided",
                    "Split", "StopGradient", "Depends"})
 
-# Our CUDA kernels' primitive: MLX's custom kernel, or our own launch's (csrc/own_launch.h, the
+# Our CUDA kernels' primitive: MLX's custom kernel, or our own launch's (csrc/cuda/own_launch.h, the
 # default on a CUDA build; VOICECHAT_OWN_LAUNCH=0 for MLX's).
 OUR_KERNELS = ("CustomKernel", "VoicechatKernel")
 

@@ -1,0 +1,9 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/cstdint>
+#include <cuda/std/limits>
+#include <cooperative_groups.h>
+using cuda::std::int32_t;
+using cuda::std::int64_t;
+using cuda::std::uint32_t;
+using cuda::std::uint8_t;

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
 import numpy as np
 import pytest
 import soundfile as sf
 
 import voicechat
+from live_checks import check_equal
 from voicechat.audio import load_audio
 from voicechat.engine import Engine, EngineFull, bucket
 from voicechat.live import ContextFull
@@ -22,7 +22,6 @@ PROMPT = "Be brief."
 # Long enough that the session's LLM and TTS caches outgrow their first 256 slots while its
 # neighbours' do not: rows of different capacities in one batch.
 LONG_PROMPT = " ".join(["answer in one short sentence and keep to the facts"] * 12)
-AUDIO_ATOL = 1e-5 if mx.default_device() == mx.cpu else 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -109,22 +108,6 @@ def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, pat
         if path_ticks is not None:
             path_ticks.update(engine.path_ticks)
     return out, batches, ticks
-
-
-def check_equal(frames, result, expected):
-    assert result.text_tokens == expected.text_tokens
-    assert result.function_tokens == expected.function_tokens
-    assert result.audio_codes == expected.audio_codes
-    assert result.user_transcript == expected.user_transcript
-    assert (result.text, result.function_text) == (expected.text, expected.function_text)
-    assert (result.frames, result.prompt_frames) == (expected.frames, expected.prompt_frames)
-    assert result.audio.shape == expected.audio.shape
-    np.testing.assert_allclose(result.audio, expected.audio, rtol=0, atol=AUDIO_ATOL)
-    assert [f.index for f in frames] == list(range(expected.frames))
-    assert [f.text_id for f in frames] == expected.text_tokens
-    np.testing.assert_array_equal(np.concatenate([f.audio for f in frames]), result.audio)
-    assert "".join(f.text for f in frames) == expected.text
-    assert "".join(f.transcript for f in frames) == expected.user_transcript
 
 
 SCHEDULE = [

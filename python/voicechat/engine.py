@@ -393,16 +393,8 @@ class EngineSession(LiveSession):
 
     def _take(self, samples: np.ndarray, end: bool, count_input: bool = True) -> list[Frame]:
         """16 kHz samples through perception and the transcript; the frames they complete queued."""
-        if count_input:
-            self.input_samples += samples.size
-            if self.keep_input_audio and samples.size:
-                self._input.append(samples.copy())
         with mx.stream(self.chat._timeline_stream):
-            projected, encoded = self.perception.push(samples)
-            if end:
-                last_projected, last_encoded = self.perception.finish()
-                projected = mx.concatenate([projected, last_projected], axis=1)
-                encoded = mx.concatenate([encoded, last_encoded], axis=1)
+            projected, encoded = self._perceive(samples, end, count_input)
             count = projected.shape[1]
             if count:
                 table = self.transcript.push(encoded)

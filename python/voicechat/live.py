@@ -311,18 +311,24 @@ class LiveSession:
         self._channels = channels
         return np.ascontiguousarray(samples, dtype=np.float32)
 
-    def _take(self, samples: np.ndarray, end: bool, count_input: bool = True) -> list[Frame]:
-        """16 kHz samples in; the frames they complete out (`end`: the input's end)."""
+    def _perceive(self, samples: np.ndarray, end: bool, count_input: bool) -> tuple[mx.array, mx.array]:
+        """16 kHz samples (counted, and kept if asked) through perception: the projected audio
+        channel and the encoder frames they complete (lazy; on the timeline's stream)."""
         if count_input:
             self.input_samples += samples.size
             if self.keep_input_audio and samples.size:
                 self._input.append(samples.copy())
+        projected, encoded = self.perception.push(samples)
+        if end:
+            last_projected, last_encoded = self.perception.finish()
+            projected = mx.concatenate([projected, last_projected], axis=1)
+            encoded = mx.concatenate([encoded, last_encoded], axis=1)
+        return projected, encoded
+
+    def _take(self, samples: np.ndarray, end: bool, count_input: bool = True) -> list[Frame]:
+        """16 kHz samples in; the frames they complete out (`end`: the input's end)."""
         with mx.stream(self.chat._timeline_stream):
-            projected, encoded = self.perception.push(samples)
-            if end:
-                last_projected, last_encoded = self.perception.finish()
-                projected = mx.concatenate([projected, last_projected], axis=1)
-                encoded = mx.concatenate([encoded, last_encoded], axis=1)
+            projected, encoded = self._perceive(samples, end, count_input)
             if projected.shape[1] == 0:
                 mx.eval(self.perception.state)
                 if end:

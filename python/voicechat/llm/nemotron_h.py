@@ -35,6 +35,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache_growth import grown_capacity
 from ..config import TextConfig
 from ..kernels.causal_conv import causal_conv_silu
 from ..kernels.decode_attention import decode_attention, plain_kernel_takes
@@ -65,7 +66,8 @@ class MambaCache:
 
 
 class KVCache:
-    """Keys and values [b, kv_heads, capacity, head_dim], grown `step` positions at a time.
+    """Keys and values [b, kv_heads, capacity, head_dim], grown in `step`-position chunks by at least
+    a quarter (`cache_growth`).
 
     Eager updates rebind the attributes (functional `slice_update`). The compiled decode step on
     CUDA writes the new position's slot in place instead, which MLX does not see: `pending` is then
@@ -102,11 +104,12 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def reserve(self, end: int, batch: int, heads: int, dim: int, dtype=mx.float32) -> None:
-        """Make room for positions `< end` (capacity grows `step` slots at a time)."""
+        """Make room for positions `< end` (capacity grows in `step`-slot chunks, by at least a
+        quarter: `cache_growth`)."""
         if self.keys is not None and end <= self.keys.shape[2]:
             return
         self.settle()
-        capacity = -(-end // self.step) * self.step
+        capacity = grown_capacity(end, 0 if self.keys is None else self.keys.shape[2], self.step)
         self.keys = self._grown(self.keys, (batch, heads, capacity, dim), dtype)
         self.values = self._grown(self.values, (batch, heads, capacity, dim), dtype)
 

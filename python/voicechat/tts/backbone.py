@@ -11,8 +11,8 @@ including its own (`key > p - window`).
 
 Caches are fixed-shape buffers so that a one-token step has the same shapes from call to call
 and can run as one compiled graph:
-- global layer: buffer of `capacity` slots, position `p` in slot `p`; grown by `chunk` slots when
-  full;
+- global layer: buffer of `capacity` slots, position `p` in slot `p`; grown when full, in `chunk`
+  slots and by at least a quarter (`cache_growth`);
 - sliding layer: the same until the buffer holds `window` slots, then a ring: position `p` in slot
   `p % window`. The ring then holds exactly the keys a query at the newest position may see.
 In both, after writing position `p`, slot `s` is valid for the query at `p` iff `s <= p` (in the
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..cache_growth import grown_capacity
 from ..config import TTSConfig
 from ..kernels._native import use_reference
 from ..kernels.decode_attention import decode_attention, decode_attention_qkv
@@ -255,7 +256,7 @@ class BackboneCache:
                 continue
             self.flush()  # the bigger buffer copies the old one: after every write to it
             buf = self.buffers[g]
-            cap = -(-need // self.chunk) * self.chunk
+            cap = grown_capacity(need, have, self.chunk)
             if window is not None:
                 cap = min(cap, window)
             pad = mx.zeros((2 * self.sizes[g], batch * self.kv_heads, cap - have, self.head_dim), mx.float32)

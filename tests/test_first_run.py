@@ -116,6 +116,14 @@ def test_the_key_follows_the_char_encoders_weights_and_vocabulary_only(tiny_chec
     assert key() == base
 
 
+def test_the_code_digest_reads_the_extension_and_the_kernel_library():
+    """The table's kernels live in the kernel library beside the extension: a new build of either
+    must give a new key."""
+    names = [p.name for p in char_table_cache.code_files()]
+    assert any(n.startswith("_ext") for n in names) and any(n.startswith("libvoicechat_kernels") for n in names)
+    assert "char_table_cache.py" in names
+
+
 def test_an_unwritable_char_table_folder_is_one_warning_line(tiny_checkpoint, tmp_path, monkeypatch, capfd):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

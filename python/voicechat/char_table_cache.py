@@ -8,7 +8,8 @@ only on what the key below hashes, so it is kept as a safetensors file named by 
 - the char encoder's own tensors (`embed_subword.*`: names, dtypes, shapes, bytes; not the other
   9 GB of the checkpoint), its config section and the vocabulary size;
 - the tokenizer's subword -> characters map (what `set_tokenizer` derives from tokenizer.json);
-- the code that computes it: the voicechat package's Python sources and its extension's file,
+- the code that computes it: the voicechat package's Python sources, its extension's file and the
+  kernel library's,
   MLX's version, the device (kind and name: another GPU may pick other matmul algorithms), and the
   environment that changes its arithmetic (MLX_ENABLE_TF32, VOICECHAT_REFERENCE) and whether
   our kernels run (`decode_kernels`).
@@ -61,18 +62,23 @@ def cache_folder() -> Path | None:
     return Path(cache_root()) / "voicechat" / "char-table"
 
 
+def code_files() -> list[Path]:
+    """The files whose bytes make `code_digest`: the package's .py files, its extension and the
+    kernel library beside it."""
+    package = Path(__file__).parent
+    compiled = [*package.glob("_ext*"), *package.glob("libvoicechat_kernels*")]
+    return sorted(package.rglob("*.py")) + sorted(compiled)
+
+
 def code_digest() -> str:
-    """A hash of the code that computes the table: every .py file of the voicechat package and its
-    extension's file (made once a process)."""
+    """A hash of the code that computes the table (`code_files`; made once a process)."""
     global _code_digest
     with _lock:
         if _code_digest is None:
             h = hashlib.sha256()
             package = Path(__file__).parent
-            for path in sorted(package.rglob("*.py")):
+            for path in code_files():
                 h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
-            for path in sorted(package.glob("_ext*")):
-                h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
             _code_digest = h.hexdigest()
         return _code_digest
 

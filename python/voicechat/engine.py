@@ -98,7 +98,9 @@ def bucket(n: int) -> int:
 
 class Engine:
     """Owns a loaded `VoiceChat` and steps its live sessions together (see the module docstring).
-    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it)."""
+    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it). `rows`: two
+    or more sessions step as batched rows (True) or each in turn on its own caches (False); None
+    picks rows except on a CUDA GPU (see the module docstring)."""
 
     def __init__(self, chat, max_sessions: int = 64, *, rows: bool | None = None):
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:

@@ -80,12 +80,15 @@ std::string compact_kernel_text(const std::string& text);
 //   static const auto& kSrc = register_cuda_source({...});
 const CudaSource& register_cuda_source(CudaSource source);
 
-// Runs `fn` (a kernel file's source functions) when the library is loaded, so that cuda_sources()
-// lists every kernel before any op runs: `VC_CUDA_SOURCES(register_sources);` at namespace scope.
+// Runs a kernel file's source functions when the library is loaded, so that cuda_sources() lists
+// every kernel before any op runs: `VC_CUDA_SOURCES(source, other_source);` at namespace scope.
 struct SourcesAtLoad {
-  explicit SourcesAtLoad(void (*fn)()) { fn(); }
+  template <typename... Source>
+  explicit SourcesAtLoad(Source... sources) {
+    (sources(), ...);
+  }
 };
-#define VC_CUDA_SOURCES(fn) static const ::voicechat::SourcesAtLoad vc_sources_at_load_##fn(fn)
+#define VC_CUDA_SOURCES(...) static const ::voicechat::SourcesAtLoad vc_sources_at_load(__VA_ARGS__)
 
 const std::deque<CudaSource>& cuda_sources();
 

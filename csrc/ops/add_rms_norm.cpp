@@ -122,13 +122,5 @@ mx::array add_rms_norm_guided(const mx::array& h, const mx::array& y, const mx::
                 std::nullopt, false, s)[0];
 }
 
-namespace {
-
-void register_sources() {
-  source();
-  guided_source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(source, guided_source);
 }  // namespace voicechat

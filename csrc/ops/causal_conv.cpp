@@ -102,12 +102,5 @@ std::vector<mx::array> causal_conv_silu(const mx::array& conv_state, const mx::a
                 std::nullopt, false, s);
 }
 
-namespace {
-
-void register_sources() {
-  source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(source);
 }  // namespace voicechat

@@ -91,12 +91,5 @@ mx::array code_embedding(const mx::array& code, const mx::array& table, const mx
                 std::nullopt, false, s)[0];
 }
 
-namespace {
-
-void register_sources() {
-  source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(source);
 }  // namespace voicechat

@@ -235,14 +235,5 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
   return {single ? outs[0] : combine_chunks(outs[0], dims, b, heads, d, s), outs[1], outs[2]};
 }
 
-namespace {
-
-void register_sources() {
-  part_source();
-  qkv_part_source();
-  combine_source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(part_source, qkv_part_source, combine_source);
 }  // namespace voicechat

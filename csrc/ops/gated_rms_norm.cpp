@@ -104,12 +104,5 @@ mx::array gated_rms_norm(const mx::array& y, const mx::array& gate_src, int gate
   return outs[0];
 }
 
-namespace {
-
-void register_sources() {
-  source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(source);
 }  // namespace voicechat

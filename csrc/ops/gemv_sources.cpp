@@ -367,22 +367,15 @@ const CudaSource& argmax_finish_source() {
   return src;
 }
 
-namespace {
-
-void register_sources() {
-  qmv_source();
-  qmv_emit_source();
-  qmv_stream_source();
-  qmv_stream_emit_source();
-  qmv_imma_stream_source();
-  qmv_imma_stream_emit_source();
-  imma_stream_argmax_source();
-  argmax_finish_source();
-  dense_source();
-  dense_add_norm_source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(qmv_source,
+                qmv_emit_source,
+                qmv_stream_source,
+                qmv_stream_emit_source,
+                qmv_imma_stream_source,
+                qmv_imma_stream_emit_source,
+                imma_stream_argmax_source,
+                argmax_finish_source,
+                dense_source,
+                dense_add_norm_source);
 
 }  // namespace voicechat::gemv

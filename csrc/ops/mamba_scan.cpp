@@ -445,13 +445,5 @@ std::vector<mx::array> mamba_conv_scan_step(const mx::array& projected, const mx
   return outs;
 }
 
-namespace {
-
-void register_sources() {
-  cuda_source();
-  conv_scan_source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(cuda_source, conv_scan_source);
 }  // namespace voicechat

@@ -95,12 +95,5 @@ std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array&
   return {outs[0], outs[1]};
 }
 
-namespace {
-
-void register_sources() {
-  source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(source);
 }  // namespace voicechat

@@ -93,12 +93,5 @@ std::tuple<mx::array, mx::array, mx::array> qkv_heads(const mx::array& qkv, cons
   return {outs[0], outs[1], outs[2]};
 }
 
-namespace {
-
-void register_sources() {
-  source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(source);
 }  // namespace voicechat

@@ -301,12 +301,5 @@ mx::array rel_pos_attention(const mx::array& q, const mx::array& k, const mx::ar
   return mx::astype(out, q.dtype(), s);
 }
 
-namespace {
-
-void register_sources() {
-  cuda_source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(cuda_source);
 }  // namespace voicechat

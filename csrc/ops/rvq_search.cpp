@@ -268,12 +268,5 @@ std::vector<mx::array> rvq_search(const mx::array& residual, const mx::array& co
   return out;
 }
 
-namespace {
-
-void register_sources() {
-  cuda_cluster_source();
-}
-
-}  // namespace
-VC_CUDA_SOURCES(register_sources);
+VC_CUDA_SOURCES(cuda_cluster_source);
 }  // namespace voicechat

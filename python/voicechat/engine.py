@@ -144,7 +144,8 @@ class Engine:
             slot = next((i for i, s in enumerate(self.sessions) if s is None), len(self.sessions))
             session = EngineSession(self, slot, system_prompt, seed, keep_audio, keep_input_audio)
             if not self.rows:  # every session steps on its own loop
-                self.sessions = (self.sessions + [None])[: max(slot + 1, len(self.sessions))]
+                if slot == len(self.sessions):
+                    self.sessions.append(None)
                 self.sessions[slot] = session
                 self._alone = session if open_now == 0 else None
                 return session

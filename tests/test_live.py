@@ -116,6 +116,31 @@ def test_live_result_equals_generate(chat, inputs, name, kind, options):
     check_equal(frames, result, expected)
 
 
+def test_chunks_that_complete_no_frame_build_no_matmul_of_zero_rows(chat, inputs, monkeypatch):
+    """MLX-CUDA's addmm divides by the row count (SIGFPE on zero rows): a chunk shorter than a frame,
+    an empty finish and a finish that completes nothing new must not build one."""
+    import mlx.core as mx
+
+    seen = []
+    for name in ("addmm", "matmul"):
+        real = getattr(mx, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            a, b = args[-2], args[-1]
+            seen.append((_name, tuple(a.shape), tuple(b.shape)))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(mx, name, spy)
+    samples, rate = inputs["speech16k"]
+    with chat.live() as live:
+        for pos in range(0, 16000, 640):  # half frames: every other push completes nothing
+            live.push(samples[pos : pos + 640], sample_rate=rate)
+        live.push(samples[:0], sample_rate=rate)
+        live.finish(extra_decoding_seconds=0.0)
+    assert seen, "the session built no matmul through mx.addmm / mx.matmul: the spy watches nothing"
+    assert [s for s in seen if 0 in s[1] or 0 in s[2]] == []
+
+
 def test_the_input_is_kept_only_when_asked_and_the_audio_unless_told(chat, inputs):
     samples, rate = inputs["speech16k"]
     expected = reference(chat, inputs, "speech16k")

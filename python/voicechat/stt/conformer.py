@@ -135,6 +135,8 @@ class CausalSubsampling(nn.Module):
                 x = mx.zeros((1, 0, (pending.shape[2] - 3) // 2 + 1, self.conv[0].weight.shape[0]), mx.float32)
             else:
                 x = self.stage(i, pending[:, : 2 * count + 1])
+        if x.shape[1] == 0:  # no projection of zero rows: MLX-CUDA's addmm divides by the row count
+            return mx.zeros((1, 0, self.out.weight.shape[0]), mx.float32)
         return self.project(x)
 
 
@@ -384,4 +386,6 @@ class PerceptionStream:
             x = enc.stream(x, self.caches)
         self.frames += x.shape[1]
         encoded = x.astype(mx.float32)
+        if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
+            return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), encoded
         return self.perception.proj(encoded).astype(mx.float32), encoded

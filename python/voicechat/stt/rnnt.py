@@ -152,11 +152,6 @@ class TranscriptStream:
         """The lazy `[F, max_symbols]` table of these frames (`encoded [1, F, d_model]`)."""
         w = self.weights
         projected = _encoder_projection(encoded, self.joint)
-        if encoded.shape[1] > 1 and mx.default_device() == mx.gpu:
-            # The loop (a CPU op) starts from an evaluated projection: one evaluation spanning a
-            # GPU matmul of several frames and the CPU loop ends the process with SIGFPE in
-            # MLX-CUDA 0.32.4 at full size; evaluated apart, the same shapes run.
-            mx.eval(projected)
         table, self.state = rnnt_greedy(projected, w.embed, w.lstm, w.pred_w,
                                         w.pred_b, w.out_w, w.out_b, self.blank_id, self.max_symbols,
                                         stream=self.stream, start=self.state)

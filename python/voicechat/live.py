@@ -335,6 +335,9 @@ class LiveSession:
                     self._end()
                 return []
             table = self.transcript.push(encoded)
+            # Queued, not waited for: the first frame's step is built while the device runs the
+            # perception and the CPU the transcript loop.
+            mx.async_eval(table, *self.perception.state)
         frames: list[Frame] = []
         emitted = None
         for i in range(projected.shape[1]):
@@ -342,20 +345,16 @@ class LiveSession:
                 self._context_full = True
                 self._end(frames[-1] if frames else None)
                 raise ContextFull(self._full_message(), frames, self.limit)
-            if emitted is None:  # the chunk's transcript: its loop ran beside the first frame
-                mx.eval(self.perception.state)
+            stepped = self._step(projected, i)
+            if emitted is None:
                 emitted = np.array(table)
-            frames.append(self._frame(projected, i, emitted[i]))
+            frames.append(self._emit(*stepped, emitted[i]))
         if end:
             self._end(frames[-1])
         elif self.prompt_frames + self.frames >= self.limit:  # the last frame the context holds
             self._context_full = True
             self._end(frames[-1])
         return frames
-
-    def _frame(self, projected: mx.array, i: int, transcript_row: np.ndarray) -> Frame:
-        """Frame i of a chunk's `projected` audio channel through the timeline, read back."""
-        return self._emit(*self._step(projected, i), transcript_row)
 
     def _step(self, projected: mx.array, i: int) -> tuple[int, int, np.ndarray]:
         """Frame i of `projected` through the LLM and the TTS (`FrameLoop.step`): its text id,

@@ -13,6 +13,7 @@ from voicechat.codec.codec import DecoderStream
 from voicechat.codec.stft import StreamingISTFT, _envelope, envelope_at, istft
 from voicechat.config import PreprocessorConfig
 from voicechat.kernels.rnnt_greedy import initial_state, rnnt_greedy, rnnt_greedy_reference
+from voicechat.llm.opcount import by_kind, kernel_count, op_labels
 from voicechat.stt.conformer import PerceptionStream
 from voicechat.stt.mel import StreamingLogMel, log_mel
 from voicechat.stt.rnnt import TranscriptStream, greedy_table
@@ -104,6 +105,27 @@ def test_perception_stream_equals_the_whole_signal_pass(chat, long_input, kind):
     np.testing.assert_array_equal(np.concatenate([np.array(e) for _, e in out], axis=1), np.array(encoded))
     assert stream.frames == int(lengths[0].item())
     assert all(c.keys.shape[2] <= 70 for c in stream.caches)  # bounded by the left context
+
+
+def test_perception_stream_runs_a_full_cache_as_one_compiled_graph(chat, long_input):
+    """80 ms chunks past the first 70 frames: once the attention cache is full, a chunk's encoder
+    step is the compiled graph (elementwise chains fused: far fewer primitives than the eager step
+    of the chunks before) and its frames are still the whole-signal pass's, bit for bit."""
+    perception = chat.listening.perception
+    _, _, encoded = perception(perception.log_mel(mx.array(long_input)))
+    left = perception.config.encoder.att_context_size[0]
+    stream = PerceptionStream(perception)
+    out, ops = [], {}  # ops: cache full before the chunk -> primitives of its graph
+    for pos in range(0, len(long_input), 1280):
+        full = stream.caches[0].keys.shape[2] == left
+        _, e = stream.push(long_input[pos : pos + 1280])
+        if e.shape[1]:
+            ops[full] = kernel_count(by_kind(op_labels(e, stream.state)))
+        mx.eval(e, stream.state)
+        out.append(np.array(e))
+    out.append(np.array(stream.finish()[1]))
+    assert set(ops) == {False, True} and ops[True] < 0.7 * ops[False], ops
+    np.testing.assert_array_equal(np.concatenate(out, axis=1), np.array(encoded))
 
 
 # --------------------------------------------------------------------------- RNNT

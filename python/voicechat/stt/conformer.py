@@ -14,7 +14,8 @@ float32 whatever the weights' dtype.
 subsampling stage keeps the input frames its next output reads (its right zero pad is only read
 by a stage's last output, when the input length is even, so that output waits for `finish`), each
 layer the keys and values of its last `left` frames and the last `k - 1` inputs of its depthwise
-conv. New mel frames give new encoder frames, the same values as the whole-signal pass.
+conv. New mel frames give new encoder frames, the same values as the whole-signal pass. Once the
+attention caches are full, a chunk's layers run as one compiled graph (`ConformerEncoder.stream`).
 """
 
 from __future__ import annotations
@@ -248,6 +249,7 @@ class ConformerEncoder(nn.Module):
         self.context = cfg.att_context_size
         self.pre_encode = CausalSubsampling(cfg)
         self.layers = [ConformerBlock(cfg) for _ in range(cfg.n_layers)]
+        self._stream_compiled = mx.compile(self._stream_layers)
 
     def __call__(self, mel: mx.array, stepwise: bool = False) -> mx.array:
         """`[B, T, feat]` -> `[B, T', d_model]` (xscaling off: the input is not scaled).
@@ -272,13 +274,33 @@ class ConformerEncoder(nn.Module):
         first, count = position_window(length, *self.context)
         return first, relative_positions(length, self.d_model, first, count)
 
-    def stream(self, x: mx.array, caches: list["EncoderLayerCache"]) -> mx.array:
+    def stream(self, x: mx.array, caches: list["EncoderLayerCache"],
+               rows: tuple[int, mx.array] | None = None) -> mx.array:
         """The layers on new subsampled frames `x [1, n, d_model]` of a stream, with `caches`
-        (one per layer, updated)."""
-        first, pos_emb = self.position_rows(caches[0].keys.shape[2] + x.shape[1])
+        (one per layer, updated). `rows`: `position_rows(cached + n)` where the caller keeps them.
+
+        Once the caches hold `left` frames (a full attention context), every chunk of n frames has
+        the same shapes: the layers then run as one compiled graph (`mx.compile`, traced once per
+        n and thread), replayed instead of built op by op, its elementwise chains fused (on a CPU
+        the fused code rounds as the separate ops do: tested). Before, while the caches grow, the
+        layers run eagerly: each cache length would be a trace of its own (and on a GPU, kernels
+        compiled for it)."""
+        cached = caches[0].keys.shape[2]
+        first, pos_emb = rows if rows is not None else self.position_rows(cached + x.shape[1])
+        run = self._stream_compiled if cached == self.context[0] else self._stream_layers
+        x, state = run(x, pos_emb, first, [c.state for c in caches])
+        for cache, (keys, values, conv) in zip(caches, state):
+            cache.keys, cache.values, cache.conv = keys, values, conv
+        return x
+
+    def _stream_layers(self, x: mx.array, pos_emb: mx.array, first: int,
+                       state: list[list[mx.array]]) -> tuple[mx.array, list[list[mx.array]]]:
+        """`stream` as a function of arrays (what `mx.compile` traces): each layer's cache arrays
+        in, the updated ones out. The layers update caches made here, not the caller's."""
+        caches = [EncoderLayerCache(*arrays) for arrays in state]
         for layer, cache in zip(self.layers, caches):
             x = layer(x, pos_emb, first, cache)
-        return x
+        return x, [cache.state for cache in caches]
 
 
 class Perception(nn.Module):
@@ -364,6 +386,7 @@ class PerceptionStream:
         self.caches = [EncoderLayerCache(mx.zeros((1, heads, 0, d // heads)), mx.zeros((1, heads, 0, d // heads)),
                                          mx.zeros((1, k - 1, d))) for _ in enc.layers]
         self.frames = 0  # encoder frames returned so far
+        self._rows: tuple[int, tuple[int, mx.array]] | None = None  # (length, its position rows)
 
     @property
     def state(self) -> list[mx.array]:
@@ -383,9 +406,17 @@ class PerceptionStream:
         enc = self.perception.encoder
         x = enc.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)
         if x.shape[1]:
-            x = enc.stream(x, self.caches)
+            x = enc.stream(x, self.caches, self._position_rows(self.caches[0].keys.shape[2] + x.shape[1]))
         self.frames += x.shape[1]
         encoded = x.astype(mx.float32)
         if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
             return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), encoded
         return self.perception.proj(encoded).astype(mx.float32), encoded
+
+    def _position_rows(self, length: int) -> tuple[int, mx.array]:
+        """`ConformerEncoder.position_rows(length)`, kept while chunks repeat the length (a full
+        cache, the same frame count): evaluated with the first such chunk, the rows are a leaf of
+        the next chunks' graphs, not ops again."""
+        if self._rows is None or self._rows[0] != length:
+            self._rows = (length, self.perception.encoder.position_rows(length))
+        return self._rows[1]

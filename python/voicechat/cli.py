@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     batch = p.add_argument_group("many inputs (voicechat/batch.py)")
     batch.add_argument("--batch", metavar="INPUTS", help="answer every audio file of a folder, or every line of a "
                        "JSONL manifest (path, system_prompt, seed, extra_decoding_seconds), into --output-dir")
-    batch.add_argument("--output-dir", metavar="OUT", help="with --batch: OUT/NAME.wav and OUT/NAME.json an input; "
-                       "inputs already answered there are skipped")
+    batch.add_argument("--output-dir", metavar="OUT", help="with --batch: OUT/NAME.wav and OUT/NAME.json an input "
+                       "(OUT and its parents are made if missing); inputs already answered there are skipped")
     batch.add_argument("--ray", action="store_true", help="with --batch: a Ray Data actor pool, a model per GPU")
     batch.add_argument("--ray-address", metavar="ADDRESS", help="with --batch: the Ray cluster to join (implies --ray)")
     batch.add_argument("--workers", type=int, help="with --batch --ray: models to run (default: the cluster's GPUs)")

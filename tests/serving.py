@@ -1,4 +1,6 @@
-"""Helpers for the server tests: a real `vc-serve` process on a free port and a Realtime client."""
+"""Helpers for the server tests: a real `vc-serve` process on a free port, a Realtime client, and
+the fixtures that compare a server's answers with `generate`'s (a test module imports `ws_url`,
+`chat` and `pcm` and defines its own `server`)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pytest
+import soundfile as sf
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -127,3 +132,41 @@ def converse(ws_url: str, pcm: np.ndarray, *, instructions: str = "", seed: int 
                 raise AssertionError(f"server error: {event['error']}")
             if event["type"] == "response.done" and event["response"]["status"] == "completed":
                 return out
+
+
+@pytest.fixture(scope="module")
+def ws_url(server):
+    """The Realtime endpoint of the module's `server` (its base URL)."""
+    return server.replace("http", "ws", 1) + "/v1/realtime"
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_checkpoint):
+    """The tiny checkpoint loaded in this process: what the server's answers are compared with."""
+    import voicechat
+
+    with voicechat.load(tiny_checkpoint) as chat:
+        yield chat
+
+
+@pytest.fixture(scope="module")
+def pcm(spoken_wav):
+    """A spoken question, int16 at 16 kHz."""
+    samples, rate = sf.read(spoken_wav, dtype="int16")
+    assert rate == 16000
+    return samples[: int(1.6 * rate)]  # a short question keeps the many-client tests quick
+
+
+def expect(chat, pcm: np.ndarray, seed: int = 0, prompt: str | None = None, extra: float = 0.4):
+    """What `generate` answers to `pcm` (16 kHz) with these options."""
+    return chat.generate(pcm, system_prompt=prompt, seed=seed, sample_rate=16000, extra_decoding_seconds=extra)
+
+
+def assert_same(got: Conversation, result) -> None:
+    """A conversation through a server gave what `generate` gave."""
+    from voicechat.serve.protocol import to_pcm16
+
+    assert got.text == result.text
+    assert got.function_text == result.function_text
+    assert got.transcript == result.user_transcript
+    np.testing.assert_array_equal(got.audio, to_pcm16(result.audio))

@@ -86,8 +86,7 @@ def test_a_folder_here_equals_vc_generate_and_a_rerun_skips_it(tiny_checkpoint, 
         (inputs / path.name).write_bytes(path.read_bytes())
     (inputs / "broken.wav").write_bytes(b"RIFF not really")
     (inputs / "notes.txt").write_text("not an input")
-    out = tmp_path / "out"
-    out.mkdir()
+    out = tmp_path / "answers" / "out"  # made, with its parent
     argv = ["--batch", str(inputs), "--output-dir", str(out), "-m", str(tiny_checkpoint), "--seed", "4",
             "--extra-decoding-seconds", "0.2", "-q"]
     assert cli.main(argv) == 1  # one input failed
@@ -140,6 +139,28 @@ def test_batch_misuse(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+def test_an_output_dir_that_cannot_be_used_is_one_error_and_leaves_nothing(tmp_path, capsys):
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text('{"path": "q.wav"}\n')
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cases = [(blocker, "it is not a folder"), (blocker / "out", f"{blocker} is not a folder"),
+             (tmp_path / "new" / ("x" * 300), f"cannot make {tmp_path / 'new' / ('x' * 300)}: File name too long"),
+             (Path("/proc/vc-batch/out"), "cannot make /proc/vc-batch"),  # procfs makes no folder, for root either
+             (Path("/proc"), "the folder is not writable")]
+    if os.geteuid() != 0:  # root may write a folder whose mode says no
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases += [(locked / "out", f"cannot make {locked / 'out'}: Permission denied"),
+                  (locked, "the folder is not writable")]
+    before = sorted(tmp_path.iterdir())
+    for out, message in cases:
+        assert cli.main(["--batch", str(manifest), "--output-dir", str(out), "-q"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --output-dir {out}: {message}"), err
+        assert sorted(tmp_path.iterdir()) == before  # ("new" is made, then removed)
+
+
 def test_on_ray_killed_midway_and_resumed_loses_nothing_and_redoes_nothing(ray_cluster, tiny_checkpoint, spoken,
                                                                           reference, tmp_path):
     options = {p.stem: {"seed": i, "extra_decoding_seconds": 0.2 if i % 2 else 0.4,
@@ -150,8 +171,7 @@ def test_on_ray_killed_midway_and_resumed_loses_nothing_and_redoes_nothing(ray_c
     lines.insert(5, json.dumps({"path": "missing.wav"}))
     lines.insert(9, json.dumps({"path": "q99.wav", "seed": -1}))
     manifest.write_text("\n".join(lines) + "\n")
-    out = tmp_path / "out"
-    out.mkdir()
+    out = tmp_path / "answers" / "out"  # made by the first run, with its parent
     argv = [str(manifest), "--output-dir", str(out), "-m", str(tiny_checkpoint), "--ray-address", ray_cluster,
             "--workers", "2"]
 

@@ -14,7 +14,6 @@ import time
 
 import numpy as np
 import pytest
-import soundfile as sf
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -23,9 +22,8 @@ pytest.importorskip("websockets")
 from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-import voicechat  # noqa: E402
-from serving import Conversation, converse, free_port, get_json, pcm16_b64  # noqa: E402
-from voicechat.serve.protocol import to_pcm16  # noqa: E402
+from serving import Conversation, assert_same, converse, expect, free_port, get_json, pcm16_b64  # noqa: E402
+from serving import chat, pcm, ws_url  # noqa: E402, F401 (fixtures)
 
 SESSIONS_PER_REPLICA = 3
 APP = "voicechat"
@@ -44,30 +42,6 @@ def server(ray_cluster, tiny_checkpoint):
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ws_url(server):
-    return server.replace("http", "ws", 1) + "/v1/realtime"
-
-
-@pytest.fixture(scope="module")
-def chat(tiny_checkpoint):
-    with voicechat.load(tiny_checkpoint) as chat:
-        yield chat
-
-
-@pytest.fixture(scope="module")
-def pcm(spoken_wav):
-    samples, rate = sf.read(spoken_wav, dtype="int16")
-    return samples[: int(1.6 * rate)]
-
-
-def _assert_same(got, result):
-    assert got.text == result.text
-    assert got.function_text == result.function_text
-    assert got.transcript == result.user_transcript
-    np.testing.assert_array_equal(got.audio, to_pcm16(result.audio))
 
 
 def _replica_actors() -> list[str]:
@@ -163,7 +137,7 @@ def test_six_sessions_on_two_replicas_each_equal_generate(ws_url, chat, pcm):
     for c, seed in zip(clients, seeds):
         assert c.failure is None, c.failure
         assert c.events[-1]["type"] == "response.done", c.events[-1]
-        _assert_same(c.conversation(), chat.generate(pcm, seed=seed, sample_rate=16000, extra_decoding_seconds=0.4))
+        assert_same(c.conversation(), expect(chat, pcm, seed=seed))
 
 
 def test_a_killed_replica_ends_only_its_own_sessions(ws_url, chat, pcm):
@@ -187,11 +161,11 @@ def test_a_killed_replica_ends_only_its_own_sessions(ws_url, chat, pcm):
         assert error["code"] == "session_lost" and "replica" in error["message"], error
         assert c.close_code == 1011
     for c in done:
-        _assert_same(c.conversation(), chat.generate(pcm, seed=c.seed, sample_rate=16000, extra_decoding_seconds=0.4))
+        assert_same(c.conversation(), expect(chat, pcm, seed=c.seed))
 
     # A new session goes to a live replica.
     got = converse(ws_url, pcm, seed=7, extra=0.4)
-    _assert_same(got, chat.generate(pcm, seed=7, sample_rate=16000, extra_decoding_seconds=0.4))
+    assert_same(got, expect(chat, pcm, seed=7))
 
 
 @pytest.mark.parametrize("flags", [["--replicas", "2", "--min-replicas", "1"], ["--replicas", "0"],

@@ -20,8 +20,8 @@ pytest.importorskip("uvicorn")
 websockets = pytest.importorskip("websockets")
 from websockets.sync.client import connect  # noqa: E402
 
-import voicechat  # noqa: E402
-from serving import converse, get_json, pcm16_b64, vc_serve  # noqa: E402
+from serving import assert_same, converse, expect, get_json, pcm16_b64, vc_serve  # noqa: E402
+from serving import chat, pcm, ws_url  # noqa: E402, F401 (fixtures)
 from voicechat.serve.protocol import to_pcm16  # noqa: E402
 
 PROMPT = "Be concise."
@@ -33,36 +33,6 @@ def server(tiny_checkpoint):
         yield base
 
 
-@pytest.fixture(scope="module")
-def ws_url(server):
-    return server.replace("http", "ws", 1) + "/v1/realtime"
-
-
-@pytest.fixture(scope="module")
-def chat(tiny_checkpoint):
-    with voicechat.load(tiny_checkpoint) as chat:
-        yield chat
-
-
-@pytest.fixture(scope="module")
-def pcm(spoken_wav):
-    samples, rate = sf.read(spoken_wav, dtype="int16")
-    assert rate == 16000
-    return samples[: int(1.6 * rate)]  # a short question keeps the many-client tests quick
-
-
-def _expect(chat, pcm, seed=0, prompt=None, extra=0.4):
-    result = chat.generate(pcm, system_prompt=prompt, seed=seed, sample_rate=16000, extra_decoding_seconds=extra)
-    return result
-
-
-def _assert_same(got, result):
-    assert got.text == result.text
-    assert got.function_text == result.function_text
-    assert got.transcript == result.user_transcript
-    np.testing.assert_array_equal(got.audio, to_pcm16(result.audio))
-
-
 def test_health_and_models(server):
     health = get_json(server + "/health")
     assert health["status"] == "ok" and health["sessions"] == 0 and health["max_sessions"] == 9
@@ -72,7 +42,7 @@ def test_health_and_models(server):
 
 def test_a_conversation_equals_generate(ws_url, chat, pcm):
     got = converse(ws_url, pcm, instructions=PROMPT, seed=3, extra=0.4)
-    _assert_same(got, _expect(chat, pcm, seed=3, prompt=PROMPT))
+    assert_same(got, expect(chat, pcm, seed=3, prompt=PROMPT))
     assert len(got.of("response.done")) == 1 and len(got.of("input_audio_buffer.committed")) == 1
 
 
@@ -180,7 +150,7 @@ def test_concurrent_clients_each_get_what_they_get_alone(ws_url, chat, pcm):
         t.join()
     assert sorted(results) == list(range(8))
     for i, (samples, prompt, seed) in enumerate(cases):
-        _assert_same(results[i], _expect(chat, samples, seed=seed, prompt=prompt or None, extra=0.24))
+        assert_same(results[i], expect(chat, samples, seed=seed, prompt=prompt or None, extra=0.24))
 
 
 def test_a_disconnect_mid_session_frees_its_state(server, ws_url, pcm):

@@ -5,19 +5,21 @@
 
 INPUTS is a folder of audio files, or a JSONL manifest: one object a line, `path` (relative to the
 manifest's folder) and optionally `system_prompt`, `seed` and `extra_decoding_seconds` (the
-command's own options are the defaults). Input `NAME.ext` gives `OUT/NAME.wav` and `OUT/NAME.json`,
-what `vc-generate --output-audio --output-json` writes for it, less the timings; each file is
-written whole or not at all, the JSON last, so a rerun skips the inputs whose JSON is there and
-an interrupted job loses nothing. A bad input is reported and skipped. `OUT/batch-summary.json`
-lists every input with its status and timings.
+command's own options are the defaults). OUT is made if missing. Input `NAME.ext` gives
+`OUT/NAME.wav` and `OUT/NAME.json`, what `vc-generate --output-audio --output-json` writes for it,
+less the timings; each file is written whole or not at all, the JSON last, so a rerun skips the
+inputs whose JSON is there and an interrupted job loses nothing. A bad input is reported and
+skipped. `OUT/batch-summary.json` lists every input with its status and timings.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -124,6 +126,36 @@ def _bad_fields(entry: dict) -> str | None:
     if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not 0 <= extra <= 3600:
         return "`extra_decoding_seconds` must be a number of seconds in [0, 3600]"
     return None
+
+
+def output_folder(path: str) -> Path:
+    """OUT, made with its missing parents (as `mkdir -p`) and checked to take new files. A path
+    that is not a folder, or cannot be made or written, is a UsageError, and the folders made on
+    the way are removed again: a refused job leaves nothing behind."""
+    out = Path(path)
+    made: list[Path] = []
+    try:
+        for folder in [*reversed(out.parents), out]:
+            if os.path.isdir(folder):
+                continue
+            if os.path.lexists(folder):  # a file, or a link to nothing
+                raise UsageError(f"--output-dir {out}: {'it' if folder == out else folder} is not a folder")
+            try:
+                folder.mkdir()
+            except OSError as e:
+                raise UsageError(f"--output-dir {out}: cannot make {folder}: {e.strerror}") from None
+            made.append(folder)
+        try:
+            with tempfile.TemporaryFile(dir=out):
+                pass
+        except OSError:
+            raise UsageError(f"--output-dir {out}: the folder is not writable") from None
+    except UsageError:
+        for folder in reversed(made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    return out
 
 
 def _remove_stale_temp_files(out: Path, stems: list[str]) -> None:
@@ -249,10 +281,8 @@ def run_batch(args: argparse.Namespace, say) -> int:
         raise UsageError(f"--seed must be in [0, 2**64), got {args.seed}")
     if args.workers is not None and not args.workers >= 1:
         raise UsageError("--workers must be at least 1")
-    out = Path(args.output_dir)
-    if not out.is_dir():
-        raise UsageError(f"--output-dir {out}: no such folder")
     jobs = plan(args.batch, args.system_prompt, args.seed, args.extra_decoding_seconds)
+    out = output_folder(args.output_dir)
     _remove_stale_temp_files(out, [job.stem for job in jobs if job.stem is not None] + [SUMMARY])
     summary = Summary(out, jobs)
     pending = []

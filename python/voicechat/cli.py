@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     batch = p.add_argument_group("many inputs (voicechat/batch.py)")
     batch.add_argument("--batch", metavar="INPUTS", help="answer every audio file of a folder, or every line of a "
                        "JSONL manifest (path, system_prompt, seed, extra_decoding_seconds), into --output-dir")
-    batch.add_argument("--output-dir", metavar="OUT", help="with --batch: OUT/NAME.wav and OUT/NAME.json an input; "
-                       "inputs already answered there are skipped")
+    batch.add_argument("--output-dir", metavar="OUT", help="with --batch: OUT/NAME.wav and OUT/NAME.json an input "
+                       "(OUT and its parents are made if missing); inputs already answered there are skipped")
     batch.add_argument("--ray", action="store_true", help="with --batch: a Ray Data actor pool, a model per GPU")
     batch.add_argument("--ray-address", metavar="ADDRESS", help="with --batch: the Ray cluster to join (implies --ray)")
     batch.add_argument("--workers", type=int, help="with --batch --ray: models to run (default: the cluster's GPUs)")
@@ -153,38 +153,17 @@ def _demo_inputs(workdir: Path) -> tuple[str, str]:
     return str(checkpoint), str(question)
 
 
-class _Stage:
-    """A tqdm line for a stage with no count of its own (the load, the codec): its name and the
-    seconds it has taken, refreshed by a thread of its own until `close()`."""
-
-    def __init__(self, desc: str):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=None, desc=desc, bar_format="{desc}: {elapsed}", leave=False, file=sys.stderr)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._tick, name="vc-progress", daemon=True)
-        self._thread.start()
-
-    def _tick(self) -> None:
-        while not self._stop.wait(0.5):
-            self.bar.refresh()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.bar.close()
-
-
 class _Stages:
     """Stage lines on stderr ("load: char table: 2.3 s" as each ends), on a terminal and for
     --precompile (a build's log): a line under way ticks its seconds on a terminal (tqdm), so that
     a long stage (a first run's kernel compiles) is never silent. Precompile progress
     (`precompile.Progress`) shows parts done and kernels compiled. A stage that fails prints no
     line: a bad input stays one `error:` line (a pipe or a log sees stage lines only with
-    --precompile)."""
+    --precompile). Without `end_lines` a stage only ticks, and is erased as it ends (generate's
+    codec, after the timeline's bar)."""
 
-    def __init__(self, enabled: bool, tty: bool):
-        self.enabled, self.tty = enabled, tty
+    def __init__(self, enabled: bool, tty: bool, end_lines: bool = True, bar_format: str = "{desc} {elapsed}"):
+        self.enabled, self.tty, self.end_lines, self.bar_format = enabled, tty, end_lines, bar_format
         self.name: str | None = None
         self.start = 0.0
         self.bar = None
@@ -202,7 +181,7 @@ class _Stages:
             if self.tty:
                 from tqdm import tqdm
 
-                self.bar = tqdm(desc=name, bar_format="{desc} {elapsed}", file=sys.stderr, leave=False)
+                self.bar = tqdm(desc=name, bar_format=self.bar_format, file=sys.stderr, leave=False)
         if self.tty and self._ticker is None:
             self._ticker = threading.Thread(target=self._tick, name="vc-generate-stages", daemon=True)
             self._ticker.start()
@@ -230,7 +209,8 @@ class _Stages:
                 if self.bar is not None:
                     self.bar.close()
                     self.bar = None
-                print(f"{self.name}: {time.perf_counter() - self.start:.1f} s", file=sys.stderr)
+                if self.end_lines:
+                    print(f"{self.name}: {time.perf_counter() - self.start:.1f} s", file=sys.stderr)
                 self.name = None
 
     def close(self, failed: bool = False) -> None:
@@ -247,23 +227,13 @@ class _Stages:
 
 
 class _Progress:
-    """Progress on a terminal only: the load, the timeline (a tqdm bar over frames), then the codec."""
+    """generate's progress, on a terminal only: the timeline (a tqdm bar over frames), then the codec
+    (a stage line, erased as it ends)."""
 
     def __init__(self, enabled: bool):
         self.bar = None
-        self.stage: _Stage | None = None
         self.enabled = enabled
-
-    def begin(self, desc: str) -> None:
-        """A stage with no count: shown until the next stage, the timeline's first frame or `close()`."""
-        self.end_stage()
-        if self.enabled:
-            self.stage = _Stage(desc)
-
-    def end_stage(self) -> None:
-        if self.stage is not None:
-            self.stage.close()
-            self.stage = None
+        self.stages = _Stages(enabled, tty=True, end_lines=False, bar_format="{desc}: {elapsed}")
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -271,16 +241,15 @@ class _Progress:
         if self.bar is None:
             from tqdm import tqdm
 
-            self.end_stage()
             self.bar = tqdm(total=total, unit="frame", desc="timeline", leave=False, file=sys.stderr)
         self.bar.n = done
         self.bar.refresh()
         if done == total:  # what is left of generate is the codec's
             self.bar.close()
-            self.begin("codec")
+            self.stages("codec")
 
     def close(self) -> None:
-        self.end_stage()
+        self.stages.close()
         if self.bar is not None:
             self.bar.close()
 

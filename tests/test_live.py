@@ -13,6 +13,7 @@ import voicechat
 from live_checks import check_equal
 from voicechat.audio import load_audio
 from voicechat.live import ContextFull, LiveSession
+from voicechat.stt.conformer import PerceptionStream
 from voicechat.session import InputError, ModelBusy
 from voicechat.synthetic import make_checkpoint, tiny_config
 
@@ -139,6 +140,48 @@ def test_chunks_that_complete_no_frame_build_no_matmul_of_zero_rows(chat, inputs
         live.finish(extra_decoding_seconds=0.0)
     assert seen, "the session built no matmul through mx.addmm / mx.matmul: the spy watches nothing"
     assert [s for s in seen if 0 in s[1] or 0 in s[2]] == []
+
+
+def test_a_live_session_casts_perception_and_codec_weights_once_and_changes_no_value(tmp_path, inputs):
+    """bfloat16 weights (as published): the first live session makes perception's and the codec
+    decoder's float32 for good (no cast per chunk), and generate gives the same ids and samples
+    before and after, as the live session does."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from voicechat.llm.opcount import count_ops
+    from voicechat.synthetic import random_checkpoint
+
+    chat = voicechat.load(random_checkpoint(tmp_path / "bf16", "tiny", quantize=4, dtype="bfloat16"))
+    modules = (chat.listening.perception, chat.speaking.audio_codec.decoder, chat.speaking.audio_codec.prvq)
+    dtypes = lambda: {v.dtype for m in modules for _, v in tree_flatten(m.parameters())}  # noqa: E731
+    samples, rate = inputs["speech16k"]
+    chunk = load_audio(samples, 16000, rate)[:4000]
+
+    def casts():
+        stream = PerceptionStream(chat.listening.perception)
+        projected, encoded = stream.push(chunk)
+        return count_ops(projected, encoded, stream.state).get("AsType", 0)
+
+    assert mx.bfloat16 in dtypes()
+    casts_before = casts()
+    before = chat.generate(samples, extra_decoding_seconds=EXTRA, sample_rate=rate)
+    frames = []
+    with chat.live() as live:
+        assert dtypes() == {mx.float32}
+        for pos in range(0, len(samples), 1280):
+            frames += live.push(samples[pos : pos + 1280], sample_rate=rate)
+        frames += live.finish(extra_decoding_seconds=EXTRA)
+        live_result = live.result()
+    after = chat.generate(samples, extra_decoding_seconds=EXTRA, sample_rate=rate)
+    casts_after = casts()
+    chat.close()
+    assert casts_after <= 4 < casts_before, (casts_before, casts_after)
+    for result in (live_result, after):
+        assert result.text_tokens == before.text_tokens and result.audio_codes == before.audio_codes
+        assert result.user_transcript == before.user_transcript
+    np.testing.assert_array_equal(after.audio, before.audio)
+    check_equal(frames, live_result, before)
 
 
 def test_the_input_is_kept_only_when_asked_and_the_audio_unless_told(chat, inputs):

@@ -140,6 +140,7 @@ class LiveSession:
         self._codes = _Growing(c.tts_config.num_quantizers)
 
         with mx.stream(chat._timeline_stream):
+            chat._stream_in_float32()
             self.perception = PerceptionStream(chat.listening.perception)
             self.transcript = TranscriptStream(chat.listening.rnnt_decoder, chat.listening.rnnt_joint,
                                                c.rnnt_blank_id, c.audio_config.max_symbols,

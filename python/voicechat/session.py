@@ -130,6 +130,7 @@ class VoiceChat:
         self._turn = threading.Condition()
         self._holder: object | None = None
         self._holder_is_live = False
+        self._streaming_in_float32 = False
 
     def close(self) -> None:
         """Ends the TTS worker thread, if a threaded generate made one (garbage collection and the
@@ -253,6 +254,21 @@ class VoiceChat:
         except BaseException:
             self._end_turn(turn)
             raise
+
+    def _stream_in_float32(self) -> None:
+        """Perception and the codec compute in float32 whatever the weights' dtype. A live session
+        runs perception and the codec's decoder every 80 ms, where casting bfloat16 weights at each
+        call costs a cast of every weight per chunk (1.2 GB of encoder weights at full size): those
+        weights become float32 once, at the first live session (exact: every bfloat16 value is a
+        float32 one; 1.4 GB more than in bfloat16 at full size). Called with the model's turn held."""
+        if self._streaming_in_float32:
+            return
+        codec = self.speaking.audio_codec
+        modules = (self.listening.perception, codec.decoder, codec.prvq)
+        for module in modules:
+            module.set_dtype(mx.float32)
+        mx.eval([m.parameters() for m in modules])
+        self._streaming_in_float32 = True
 
     def sessions(self):
         """Hold this model for many live sessions stepped from one thread at a time (a server's):

@@ -340,7 +340,7 @@ class AudioCodec(nn.Module):
     """The codec network: `encoder`, `decoder`, `prvq` under `tts_model.audio_codec.`.
 
     Computes in float32 throughout (the checkpoint stores bf16; each weight is cast where it is
-    used). A bf16 network is not offered: its decoder phases (tens of radians) lose ~0.25 rad, a
+    used, unless a live session made the decoder's float32: `VoiceChat._stream_in_float32`). A bf16 network is not offered: its decoder phases (tens of radians) lose ~0.25 rad, a
     14 % RMS waveform error on random weights.
     """
 

@@ -238,3 +238,33 @@ def test_vc_chat_streams_a_file_and_writes_the_answer(ws_url, chat, spoken_wav, 
     got, rate = sf.read(out, dtype="int16")
     assert rate == 22050
     np.testing.assert_allclose(got, to_pcm16(result.audio), atol=1)
+
+
+def test_max_sessions_by_default_is_what_a_live_session_measured_here_allows(tiny_checkpoint):
+    from voicechat.serve.capacity import sessions_for
+
+    with vc_serve(tiny_checkpoint) as base:
+        health = get_json(base + "/health")
+    frame_ms = health["live_frame_ms"]
+    assert isinstance(frame_ms, float) and frame_ms > 0
+    assert health["max_sessions"] == sessions_for(frame_ms)
+
+
+@pytest.mark.parametrize("frame_ms,sessions", [(12.4, 4), (30.0, 2), (30.1, 1), (50.0, 1), (200.0, 1), (0.01, 1024)])
+def test_sessions_in_turn_fit_an_80_ms_frame_with_20_ms_to_spare(frame_ms, sessions):
+    from voicechat.serve.capacity import sessions_for
+
+    assert sessions_for(frame_ms) == sessions
+
+
+@pytest.mark.parametrize("value", ["0", "1025", "many", "2.5"])
+def test_a_bad_max_sessions_is_one_error_line(value, capsys):
+    from voicechat.serve.cli import main
+
+    try:
+        code = main(["--demo", "--max-sessions", value])
+    except SystemExit as e:  # (argparse's refusal of what is not a number)
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "max-sessions" in err[-1] and "error" in err[-1]

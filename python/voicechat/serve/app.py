@@ -33,6 +33,7 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # besides the server's own; "*" allows any
     max_sessions: int = 8
     limits: Limits = field(default_factory=Limits)
+    live_frame_ms: float | None = None  # a live frame's p95 measured at start (`--max-sessions auto`)
 
 
 def _offered_subprotocols(ws: WebSocket) -> list[str]:
@@ -89,7 +90,8 @@ def create_app(chat, settings: ServerSettings | None = None, scheduler=None) -> 
     @app.get("/health")
     def health() -> dict:
         return {"status": "ok", "model": settings.model_name, "sessions": app.state.connections,
-                "max_sessions": settings.max_sessions, "uptime_s": round(time.time() - started, 1),
+                "max_sessions": settings.max_sessions, "live_frame_ms": settings.live_frame_ms,
+                "uptime_s": round(time.time() - started, 1),
                 **scheduler.health()}
 
     @app.get("/v1/models")

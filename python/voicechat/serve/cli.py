@@ -29,7 +29,9 @@ def _parser() -> argparse.ArgumentParser:
                         "default: $VOICECHAT_API_KEY, else none)")
     p.add_argument("--allowed-origins", nargs="*", default=[], metavar="ORIGIN",
                    help="browser origins allowed besides the server's own ('*': any)")
-    p.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default: 8)")
+    p.add_argument("--max-sessions", type=_sessions, default="auto", metavar="N|auto",
+                   help="concurrent sessions (default: auto, as many as a live session measured here at start "
+                        "shows to stay in real time; with --ray: 8)")
     p.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="close a session after this long without a client event (default: 120)")
     p.add_argument("--max-ahead-seconds", type=float, default=30.0, metavar="SECONDS",
@@ -45,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     ray.add_argument("--target-sessions", type=int, default=None,
                      help="autoscaling's aim of active sessions per replica (default: 3/4 of --max-sessions)")
     return p
+
+
+def _sessions(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
 def _check_port(host: str, port: int) -> None:
@@ -96,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     from .app import ServerSettings, create_app
     from .connection import Limits
 
-    if not 1 <= args.max_sessions <= 1024 or not 0 < args.port < 65536 or not args.idle_timeout > 0 \
-            or not args.max_ahead_seconds > 0:
+    if args.max_sessions == "auto" and (args.ray or args.ray_address):
+        args.max_sessions = 8  # (each replica's limit is set before the replicas load a model)
+    if args.max_sessions != "auto" and not 1 <= args.max_sessions <= 1024 or not 0 < args.port < 65536 \
+            or not args.idle_timeout > 0 or not args.max_ahead_seconds > 0:
         print("error: --max-sessions must be 1..1024, --port 1..65535, and the timeouts positive", file=sys.stderr)
         return 2
     try:
@@ -112,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                 model = args.model
             name = args.model_name or ("voicechat-demo" if args.demo else os.path.basename(str(model).rstrip("/")))
             settings = ServerSettings(model_name=name, api_key=args.api_key or None,
-                                      allowed_origins=list(args.allowed_origins), max_sessions=args.max_sessions,
+                                      allowed_origins=list(args.allowed_origins),
+                                      max_sessions=8 if args.max_sessions == "auto" else args.max_sessions,
                                       limits=Limits(max_ahead_seconds=args.max_ahead_seconds,
                                                     idle_timeout_seconds=args.idle_timeout))
             if args.ray or args.ray_address:
@@ -121,6 +135,16 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"vc-serve: loading {model}", file=sys.stderr)
             chat = load(model)
+            if args.max_sessions == "auto":
+                from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, measure
+
+                print(f"vc-serve: measuring a live session's frame time here "
+                      f"({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)", file=sys.stderr)
+                capacity = measure(chat)
+                settings.max_sessions = capacity.sessions
+                settings.live_frame_ms = capacity.frame_ms_p95
+                print(f"vc-serve: a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95): "
+                      f"--max-sessions {capacity.sessions}", file=sys.stderr)
             app = create_app(chat, settings)
             print(f"vc-serve: http://{args.host}:{args.port}/  (WebSocket /v1/realtime)", file=sys.stderr)
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=16 << 20,

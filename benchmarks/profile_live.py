@@ -10,7 +10,7 @@ stages do not overlap as they do in a session: their sum is a little more than a
 - `transcript`: the RNNT loop over the chunk's encoder frames, read back;
 - `step`: the LLM and TTS steps of the frame and its ids and codes read back (`FrameLoop`);
 - `codec`: the streamed codec decode of the frame's codes, read back;
-- `frame`: the whole `push`, unsplit, measured on a second session over the same input.
+- `frame`: the whole `push`, unsplit, timed in a session of its own on the same input.
 
 Printed per stage: p50, p95 and max in ms over `--frames` frames after `--warmup` (traces and
 kernel compiles), and the primitives the first measured frame's graph holds (`opcount`: each costs
@@ -67,10 +67,6 @@ def _timed(name: str, times: dict, ops: dict, fn, readback, warmup: int):
         return out
 
     return wrapped
-
-
-def _eval(out):
-    mx.eval(out)
 
 
 def split(chat, samples: np.ndarray, warmup: int) -> tuple[dict, dict]:

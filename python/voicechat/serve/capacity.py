@@ -30,7 +30,7 @@ def sessions_for(frame_ms: float, most: int = 1024) -> int:
     return max(1, min(most, int((FRAME_MS - HEADROOM_MS) // frame_ms) if frame_ms > 0 else most))
 
 
-def measure(chat, most: int = 1024) -> Capacity:
+def measure(chat) -> Capacity:
     """Run a live session of silence on `chat` and return the capacity it shows."""
     chunk = np.zeros(chat.config.input_sample_rate * int(FRAME_MS) // 1000, np.float32)
     times = []
@@ -42,4 +42,4 @@ def measure(chat, most: int = 1024) -> Capacity:
         live.finish(0.0)
     measured = np.array(times[WARMUP_FRAMES:])
     p95 = float(np.percentile(measured, 95))
-    return Capacity(frame_ms_p95=p95, sessions=sessions_for(p95, most))
+    return Capacity(frame_ms_p95=p95, sessions=sessions_for(p95))

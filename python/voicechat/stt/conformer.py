@@ -405,12 +405,11 @@ class PerceptionStream:
     def _encode(self, mel: mx.array, end: bool) -> tuple[mx.array, mx.array]:
         enc = self.perception.encoder
         x = enc.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)
-        if x.shape[1]:
-            x = enc.stream(x, self.caches, self._position_rows(self.caches[0].keys.shape[2] + x.shape[1]))
+        if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
+            return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), x
+        x = enc.stream(x, self.caches, self._position_rows(self.caches[0].keys.shape[2] + x.shape[1]))
         self.frames += x.shape[1]
         encoded = x.astype(mx.float32)
-        if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
-            return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), encoded
         return self.perception.proj(encoded).astype(mx.float32), encoded
 
     def _position_rows(self, length: int) -> tuple[int, mx.array]:

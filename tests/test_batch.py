@@ -126,6 +126,14 @@ def test_a_manifest_that_cannot_run_is_one_error_up_front(problem, lines, messag
     assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.jsonl"]
 
 
+def test_an_audio_file_given_as_inputs_is_one_error(spoken_wav, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(["--batch", str(spoken_wav), "--output-dir", str(out), "-q"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "not a JSONL manifest (not UTF-8 text" in err[0], err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch", "nowhere"], "--batch needs --output-dir"),
     (["--batch", "nowhere", "--output-dir", "."], "no such folder or manifest"),

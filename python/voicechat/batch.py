@@ -84,31 +84,36 @@ def plan(inputs: str, system_prompt: str | None, seed: int, extra: float) -> lis
 def _manifest_jobs(manifest: str, system_prompt: str | None, seed: int, extra: float) -> list[Job]:
     base = Path(manifest).parent
     jobs = []
-    with open(manifest, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{manifest}:{number}"
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            job = Job(where, None, None, system_prompt, seed, extra)
-            jobs.append(job)
-            if not isinstance(entry, dict):
-                job.problem = f"{where}: a manifest line must be a JSON object"
-                continue
-            path = entry.get("path")
-            if not isinstance(path, str) or not path:
-                job.problem = f"{where}: `path` must be a non-empty string"
-                continue
-            job.path = str(base / path)
-            job.input, job.stem = path, Path(path).stem
-            job.system_prompt = entry.get("system_prompt", system_prompt)
-            job.seed = entry.get("seed", seed)
-            job.extra_decoding_seconds = entry.get("extra_decoding_seconds", extra)
-            problem = _bad_fields(entry)
-            job.problem = f"{where}: {problem}" if problem else None
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        raise UsageError(f"--batch {manifest}: not a JSONL manifest (not UTF-8 text; a folder of audio files "
+                         f"or a manifest of their paths goes here)") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{manifest}:{number}"
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        job = Job(where, None, None, system_prompt, seed, extra)
+        jobs.append(job)
+        if not isinstance(entry, dict):
+            job.problem = f"{where}: a manifest line must be a JSON object"
+            continue
+        path = entry.get("path")
+        if not isinstance(path, str) or not path:
+            job.problem = f"{where}: `path` must be a non-empty string"
+            continue
+        job.path = str(base / path)
+        job.input, job.stem = path, Path(path).stem
+        job.system_prompt = entry.get("system_prompt", system_prompt)
+        job.seed = entry.get("seed", seed)
+        job.extra_decoding_seconds = entry.get("extra_decoding_seconds", extra)
+        problem = _bad_fields(entry)
+        job.problem = f"{where}: {problem}" if problem else None
     if not jobs:
         raise UsageError(f"--batch {manifest}: the manifest lists no inputs")
     return jobs

@@ -167,17 +167,23 @@ class RelPositionAttention(nn.Module):
         self.pos_bias_u = mx.zeros((h, d // h))
         self.pos_bias_v = mx.zeros((h, d // h))
 
+    def project_positions(self, pos_emb: mx.array) -> mx.array:
+        """Table rows `[P, d]` -> this layer's position keys `[heads, P, d / heads]`."""
+        d = pos_emb.shape[-1]
+        return self.linear_pos(pos_emb).reshape(pos_emb.shape[0], self.n_heads, d // self.n_heads).transpose(1, 0, 2)
+
     def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0,
-                 cache: "EncoderLayerCache | None" = None) -> mx.array:
+                 cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
         """`pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
-        the context's window): only those rows go through `linear_pos`. With `cache`, `x` continues a
-        stream: its frames attend to the cached keys and values of the frames before them too (the
-        table is then that of the cached + new length), and the cache keeps the last `left`."""
+        the context's window): only those rows go through `linear_pos`, unless `positions` gives
+        them projected (`project_positions`). With `cache`, `x` continues a stream: its frames
+        attend to the cached keys and values of the frames before them too (the table is then that
+        of the cached + new length), and the cache keeps the last `left`."""
         b, length, d = x.shape
         h = self.n_heads
         heads = lambda y: y.reshape(b, length, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = heads(self.linear_q(x)), heads(self.linear_k(x)), heads(self.linear_v(x))
-        p = self.linear_pos(pos_emb).reshape(pos_emb.shape[0], h, d // h).transpose(1, 0, 2)
+        p = self.project_positions(pos_emb) if positions is None else positions
         left, right = self.context
         cached = 0
         if cache is not None:
@@ -194,8 +200,31 @@ class RelPositionAttention(nn.Module):
         return self.linear_out(out.transpose(0, 2, 1, 3).reshape(b, length, d))
 
 
+def _causal_depthwise(padded: mx.array, taps: mx.array) -> mx.array:
+    """Depthwise conv of `padded [B, k - 1 + T, C]` with `taps [C, k, 1]` (no bias): the T frames
+    after the first k - 1, as k shifted multiply-adds (one fused launch under `mx.compile`)."""
+    k = taps.shape[1]
+    t = padded.shape[1] - (k - 1)
+    y = padded[:, 0:t] * taps[:, 0, 0]
+    for j in range(1, k):
+        y = y + padded[:, j : j + t] * taps[:, j, 0]
+    return y
+
+
+_causal_depthwise_compiled = mx.compile(_causal_depthwise)
+
+
+def _pointwise(x: mx.array, conv: nn.Conv1d) -> mx.array:
+    """A kernel-1 Conv1d without bias as the matmul it is ([out, 1, in] weights)."""
+    w = conv.weight
+    return x @ w.reshape(w.shape[0], w.shape[2]).T
+
+
 class ConvModule(nn.Module):
-    """Pointwise -> GLU -> causal depthwise (left pad k - 1) -> LayerNorm ("batch_norm") -> SiLU -> pointwise."""
+    """Pointwise -> GLU -> causal depthwise (left pad k - 1) -> LayerNorm ("batch_norm") -> SiLU -> pointwise.
+
+    The convolutions run as what they are, matmuls and shifted multiply-adds: on a GPU a chunk of
+    one frame then costs two matmuls and one fused kernel instead of three convolution calls."""
 
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
@@ -209,14 +238,14 @@ class ConvModule(nn.Module):
     def __call__(self, x: mx.array, cache: "EncoderLayerCache | None" = None) -> mx.array:
         """With `cache`, the depthwise conv's left context is the cached last `k - 1` inputs (zeros
         at a stream's start, as the whole-signal pass pads) instead of zeros, and is updated."""
-        x = nn.glu(self.pointwise_conv1(x), axis=-1)
+        x = nn.glu(_pointwise(x, self.pointwise_conv1), axis=-1)
         if cache is None:
             x = mx.pad(x, [(0, 0), (self.kernel_size - 1, 0), (0, 0)])
         else:
             x = mx.concatenate([cache.conv, x], axis=1)
             cache.conv = x[:, x.shape[1] - (self.kernel_size - 1) :]
-        x = nn.silu(self.batch_norm(self.depthwise_conv(x)))
-        return self.pointwise_conv2(x)
+        x = nn.silu(self.batch_norm(_causal_depthwise_compiled(x, self.depthwise_conv.weight)))
+        return _pointwise(x, self.pointwise_conv2)
 
 
 class ConformerBlock(nn.Module):
@@ -233,10 +262,10 @@ class ConformerBlock(nn.Module):
         self.feed_forward2 = FeedForward(d, cfg.ff_expansion_factor)
         self.norm_out = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
 
-    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0,
-                 cache: "EncoderLayerCache | None" = None) -> mx.array:
+    def __call__(self, x: mx.array, pos_emb: mx.array | None, pos_first: int = 0,
+                 cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
         x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
-        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first, cache)
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first, cache, positions)
         x = x + self.conv(self.norm_conv(x), cache)
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
@@ -274,10 +303,18 @@ class ConformerEncoder(nn.Module):
         first, count = position_window(length, *self.context)
         return first, relative_positions(length, self.d_model, first, count)
 
+    def stream_positions(self, length: int) -> tuple[int, list[mx.array]]:
+        """`position_rows(length)` through every layer's `linear_pos`: `(first, [positions [heads,
+        P, d / heads] per layer])`, what `stream` takes. They depend on the length only, so a
+        stream keeps them while chunks repeat it."""
+        first, pos_emb = self.position_rows(length)
+        return first, [mx.contiguous(layer.self_attn.project_positions(pos_emb)) for layer in self.layers]
+
     def stream(self, x: mx.array, caches: list["EncoderLayerCache"],
-               rows: tuple[int, mx.array] | None = None) -> mx.array:
+               positions: tuple[int, list[mx.array]] | None = None) -> mx.array:
         """The layers on new subsampled frames `x [1, n, d_model]` of a stream, with `caches`
-        (one per layer, updated). `rows`: `position_rows(cached + n)` where the caller keeps them.
+        (one per layer, updated). `positions`: `stream_positions(cached + n)` where the caller
+        keeps them.
 
         Once the caches hold `left` frames (a full attention context), every chunk of n frames has
         the same shapes: the layers then run as one compiled graph (`mx.compile`, traced once per
@@ -286,20 +323,20 @@ class ConformerEncoder(nn.Module):
         layers run eagerly: each cache length would be a trace of its own (and on a GPU, kernels
         compiled for it)."""
         cached = caches[0].keys.shape[2]
-        first, pos_emb = rows if rows is not None else self.position_rows(cached + x.shape[1])
+        first, projected = positions if positions is not None else self.stream_positions(cached + x.shape[1])
         run = self._stream_compiled if cached == self.context[0] else self._stream_layers
-        x, state = run(x, pos_emb, first, [c.state for c in caches])
+        x, state = run(x, projected, first, [c.state for c in caches])
         for cache, (keys, values, conv) in zip(caches, state):
             cache.keys, cache.values, cache.conv = keys, values, conv
         return x
 
-    def _stream_layers(self, x: mx.array, pos_emb: mx.array, first: int,
+    def _stream_layers(self, x: mx.array, positions: list[mx.array], first: int,
                        state: list[list[mx.array]]) -> tuple[mx.array, list[list[mx.array]]]:
         """`stream` as a function of arrays (what `mx.compile` traces): each layer's cache arrays
         in, the updated ones out. The layers update caches made here, not the caller's."""
         caches = [EncoderLayerCache(*arrays) for arrays in state]
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, pos_emb, first, cache)
+        for layer, cache, projected in zip(self.layers, caches, positions):
+            x = layer(x, None, first, cache, projected)
         return x, [cache.state for cache in caches]
 
 
@@ -386,7 +423,7 @@ class PerceptionStream:
         self.caches = [EncoderLayerCache(mx.zeros((1, heads, 0, d // heads)), mx.zeros((1, heads, 0, d // heads)),
                                          mx.zeros((1, k - 1, d))) for _ in enc.layers]
         self.frames = 0  # encoder frames returned so far
-        self._rows: tuple[int, tuple[int, mx.array]] | None = None  # (length, its position rows)
+        self._rows: tuple[int, tuple[int, list[mx.array]]] | None = None  # (length, its positions)
 
     @property
     def state(self) -> list[mx.array]:
@@ -407,15 +444,15 @@ class PerceptionStream:
         x = enc.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)
         if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
             return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), x
-        x = enc.stream(x, self.caches, self._position_rows(self.caches[0].keys.shape[2] + x.shape[1]))
+        x = enc.stream(x, self.caches, self._positions(self.caches[0].keys.shape[2] + x.shape[1]))
         self.frames += x.shape[1]
         encoded = x.astype(mx.float32)
         return self.perception.proj(encoded).astype(mx.float32), encoded
 
-    def _position_rows(self, length: int) -> tuple[int, mx.array]:
-        """`ConformerEncoder.position_rows(length)`, kept while chunks repeat the length (a full
-        cache, the same frame count): evaluated with the first such chunk, the rows are a leaf of
-        the next chunks' graphs, not ops again."""
+    def _positions(self, length: int) -> tuple[int, list[mx.array]]:
+        """`ConformerEncoder.stream_positions(length)`, kept while chunks repeat the length (a full
+        cache, the same frame count): evaluated with the first such chunk, the 24 layers' position
+        keys are leaves of the next chunks' graphs, not a matmul each again."""
         if self._rows is None or self._rows[0] != length:
-            self._rows = (length, self.perception.encoder.position_rows(length))
+            self._rows = (length, self.perception.encoder.stream_positions(length))
         return self._rows[1]

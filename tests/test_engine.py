@@ -62,15 +62,18 @@ def feed_bad(session, rate):
         session.feed(np.zeros(100, np.float32), sample_rate=rate + 1)
 
 
-def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, path_ticks=None):
+def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, path_ticks=None, together=None):
     """Feed every joined session a piece a tick (then finish), one engine step a tick, until all
     are done. Returns ({plan index: (frames, result)}, the batch sizes seen, the engine's ticks);
-    `alone` (a list) gets, per tick, the plan index of the session that stepped alone (or None)."""
+    `alone` (a list) gets, per tick, the plan index of the session that stepped alone (or None).
+    `together` (a list): the pieces of a tick go in with one `feed_many` (its refusals checked),
+    and it gets the chunks perceived in batches."""
     out, frames, sessions, fed, finished = {}, {}, {}, {}, set()
     batches = []
     with Engine(chat, max_sessions=max_sessions, rows=rows) as engine:
         tick = 0
         while len(finished) < len(plans):
+            pieces = []
             for i, p in enumerate(plans):
                 if p.join == tick:
                     sessions[i] = engine.live(system_prompt=p.system_prompt, seed=p.seed)
@@ -84,13 +87,23 @@ def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, pat
                     continue
                 samples, rate = inputs[p.name]
                 if p.bad_inputs and fed[i] == 2 * p.piece:
-                    feed_bad(live, rate)
+                    if together is None:
+                        feed_bad(live, rate)
+                    else:
+                        pieces.append((live, np.full(5, np.nan, np.float32), rate))
                 if fed[i] < len(samples):
-                    live.feed(samples[fed[i] : fed[i] + p.piece], sample_rate=rate)
+                    if together is None:
+                        live.feed(samples[fed[i] : fed[i] + p.piece], sample_rate=rate)
+                    else:
+                        pieces.append((live, samples[fed[i] : fed[i] + p.piece], rate))
                     fed[i] += p.piece
                 elif not live.ended and live.queued == 0 and fed[i] != -1:
                     live.feed_end(EXTRA)
                     fed[i] = -1
+            if pieces:
+                refused = engine.feed_many(pieces)
+                bad = [s for s, chunk, _ in pieces if chunk.dtype == np.float32 and np.isnan(chunk).any()]
+                assert set(refused) == set(bad) and all("NaN" in str(e) for e in refused.values())
             stepping_alone = engine.alone
             batches.append(engine.step())
             if alone is not None:
@@ -105,6 +118,8 @@ def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, pat
                     finished.add(i)
             tick += 1
         ticks = engine.ticks
+        if together is not None:
+            together.append(engine.perceived_together)
         if path_ticks is not None:
             path_ticks.update(engine.path_ticks)
     return out, batches, ticks
@@ -143,6 +158,30 @@ def test_sessions_stepped_in_turn_equal_their_generate(tiny_checkpoint, inputs):
         out, batches, ticks = run_schedule(chat, inputs, SCHEDULE, rows=False, path_ticks=paths)
     assert max(batches) >= 4 and ticks < sum(r.frames for _, r in out.values())
     assert paths["rows"] == 0 and paths["alone"] >= sum(r.frames for _, r in out.values())
+    assert set(out) == set(expected)
+    for i, (frames, result) in out.items():
+        check_equal(frames, result, expected[i])
+
+
+@pytest.mark.parametrize("rows", [None, False])
+def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, rows):
+    """`feed_many` (a server's round): the chunks of a tick go through perception as one batch
+    wherever the streamed encoders' caches are full. Sessions long enough to fill them, joining
+    at different ticks, one with half-frame pieces, one with a bad chunk in the same call: each
+    session still gets its generate's ids, codes, transcript and audio."""
+    speech, _ = inputs["speech16k"]
+    noise, _ = inputs["noise"]
+    speech = speech.astype(np.float32) / 32768
+    long_inputs = {"long": (np.concatenate([speech, noise, speech, noise, speech]), 16000),  # ~9 s: past the
+                   "long2": (np.concatenate([noise, speech[::-1], noise, speech, noise]), 16000),  # 70-frame cache
+                   **inputs}
+    plans = [Plan("long", None, 0, join=0, piece=1280), Plan("long2", PROMPT, 4, join=2, piece=1280),
+             Plan("long", PROMPT, 9, join=5, piece=640, bad_inputs=True), Plan("short", None, 1, join=30, piece=2000)]
+    with voicechat.load(tiny_checkpoint) as chat:
+        expected = generate_all(chat, long_inputs, plans)
+        together = []
+        out, batches, _ = run_schedule(chat, long_inputs, plans, rows=rows, together=together)
+    assert together[0] >= 20 and max(batches) >= 3
     assert set(out) == set(expected)
     for i, (frames, result) in out.items():
         check_equal(frames, result, expected[i])

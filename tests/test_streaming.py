@@ -14,7 +14,7 @@ from voicechat.codec.stft import StreamingISTFT, _envelope, envelope_at, istft
 from voicechat.config import PreprocessorConfig
 from voicechat.kernels.rnnt_greedy import initial_state, rnnt_greedy, rnnt_greedy_reference
 from voicechat.llm.opcount import by_kind, kernel_count, op_labels
-from voicechat.stt.conformer import PerceptionStream
+from voicechat.stt.conformer import PerceptionStream, push_streams
 from voicechat.stt.mel import StreamingLogMel, log_mel
 from voicechat.stt.rnnt import TranscriptStream, greedy_table
 from voicechat.synthetic import build_tokenizer
@@ -126,6 +126,36 @@ def test_perception_stream_runs_a_full_cache_as_one_compiled_graph(chat, long_in
     out.append(np.array(stream.finish()[1]))
     assert set(ops) == {False, True} and ops[True] < 0.7 * ops[False], ops
     np.testing.assert_array_equal(np.concatenate(out, axis=1), np.array(encoded))
+
+
+def test_perception_streams_pushed_together_equal_each_pushed_alone(chat, long_input):
+    """Four streams at different points of the input (caches filling and full), three in 80 ms
+    chunks and one in 40 ms chunks, pushed together: every stream's frames and caches are those it
+    makes alone, bit for bit, and the full ones with equal frame counts ran as one batch."""
+    perception = chat.listening.perception
+    starts, sizes = [0, 30 * 1280, 75 * 1280, 80 * 1280], [1280, 1280, 1280, 640]
+    together = [PerceptionStream(perception) for _ in starts]
+    alone = [PerceptionStream(perception) for _ in starts]
+    for stream_pair, start in zip(zip(together, alone), starts):  # the caches of the later ones filled first
+        for stream in stream_pair:
+            for at in range(0, start, 1280):
+                mx.eval(stream.push(long_input[at : at + 1280]), stream.state)
+    batched = []
+    for tick in range(40):
+        chunks = [long_input[a + tick * n :][:n] for a, n in zip(starts, sizes)]
+        got, ran_together = push_streams(together, chunks)
+        mx.eval(got, [s.state for s in together])
+        for stream, chunk, (projected, encoded) in zip(alone, chunks, got):
+            want = stream.push(chunk)
+            mx.eval(want, stream.state)
+            np.testing.assert_array_equal(np.array(projected), np.array(want[0]))
+            np.testing.assert_array_equal(np.array(encoded), np.array(want[1]))
+        batched.append(ran_together)
+        for a, b in zip(together, alone):
+            assert a.frames == b.frames
+            for x, y in zip(a.state, b.state):
+                np.testing.assert_array_equal(np.array(x), np.array(y))
+    assert max(batched) >= 2  # (a batch of full streams ran)
 
 
 # --------------------------------------------------------------------------- RNNT

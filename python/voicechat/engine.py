@@ -16,7 +16,10 @@ states, attention keys at per-session positions, both heads' argmax per row), th
 two rows per session (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and
 generator key), then the codec on every session's frame as one batch (`codec.push_streams`: each
 session's streamed-decoder caches stacked, then taken back), then each session's text. Perception
-and the transcript run per session as its input arrives (`feed`), as in a `LiveSession`.
+and the transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with
+`feed_many` (a server's round: a chunk for each of several sessions) the streamed encoders whose
+caches are full run their layers as one batch (`stt.conformer.push_streams`), then each session's
+transcript.
 
 A session open on its own steps alone (`Engine.alone`): its tick is `chat.live`'s frame, the
 single-session step (`FrameLoop.step`: `DuplexLM.decode`, `EarTTS.step`, with every CUDA kernel
@@ -68,6 +71,7 @@ from .kernels.gemv import on_cuda_gpu
 from .live import ContextFull, Frame, LiveSession
 from .llm.rows import LMRows
 from .session import InputError, _checked_seed
+from .stt.conformer import push_streams as push_perception
 from .tts.backbone import DEFAULT_CHUNK
 from .tts.rows import TTSRows
 
@@ -127,6 +131,7 @@ class Engine:
         # single-session kernels) or "rows" (the batched steps); a tick in turn counts each session.
         self.path_ticks = {"alone": 0, "rows": 0}
         self.last_tick: TickTimes | None = None  # when the last tick's parts were done (perf_counter)
+        self.perceived_together = 0  # chunks whose encoder layers ran in a batch of two or more (feed_many)
 
     # ------------------------------------------------------------------ sessions
 
@@ -265,6 +270,31 @@ class Engine:
         session._deliver(text_id, function_id, codes, None)
         return time.perf_counter()
 
+    def feed_many(self, chunks: list[tuple["EngineSession", object, int]]) -> dict["EngineSession", InputError]:
+        """`session.feed(chunk, sample_rate)` for every `(session, chunk, sample_rate)` (one chunk a
+        session), with their perception as one batch (`stt.conformer.push_streams`: the streamed
+        encoders whose caches are full run their layers together, one compiled graph for all).
+        Returns the sessions whose chunk was refused, with the error (each of them unchanged);
+        the others' frames are queued for `step`."""
+        with self._lock:
+            refused: dict[EngineSession, InputError] = {}
+            accepted: list[tuple[EngineSession, np.ndarray]] = []
+            for session, chunk, sample_rate in chunks:
+                try:
+                    accepted.append((session, session._accept(chunk, sample_rate)))
+                except InputError as e:
+                    refused[session] = e
+            if not accepted:
+                return refused
+            for session, samples in accepted:
+                session._count_input(samples)
+            with mx.stream(self.chat._timeline_stream):
+                perceived, together = push_perception([s.perception for s, _ in accepted], [x for _, x in accepted])
+            self.perceived_together += together
+            for (session, _), (projected, encoded) in zip(accepted, perceived):
+                session._queue_frames(projected, encoded)
+            return refused
+
     def run(self) -> None:
         """Step until no session has input queued."""
         while self.step():
@@ -398,6 +428,12 @@ class EngineSession(LiveSession):
         """16 kHz samples through perception and the transcript; the frames they complete queued."""
         with mx.stream(self.chat._timeline_stream):
             projected, encoded = self._perceive(samples, end, count_input)
+        self._queue_frames(projected, encoded, end)
+        return []
+
+    def _queue_frames(self, projected: mx.array, encoded: mx.array, end: bool = False) -> None:
+        """A chunk's perceived frames through the transcript, queued for the ticks."""
+        with mx.stream(self.chat._timeline_stream):
             count = projected.shape[1]
             if count:
                 table = self.transcript.push(encoded)
@@ -416,7 +452,6 @@ class EngineSession(LiveSession):
                 self._queue[-1][2] = True
             else:
                 self._end()
-        return []
 
     def _deliver(self, text_id: int, function_id: int, codes: np.ndarray, audio: np.ndarray | None) -> None:
         """This session's frame of a tick (its samples decoded in the tick's codec batch, or here

@@ -197,11 +197,7 @@ class LiveSession:
         int32 / uint8 PCM) and return the frames it completed (0 or more). Bad input raises
         `InputError` and changes nothing."""
         with self._lock:
-            self._check_open()
-            samples = self._samples(chunk, sample_rate)
-            if self._resampler is not None:
-                samples = self._resampler.resample_chunk(samples, last=False).astype(np.float32, copy=False)
-            return self._take(samples, end=False)
+            return self._take(self._accept(chunk, sample_rate), end=False)
 
     def finish(self, extra_decoding_seconds: float = EXTRA_DECODING_SECONDS) -> list[Frame]:
         """End the input: `extra_decoding_seconds` of silence go in (as in `generate`), and the last
@@ -278,6 +274,14 @@ class LiveSession:
         if self._ended or self._closed:
             raise InputError("the session has ended (finish() or close() was called); open a new one with chat.live()")
 
+    def _accept(self, chunk, sample_rate) -> np.ndarray:
+        """A pushed chunk as the 16 kHz samples that go on (InputError; nothing changed)."""
+        self._check_open()
+        samples = self._samples(chunk, sample_rate)
+        if self._resampler is not None:
+            samples = self._resampler.resample_chunk(samples, last=False).astype(np.float32, copy=False)
+        return samples
+
     def _samples(self, chunk, sample_rate) -> np.ndarray:
         """The chunk as mono float32 at its own rate, checked (InputError; nothing changed)."""
         if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float, np.integer, np.floating)) \
@@ -316,15 +320,18 @@ class LiveSession:
         """16 kHz samples (counted, and kept if asked) through perception: the projected audio
         channel and the encoder frames they complete (lazy; on the timeline's stream)."""
         if count_input:
-            self.input_samples += samples.size
-            if self.keep_input_audio and samples.size:
-                self._input.append(samples.copy())
+            self._count_input(samples)
         projected, encoded = self.perception.push(samples)
         if end:
             last_projected, last_encoded = self.perception.finish()
             projected = mx.concatenate([projected, last_projected], axis=1)
             encoded = mx.concatenate([encoded, last_encoded], axis=1)
         return projected, encoded
+
+    def _count_input(self, samples: np.ndarray) -> None:
+        self.input_samples += samples.size
+        if self.keep_input_audio and samples.size:
+            self._input.append(samples.copy())
 
     def _take(self, samples: np.ndarray, end: bool, count_input: bool = True) -> list[Frame]:
         """16 kHz samples in; the frames they complete out (`end`: the input's end)."""

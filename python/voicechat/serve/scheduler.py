@@ -2,7 +2,8 @@
 
 MLX's streams are used by one thread at a time, so every session's input, step and close runs on
 this thread, through one `voicechat.engine.Engine`. Audio is queued in pieces of one 80 ms frame:
-each round feeds one piece from each session that has work, then one engine tick steps every
+each round feeds one piece from each session that has work (`Engine.feed_many`: their perception
+as one batch), then one engine tick steps every
 session with a complete frame together (one batched frame), then each session's frames go out. A
 client that sends a minute of audio at once is stepped a frame a round like the others.
 """
@@ -137,8 +138,14 @@ class FrameScheduler:
             round_ = self._next_round()
             if round_ is None:
                 return
+            pushes = []
             for handle, work in round_:
-                self._do(handle, work)
+                if work.kind == "push" and handle.live is not None and not handle.closed:
+                    pushes.append((handle, work))  # perceived together below
+                else:
+                    self._do(handle, work)
+            if pushes:
+                self._feed(pushes)
             try:
                 stepped = self.engine.step()
             except Exception as e:  # a bug: every stepping session ends, the server goes on
@@ -183,6 +190,25 @@ class FrameScheduler:
             traceback.print_exc()
             handle.on_error(e, True)
             self._end_live(handle)
+
+    def _feed(self, pushes: list[tuple[SessionHandle, Work]]) -> None:
+        """The round's chunks of open sessions, their perception as one batch (`Engine.feed_many`);
+        a refused chunk is its session's error, as in `_do`."""
+        try:
+            refused = self.engine.feed_many([(h.live, w.samples, w.sample_rate) for h, w in pushes])
+        except Exception as e:  # a bug: these sessions end, the others go on
+            traceback.print_exc()
+            for handle, _ in pushes:
+                handle.on_error(e, True)
+                self._end_live(handle)
+            return
+        for handle, _ in pushes:
+            error = refused.get(handle.live)
+            if error is not None:
+                fatal = isinstance(error, ContextFull)
+                handle.on_error(error, fatal)
+                if fatal:
+                    self._end_live(handle)
 
     def _hand_out(self, handle: SessionHandle) -> None:
         """The session's frames of this round to its client; its end once finish's frames are out."""

@@ -439,12 +439,22 @@ class PerceptionStream:
         """The last encoder frames (the input has ended): `subsampled_length(1 + samples // 160)` in all."""
         return self._encode(self.mel.finish(), end=True)
 
+    @property
+    def full(self) -> bool:
+        """The attention caches hold a whole left context (every chunk of n frames has one shape)."""
+        return self.caches[0].keys.shape[2] == self.perception.encoder.context[0]
+
+    def _subsampled(self, mel: mx.array, end: bool) -> mx.array:
+        return self.perception.encoder.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)
+
     def _encode(self, mel: mx.array, end: bool) -> tuple[mx.array, mx.array]:
-        enc = self.perception.encoder
-        x = enc.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)
+        return self._layers(self._subsampled(mel, end))
+
+    def _layers(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Subsampled frames `x [1, n, d_model]` through the layers (caches updated) and the projection."""
         if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
             return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), x
-        x = enc.stream(x, self.caches, self._positions(self.caches[0].keys.shape[2] + x.shape[1]))
+        x = self.perception.encoder.stream(x, self.caches, self._positions(self.caches[0].keys.shape[2] + x.shape[1]))
         self.frames += x.shape[1]
         encoded = x.astype(mx.float32)
         return self.perception.proj(encoded).astype(mx.float32), encoded
@@ -456,3 +466,40 @@ class PerceptionStream:
         if self._rows is None or self._rows[0] != length:
             self._rows = (length, self.perception.encoder.stream_positions(length))
         return self._rows[1]
+
+
+def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> tuple[list[tuple[mx.array, mx.array]], int]:
+    """`streams[i].push(chunks[i])` for every stream (all of one `Perception`), with the layers and
+    the projection of the streams whose caches are `full` and whose chunks complete the same number
+    of frames run as one batch: their caches stacked, one compiled graph for all of them (the
+    launches of one stream's chunk), each stream's rows and caches then taken back. Row by row it
+    is each stream's own arithmetic (on a CPU, bit for bit: tested). Returns the outputs and how
+    many streams ran in a batch of two or more."""
+    xs = [stream._subsampled(stream.mel.push(chunk), False) for stream, chunk in zip(streams, chunks)]
+    out: list[tuple[mx.array, mx.array] | None] = [None] * len(streams)
+    groups: dict[int, list[int]] = {}
+    for i, (stream, x) in enumerate(zip(streams, xs)):
+        if x.shape[1] and stream.full:
+            groups.setdefault(x.shape[1], []).append(i)
+        else:
+            out[i] = stream._layers(x)
+    together = 0
+    for count, members in groups.items():
+        if len(members) == 1:
+            out[members[0]] = streams[members[0]]._layers(xs[members[0]])
+            continue
+        together += len(members)
+        first = streams[members[0]]
+        caches = [EncoderLayerCache(*(mx.concatenate([streams[i].caches[layer].state[j] for i in members])
+                                      for j in range(3))) for layer in range(len(first.caches))]
+        x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in members]), caches,
+                                            first._positions(first.caches[0].keys.shape[2] + count))
+        encoded = x.astype(mx.float32)
+        projected = first.perception.proj(encoded).astype(mx.float32)
+        for row, i in enumerate(members):
+            stream = streams[i]
+            for own, batched in zip(stream.caches, caches):
+                own.keys, own.values, own.conv = (a[row : row + 1] for a in batched.state)
+            stream.frames += count
+            out[i] = (projected[row : row + 1], encoded[row : row + 1])
+    return out, together

@@ -320,6 +320,22 @@ class Engine:
         self.close()
 
 
+class _TranscriptRows:
+    """A chunk's transcript table `[frames, max_symbols]`: queued on its CPU stream at once, read
+    back at its first frame's delivery, so that the transcript loops of a round's chunks run while
+    the ticks use the GPU instead of before them."""
+
+    def __init__(self, table: mx.array):
+        self._table: mx.array | None = table
+        self._rows: np.ndarray | None = None
+        mx.async_eval(table)
+
+    def row(self, i: int) -> np.ndarray:
+        if self._rows is None:
+            self._rows, self._table = np.array(self._table), None
+        return self._rows[i]
+
+
 class EngineSession(LiveSession):
     """A `LiveSession` stepped by an `Engine`: `push`, `finish`, `result`, `close` as there (`push`
     and `finish` step the engine until this session's input is used up, stepping the others'
@@ -333,7 +349,7 @@ class EngineSession(LiveSession):
         super().__init__(engine.chat, object(), system_prompt, seed, keep_audio, keep_input_audio, tts_thread=False)
         self._lock = engine._lock
         self.engine, self.slot = engine, slot
-        self._queue: collections.deque = collections.deque()  # [audio frame [1, 1, H], transcript row, last]
+        self._queue: collections.deque = collections.deque()  # [audio frame [1, 1, H], (transcript, row), last]
         self._outbox: list[Frame] = []
         self._overflow = False  # input arrived past the context: ContextFull once its frames are out
 
@@ -436,12 +452,11 @@ class EngineSession(LiveSession):
         with mx.stream(self.chat._timeline_stream):
             count = projected.shape[1]
             if count:
-                table = self.transcript.push(encoded)
+                table = _TranscriptRows(self.transcript.push(encoded))
                 mx.eval(projected, self.perception.state)
-                emitted = np.array(table)
                 room = self.limit - self.prompt_frames - self.frames - len(self._queue)
                 for i in range(min(count, room)):
-                    self._queue.append([projected[:, i : i + 1], emitted[i], False])
+                    self._queue.append([projected[:, i : i + 1], (table, i), False])
                 mx.eval([entry[0] for entry in self._queue])
                 if count > room:
                     self._overflow = True
@@ -456,8 +471,8 @@ class EngineSession(LiveSession):
     def _deliver(self, text_id: int, function_id: int, codes: np.ndarray, audio: np.ndarray | None) -> None:
         """This session's frame of a tick (its samples decoded in the tick's codec batch, or here
         when `audio` is None): kept, handed to `collect`."""
-        _, transcript_row, last = self._queue.popleft()
-        frame = self._emit(text_id, function_id, np.array(codes, np.int32).reshape(-1), transcript_row, audio)
+        _, (table, row), last = self._queue.popleft()
+        frame = self._emit(text_id, function_id, np.array(codes, np.int32).reshape(-1), table.row(row), audio)
         self._outbox.append(frame)
         if last:
             self._end(frame)

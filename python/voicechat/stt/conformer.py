@@ -172,7 +172,7 @@ class RelPositionAttention(nn.Module):
         d = pos_emb.shape[-1]
         return self.linear_pos(pos_emb).reshape(pos_emb.shape[0], self.n_heads, d // self.n_heads).transpose(1, 0, 2)
 
-    def __call__(self, x: mx.array, pos_emb: mx.array, pos_first: int = 0,
+    def __call__(self, x: mx.array, pos_emb: mx.array | None, pos_first: int = 0,
                  cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
         """`pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
         the context's window): only those rows go through `linear_pos`, unless `positions` gives

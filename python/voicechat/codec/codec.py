@@ -33,8 +33,10 @@ the next frame or at `finish()`: the stream lags the whole decode by 6 samples (
 Weights are loaded strictly below `tts_model.audio_codec.`; the loader converts the published
 torch layouts (Conv1d [out, in, k], ConvTranspose1d [in, out, k]) by module type. They stay in the
 checkpoint's dtype (bf16 published): the codec computes in float32 and casts each weight as it
-uses it (exact), so a float32 copy of its ~165M parameters is never held (0.33 GB at full size);
-the casts cost a pass over the weights per decode window.
+uses it (exact), so `generate` holds no float32 copy of its ~165M parameters (0.33 GB at full
+size); the casts cost a pass over the weights per decode window. A live session decodes every
+80 ms, where that pass would cost more than the frame: the first one makes the decoder's and the
+quantizer's weights float32 for good (`VoiceChat._stream_in_float32`).
 """
 
 from __future__ import annotations
@@ -340,8 +342,9 @@ class AudioCodec(nn.Module):
     """The codec network: `encoder`, `decoder`, `prvq` under `tts_model.audio_codec.`.
 
     Computes in float32 throughout (the checkpoint stores bf16; each weight is cast where it is
-    used, unless a live session made the decoder's float32: `VoiceChat._stream_in_float32`). A bf16 network is not offered: its decoder phases (tens of radians) lose ~0.25 rad, a
-    14 % RMS waveform error on random weights.
+    used, unless a live session made the decoder's float32: `VoiceChat._stream_in_float32`). A
+    bf16 network is not offered: its decoder phases (tens of radians) lose ~0.25 rad, a 14 % RMS
+    waveform error on random weights.
     """
 
     def __init__(self, cfg: CodecConfig):

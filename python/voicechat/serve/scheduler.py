@@ -152,8 +152,7 @@ class FrameScheduler:
                 traceback.print_exc()
                 for handle in list(self.sessions):
                     if handle.live is not None:
-                        handle.on_error(e, True)
-                        self._end_live(handle)
+                        self._fail(handle, e)
                 continue
             if stepped:
                 for handle in list(self.sessions):
@@ -180,16 +179,12 @@ class FrameScheduler:
                 if handle.live.ended:  # (no frame was left to make)
                     self._hand_out(handle)
         except InputError as e:
-            fatal = isinstance(e, ContextFull)
-            handle.on_error(e, fatal)
-            if fatal:
-                self._end_live(handle)
+            self._refuse(handle, e)
         except EngineFull as e:  # (more conversations at once than the engine holds)
             handle.on_error(e, True)
         except Exception as e:  # a bug: this session ends, the others go on
             traceback.print_exc()
-            handle.on_error(e, True)
-            self._end_live(handle)
+            self._fail(handle, e)
 
     def _feed(self, pushes: list[tuple[SessionHandle, Work]]) -> None:
         """The round's chunks of open sessions, their perception as one batch (`Engine.feed_many`);
@@ -199,16 +194,24 @@ class FrameScheduler:
         except Exception as e:  # a bug: these sessions end, the others go on
             traceback.print_exc()
             for handle, _ in pushes:
-                handle.on_error(e, True)
-                self._end_live(handle)
+                self._fail(handle, e)
             return
         for handle, _ in pushes:
             error = refused.get(handle.live)
             if error is not None:
-                fatal = isinstance(error, ContextFull)
-                handle.on_error(error, fatal)
-                if fatal:
-                    self._end_live(handle)
+                self._refuse(handle, error)
+
+    def _refuse(self, handle: SessionHandle, error: InputError) -> None:
+        """A bad client event is its session's error; a full context also ends the session."""
+        fatal = isinstance(error, ContextFull)
+        handle.on_error(error, fatal)
+        if fatal:
+            self._end_live(handle)
+
+    def _fail(self, handle: SessionHandle, error: Exception) -> None:
+        """A bug met on this session's work: the session ends (the others go on)."""
+        handle.on_error(error, True)
+        self._end_live(handle)
 
     def _hand_out(self, handle: SessionHandle) -> None:
         """The session's frames of this round to its client; its end once finish's frames are out."""

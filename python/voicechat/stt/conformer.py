@@ -303,6 +303,11 @@ class ConformerEncoder(nn.Module):
         first, count = position_window(length, *self.context)
         return first, relative_positions(length, self.d_model, first, count)
 
+    def full(self, caches: list["EncoderLayerCache"]) -> bool:
+        """The stream's attention caches hold a whole left context: every chunk of n frames then
+        has one shape."""
+        return caches[0].keys.shape[2] == self.context[0]
+
     def stream_positions(self, length: int) -> tuple[int, list[mx.array]]:
         """`position_rows(length)` through every layer's `linear_pos`: `(first, [positions [heads,
         P, d / heads] per layer])`, what `stream` takes. They depend on the length only, so a
@@ -324,7 +329,7 @@ class ConformerEncoder(nn.Module):
         compiled for it)."""
         cached = caches[0].keys.shape[2]
         first, projected = positions if positions is not None else self.stream_positions(cached + x.shape[1])
-        run = self._stream_compiled if cached == self.context[0] else self._stream_layers
+        run = self._stream_compiled if self.full(caches) else self._stream_layers
         x, state = run(x, projected, first, [c.state for c in caches])
         for cache, (keys, values, conv) in zip(caches, state):
             cache.keys, cache.values, cache.conv = keys, values, conv
@@ -441,8 +446,7 @@ class PerceptionStream:
 
     @property
     def full(self) -> bool:
-        """The attention caches hold a whole left context (every chunk of n frames has one shape)."""
-        return self.caches[0].keys.shape[2] == self.perception.encoder.context[0]
+        return self.perception.encoder.full(self.caches)
 
     def _subsampled(self, mel: mx.array, end: bool) -> mx.array:
         return self.perception.encoder.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)

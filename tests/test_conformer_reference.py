@@ -29,10 +29,13 @@ AUDIO = {
 MEL_FRAMES = 632  # -> 317 -> 159 -> 80 encoder frames
 
 
-@pytest.fixture(scope="module")
-def perception() -> Perception:
+@pytest.fixture(scope="module", params=["separate", "stacked"])
+def perception(request) -> Perception:
+    """The encoder with its attention's q, k and v as three layers, or stacked into one (as loaded)."""
     model = Perception(AudioConfig.from_dict(AUDIO))
     randomize(model, seed=3)
+    if request.param == "stacked":
+        model.encoder.stack()
     mx.eval(model.parameters())
     return model
 

@@ -43,6 +43,24 @@ def test_kernel_equals_reference(dtype, length, context, method):
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("method", ["fused", "composed"])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_the_last_frames_queries_give_those_rows_of_all(dtype, method, queries):
+    """q of only the last n frames (a stream's new frames after its cached ones) gives the last n
+    rows of the output for all L frames' queries, bit for bit."""
+    length, context = 75, (70, 0)
+    q, k, v, p, u, b = _case(2, 3, length, 20, dtype, seed=queries)
+    first, count = position_window(length, *context)
+    p = p[:, first : first + count]
+    every = rel_pos_attention(q, k, v, p, u, b, 0.3, *context, first, method=method)
+    last = rel_pos_attention(q[:, :, -queries:], k, v, p, u, b, 0.3, *context, first, method=method)
+    assert last.shape == (2, 3, queries, 20)
+    np.testing.assert_array_equal(np.array(last.astype(mx.float32)), np.array(every[:, :, -queries:].astype(mx.float32)))
+    ref = rel_pos_attention_reference(q[:, :, -queries:], k, v, p, u, b, 0.3, *context, first)
+    _close(last, ref, dtype)
+
+
 def test_full_head_width_and_strided_inputs():
     """Perception hands in transposed views of [B, L, H, D] and [2L-1, H, D]: no copy needed, same result."""
     length, heads, dim = 90, 8, 128

@@ -3,7 +3,9 @@
 //   scores[i, j] = (q_i + u) . k_j * s + (q_i + v_bias) . p[L - 1 - i + j] * s   for j in ctx(i)
 //   out_i        = softmax_j(scores[i, :]) @ v
 //
-// q, k, v [B, H, L, D]; p [H, P, D]: rows [pos_first, pos_first + P) of the projected table of
+// k, v [B, H, L, D]; q [B, H, n, D] the queries of the last n <= L frames (row r is frame L - n + r: a
+// stream's new frames attend to its cached ones without queries for those); p [H, P, D]: rows
+// [pos_first, pos_first + P) of the projected table of
 // relative positions L-1 .. -(L-1) (all 2L - 1 of them by default; the rows the context window
 // uses are enough, see position_window in kernels/rel_pos_attention.py); u, v_bias [H, D]. ctx(i): chunks of `right + 1` frames, frame i sees the frames of its own chunk
 // and of the `left / (right + 1)` chunks before it (left < 0: all of them). NeMo's rel_shift (pad,
@@ -61,13 +63,14 @@ mx::array context_mask(int length, int left, int right, mx::Stream s) {
 mx::array rel_pos_attention_composed(const mx::array& q_in, const mx::array& k, const mx::array& v,
                                      const mx::array& p_in, const mx::array& u, const mx::array& vb, float scale,
                                      int left, int right, int pos_first, mx::Stream s) {
-  const int batch = q_in.shape(0), heads = q_in.shape(1), length = q_in.shape(2);
+  const int batch = q_in.shape(0), heads = q_in.shape(1), length = k.shape(2), queries = q_in.shape(2);
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, s); };
   // The whole table: rows outside the given window only ever meet masked scores, so zeros do.
   const int rows = p_in.shape(-2);
   const std::vector<std::pair<int, int>> widths = {{0, 0}, {pos_first, 2 * length - 1 - pos_first - rows}, {0, 0}};
   auto p = mx::pad(f32(p_in), widths, mx::array(0.0f), "constant", s);
-  auto q = f32(q_in);
+  // Zero queries stand for the frames before the given ones; their rows are dropped at the end.
+  auto q = mx::pad(f32(q_in), {{0, 0}, {0, 0}, {length - queries, 0}, {0, 0}}, mx::array(0.0f), "constant", s);
   auto qu = mx::add(q, mx::expand_dims(f32(u), 1, s), s);
   auto qv = mx::add(q, mx::expand_dims(f32(vb), 1, s), s);
   auto ac = mx::matmul(qu, mx::swapaxes(f32(k), -1, -2, s), s);               // [B, H, L, L]
@@ -80,6 +83,7 @@ mx::array rel_pos_attention_composed(const mx::array& q_in, const mx::array& k, 
   auto scores = mx::add(mx::multiply(ac, sc, s), mx::multiply(bd, sc, s), s);
   scores = mx::where(context_mask(length, left, right, s), scores, mx::array(-1e30f, mx::float32), s);
   auto out = mx::matmul(mx::softmax(scores, std::vector<int>{-1}, false, s), f32(v), s);
+  if (queries < length) out = mx::slice(out, {0, 0, length - queries, 0}, {batch, heads, length, q_in.shape(3)}, s);
   return mx::astype(out, q_in.dtype(), s);
 }
 
@@ -125,18 +129,19 @@ class RelPosAttention : public mx::UnaryPrimitive {
     auto& enc = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) enc.set_input_array(a);
     enc.set_output_array(out);
-    const int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+    const int batch = q.shape(0), heads = q.shape(1), queries = q.shape(2), dim = q.shape(3);
+    const int length = inputs[1].shape(2), q_first = length - queries;
     const auto& us = inputs[4].strides();
     const auto& vs = inputs[5].strides();
     enc.dispatch([q = view_of(inputs[0]), k = view_of(inputs[1]), v = view_of(inputs[2]),
                   p = view_of(inputs[3]), u = inputs[4].data<float>(), vb = inputs[5].data<float>(),
                   u0 = us[0], u1 = us[1], v0 = vs[0], v1 = vs[1], o = out.data<float>(), batch, heads, length,
-                  dim, scale = scale_, left = left_, right = right_, first = pos_first_]() {
+                  dim, queries, q_first, scale = scale_, left = left_, right = right_, first = pos_first_]() {
       std::vector<float> qu(dim), qv(dim), acc(dim), scores(length);
       for (int b = 0; b < batch; ++b) {
         for (int h = 0; h < heads; ++h) {
-          for (int i = 0; i < length; ++i) {
-            const float* qi = q.row(b, h, i);
+          for (int i = q_first; i < length; ++i) {
+            const float* qi = q.row(b, h, i - q_first);
             for (int d = 0; d < dim; ++d) {
               const float x = qi[d * q.s3];
               qu[d] = x + u[h * u0 + d * u1];
@@ -159,7 +164,7 @@ class RelPosAttention : public mx::UnaryPrimitive {
               const float* vj = v.row(b, h, j);
               for (int d = 0; d < dim; ++d) acc[d] += e * vj[d * v.s3];
             }
-            float* oi = o + ((static_cast<int64_t>(b) * heads + h) * length + i) * dim;
+            float* oi = o + ((static_cast<int64_t>(b) * heads + h) * queries + i - q_first) * dim;
             const float inv = 1.0f / total;
             for (int d = 0; d < dim; ++d) oi[d] = acc[d] * inv;
           }
@@ -214,15 +219,18 @@ mx::array rel_pos_attention_cuda(const mx::array& q, const mx::array& k, const m
     const auto& src = cuda_source();
     return make_cuda_kernel(src);
   }();
-  const int batch = q.shape(0), heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+  const int batch = q.shape(0), heads = q.shape(1), queries = q.shape(2), dim = q.shape(3), length = k.shape(2);
   auto dtype = q.dtype() == mx::bfloat16 ? mx::bfloat16 : mx::float32;
-  auto as = [&](const mx::array& a, mx::Dtype t) { return mx::contiguous(mx::astype(a, t, s), false, s); };
-  auto dims = mx::array({length, heads, left, right, pos_first, static_cast<int>(p.shape(1))}, mx::int32);
+  // No mx::contiguous: the launch copies an input that is not row-contiguous itself, at eval and only
+  // then, while a Contiguous node costs the encoder's graph a node per input.
+  auto as = [&](const mx::array& a, mx::Dtype t) { return mx::astype(a, t, s); };
+  auto dims = mx::array({length, heads, left, right, pos_first, static_cast<int>(p.shape(1)), length - queries},
+                        mx::int32);
   auto sc = mx::array({scale}, mx::float32);
   auto out = kernel({as(q, dtype), as(k, dtype), as(v, dtype), as(p, dtype), as(u, mx::float32),
                      as(vb, mx::float32), dims, sc},
-                    {{batch, heads, length, dim}}, {mx::float32},
-                    {batch * heads * length * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
+                    {{batch, heads, queries, dim}}, {mx::float32},
+                    {batch * heads * queries * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
                     {{"T", dtype}, {"D", dim}, {"THREADS", kCudaThreads}}, std::nullopt, false, s)[0];
   return mx::astype(out, q.dtype(), s);
 }
@@ -241,13 +249,14 @@ std::pair<int, int> rows_needed(int length, int left, int right) {
 
 void check_args(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& p, const mx::array& u,
                 const mx::array& vb, int left, int right, int pos_first) {
-  if (q.ndim() != 4 || k.shape() != q.shape() || v.shape() != q.shape()) {
-    throw std::invalid_argument("rel_pos_attention: q, k, v must all be [B, H, L, D]");
+  if (q.ndim() != 4 || k.ndim() != 4 || v.shape() != k.shape() || q.shape(0) != k.shape(0) ||
+      q.shape(1) != k.shape(1) || q.shape(3) != k.shape(3) || q.shape(2) > k.shape(2)) {
+    throw std::invalid_argument("rel_pos_attention: k and v must be [B, H, L, D] and q [B, H, n, D] with n <= L");
   }
   if (right < 0) {
     throw std::invalid_argument("rel_pos_attention: right context must be >= 0");
   }
-  const int heads = q.shape(1), length = q.shape(2), dim = q.shape(3);
+  const int heads = q.shape(1), length = k.shape(2), dim = q.shape(3);
   const int rows = p.ndim() >= 2 ? p.shape(-2) : 0;
   const bool p_ok = (p.ndim() == 3 && p.shape() == mx::Shape{heads, rows, dim}) ||
                     (p.ndim() == 4 && p.shape() == mx::Shape{1, heads, rows, dim});

@@ -267,6 +267,7 @@ class VoiceChat:
         modules = (self.listening.perception, codec.decoder, codec.prvq)
         for module in modules:
             module.set_dtype(mx.float32)
+        self.listening.perception.encoder.stack()  # (its stacked q/k/v from the float32 weights)
         mx.eval([m.parameters() for m in modules])
         self._streaming_in_float32 = True
 

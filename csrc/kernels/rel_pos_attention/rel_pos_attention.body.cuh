@@ -1,8 +1,8 @@
-// One block per query row (b, h, i). Warps stride over the row's context window, lanes over the
-// head dimension; each warp keeps an online softmax (running max, sum, and its share of the
-// weighted sum of values), and the warps are merged at the end. `dims` = [L, H, left, right,
-// pos_first, P],
-// `scale` = [s]: runtime values, so one compiled kernel serves every length.
+// One block per query row (b, h, r): frame i = q_first + r of the L key frames (q holds the last
+// L - q_first frames' queries). Warps stride over the frame's context window, lanes over the head
+// dimension; each warp keeps an online softmax (running max, sum, and its share of the weighted
+// sum of values), and the warps are merged at the end. `dims` = [L, H, left, right, pos_first, P,
+// q_first], `scale` = [s]: runtime values, so one compiled kernel serves every length.
   constexpr int WARPS = THREADS / 32;
   constexpr int PER_LANE = (D + 31) / 32;
   __shared__ float qu[D];
@@ -12,10 +12,11 @@
   __shared__ float warp_acc[WARPS][D];
   const float neg_inf = -__int_as_float(0x7f800000);
   const int L = dims[0], H = dims[1], left = dims[2], right = dims[3], first = dims[4], P = dims[5];
+  const int q_first = dims[6], n = L - q_first;
   const float s = scale[0];
-  const int row = blockIdx.x;  // (b * H + h) * L + i
-  const int i = row % L;
-  const int bh = row / L;
+  const int row = blockIdx.x;  // (b * H + h) * n + r
+  const int i = q_first + row % n;
+  const int bh = row / n;
   const int h = bh % H;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;

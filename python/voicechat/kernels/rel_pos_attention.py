@@ -3,12 +3,13 @@
     scores = (q + u) k^T * s + rel_shift((q + v_bias) p^T)[..., :L] * s     (masked outside the context)
     out    = softmax(scores) v
 
-`q, k, v` are `[B, H, L, D]`, `p` the projected positional table `[H, 2L - 1, D]` for relative
+`k, v` are `[B, H, L, D]`, `q` `[B, H, n, D]` the queries of the last `n <= L` frames (a stream's new
+frames after its cached ones; the output is theirs, `[B, H, n, D]`), `p` the projected positional table `[H, 2L - 1, D]` for relative
 positions `L - 1 .. -(L - 1)`, or only its rows `[pos_first, pos_first + P)` when those cover every
 pair inside the context (`position_window`: 71 rows for [70, 0] instead of 2L - 1), `u, v_bias`
 `[H, D]`. Frame `i` may attend to frame `j` when their
 chunks (`chunk = right + 1` frames) satisfy `0 <= chunk(i) - chunk(j) <= left // chunk`; `left < 0`
-means unlimited history. Output `[B, H, L, D]` in `q`'s dtype; float32 inside.
+means unlimited history. Output in `q`'s dtype; float32 inside.
 
 `rel_shift` moves row `i` of `(q + v_bias) p^T` left by `L - 1 - i`, so that entry `(i, j)` holds
 the score of relative position `i - j`, i.e. positional row `L - 1 - i + j`. The kernel reads that
@@ -65,10 +66,12 @@ def rel_pos_attention_reference(
     right: int,
     pos_first: int = 0,
 ) -> mx.array:
-    """Composed MLX ops: full score matrices, pad/reshape rel_shift, masked softmax."""
+    """Composed MLX ops: full score matrices, pad/reshape rel_shift, masked softmax (zero queries
+    for the frames before the given ones, their rows dropped)."""
     dtype = q.dtype
     q, k, v, p, u, b = (a.astype(mx.float32) for a in (q, k, v, p, pos_bias_u, pos_bias_v))
-    length = q.shape[-2]
+    length, queries = k.shape[-2], q.shape[-2]
+    q = mx.pad(q, [(0, 0), (0, 0), (length - queries, 0), (0, 0)])
     if p.ndim == 4:
         p = p[0]
     # Rows outside the window only meet masked scores: zeros stand in for them.
@@ -77,7 +80,7 @@ def rel_pos_attention_reference(
     bd = rel_shift((q + b[:, None, :]) @ p.swapaxes(-1, -2))[..., :length]
     scores = ac * scale + bd * scale
     scores = mx.where(chunked_limited_mask(length, left, right), scores, mx.array(-1e30, mx.float32))
-    return (mx.softmax(scores, axis=-1) @ v).astype(dtype)
+    return (mx.softmax(scores, axis=-1) @ v)[:, :, length - queries :].astype(dtype)
 
 
 def rel_pos_attention(

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import AudioConfig, ConfigError, EncoderConfig, PreprocessorConfig
+from ..kernels.gemv import stack_linears
 from ..kernels.rel_pos_attention import position_window, rel_pos_attention
 from .mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
 
@@ -166,6 +167,18 @@ class RelPositionAttention(nn.Module):
         self.linear_pos = nn.Linear(d, d, bias=False)
         self.pos_bias_u = mx.zeros((h, d // h))
         self.pos_bias_v = mx.zeros((h, d // h))
+        self._qkv = None  # q, k and v as one layer (`stack()`); not in the key tree
+
+    def stack(self) -> None:
+        """Run q, k and v as one projection (one matmul instead of three; each output row is
+        computed as before)."""
+        self._qkv = stack_linears([self.linear_q, self.linear_k, self.linear_v])
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        if self._qkv is None:
+            return self.linear_q(x), self.linear_k(x), self.linear_v(x)
+        d = x.shape[-1]
+        return tuple(mx.split(self._qkv(x), [d, 2 * d], axis=-1))
 
     def project_positions(self, pos_emb: mx.array) -> mx.array:
         """Table rows `[P, d]` -> this layer's position keys `[heads, P, d / heads]`."""
@@ -182,21 +195,18 @@ class RelPositionAttention(nn.Module):
         b, length, d = x.shape
         h = self.n_heads
         heads = lambda y: y.reshape(b, length, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
-        q, k, v = heads(self.linear_q(x)), heads(self.linear_k(x)), heads(self.linear_v(x))
+        q, k, v = (heads(y) for y in self.project(x))
         p = self.project_positions(pos_emb) if positions is None else positions
         left, right = self.context
-        cached = 0
         if cache is not None:
-            # The kernel computes each query row on its own: zero rows stand for the cached frames'
-            # queries, whose outputs are dropped, and the new rows get the whole-signal values.
-            cached = cache.keys.shape[2]
+            # The new frames' queries attend to the cached keys and values too; the kernel computes
+            # each query row on its own, so they get the whole-signal values.
             k = mx.concatenate([cache.keys, k], axis=2)
             v = mx.concatenate([cache.values, v], axis=2)
-            q = mx.concatenate([mx.zeros((b, h, cached, d // h), q.dtype), q], axis=2)
             keep = max(0, k.shape[2] - left)
             cache.keys, cache.values = k[:, :, keep:], v[:, :, keep:]
         out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right,
-                                pos_first)[:, :, cached:]
+                                pos_first)
         return self.linear_out(out.transpose(0, 2, 1, 3).reshape(b, length, d))
 
 
@@ -296,6 +306,12 @@ class ConformerEncoder(nn.Module):
             if stepwise:
                 mx.eval(x)
         return x
+
+    def stack(self) -> None:
+        """Every layer's attention projects q, k and v as one layer (`RelPositionAttention.stack`;
+        again after the weights change dtype)."""
+        for layer in self.layers:
+            layer.self_attn.stack()
 
     def position_rows(self, length: int) -> tuple[int, mx.array]:
         """`(first, rows)`: only the table rows the attention context reads (71 for [70, 0]),

@@ -50,7 +50,7 @@ import mlx.nn as nn
 from ..config import CodecConfig
 from ..kernels import use_reference
 from ..kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
-from .stft import StreamingISTFT, istft, istft_reference, stft, stft_reference
+from .stft import StreamingISTFT, istft, istft_reference, stft, stft_reference, windowed_frames
 from .stft import padding as stft_padding
 
 MAX_MAGNITUDE = 100.0
@@ -458,13 +458,41 @@ class DecoderStream:
     def push(self, codes: mx.array) -> np.ndarray:
         """codes [B, Q, T] (no control codes) -> the final samples `[B, n]` float32 (n = 1764 T,
         6 fewer for the first frame)."""
-        features = self.codec.decoder(self.codec.prvq.decode(codes), self.contexts)
+        framed, self.contexts = _stream_frames(self.codec, codes, self.contexts, self.istft)
         self.frames += codes.shape[2]
-        return self.istft.push(_spectrum(features))
+        return self.istft.add(framed)
 
     def finish(self) -> np.ndarray:
         """The samples that waited for a next frame: `[B, 6]` (none before the first frame)."""
         return self.istft.finish()
+
+
+def _stream_graph(codec: AudioCodec, codes: mx.array, book: mx.array, contexts: list[mx.array], window: mx.array,
+                  inverse: mx.array) -> tuple[mx.array, list[mx.array]]:
+    """Code frames continuing a stream -> their windowed inverse-STFT frames and the blocks' next
+    contexts (what `_stream_frames` compiles)."""
+    q = mx.arange(codes.shape[1])[None, :, None]
+    contexts = list(contexts)
+    features = codec.decoder(book[q, codes.astype(mx.int32)].sum(axis=1), contexts)
+    return windowed_frames(_spectrum(features), window, inverse), contexts
+
+
+def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],
+                   istft: StreamingISTFT) -> tuple[np.ndarray, list[mx.array]]:
+    """A streamed decode step as one compiled graph (traced once per batch and frame count; the
+    decoder's weights are inputs, so a cast or reload is seen): replayed, not built op by op, each
+    frame. Returns the windowed frames (read back) and the new contexts (evaluated)."""
+    book, _ = codec.prvq.codebooks()
+    if codes.ndim != 3 or codes.shape[1] > book.shape[0]:
+        raise ValueError(f"codes must be [batch, <= {book.shape[0]} codebooks, frames], got {codes.shape}")
+    step = getattr(codec, "_stream_step", None)
+    if step is None:
+        step = mx.compile(lambda *args: _stream_graph(codec, *args), inputs=codec.decoder.state)
+        codec._stream_step = step
+    window, inverse = istft.bases()
+    framed, contexts = step(codes, book, contexts, window, inverse)
+    mx.eval(framed, contexts)
+    return np.array(framed), contexts
 
 
 def push_streams(streams: list[DecoderStream], codes: mx.array) -> list[np.ndarray]:
@@ -473,9 +501,7 @@ def push_streams(streams: list[DecoderStream], codes: mx.array) -> list[np.ndarr
     then taken back. Returns each stream's samples `[n]`."""
     codec = streams[0].codec
     contexts = [mx.concatenate([s.contexts[j] for s in streams]) for j in range(len(streams[0].contexts))]
-    features = codec.decoder(codec.prvq.decode(codes), contexts)
-    framed = streams[0].istft.windowed(_spectrum(features))
-    mx.eval(contexts)
+    framed, contexts = _stream_frames(codec, codes, contexts, streams[0].istft)
     out = []
     for i, stream in enumerate(streams):
         stream.contexts = [c[i : i + 1] for c in contexts]

@@ -101,20 +101,20 @@ def istft(features: mx.array, n_fft: int = 16, hop: int = 4) -> mx.array:
     return _synthesize(features.astype(mx.float32), window, inverse, _envelope(frames, n_fft, hop), hop)
 
 
-def _windowed_frames(features, window, inverse):
+def windowed_frames(features, window, inverse):
     """Inverse DFT of each frame [B, F, n_fft], clipped to +-window, times the window."""
     framed = features @ inverse
     return mx.clip(framed, -window, window) * window
 
 
-_windowed_frames_compiled = mx.compile(_windowed_frames)
+_windowed_frames_compiled = mx.compile(windowed_frames)
 
 
 @mx.compile
 def _synthesize(features, window, inverse, envelope, hop: int):
     batch, frames, _ = features.shape
     n_fft = window.shape[0]
-    framed = _windowed_frames(features, window, inverse)  # [B, F, n_fft]
+    framed = windowed_frames(features, window, inverse)  # [B, F, n_fft]
     per_frame = n_fft // hop
     # Overlap-add: the j-th hop of frame f lands on output hop f + j.
     out = None
@@ -164,6 +164,11 @@ class StreamingISTFT:
             raise ValueError(f"expected {self.n_fft + 2} STFT channels, got {features.shape[-1]}")
         window, _, inverse = _bases(self.n_fft)
         return np.array(_windowed_frames_compiled(features.astype(mx.float32), window, inverse))
+
+    def bases(self) -> tuple[mx.array, mx.array]:
+        """`(window, inverse DFT)`: what `windowed_frames` takes besides the features."""
+        window, _, inverse = _bases(self.n_fft)
+        return window, inverse
 
     def add(self, framed: np.ndarray) -> np.ndarray:
         """`push` from frames `windowed` already made: the samples that became final."""

@@ -40,7 +40,9 @@ slots free up. On a GPU the batched steps run every kernel face's pure-MLX refer
 (`kernels._native.reference_ops`: our kernels serve one row).
 
 `rows` picks how two or more sessions step: as batched rows (above), or each alone in turn on its
-own caches and the single-session kernels. The default is rows except on a CUDA GPU: there the
+own caches and the single-session kernels, every session's step queued before any is read back
+(the device runs them back to back while the host builds the next), then their codec frames as
+one batch. The default is rows except on a CUDA GPU: there the
 fused one-row kernels step a session in ~5 ms at full size, while the batched rows on MLX's ops
 take ~40 ms for two sessions and ~160 ms for eight (benchmarks/bench_batch.py), so sessions in turn
 serve more of them in real time until the kernels take B rows.
@@ -224,9 +226,9 @@ class Engine:
                 return 0
             if self._alone is not None or not self.rows:
                 started = time.perf_counter()
-                delivered = {s: self._step_alone(s) for s in ready}
+                stepped, delivered = self._step_in_turn(ready)
                 self.ticks += 1
-                self.last_tick = TickTimes(started, time.perf_counter(), delivered)
+                self.last_tick = TickTimes(started, stepped, delivered)
                 return len(ready)
             started = time.perf_counter()
             chat = self.chat
@@ -262,13 +264,24 @@ class Engine:
             self.last_tick = times
             return len(ready)
 
-    def _step_alone(self, session: "EngineSession") -> float:
-        """A session's frame as `chat.live` makes it (`FrameLoop.step` with the single-session
-        kernels, then its codec frame), its state in its own caches. Returns when it was delivered."""
-        text_id, function_id, codes = session._step(session._queue[0][0], 0)
-        self.path_ticks["alone"] += 1
-        session._deliver(text_id, function_id, codes, None)
-        return time.perf_counter()
+    def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
+        """Each ready session's frame as `chat.live` makes it (`FrameLoop.step` with the
+        single-session kernels, on its own caches), one session after another, then their codec
+        frames as one batch. Every session's steps are queued before any is read back, so the
+        device runs them back to back while the host builds the next. Returns when the steps were
+        read back, and when each session's frame was delivered."""
+        stepped = [(s, *s._queue_step(s._queue[0][0], 0)) for s in ready]
+        self.path_ticks["alone"] += len(ready)
+        frames = [(s, *s._read_step(*lazy)) for s, *lazy in stepped]
+        read = time.perf_counter()
+        with mx.stream(self.chat._timeline_stream):
+            decodable = np.stack([s._decodable(codes) for s, _, _, codes in frames])
+            audio = push_streams([s.decoder for s, *_ in frames], mx.array(decodable[:, :, None]))
+        delivered = {}
+        for (s, text_id, function_id, codes), samples in zip(frames, audio):
+            s._deliver(text_id, function_id, codes, samples)
+            delivered[s] = time.perf_counter()
+        return read, delivered
 
     def feed_many(self, chunks: list[tuple["EngineSession", object, int]]) -> dict["EngineSession", InputError]:
         """`session.feed(chunk, sample_rate)` for every `(session, chunk, sample_rate)` (one chunk a

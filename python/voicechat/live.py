@@ -367,10 +367,19 @@ class LiveSession:
     def _step(self, projected: mx.array, i: int) -> tuple[int, int, np.ndarray]:
         """Frame i of `projected` through the LLM and the TTS (`FrameLoop.step`): its text id,
         function id and codes `[Q]`, read back."""
+        return self._read_step(*self._queue_step(projected, i))
+
+    def _queue_step(self, projected: mx.array, i: int) -> tuple[mx.array, mx.array, mx.array | None, bool]:
+        """`FrameLoop.step` of frame i, queued on the device, not read back: `(text id, function
+        id, codes or None, whether the TTS stepped)`."""
         text_id, function_id, code = self.loop.step(projected, i)
-        stepped_tts = self.loop.position > 1  # (timeline position 0 has no TTS step: code 0)
+        return text_id, function_id, code, self.loop.position > 1  # (position 0 has no TTS step: code 0)
+
+    def _read_step(self, text_id: mx.array, function_id: mx.array, code: mx.array | None,
+                   stepped_tts: bool) -> tuple[int, int, np.ndarray]:
+        """A queued step's ids and codes `[Q]` read back (the worker hands back the codes it made)."""
         with mx.stream(self.chat._timeline_stream):
-            if self._worker is not None:  # the worker hands back the codes it made
+            if self._worker is not None:
                 mx.eval(text_id, function_id)
                 code = self._worker.take() if stepped_tts else None
             else:

@@ -240,21 +240,23 @@ def test_vc_chat_streams_a_file_and_writes_the_answer(ws_url, chat, spoken_wav, 
     np.testing.assert_allclose(got, to_pcm16(result.audio), atol=1)
 
 
-def test_max_sessions_by_default_is_what_a_live_session_measured_here_allows(tiny_checkpoint):
+def test_max_sessions_by_default_is_what_live_rounds_measured_here_allow(tiny_checkpoint):
     from voicechat.serve.capacity import sessions_for
 
     with vc_serve(tiny_checkpoint) as base:
         health = get_json(base + "/health")
-    frame_ms = health["live_frame_ms"]
-    assert isinstance(frame_ms, float) and frame_ms > 0
-    assert health["max_sessions"] == sessions_for(frame_ms)
+    frame_ms, session_ms = health["live_frame_ms"], health["session_ms"]
+    assert isinstance(frame_ms, float) and frame_ms > 0 and 0 < session_ms
+    assert health["max_sessions"] == sessions_for(session_ms, frame_ms - session_ms)
 
 
-@pytest.mark.parametrize("frame_ms,sessions", [(12.4, 4), (30.0, 2), (30.1, 1), (50.0, 1), (200.0, 1), (0.01, 1024)])
-def test_sessions_in_turn_fit_an_80_ms_frame_with_20_ms_to_spare(frame_ms, sessions):
+@pytest.mark.parametrize("session_ms,fixed_ms,sessions", [(12.4, 0.0, 4), (30.0, 0.0, 2), (30.1, 0.0, 1),
+                                                          (50.0, 0.0, 1), (200.0, 0.0, 1), (0.01, 0.0, 1024),
+                                                          (5.0, 20.0, 8), (5.0, 60.0, 1), (0.0, 10.0, 1024)])
+def test_sessions_whose_round_fits_an_80_ms_frame_with_20_ms_to_spare(session_ms, fixed_ms, sessions):
     from voicechat.serve.capacity import sessions_for
 
-    assert sessions_for(frame_ms) == sessions
+    assert sessions_for(session_ms, fixed_ms) == sessions
 
 
 @pytest.mark.parametrize("value", ["0", "1025", "many", "2.5"])

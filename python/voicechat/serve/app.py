@@ -34,6 +34,7 @@ class ServerSettings:
     max_sessions: int = 8
     limits: Limits = field(default_factory=Limits)
     live_frame_ms: float | None = None  # a live frame's p95 measured at start (`--max-sessions auto`)
+    session_ms: float | None = None  # what each further session adds to a round, measured with it
 
 
 def _offered_subprotocols(ws: WebSocket) -> list[str]:
@@ -91,6 +92,7 @@ def create_app(chat, settings: ServerSettings | None = None, scheduler=None) -> 
     def health() -> dict:
         return {"status": "ok", "model": settings.model_name, "sessions": app.state.connections,
                 "max_sessions": settings.max_sessions, "live_frame_ms": settings.live_frame_ms,
+                "session_ms": settings.session_ms,
                 "uptime_s": round(time.time() - started, 1),
                 **scheduler.health()}
 

@@ -1,9 +1,12 @@
 """How many live sessions this machine steps in real time: `vc-serve`'s default `--max-sessions`.
 
-A live session of silence runs here first. Its frames past the encoder's full attention cache, the
-live path's steady state, give the frame time. Sessions step in turn, so `sessions` is how many of
-those frames fit in an 80 ms frame with `HEADROOM_MS` to spare (at least 1). The run also compiles
-and traces the live path before the first client comes.
+Rounds of live sessions of silence run here first, as the server steps them (`Engine.feed_many`,
+then one tick): with one session and with two, each past the encoder's full attention cache (the
+live path's steady state). The 95th percentiles give a round's fixed cost and each session's share
+(sessions share the batched perception and codec work, so a round is not simply the sessions'
+single frames added up), and `sessions` is the most whose round fits an 80 ms frame with
+`HEADROOM_MS` to spare (at least 1). The run also compiles and traces the live path before the
+first client comes.
 """
 
 from __future__ import annotations
@@ -17,29 +20,48 @@ FRAME_MS = 80.0
 HEADROOM_MS = 20.0
 WARMUP_FRAMES = 75  # past the encoder's 70-frame cache: its compiled chunk is traced by then
 MEASURED_FRAMES = 25
+MEASURED_SESSIONS = (1, 2)
 
 
 @dataclass
 class Capacity:
-    frame_ms_p95: float  # a live frame's time here, 95th percentile of the measured frames
-    sessions: int  # the sessions in turn whose frames fit one 80 ms frame with the headroom
+    frame_ms_p95: float  # a round of one session (its live frame), 95th percentile of the measured rounds
+    session_ms: float  # what each further session adds to a round (from the rounds of one and two)
+    sessions: int  # the sessions whose round fits one 80 ms frame with the headroom
 
 
-def sessions_for(frame_ms: float, most: int = 1024) -> int:
-    """Frames of `frame_ms` that fit one 80 ms frame with `HEADROOM_MS` to spare: 1 to `most`."""
-    return max(1, min(most, int((FRAME_MS - HEADROOM_MS) // frame_ms) if frame_ms > 0 else most))
+def sessions_for(session_ms: float, fixed_ms: float = 0.0, most: int = 1024) -> int:
+    """The most sessions whose round, `fixed_ms + sessions * session_ms`, fits one 80 ms frame with
+    `HEADROOM_MS` to spare: 1 to `most`."""
+    budget = FRAME_MS - HEADROOM_MS - max(fixed_ms, 0.0)
+    if session_ms <= 0:
+        return most if budget > 0 else 1
+    return max(1, min(most, int(budget // session_ms)))
+
+
+def round_ms(chat, sessions: int) -> float:
+    """The 95th percentile of engine rounds (a chunk fed to every session, one tick) of `sessions`
+    sessions of silence, after the warmup."""
+    from ..engine import Engine
+
+    rate = chat.config.input_sample_rate
+    chunk = np.zeros(rate * int(FRAME_MS) // 1000, np.float32)
+    times = []
+    with Engine(chat, max_sessions=sessions) as engine:
+        lives = [engine.live() for _ in range(sessions)]
+        for _ in range(WARMUP_FRAMES + MEASURED_FRAMES):
+            start = time.perf_counter()
+            engine.feed_many([(live, chunk, rate) for live in lives])
+            engine.step()
+            for live in lives:
+                live.collect()
+            times.append((time.perf_counter() - start) * 1e3)
+    return float(np.percentile(np.array(times[WARMUP_FRAMES:]), 95))
 
 
 def measure(chat) -> Capacity:
-    """Run a live session of silence on `chat` and return the capacity it shows."""
-    chunk = np.zeros(chat.config.input_sample_rate * int(FRAME_MS) // 1000, np.float32)
-    times = []
-    with chat.live() as live:
-        for _ in range(WARMUP_FRAMES + MEASURED_FRAMES):
-            start = time.perf_counter()
-            live.push(chunk)
-            times.append((time.perf_counter() - start) * 1e3)
-        live.finish(0.0)
-    measured = np.array(times[WARMUP_FRAMES:])
-    p95 = float(np.percentile(measured, 95))
-    return Capacity(frame_ms_p95=p95, sessions=sessions_for(p95))
+    """Run rounds of one and of two live sessions of silence on `chat`; the capacity they show."""
+    one, two = (round_ms(chat, n) for n in MEASURED_SESSIONS)
+    # A second session costs at least a little: a noisy pair of measurements never reads as free.
+    session_ms = max(two - one, 0.05 * one)
+    return Capacity(frame_ms_p95=one, session_ms=session_ms, sessions=sessions_for(session_ms, one - session_ms))

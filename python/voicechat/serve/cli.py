@@ -138,13 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_sessions == "auto":
                 from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, measure
 
-                print(f"vc-serve: measuring a live session's frame time here "
-                      f"({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)", file=sys.stderr)
+                print(f"vc-serve: measuring live rounds here (one session, then two: "
+                      f"{WARMUP_FRAMES + MEASURED_FRAMES} frames of silence each)", file=sys.stderr)
                 capacity = measure(chat)
                 settings.max_sessions = capacity.sessions
                 settings.live_frame_ms = capacity.frame_ms_p95
-                print(f"vc-serve: a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95): "
-                      f"--max-sessions {capacity.sessions}", file=sys.stderr)
+                settings.session_ms = capacity.session_ms
+                print(f"vc-serve: a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95), each further "
+                      f"session {capacity.session_ms:.1f} ms: --max-sessions {capacity.sessions}", file=sys.stderr)
             app = create_app(chat, settings)
             print(f"vc-serve: http://{args.host}:{args.port}/  (WebSocket /v1/realtime)", file=sys.stderr)
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=16 << 20,

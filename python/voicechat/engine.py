@@ -464,17 +464,17 @@ class EngineSession(LiveSession):
         """A chunk's perceived frames through the transcript, queued for the ticks."""
         with mx.stream(self.chat._timeline_stream):
             count = projected.shape[1]
+            # Queued, not waited for: the tick's steps are built while the device runs perception.
             if count:
                 table = _TranscriptRows(self.transcript.push(encoded))
-                mx.eval(projected, self.perception.state)
                 room = self.limit - self.prompt_frames - self.frames - len(self._queue)
                 for i in range(min(count, room)):
                     self._queue.append([projected[:, i : i + 1], (table, i), False])
-                mx.eval([entry[0] for entry in self._queue])
+                mx.async_eval(*self.perception.state, *[entry[0] for entry in self._queue])
                 if count > room:
                     self._overflow = True
             else:
-                mx.eval(self.perception.state)
+                mx.async_eval(*self.perception.state)
         if end:
             if self._queue:
                 self._queue[-1][2] = True

@@ -151,10 +151,6 @@ class FeedForward(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return self.linear2(nn.silu(self.linear1(x)))
 
-    def add_to(self, residual: mx.array, x: mx.array, scale: float) -> mx.array:
-        """`residual + scale * self(x)`, the last product and the sum as one op."""
-        return _add_product(residual, nn.silu(self.linear1(x)), self.linear2.weight, scale)
-
 
 class RelPositionAttention(nn.Module):
     """Multi-head self-attention with Transformer-XL relative positions (pos_bias_u / pos_bias_v)."""
@@ -190,9 +186,8 @@ class RelPositionAttention(nn.Module):
         return self.linear_pos(pos_emb).reshape(pos_emb.shape[0], self.n_heads, d // self.n_heads).transpose(1, 0, 2)
 
     def __call__(self, x: mx.array, pos_emb: mx.array | None, pos_first: int = 0,
-                 cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None,
-                 residual: mx.array | None = None) -> mx.array:
-        """`residual`: returned plus it (the output projection and the sum as one op). `pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
+                 cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
+        """`pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
         the context's window): only those rows go through `linear_pos`, unless `positions` gives
         them projected (`project_positions`). With `cache`, `x` continues a stream: its frames
         attend to the cached keys and values of the frames before them too (the table is then that
@@ -212,8 +207,7 @@ class RelPositionAttention(nn.Module):
             cache.keys, cache.values = k[:, :, keep:], v[:, :, keep:]
         out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right,
                                 pos_first)
-        out = out.transpose(0, 2, 1, 3).reshape(b, length, d)
-        return self.linear_out(out) if residual is None else _add_product(residual, out, self.linear_out.weight)
+        return self.linear_out(out.transpose(0, 2, 1, 3).reshape(b, length, d))
 
 
 def _causal_depthwise(padded: mx.array, taps: mx.array) -> mx.array:
@@ -236,12 +230,6 @@ def _pointwise(x: mx.array, conv: nn.Conv1d) -> mx.array:
     return x @ w.reshape(w.shape[0], w.shape[2]).T
 
 
-def _add_product(residual: mx.array, x: mx.array, weight: mx.array, scale: float = 1.0) -> mx.array:
-    """`residual + scale * (x @ weight.T)` as one op (a matmul whose epilogue adds): each
-    residual add of a block is then no launch of its own."""
-    return mx.addmm(residual, x, weight.T, alpha=scale, beta=1.0)
-
-
 class ConvModule(nn.Module):
     """Pointwise -> GLU -> causal depthwise (left pad k - 1) -> LayerNorm ("batch_norm") -> SiLU -> pointwise.
 
@@ -257,11 +245,9 @@ class ConvModule(nn.Module):
         self.batch_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
         self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=False)
 
-    def __call__(self, x: mx.array, cache: "EncoderLayerCache | None" = None,
-                 residual: mx.array | None = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: "EncoderLayerCache | None" = None) -> mx.array:
         """With `cache`, the depthwise conv's left context is the cached last `k - 1` inputs (zeros
-        at a stream's start, as the whole-signal pass pads) instead of zeros, and is updated.
-        `residual`: returned plus it (the last product and the sum as one op)."""
+        at a stream's start, as the whole-signal pass pads) instead of zeros, and is updated."""
         x = nn.glu(_pointwise(x, self.pointwise_conv1), axis=-1)
         if cache is None:
             x = mx.pad(x, [(0, 0), (self.kernel_size - 1, 0), (0, 0)])
@@ -269,10 +255,7 @@ class ConvModule(nn.Module):
             x = mx.concatenate([cache.conv, x], axis=1)
             cache.conv = x[:, x.shape[1] - (self.kernel_size - 1) :]
         x = nn.silu(self.batch_norm(_causal_depthwise_compiled(x, self.depthwise_conv.weight)))
-        if residual is None:
-            return _pointwise(x, self.pointwise_conv2)
-        w = self.pointwise_conv2.weight
-        return _add_product(residual, x, w.reshape(w.shape[0], w.shape[2]))
+        return _pointwise(x, self.pointwise_conv2)
 
 
 class ConformerBlock(nn.Module):
@@ -291,10 +274,10 @@ class ConformerBlock(nn.Module):
 
     def __call__(self, x: mx.array, pos_emb: mx.array | None, pos_first: int = 0,
                  cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
-        x = self.feed_forward1.add_to(x, self.norm_feed_forward1(x), 0.5)
-        x = self.self_attn(self.norm_self_att(x), pos_emb, pos_first, cache, positions, residual=x)
-        x = self.conv(self.norm_conv(x), cache, residual=x)
-        x = self.feed_forward2.add_to(x, self.norm_feed_forward2(x), 0.5)
+        x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
+        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first, cache, positions)
+        x = x + self.conv(self.norm_conv(x), cache)
+        x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
 
 

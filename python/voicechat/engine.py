@@ -40,9 +40,9 @@ slots free up. On a GPU the batched steps run every kernel face's pure-MLX refer
 (`kernels._native.reference_ops`: our kernels serve one row).
 
 `rows` picks how two or more sessions step: as batched rows (above), or each alone in turn on its
-own caches and the single-session kernels, every session's step queued before any is read back
-(the device runs them back to back while the host builds the next), then their codec frames as
-one batch. The default is rows except on a CUDA GPU: there the
+own caches and the single-session kernels, every session's step and codec frame queued before
+any is read back (the device runs them back to back while the host builds the next). The default
+is rows except on a CUDA GPU: there the
 fused one-row kernels step a session in ~5 ms at full size, while the batched rows on MLX's ops
 take ~40 ms for two sessions and ~160 ms for eight (benchmarks/bench_batch.py), so sessions in turn
 serve more of them in real time until the kernels take B rows.
@@ -266,20 +266,22 @@ class Engine:
 
     def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
         """Each ready session's frame as `chat.live` makes it (`FrameLoop.step` with the
-        single-session kernels, on its own caches), one session after another, then their codec
-        frames as one batch. Every session's steps are queued before any is read back, so the
-        device runs them back to back while the host builds the next. Returns when the steps were
+        single-session kernels, then its own codec frame, on its own caches), one session after
+        another. Every session's steps are queued before any is read back, and so are their codec
+        frames, so the device runs them back to back while the host builds the next. Each session's
+        codec runs on its own row, not in a batch: a batch's products may round otherwise on a GPU,
+        and a session in turn gets `chat.live`'s samples bit for bit. Returns when the steps were
         read back, and when each session's frame was delivered."""
         stepped = [(s, *s._queue_step(s._queue[0][0], 0)) for s in ready]
         self.path_ticks["alone"] += len(ready)
         frames = [(s, *s._read_step(*lazy)) for s, *lazy in stepped]
         read = time.perf_counter()
         with mx.stream(self.chat._timeline_stream):
-            decodable = np.stack([s._decodable(codes) for s, _, _, codes in frames])
-            audio = push_streams([s.decoder for s, *_ in frames], mx.array(decodable[:, :, None]))
+            framed = [s.decoder.queue(mx.array(s._decodable(codes)[None, :, None])) for s, _, _, codes in frames]
+            mx.eval(framed, [s.decoder.contexts for s, *_ in frames])
         delivered = {}
-        for (s, text_id, function_id, codes), samples in zip(frames, audio):
-            s._deliver(text_id, function_id, codes, samples)
+        for (s, text_id, function_id, codes), queued in zip(frames, framed):
+            s._deliver(text_id, function_id, codes, s.decoder.take(queued)[0])
             delivered[s] = time.perf_counter()
         return read, delivered
 

@@ -458,9 +458,21 @@ class DecoderStream:
     def push(self, codes: mx.array) -> np.ndarray:
         """codes [B, Q, T] (no control codes) -> the final samples `[B, n]` float32 (n = 1764 T,
         6 fewer for the first frame)."""
+        framed = self.queue(codes)
+        mx.eval(framed, self.contexts)
+        return self.take(framed)
+
+    def queue(self, codes: mx.array) -> mx.array:
+        """`push` on the device only: the windowed inverse-STFT frames of `codes` (lazy; the block
+        contexts move on lazily too), for `take` once evaluated. Several streams' frames queued
+        before any is read back run back to back on the device."""
         framed, self.contexts = _stream_frames(self.codec, codes, self.contexts, self.istft)
         self.frames += codes.shape[2]
-        return self.istft.add(framed)
+        return framed
+
+    def take(self, framed: mx.array) -> np.ndarray:
+        """The samples that `queue`'s frames made final (read back: `[B, n]`)."""
+        return self.istft.add(np.array(framed))
 
     def finish(self) -> np.ndarray:
         """The samples that waited for a next frame: `[B, 6]` (none before the first frame)."""
@@ -478,10 +490,10 @@ def _stream_graph(codec: AudioCodec, codes: mx.array, book: mx.array, contexts: 
 
 
 def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],
-                   istft: StreamingISTFT) -> tuple[np.ndarray, list[mx.array]]:
+                   istft: StreamingISTFT) -> tuple[mx.array, list[mx.array]]:
     """A streamed decode step as one compiled graph (traced once per batch and frame count; the
     decoder's weights are inputs, so a cast or reload is seen): replayed, not built op by op, each
-    frame. Returns the windowed frames (read back) and the new contexts (evaluated)."""
+    frame. Returns the windowed frames and the new contexts, lazy."""
     book, _ = codec.prvq.codebooks()
     if codes.ndim != 3 or codes.shape[1] > book.shape[0]:
         raise ValueError(f"codes must be [batch, <= {book.shape[0]} codebooks, frames], got {codes.shape}")
@@ -491,8 +503,7 @@ def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],
         codec._stream_step = step
     window, inverse = istft.bases()
     framed, contexts = step(codes, book, contexts, window, inverse)
-    mx.eval(framed, contexts)
-    return np.array(framed), contexts
+    return framed, contexts
 
 
 def push_streams(streams: list[DecoderStream], codes: mx.array) -> list[np.ndarray]:
@@ -502,6 +513,8 @@ def push_streams(streams: list[DecoderStream], codes: mx.array) -> list[np.ndarr
     codec = streams[0].codec
     contexts = [mx.concatenate([s.contexts[j] for s in streams]) for j in range(len(streams[0].contexts))]
     framed, contexts = _stream_frames(codec, codes, contexts, streams[0].istft)
+    mx.eval(framed, contexts)
+    framed = np.array(framed)
     out = []
     for i, stream in enumerate(streams):
         stream.contexts = [c[i : i + 1] for c in contexts]

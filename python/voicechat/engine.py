@@ -267,17 +267,23 @@ class Engine:
     def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
         """Each ready session's frame as `chat.live` makes it (`FrameLoop.step` with the
         single-session kernels, then its own codec frame, on its own caches), one session after
-        another. Every session's steps are queued before any is read back, and so are their codec
-        frames, so the device runs them back to back while the host builds the next. Each session's
-        codec runs on its own row, not in a batch: a batch's products may round otherwise on a GPU,
-        and a session in turn gets `chat.live`'s samples bit for bit. Returns when the steps were
-        read back, and when each session's frame was delivered."""
+        another. Every session's steps are queued before any is read back, and each one's codec
+        frame as soon as its codes are back, so the device runs them back to back while the host
+        builds the next. Each session's codec runs on its own row, not in a batch: a batch's
+        products may round otherwise on a GPU, and a session in turn gets `chat.live`'s samples
+        bit for bit. Returns when the steps were read back, and when each session's frame was
+        delivered."""
         stepped = [(s, *s._queue_step(s._queue[0][0], 0)) for s in ready]
         self.path_ticks["alone"] += len(ready)
-        frames = [(s, *s._read_step(*lazy)) for s, *lazy in stepped]
+        frames, framed = [], []
+        for s, *lazy in stepped:
+            # A session's codec frame is built as soon as its codes are back, while the device still
+            # runs the next sessions' steps (queued behind them).
+            frames.append((s, *s._read_step(*lazy)))
+            with mx.stream(self.chat._timeline_stream):
+                framed.append(s.decoder.queue(mx.array(s._decodable(frames[-1][3])[None, :, None])))
         read = time.perf_counter()
         with mx.stream(self.chat._timeline_stream):
-            framed = [s.decoder.queue(mx.array(s._decodable(codes)[None, :, None])) for s, _, _, codes in frames]
             mx.eval(framed, [s.decoder.contexts for s, *_ in frames])
         delivered = {}
         for (s, text_id, function_id, codes), queued in zip(frames, framed):

@@ -145,9 +145,10 @@ def test_precompile_and_the_warm_up_at_load_change_no_id_or_code(tiny_checkpoint
     chat = voicechat.load(tiny_checkpoint)
     assert not is_precompiled(chat)
     seen = []
-    last = precompile(chat, progress=seen.append, long_inputs=False, processes=0)
+    last = precompile(chat, progress=seen.append, long_inputs=False, processes=0, live=True)
     assert is_precompiled(chat) and not is_precompiled(voicechat.load(tiny_checkpoint_q4))  # other shapes
-    assert last.finished and last.done == last.total == len(PARTS) - 1
+    assert last.finished and last.done == last.total == len(PARTS) - 1  # (no long context)
+    assert "live session" in {p.part for p in seen}
     assert [p.done for p in seen if not p.finished] == sorted(p.done for p in seen if not p.finished)
     assert seen[-1] == last
     stages = []
@@ -248,7 +249,7 @@ def test_precompile_in_worker_processes_changes_no_id_or_code(tiny_checkpoint, s
     chat = voicechat.load(tiny_checkpoint)
     seen = []
     last = precompile(chat, progress=seen.append, long_inputs=False, processes=2)
-    assert last.finished and last.done == last.total == 2 + len(PROCESS_PARTS)
+    assert last.finished and last.done == last.total == 2 + len(PROCESS_PARTS)  # (no live session)
     assert {p.part for p in seen} >= set(PROCESS_PARTS)
     assert _answer(chat, spoken_wav) == _answer(voicechat.load(tiny_checkpoint), spoken_wav)
 

@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
                 chat = load(model, progress=lambda stage: stages(f"load: {stage}"))
                 load_s = time.perf_counter() - start
                 if args.precompile:
-                    _precompile(chat, stages, say, load_s)
+                    _precompile(chat, stages, say, load_s, live=True)
                     failed = False
                     return 0
                 if _first_run_on_a_gpu(chat):  # (said only where the stages are: a bad input stays one line)
@@ -389,15 +389,15 @@ def _first_run_on_a_gpu(chat) -> bool:
     return os.environ.get("VOICECHAT_PRECOMPILE", "") != "0" and on_cuda_gpu() and not is_precompiled(chat)
 
 
-def _precompile(chat, stages: _Stages, say, load_s: float, long_inputs: bool = True) -> int:
-    """--precompile (and a first run on a GPU): the model's kernels compiled and kept
-    (`voicechat.precompile`)."""
+def _precompile(chat, stages: _Stages, say, load_s: float, long_inputs: bool = True, live: bool = False) -> int:
+    """--precompile (with the live path: the process ends after it) and a first run on a GPU: the
+    model's kernels compiled and kept (`voicechat.precompile`)."""
     import mlx.core as mx
 
     from .precompile import precompile
 
     stages(f"compiling {'GPU' if mx.default_device() == mx.gpu else 'CPU'} kernels for this model (first run only)")
-    last = precompile(chat, progress=stages.compile_progress, long_inputs=long_inputs)
+    last = precompile(chat, progress=stages.compile_progress, long_inputs=long_inputs, live=live)
     stages.end()
     say(f"precompiled: {last.kernels} kernels compiled in {last.elapsed:.1f} s (load {load_s:.1f} s); "
         "later runs read them from the caches")

@@ -25,7 +25,12 @@ What runs:
   attention kernels' split form, inputs of 82 s and more) and the speech encoder past 30 s (a layer
   at a time), unless `long_inputs` is off;
 - last, on the calling thread, one short `generate`: it finds every kernel compiled and warms what
-  MLX keeps per thread, so that the caller's next `generate` runs at warm speed.
+  MLX keeps per thread, so that the caller's next `generate` runs at warm speed;
+- with `live`, then a live session of silence past the encoder's 70-frame attention cache
+  (`warm_live`): the live path's own shapes (the streamed encoder's chunks and its compiled
+  steady state, the streamed codec). It casts perception's and the codec decoder's weights to
+  float32 as any live session does (1.4 GB more at full size), so `vc-generate --precompile`, which
+  exits after it, asks for it, and a first run's precompile before a `generate` does not.
 
 What MLX-CUDA 0.32.4 allows at once, and so the rules here:
 - MLX's JIT cache is one per process behind one lock held over the whole NVRTC compile
@@ -73,8 +78,12 @@ from .session import STEPWISE_MEL_FRAMES, VoiceChat
 from .stt.rnnt import emitted_tokens, greedy_table
 from .tts_thread import WorkerThread
 
-# The parts when they run as threads of this process (`PROCESS_PARTS` in worker processes).
-PARTS = ("our kernels", "timeline", "speech encoder", "codec", "long context", "warm generate")
+# The parts when they run as threads of this process (`PROCESS_PARTS` in worker processes); the
+# last with `live` only.
+PARTS = ("our kernels", "timeline", "speech encoder", "codec", "long context", "warm generate", "live session")
+# Frames of the live warm-up: past the encoder's 70-frame attention cache, so that its compiled
+# steady-state chunk runs too.
+LIVE_FRAMES = 76
 # Seconds of the dummy input of the timeline and the warm generate.
 DUMMY_SECONDS = 2.0
 # K/V slots from which the decode attention kernels take their split form (csrc/ops/decode_attention.cpp)
@@ -314,6 +323,16 @@ def warm_generate(chat: VoiceChat, seconds: float = DUMMY_SECONDS) -> None:
     `generate` then runs at warm speed (what MLX keeps per thread is made here)."""
     chat.generate(dummy_audio(seconds, chat.config.input_sample_rate), system_prompt="Hi.",
                   sample_rate=chat.config.input_sample_rate, extra_decoding_seconds=0.0)
+
+
+def warm_live(chat: VoiceChat, frames: int = LIVE_FRAMES) -> None:
+    """A live session of `frames` 80 ms chunks of silence on the calling thread, then its end."""
+    rate = chat.config.input_sample_rate
+    chunk = np.zeros(int(round(rate * chat.config.frame_duration)), np.float32)
+    with chat.live() as live:
+        for _ in range(frames):
+            live.push(chunk, sample_rate=rate)
+        live.finish(0.0)
 
 
 def _speech_encoder(chat: VoiceChat, long_inputs: bool) -> None:
@@ -556,13 +575,15 @@ def _worker(argv: list[str]) -> int:
 
 
 def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = None, *,
-               long_inputs: bool = True, processes: int | None = None, every: float = 0.5) -> Progress:
+               long_inputs: bool = True, processes: int | None = None, every: float = 0.5,
+               live: bool = False) -> Progress:
     """Run every part of `chat`'s generate once on dummy inputs (`PARTS`), so that the kernels it
     needs are compiled and kept in the disk caches, and this process's next `generate` runs at
     warm speed. `progress(Progress)` is called from a thread of its own every `every` seconds and
     whenever a part ends (the last call has `finished`). `long_inputs`: also the shapes of inputs
     past 30 s (the encoder a layer at a time) and 82 s (split attention). `processes`: worker
     processes for the parts (default `worker_processes(chat)`; 0: threads of this process).
+    `live`: also a live session of silence (`warm_live`; see the module docstring for its memory).
     Returns the last Progress.
 
     Safe on a model in use by nobody else (it runs generate's own paths, under its lock)."""
@@ -570,8 +591,9 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
     folders = kernel_cache_folders()
     extra_folders: list[tuple[Path, int]] = []  # the workers' own caches while they run, and their files at start
     start, before = time.perf_counter(), count_kernels(folders)
-    parts = ["our kernels", *(PROCESS_PARTS if count else [p for p in PARTS[1:-1]
-                                                        if long_inputs or p != "long context"]), "warm generate"]
+    parts = ["our kernels", *(PROCESS_PARTS if count else [p for p in PARTS[1:-2]
+                                                        if long_inputs or p != "long context"]), "warm generate",
+             *(["live session"] if live else [])]
     state = {"done": 0, "part": parts[0], "own_compiled": 0, "own_total": 0}
     lock = threading.Lock()
     stop = threading.Event()
@@ -654,6 +676,11 @@ def precompile(chat: VoiceChat, progress: Callable[[Progress], None] | None = No
             state["part"] = "warm generate"
         warm_generate(chat)
         finished("warm generate")
+        if live:
+            with lock:
+                state["part"] = "live session"
+            warm_live(chat)
+            finished("live session")
     finally:
         for h in helpers:
             h.close()

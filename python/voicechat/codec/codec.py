@@ -225,6 +225,19 @@ class _Variance(nn.Module):
         self.variance = mx.array(1.0)
 
 
+def check_codes(codes: mx.array, book: mx.array) -> None:
+    """codes must be [B, Q', T] with Q' no more than `book`'s codebooks (ValueError)."""
+    if codes.ndim != 3 or codes.shape[1] > book.shape[0]:
+        raise ValueError(f"codes must be [batch, <= {book.shape[0]} codebooks, frames], got {codes.shape}")
+
+
+def codewords_sum(book: mx.array, codes: mx.array) -> mx.array:
+    """The sum of the codewords `codes [B, Q', T]` pick from the first Q' codebooks of `book [Q, K,
+    D]`: latent [B, T, D]."""
+    q = mx.arange(codes.shape[1])[None, :, None]
+    return book[q, codes.astype(mx.int32)].sum(axis=1)
+
+
 class PRVQ(nn.Module):
     """Residual quantizer over `num_quantizers` codebooks of means `mus_list.{q}` [K, latent_dim].
 
@@ -262,10 +275,8 @@ class PRVQ(nn.Module):
     def decode(self, codes: mx.array) -> mx.array:
         """codes [B, Q', T] (Q' <= Q: the first Q' codebooks) -> latent [B, T, D] float32."""
         book, _ = self.codebooks()
-        if codes.ndim != 3 or codes.shape[1] > book.shape[0]:
-            raise ValueError(f"codes must be [batch, <= {book.shape[0]} codebooks, frames], got {codes.shape}")
-        q = mx.arange(codes.shape[1])[None, :, None]
-        return book[q, codes.astype(mx.int32)].sum(axis=1)
+        check_codes(codes, book)
+        return codewords_sum(book, codes)
 
     def decode_reference(self, codes: mx.array) -> mx.array:
         latent = mx.zeros((codes.shape[0], codes.shape[2], self.mus_list[0].shape[-1]))
@@ -483,9 +494,8 @@ def _stream_graph(codec: AudioCodec, codes: mx.array, book: mx.array, contexts: 
                   inverse: mx.array) -> tuple[mx.array, list[mx.array]]:
     """Code frames continuing a stream -> their windowed inverse-STFT frames and the blocks' next
     contexts (what `_stream_frames` compiles)."""
-    q = mx.arange(codes.shape[1])[None, :, None]
     contexts = list(contexts)
-    features = codec.decoder(book[q, codes.astype(mx.int32)].sum(axis=1), contexts)
+    features = codec.decoder(codewords_sum(book, codes), contexts)
     return windowed_frames(_spectrum(features), window, inverse), contexts
 
 
@@ -495,8 +505,7 @@ def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],
     decoder's weights are inputs, so a cast or reload is seen): replayed, not built op by op, each
     frame. Returns the windowed frames and the new contexts, lazy."""
     book, _ = codec.prvq.codebooks()
-    if codes.ndim != 3 or codes.shape[1] > book.shape[0]:
-        raise ValueError(f"codes must be [batch, <= {book.shape[0]} codebooks, frames], got {codes.shape}")
+    check_codes(codes, book)
     step = getattr(codec, "_stream_step", None)
     if step is None:
         step = mx.compile(lambda *args: _stream_graph(codec, *args), inputs=codec.decoder.state)

@@ -389,9 +389,13 @@ class Perception(nn.Module):
             raise ValueError(f"mel must be [B, T, {self.config.encoder.feat_in}], got {tuple(mel.shape)}")
         if lengths is None:
             lengths = mx.full((mel.shape[0],), mel.shape[1], dtype=mx.int32)
-        encoded = self.encoder(mel.astype(mx.float32), stepwise).astype(mx.float32)
-        projected = self.proj(encoded).astype(mx.float32)
+        projected, encoded = self.project(self.encoder(mel.astype(mx.float32), stepwise))
         return projected, subsampled_length(lengths.astype(mx.int32)), encoded
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Encoder frames -> `(projected [.., output_dim], encoded [.., d_model])`, both float32."""
+        encoded = x.astype(mx.float32)
+        return self.proj(encoded).astype(mx.float32), encoded
 
 
 @dataclass
@@ -478,8 +482,7 @@ class PerceptionStream:
             return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), x
         x = self.perception.encoder.stream(x, self.caches, self._positions(self.caches[0].keys.shape[2] + x.shape[1]))
         self.frames += x.shape[1]
-        encoded = x.astype(mx.float32)
-        return self.perception.proj(encoded).astype(mx.float32), encoded
+        return self.perception.project(x)
 
     def _positions(self, length: int) -> tuple[int, list[mx.array]]:
         """`ConformerEncoder.stream_positions(length)`, kept while chunks repeat the length (a full
@@ -516,8 +519,7 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> t
                                       for j in range(3))) for layer in range(len(first.caches))]
         x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in members]), caches,
                                             first._positions(first.caches[0].keys.shape[2] + count))
-        encoded = x.astype(mx.float32)
-        projected = first.perception.proj(encoded).astype(mx.float32)
+        projected, encoded = first.perception.project(x)
         for row, i in enumerate(members):
             stream = streams[i]
             for own, batched in zip(stream.caches, caches):

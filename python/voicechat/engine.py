@@ -279,9 +279,10 @@ class Engine:
         for s, *lazy in stepped:
             # A session's codec frame is built as soon as its codes are back, while the device still
             # runs the next sessions' steps (queued behind them).
-            frames.append((s, *s._read_step(*lazy)))
+            text_id, function_id, codes = s._read_step(*lazy)
+            frames.append((s, text_id, function_id, codes))
             with mx.stream(self.chat._timeline_stream):
-                framed.append(s.decoder.queue(mx.array(s._decodable(frames[-1][3])[None, :, None])))
+                framed.append(s.decoder.queue(mx.array(s._decodable(codes)[None, :, None])))
         read = time.perf_counter()
         with mx.stream(self.chat._timeline_stream):
             mx.eval(framed, [s.decoder.contexts for s, *_ in frames])

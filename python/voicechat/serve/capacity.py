@@ -62,6 +62,6 @@ def round_ms(chat, sessions: int) -> float:
 def measure(chat) -> Capacity:
     """Run rounds of one and of two live sessions of silence on `chat`; the capacity they show."""
     one, two = (round_ms(chat, n) for n in MEASURED_SESSIONS)
-    # A second session costs at least a little: a noisy pair of measurements never reads as free.
+    # Each further session counts as at least 5% of a lone frame, however close the two rounds measure.
     session_ms = max(two - one, 0.05 * one)
     return Capacity(frame_ms_p95=one, session_ms=session_ms, sessions=sessions_for(session_ms, one - session_ms))

@@ -12,7 +12,7 @@ import pytest
 from voicechat.checkpoint import open_checkpoint
 from voicechat.synthetic import make_checkpoint
 from voicechat.tokenizer import TextTokenizer
-from voicechat.tts.char_encoder import CharVocabularyError
+from voicechat.tts.char_encoder import CharVocabularyError, SubwordChars
 from voicechat.tts.ear_tts import EarTTS
 from voicechat.tts.layers import OffsetRMSNorm
 from voicechat.kernels.mog_sample import top_p_keep
@@ -195,6 +195,20 @@ def test_char_encoder_drops_unknown_characters_and_pools_empty_to_zero(tiny, tin
     assert enc.char_ids(4) == ()
     table = other.char_table()
     np.testing.assert_allclose(np.asarray(table[4]), np.asarray(enc.flags(mx.array(4))), atol=1e-6)
+
+
+def test_subword_chars_are_each_tokens_known_characters_in_order():
+    chars = ["é", "b", "a", "\U0001f600", "\u0120"]  # (not in code point order)
+    vocab = {"ab": 0, "ba€a": 2, "": 3, "\u0120é\U0001f600x": 4, "zz": 5, "a": 6, "\ud800b": 7, "out": 99}
+    m = SubwordChars.build(vocab, chars, 8)
+    index = {c: i for i, c in enumerate(chars)}
+    for i in range(8):
+        token = next((t for t, j in vocab.items() if j == i), "")
+        assert m[i] == tuple(index[c] for c in token if c in index), (i, token)
+    assert m[1] == () and m[2] == (1, 2, 2) and m[4] == (4, 0, 3)
+    assert m.lengths.tolist() == [2, 0, 3, 0, 3, 0, 1, 1]
+    other = SubwordChars.build({**vocab, "ab": 6, "a": 0}, chars, 8)
+    assert other.digest() != m.digest()
 
 
 def test_char_vocabulary_must_have_256_single_characters(tiny, tiny_checkpoint, tmp_path):

@@ -14,7 +14,6 @@ a step's conditioning is then one row gather.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 from typing import Sequence
 
@@ -157,6 +156,42 @@ class BosEosEmbedding(nn.Module):
         return self.special_emb(flags).astype(mx.float32)
 
 
+class SubwordChars:
+    """Every subword's char-vocabulary ids, as two flat arrays: `lengths [vocab]` and `flat` (the
+    ids of subword 0, then 1, ...). Not a list of tuples: a module attribute that is a list is
+    walked by every tree traversal of the model (131072 tuples at full size)."""
+
+    def __init__(self, lengths: np.ndarray, flat: np.ndarray):
+        self.lengths = lengths.astype(np.int32)
+        self.flat = flat.astype(np.int32)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)[:-1]])
+
+    @classmethod
+    def build(cls, vocab: dict[str, int], chars: list[str], vocab_size: int) -> "SubwordChars":
+        """Each id's token of `vocab` (token -> id) as indices into `chars` (the char vocabulary),
+        the characters outside it dropped; ids without a token have none."""
+        tokens = [""] * vocab_size
+        for token, i in vocab.items():
+            if 0 <= i < vocab_size:
+                tokens[i] = token
+        lengths = np.fromiter(map(len, tokens), np.int64, vocab_size)
+        points = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), np.uint32)
+        known = np.array([ord(c) for c in chars], np.uint32)
+        order = np.argsort(known, kind="stable")
+        at = np.minimum(np.searchsorted(known[order], points), len(known) - 1)
+        kept = known[order][at] == points
+        owner = np.repeat(np.arange(vocab_size), lengths)
+        return cls(np.bincount(owner[kept], minlength=vocab_size), order[at][kept])
+
+    def digest(self) -> str:
+        """sha256 of the map (the char table's key)."""
+        return hashlib.sha256(self.lengths.tobytes() + b"\0" + self.flat.tobytes()).hexdigest()
+
+    def __getitem__(self, i: int) -> tuple[int, ...]:
+        start = int(self.starts[i])
+        return tuple(self.flat[start : start + int(self.lengths[i])].tolist())
+
+
 class CharAwareSubwordEncoder(nn.Module):
     """`embed_subword.*`: subword id -> hidden vector, from the id's characters."""
 
@@ -170,28 +205,22 @@ class CharAwareSubwordEncoder(nn.Module):
         self.proj_embedding = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.subword_flag_emb = SubwordFlagEmbedding(vocab_size, cfg.hidden_size)
         self.bos_eos_emb = BosEosEmbedding(vocab_size, cfg.hidden_size)
-        self._chars: list[tuple[int, ...]] | None = None
+        self._chars: SubwordChars | None = None
         self.vocabulary_digest: str | None = None  # sha256 of the subword -> chars map (the table's key)
 
     # ------------------------------------------------------------------ vocabulary
 
     def set_tokenizer(self, tokenizer) -> None:
         """Build the dense char vocabulary and every subword's char ids from a `TextTokenizer`."""
-        singles = tokenizer.single_character_tokens()  # (id, token), sorted by id
+        vocab = tokenizer.vocab()
+        singles = sorted((i, token) for token, i in vocab.items() if len(token) == 1)
         if len(singles) != self.char_pad:
             raise CharVocabularyError(
                 f"the tokenizer has {len(singles)} single-character tokens, but the TTS char encoder "
                 f"embeds {self.char_pad} characters (+1 padding); this tokenizer does not belong to "
                 "this checkpoint")
-        char_index = {token: i for i, (_, token) in enumerate(singles)}
-        chars: list[tuple[int, ...]] = [()] * self.vocab_size
-        for token, i in tokenizer.vocab().items():
-            if 0 <= i < self.vocab_size:
-                chars[i] = tuple(char_index[c] for c in token if c in char_index)
-        self._chars = chars
-        lengths = np.fromiter(map(len, chars), np.int32, len(chars))
-        flat = np.fromiter(itertools.chain.from_iterable(chars), np.int32)
-        self.vocabulary_digest = hashlib.sha256(lengths.tobytes() + b"\0" + flat.tobytes()).hexdigest()
+        self._chars = SubwordChars.build(vocab, [token for _, token in singles], self.vocab_size)
+        self.vocabulary_digest = self._chars.digest()
 
     @property
     def has_vocabulary(self) -> bool:
@@ -248,8 +277,8 @@ class CharAwareSubwordEncoder(nn.Module):
         if self._chars is None:
             raise RuntimeError("the TTS char encoder has no vocabulary yet: call set_tokenizer(tokenizer)")
         by_width: dict[int, list[int]] = {}
-        for i in range(self.vocab_size):
-            if n := len(self._chars[i]):
+        for i, n in enumerate(self._chars.lengths.tolist()):
+            if n:
                 width = next((w for w in _TABLE_WIDTHS if n <= w), -(-n // 64) * 64)
                 by_width.setdefault(width, []).append(i)
         table = mx.zeros((self.vocab_size + 1, self.hidden_size), mx.float32)

@@ -8,12 +8,15 @@ stages do not overlap as they do in a session: their sum is a little more than a
 
 - `perceive`: log-mel, the streamed FastConformer and the projection of the chunk's frames;
 - `transcript`: the RNNT loop over the chunk's encoder frames, read back;
-- `step`: the LLM and TTS steps of the frame and its ids and codes read back (`FrameLoop`);
-- `codec`: the streamed codec decode of the frame's codes, read back;
+- `step`: the LLM and TTS steps of the frame, evaluated (`FrameLoop`; with `--tts-thread 1` the
+  TTS runs on its worker and this is the LLM's alone);
+- `codec`: the streamed codec decode of the frame's codes, evaluated;
 - `frame`: the whole `push`, unsplit, timed in a session of its own on the same input.
 
 Printed per stage: p50, p95 and max in ms over `--frames` frames after `--warmup` (traces and
-kernel compiles), and the primitives the first measured frame's graph holds (`opcount`: each costs
+kernel compiles); `host`, the p50 of the time until its graph is built and queued
+(`mx.async_eval` returns once the host has launched every kernel: what is left is the device's);
+and the primitives the first measured frame's graph holds (`opcount`: each costs
 a launch on a GPU). The speech encoder's attention cache fills at frame 70 (its left context):
 from there on perception runs its compiled steady state, measured with `--warmup` 70 or more.
 Full size: random 4-bit weights in memory (a CUDA GPU). A measurement, not a test.
@@ -51,9 +54,11 @@ def _input(frames: int) -> np.ndarray:
     return np.concatenate([speech, np.zeros(max(0, total - speech.size), np.float32)])[:total]
 
 
-def _timed(name: str, times: dict, ops: dict, fn, readback, warmup: int):
+def _timed(name: str, times: dict, ops: dict, fn, readback, warmup: int, queued=None):
     """`fn` wrapped: its lazy outputs evaluated (`readback`) and timed under `name`; the graph of
-    the first measured call (after `warmup` calls) is counted."""
+    the first measured call (after `warmup` calls) is counted. With `queued` (the lazy arrays of
+    `fn`'s result), they are first queued with `mx.async_eval`, and the time until that returns
+    (building the graph and launching its kernels, on the host) is kept as `name` + " host"."""
 
     def wrapped(*args, **kwargs):
         start = time.perf_counter()
@@ -62,6 +67,9 @@ def _timed(name: str, times: dict, ops: dict, fn, readback, warmup: int):
             counting = time.perf_counter()
             ops[name] = kernel_count(op_labels(out)) if readback is mx.eval else None
             start += time.perf_counter() - counting  # (counting is not the stage's time)
+        if queued is not None:
+            mx.async_eval(queued(out))
+            times[name + " host"].append((time.perf_counter() - start) * 1e3)
         readback(out)
         times[name].append((time.perf_counter() - start) * 1e3)
         return out
@@ -72,11 +80,14 @@ def _timed(name: str, times: dict, ops: dict, fn, readback, warmup: int):
 def split(chat, samples: np.ndarray, warmup: int) -> tuple[dict, dict]:
     times: dict = defaultdict(list)
     ops: dict = {}
+    lazy = lambda out: [a for a in out if isinstance(a, mx.array)]  # noqa: E731
     with chat.live() as live:
-        live.perception.push = _timed("perceive", times, ops, live.perception.push, mx.eval, warmup)
+        live.perception.push = _timed("perceive", times, ops, live.perception.push, mx.eval, warmup, queued=list)
         live.transcript.push = _timed("transcript", times, ops, live.transcript.push, np.array, warmup)
-        live._step = _timed("step", times, ops, live._step, lambda out: None, warmup)
-        live.decoder.push = _timed("codec", times, ops, live.decoder.push, lambda out: None, warmup)
+        live._queue_step = _timed("step", times, ops, live._queue_step, lambda out: mx.eval(lazy(out)), warmup,
+                                  queued=lazy)
+        decoder = live.decoder
+        decoder.queue = _timed("codec", times, ops, decoder.queue, mx.eval, warmup, queued=lambda framed: [framed])
         for pos in range(0, samples.size, CHUNK):
             live.push(samples[pos : pos + CHUNK])
         live.finish(0.0)
@@ -108,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=["tiny", "full"], default="tiny")
     p.add_argument("--frames", type=int, default=60, help="frames measured (default 60)")
     p.add_argument("--warmup", type=int, default=20, help="frames first, not measured (default 20)")
+    p.add_argument("--tts-thread", choices=["0", "1"], default=None, help="the TTS on a worker thread "
+                   "(default: the model's own setting)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,18 +129,22 @@ def main(argv: list[str] | None = None) -> int:
             chat = voicechat.load(random_checkpoint(workdir / "full", "full", quantize=4))
         else:
             chat = voicechat.load(make_checkpoint(workdir / "tiny", "tiny"))
+        if args.tts_thread is not None:
+            chat.tts_thread = args.tts_thread == "1"
         samples = _input(args.frames + args.warmup)
         times, ops = split(chat, samples, args.warmup)
-        rows = {name: {**_summary(times[name]), "ops": ops.get(name)} for name in
-                ("perceive", "transcript", "step", "codec")}
+        rows = {name: {**_summary(times[name]), "host_p50_ms": _summary(times.get(name + " host", [])).get("p50_ms"),
+                       "ops": ops.get(name)} for name in ("perceive", "transcript", "step", "codec")}
         rows["frame"] = {**_summary(whole(chat, samples, args.warmup)), "ops": None}
         chat.close()
-    info = {"size": args.size, "device": str(mx.default_device()), "mlx_env": mlx_env(), "rows": rows}
-    print(f"{'stage':<11} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'ops':>6}")
+    info = {"size": args.size, "device": str(mx.default_device()), "tts_thread": args.tts_thread,
+            "mlx_env": mlx_env(), "rows": rows}
+    print(f"{'stage':<11} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'host ms':>8} {'ops':>6}")
     for name, row in rows.items():
         if row["n"]:
+            host = row.get("host_p50_ms")
             print(f"{name:<11} {row['p50_ms']:8.2f} {row['p95_ms']:8.2f} {row['max_ms']:8.2f} "
-                  f"{row['ops'] if row['ops'] is not None else '':>6}")
+                  f"{'' if host is None else f'{host:8.2f}':>8} {row['ops'] if row['ops'] is not None else '':>6}")
     if args.json:
         Path(args.json).write_text(json.dumps(info, indent=2))
     return 0

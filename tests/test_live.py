@@ -184,6 +184,26 @@ def test_a_live_session_casts_perception_and_codec_weights_once_and_changes_no_v
     check_equal(frames, live_result, before)
 
 
+def test_control_codes_become_silence_on_the_device_as_on_the_host(chat):
+    import mlx.core as mx
+
+    control = np.array(chat.speaking.control_codes)
+    silence = np.array(chat.speaking.codec_silence_tokens)
+    rng = np.random.default_rng(3)
+    cases = [rng.integers(0, 1024, silence.size).astype(np.int32) for _ in range(4)]
+    for j, code in enumerate(control):  # each control code, at one position and at every one
+        cases[j][j::3] = code
+    cases.append(np.full(silence.size, control[-1], np.int32))
+    with chat.live() as live:
+        for codes in cases:
+            host = live._decodable(codes)
+            assert not np.array_equal(host, codes) or not np.isin(codes, control).any()
+            got = np.array(live._decodable_on_device(mx.array(codes.reshape(1, 1, -1))))
+            assert got.dtype == np.int32
+            np.testing.assert_array_equal(got, host[None, :, None])
+    np.testing.assert_array_equal(live._decodable(cases[-1]), silence)
+
+
 def test_the_input_is_kept_only_when_asked_and_the_audio_unless_told(chat, inputs):
     samples, rate = inputs["speech16k"]
     expected = reference(chat, inputs, "speech16k")

@@ -267,28 +267,18 @@ class Engine:
     def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
         """Each ready session's frame as `chat.live` makes it (`FrameLoop.step` with the
         single-session kernels, then its own codec frame, on its own caches), one session after
-        another. Every session's steps are queued before any is read back, and each one's codec
-        frame as soon as its codes are back, so the device runs them back to back while the host
-        builds the next. Each session's codec runs on its own row, not in a batch: a batch's
-        products may round otherwise on a GPU, and a session in turn gets `chat.live`'s samples
-        bit for bit. Returns when the steps were read back, and when each session's frame was
-        delivered."""
-        stepped = [(s, *s._queue_step(s._queue[0][0], 0)) for s in ready]
+        another. Every session's step and codec frame are queued before any is read back, so the
+        device runs them back to back while the host builds the next. Each session's codec runs on
+        its own row, not in a batch: a batch's products may round otherwise on a GPU, and a session
+        in turn gets `chat.live`'s samples bit for bit. Returns when the steps were read back, and
+        when each session's frame was delivered."""
+        queued = [(s, s._queue_frame(s._queue[0][0], 0)) for s in ready]
         self.path_ticks["alone"] += len(ready)
-        frames, framed = [], []
-        for s, *lazy in stepped:
-            # A session's codec frame is built as soon as its codes are back, while the device still
-            # runs the next sessions' steps (queued behind them).
-            text_id, function_id, codes = s._read_step(*lazy)
-            frames.append((s, text_id, function_id, codes))
-            with mx.stream(self.chat._timeline_stream):
-                framed.append(s.decoder.queue(mx.array(s._decodable(codes)[None, :, None])))
+        frames = [(s, s._read_frame(*lazy)) for s, lazy in queued]
         read = time.perf_counter()
-        with mx.stream(self.chat._timeline_stream):
-            mx.eval(framed, [s.decoder.contexts for s, *_ in frames])
         delivered = {}
-        for (s, text_id, function_id, codes), queued in zip(frames, framed):
-            s._deliver(text_id, function_id, codes, s.decoder.take(queued)[0])
+        for s, (text_id, function_id, codes, audio) in frames:
+            s._deliver(text_id, function_id, codes, audio)
             delivered[s] = time.perf_counter()
         return read, delivered
 

@@ -98,6 +98,14 @@ class _Growing:
         return self._data[: self.size]
 
 
+@mx.compile
+def _decodable_codes(codes: mx.array, control: mx.array, silence: mx.array) -> mx.array:
+    """codes `[1, Q, 1]` with every control code replaced by its codebook's silence code (one fused
+    launch)."""
+    is_control = (codes[..., None] == control).any(axis=-1)
+    return mx.where(is_control, silence.reshape(1, -1, 1), codes).astype(mx.int32)
+
+
 class LiveSession:
     """A live conversation on a `VoiceChat` (made by `VoiceChat.live`; see the module docstring).
 
@@ -353,10 +361,10 @@ class LiveSession:
                 self._context_full = True
                 self._end(frames[-1] if frames else None)
                 raise ContextFull(self._full_message(), frames, self.limit)
-            stepped = self._step(projected, i)
+            stepped = self._read_frame(*self._queue_frame(projected, i))
             if emitted is None:
                 emitted = np.array(table)
-            frames.append(self._emit(*stepped, emitted[i]))
+            frames.append(self._emit(*stepped[:3], emitted[i], stepped[3]))
         if end:
             self._end(frames[-1])
         elif self.prompt_frames + self.frames >= self.limit:  # the last frame the context holds
@@ -364,10 +372,26 @@ class LiveSession:
             self._end(frames[-1])
         return frames
 
-    def _step(self, projected: mx.array, i: int) -> tuple[int, int, np.ndarray]:
-        """Frame i of `projected` through the LLM and the TTS (`FrameLoop.step`): its text id,
-        function id and codes `[Q]`, read back."""
-        return self._read_step(*self._queue_step(projected, i))
+    def _queue_frame(self, projected: mx.array, i: int) -> tuple:
+        """Frame i of `projected` through the LLM and the TTS (`FrameLoop.step`) and its codes through
+        the codec, all queued on the device, nothing read back (for `_read_frame`). The codec's graph
+        is built and launched while the device still runs the step: on a GPU a frame then waits for
+        the codec's kernels only, not for their launching too. A worker's codes, and position 0's
+        (no TTS step), are decoded once read back (`_emit`)."""
+        text_id, function_id, code, stepped_tts = self._queue_step(projected, i)
+        framed = None
+        if code is not None:
+            with mx.stream(self.chat._timeline_stream):
+                framed = self.decoder.queue(self._decodable_on_device(code))
+                mx.async_eval(framed, self.decoder.contexts)
+        return text_id, function_id, code, stepped_tts, framed
+
+    def _read_frame(self, text_id: mx.array, function_id: mx.array, code: mx.array | None, stepped_tts: bool,
+                    framed: mx.array | None) -> tuple[int, int, np.ndarray, np.ndarray | None]:
+        """A queued frame read back: its text id, function id, codes `[Q]` and samples (None when
+        the codec has not run it yet)."""
+        text_id, function_id, codes = self._read_step(text_id, function_id, code, stepped_tts)
+        return text_id, function_id, codes, None if framed is None else self.decoder.take(framed)[0]
 
     def _queue_step(self, projected: mx.array, i: int) -> tuple[mx.array, mx.array, mx.array | None, bool]:
         """`FrameLoop.step` of frame i, queued on the device, not read back: `(text id, function
@@ -392,6 +416,11 @@ class LiveSession:
     def _decodable(self, codes: np.ndarray) -> np.ndarray:
         """A frame's codes as the codec takes them: control codes -> the silence codes."""
         return np.where(np.isin(codes, self._control_codes), self._silence_codes, codes).astype(np.int32)
+
+    def _decodable_on_device(self, code: mx.array) -> mx.array:
+        """`_decodable` of a frame's codes `[1, 1, Q]` left on the device: `[1, Q, 1]` int32."""
+        return _decodable_codes(code.reshape(1, -1, 1), self.chat.speaking.control_codes,
+                                self.chat.speaking.codec_silence_tokens)
 
     def _emit(self, text_id: int, function_id: int, codes: np.ndarray, transcript_row: np.ndarray,
               audio: np.ndarray | None = None) -> Frame:

@@ -153,7 +153,7 @@ def test_precompile_and_the_warm_up_at_load_change_no_id_or_code(tiny_checkpoint
     assert seen[-1] == last
     stages = []
     warm = voicechat.load(tiny_checkpoint, progress=stages.append, warmup=True)
-    assert stages == ["opening the checkpoint", "char table", "reading weights", "speaker prompt", "warming up"]
+    assert stages == ["opening the checkpoint", "reading weights", "char table", "speaker prompt", "warming up"]
     plain = voicechat.load(tiny_checkpoint)
     assert _answer(chat, spoken_wav) == _answer(plain, spoken_wav) == _answer(warm, spoken_wav)
 
@@ -162,7 +162,7 @@ def test_vc_generate_precompile_compiles_and_exits_with_stage_lines(capsys, tiny
     assert main(["-m", str(tiny_checkpoint), "--precompile"]) == 0
     out, err = capsys.readouterr()
     assert out == ""
-    for needle in ("load: opening the checkpoint: ", "load: char table: ", "load: reading weights: ",
+    for needle in ("load: opening the checkpoint: ", "load: reading weights: ", "load: char table: ",
                    "load: speaker prompt: ", "kernels for this model (first run only): ", "precompiled: "):
         assert needle in err, needle
     assert main(["-m", str(tiny_checkpoint), "--precompile", "--audio", os.devnull]) == 2

@@ -51,9 +51,8 @@ def prepare_tts(tts: EarTTS, tokenizer, kernels: bool | None = None) -> EarTTS:
     return tts
 
 
-def prepare_for_decoding(model: nn.Module, tokenizer, kernels: bool | None = None) -> None:
-    """Both halves of a loaded `VoiceChatModel`: the listening LLM (its speech encoder's attention
-    layers stacked too) and EAR-TTS."""
-    prepare_lm(model.stt_model, kernels)
-    model.stt_model.perception.encoder.stack()
-    prepare_tts(model.tts_model.tts_model, tokenizer, kernels)
+def prepare_listening(listening: DuplexLM, kernels: bool | None = None) -> None:
+    """The listening model (`stt_model`): its LLM (`prepare_lm`) and its speech encoder's attention
+    layers stacked."""
+    prepare_lm(listening, kernels)
+    listening.perception.encoder.stack()

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,7 +33,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .config import EXTRA_DECODING_SECONDS, VoiceChatConfig
 from .frame_loop import FrameLoop
 from .model import VoiceChatModel
-from .prepare import prepare_for_decoding
+from .prepare import prepare_listening, prepare_tts
 from .stt.conformer import subsampled_length
 from .stt.rnnt import emitted_tokens, greedy_table, loop_weights
 from .tokenizer import TextTokenizer, decode_pieces, load_rnnt_pieces
@@ -472,9 +473,10 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory).
 
     A `Checkpoint` passed in is used up: its tensors are released once the model holds them.
-    `progress(stage)` is called as each stage begins: "opening the checkpoint", "char table" (computed
-    over the vocabulary, or read from its disk cache: `voicechat.char_table_cache`), "reading weights"
-    (the lazily opened tensors read and converted), "speaker prompt" (the codec encodes the TTS
+    `progress(stage)` is called as each stage begins: "opening the checkpoint", "reading weights"
+    (the lazily opened tensors of the listening model read and converted), "char table" (the
+    speaking model's weights read, and EAR-TTS's char table computed over the vocabulary or read
+    from its disk cache: `voicechat.char_table_cache`), "speaker prompt" (the codec encodes the TTS
     warmup's silence), and with `warmup` "warming up": one short generate on dummy audio
     (`precompile.warm_generate`), so that this process's first generate runs at warm speed (it
     compiles every kernel the caches lack)."""
@@ -483,16 +485,22 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     say("opening the checkpoint")
     checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)
     config = checkpoint.config
-    model = VoiceChatModel(config)
-    checkpoint.load_into(model, "")
-    tokenizer = TextTokenizer(Path(checkpoint.path) / "tokenizer.json")
+    # tokenizer.json (131072 ids) is parsed on a thread of its own while the LLM's weights are read
+    # (mx.eval lets go of the GIL).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer_job = pool.submit(TextTokenizer, Path(checkpoint.path) / "tokenizer.json")
+        model = VoiceChatModel(config)
+        checkpoint.load_into(model, "")
+        say("reading weights")
+        prepare_listening(model.stt_model)
+        mx.eval(model.stt_model.parameters())
+        tokenizer = tokenizer_job.result()
     if tokenizer.vocab_size > config.text_config.vocab_size:
         raise InputError(f"tokenizer.json has {tokenizer.vocab_size} ids but the model only "
                          f"{config.text_config.vocab_size}")
     pieces = load_rnnt_pieces(checkpoint.path, config.rnnt_vocabulary, config.audio_config.decoder.vocab_size)
     say("char table")
-    prepare_for_decoding(model, tokenizer)
-    say("reading weights")
+    prepare_tts(model.tts_model.tts_model, tokenizer)
     mx.eval(model.parameters())
     checkpoint.release()  # the model holds what it uses; converted tensors would stay twice
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)

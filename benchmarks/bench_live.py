@@ -100,8 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fast", action="store_true", help="push as fast as the session takes the chunks")
     p.add_argument("--cold", action="store_true", help="measure the first live session (compilation included)")
     p.add_argument("--silence", type=float, default=4.0, help="seconds of silence after the question (default 4)")
-    p.add_argument("--tts-thread", choices=["0", "1"], default=None, help="the TTS on a worker thread (default: "
-                                                                           "as VoiceChat decides)")
     p.add_argument("--minutes", default=None, help="memory run: report at these minutes of input, e.g. 1,10,60")
     p.add_argument("--no-keep-audio", action="store_true", help="memory run without keeping the answer's audio")
     args = p.parse_args(argv)
@@ -110,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         marks = [float(m) for m in args.minutes.split(",")] if args.minutes else []
         context = int(max(marks) * 60 / 0.08) + 64 if marks else None
         chat = load(args.size, Path(tmp), context)
-        if args.tts_thread is not None:
-            chat.tts_thread = args.tts_thread == "1"
-        info = {"size": args.size, "device": str(mx.default_device()), "tts_thread": chat.tts_thread,
+        info = {"size": args.size, "device": str(mx.default_device()),
                 "context": chat.config.text_config.max_position_embeddings, "load_s": time.perf_counter() - start,
                 "mlx_env": mlx_env()}
         print(json.dumps(info), flush=True)

@@ -8,8 +8,7 @@ stages do not overlap as they do in a session: their sum is a little more than a
 
 - `perceive`: log-mel, the streamed FastConformer and the projection of the chunk's frames;
 - `transcript`: the RNNT loop over the chunk's encoder frames, read back;
-- `step`: the LLM and TTS steps of the frame, evaluated (`FrameLoop`; with `--tts-thread 1` the
-  TTS runs on its worker and this is the LLM's alone);
+- `step`: the LLM and TTS steps of the frame, evaluated (`FrameLoop`);
 - `codec`: the streamed codec decode of the frame's codes, evaluated;
 - `frame`: the whole `push`, unsplit, timed in a session of its own on the same input.
 
@@ -119,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", choices=["tiny", "full"], default="tiny")
     p.add_argument("--frames", type=int, default=60, help="frames measured (default 60)")
     p.add_argument("--warmup", type=int, default=20, help="frames first, not measured (default 20)")
-    p.add_argument("--tts-thread", choices=["0", "1"], default=None, help="the TTS on a worker thread "
-                   "(default: the model's own setting)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,16 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             chat = voicechat.load(random_checkpoint(workdir / "full", "full", quantize=4))
         else:
             chat = voicechat.load(make_checkpoint(workdir / "tiny", "tiny"))
-        if args.tts_thread is not None:
-            chat.tts_thread = args.tts_thread == "1"
         samples = _input(args.frames + args.warmup)
         times, ops = split(chat, samples, args.warmup)
         rows = {name: {**_summary(times[name]), "host_p50_ms": _summary(times.get(name + " host", [])).get("p50_ms"),
                        "ops": ops.get(name)} for name in ("perceive", "transcript", "step", "codec")}
         rows["frame"] = {**_summary(whole(chat, samples, args.warmup)), "ops": None}
         chat.close()
-    info = {"size": args.size, "device": str(mx.default_device()), "tts_thread": args.tts_thread,
-            "mlx_env": mlx_env(), "rows": rows}
+    info = {"size": args.size, "device": str(mx.default_device()), "mlx_env": mlx_env(), "rows": rows}
     print(f"{'stage':<11} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'host ms':>8} {'ops':>6}")
     for name, row in rows.items():
         if row["n"]:

@@ -358,7 +358,7 @@ class EngineSession(LiveSession):
     def __init__(self, engine: Engine, slot: int, system_prompt, seed, keep_audio, keep_input_audio):
         # The system prompt and the TTS warmup run alone, as in `chat.live`: the state is in `self.loop`
         # (a session alone steps on it) until `_join` moves it into the batched rows.
-        super().__init__(engine.chat, object(), system_prompt, seed, keep_audio, keep_input_audio, tts_thread=False)
+        super().__init__(engine.chat, object(), system_prompt, seed, keep_audio, keep_input_audio)
         self._lock = engine._lock
         self.engine, self.slot = engine, slot
         self._queue: collections.deque = collections.deque()  # [audio frame [1, 1, H], (transcript, row), last]

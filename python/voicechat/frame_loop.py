@@ -76,7 +76,7 @@ class FrameLoop:
     def step(self, audio: mx.array, index: int = 0) -> tuple[mx.array, mx.array, mx.array | None]:
         """The next position with frame `index` of `audio [1, T, H]` on the audio channel: `(text id
         [1], function id [1], codes [1, 1, Q])`, all lazy; codes are None at position 0 (no TTS
-        there) and on a worker (it keeps or hands back its own).
+        there) and on a worker (it keeps its own).
 
         The frame is sliced here, on the loop's stream: a slice made on the caller's stream would
         make every frame wait across streams, which costs host time a frame on a GPU."""

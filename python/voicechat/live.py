@@ -50,9 +50,7 @@ from .stt.conformer import PerceptionStream
 from .stt.rnnt import TranscriptStream
 from .text_stream import PieceDeltas, TokenDeltas
 from .tokenizer import decode_pieces
-from .tts_thread import TTSThread
 
-SYNC_EVERY = 32  # the TTS worker's bound on frames in flight (it waits for every frame here anyway)
 
 
 class ContextFull(InputError):
@@ -113,7 +111,7 @@ class LiveSession:
     empty). `keep_input_audio` (default False): keep the 16 kHz input (`input_audio`)."""
 
     def __init__(self, chat, turn: object, system_prompt: str | None, seed: int, keep_audio: bool,
-                 keep_input_audio: bool, tts_thread: bool | None = None):
+                 keep_input_audio: bool):
         """`turn`: the model's turn this session holds (`VoiceChat._begin_turn`), released at close."""
         self.chat = chat
         c = chat.config
@@ -155,20 +153,17 @@ class LiveSession:
                                                stream=chat._transcript_stream, weights=chat._transcript_weights)
             self.decoder = DecoderStream(chat.speaking.audio_codec)
         tts = chat.ear_tts
-        threaded = chat.tts_thread if tts_thread is None else tts_thread
-        with mx.stream(chat._tts_stream if threaded else chat._timeline_stream):
+        with mx.stream(chat._timeline_stream):
             tts_cache = tts.make_cache()
             previous_code = tts.warmup(chat.speaking.audio_prompt_latents[c.speaker], chat.warmup_codes(), tts_cache)
         mx.eval(previous_code)
-        self._worker = TTSThread(tts, chat._tts_stream, chat.speaking.codec_silence_tokens, SYNC_EVERY,
-                                 chat._worker_thread(), deliver=True) if threaded else None
-        self._finalizer = weakref.finalize(self, _release, chat, turn, self._worker)
+        self._finalizer = weakref.finalize(self, chat._end_turn, turn)
+        # A live frame is waited for: its TTS step is built here, on the calling thread. Handed to
+        # the model's TTS worker (as `generate` does, where frames overlap), the step's codes would
+        # also wait for the hand-over, and the codec could not be queued behind the step.
         self.loop = FrameLoop(chat.listening, tts, chat._timeline_stream, c.pad_token_id,
-                              chat.speaking.codec_silence_tokens, previous_code, tts_cache, seed, self._worker)
+                              chat.speaking.codec_silence_tokens, previous_code, tts_cache, seed)
         _, prompt_codes = self.loop.prompt(ids)
-        if self._worker is not None:
-            for _ in range(1, self.prompt_frames):  # the prompt's codes are not part of the answer
-                self._worker.take()
         mx.eval(prompt_codes, self.loop.cache.state)
         self.host_syncs += 2
 
@@ -372,42 +367,36 @@ class LiveSession:
             self._end(frames[-1])
         return frames
 
-    def _queue_frame(self, projected: mx.array, i: int) -> tuple:
+    def _queue_frame(self, projected: mx.array, i: int) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
         """Frame i of `projected` through the LLM and the TTS (`FrameLoop.step`) and its codes through
         the codec, all queued on the device, nothing read back (for `_read_frame`). The codec's graph
         is built and launched while the device still runs the step: on a GPU a frame then waits for
-        the codec's kernels only, not for their launching too. A worker's codes, and position 0's
-        (no TTS step), are decoded once read back (`_emit`)."""
-        text_id, function_id, code, stepped_tts = self._queue_step(projected, i)
+        the codec's kernels only, not for their launching too. Position 0 (no TTS step, codes 0) is
+        decoded once read back (`_emit`)."""
+        text_id, function_id, code = self._queue_step(projected, i)
         framed = None
         if code is not None:
             with mx.stream(self.chat._timeline_stream):
                 framed = self.decoder.queue(self._decodable_on_device(code))
                 mx.async_eval(framed, self.decoder.contexts)
-        return text_id, function_id, code, stepped_tts, framed
+        return text_id, function_id, code, framed
 
-    def _read_frame(self, text_id: mx.array, function_id: mx.array, code: mx.array | None, stepped_tts: bool,
+    def _read_frame(self, text_id: mx.array, function_id: mx.array, code: mx.array | None,
                     framed: mx.array | None) -> tuple[int, int, np.ndarray, np.ndarray | None]:
         """A queued frame read back: its text id, function id, codes `[Q]` and samples (None when
         the codec has not run it yet)."""
-        text_id, function_id, codes = self._read_step(text_id, function_id, code, stepped_tts)
+        text_id, function_id, codes = self._read_step(text_id, function_id, code)
         return text_id, function_id, codes, None if framed is None else self.decoder.take(framed)[0]
 
-    def _queue_step(self, projected: mx.array, i: int) -> tuple[mx.array, mx.array, mx.array | None, bool]:
+    def _queue_step(self, projected: mx.array, i: int) -> tuple[mx.array, mx.array, mx.array | None]:
         """`FrameLoop.step` of frame i, queued on the device, not read back: `(text id, function
-        id, codes or None, whether the TTS stepped)`."""
-        text_id, function_id, code = self.loop.step(projected, i)
-        return text_id, function_id, code, self.loop.position > 1  # (position 0 has no TTS step: code 0)
+        id, codes or None)` (position 0 has no TTS step: its codes are 0)."""
+        return self.loop.step(projected, i)
 
-    def _read_step(self, text_id: mx.array, function_id: mx.array, code: mx.array | None,
-                   stepped_tts: bool) -> tuple[int, int, np.ndarray]:
-        """A queued step's ids and codes `[Q]` read back (the worker hands back the codes it made)."""
+    def _read_step(self, text_id: mx.array, function_id: mx.array, code: mx.array | None) -> tuple[int, int, np.ndarray]:
+        """A queued step's ids and codes `[Q]` read back."""
         with mx.stream(self.chat._timeline_stream):
-            if self._worker is not None:
-                mx.eval(text_id, function_id)
-                code = self._worker.take() if stepped_tts else None
-            else:
-                mx.eval(text_id, function_id, *([] if code is None else [code]))
+            mx.eval(text_id, function_id, *([] if code is None else [code]))
             self.host_syncs += 1
             codes = np.zeros(self.config.tts_config.num_quantizers, np.int32) if code is None \
                 else np.array(code).reshape(-1)
@@ -457,9 +446,6 @@ class LiveSession:
                                                               zip((last.text, last.function_text, last.transcript), texts))
         if self.keep_audio and tail.size:
             self._audio.append(tail)
-        if self._worker is not None:
-            worker, self._worker = self._worker, None
-            worker.finish() if not self._closed else worker.abort()
 
     def _full_message(self) -> str:
         audio_frames = self.limit - self.prompt_frames
@@ -468,20 +454,12 @@ class LiveSession:
                 f"the session ended after {audio_frames} frames (result() holds them)")
 
 
-def _release(chat, turn: object, worker: TTSThread | None) -> None:
-    """The session lets its model go (at close, or when it is garbage-collected unclosed)."""
-    if worker is not None:
-        worker.abort()
-    chat._end_turn(turn)
-
-
 class LiveHost:
     """Holds a `VoiceChat` for many live sessions at once, all stepped from one thread at a time
     (a server's scheduler): `host.live(...)` as `chat.live(...)`, without the one-session rule.
     Made by `VoiceChat.sessions()`; `close()` (or `with`) lets the model go.
 
-    Its sessions build their TTS steps on the stepping thread: the model's one TTS worker runs one
-    session's frames at a time, so it cannot serve several open sessions."""
+    Its sessions build their TTS steps on the stepping thread, as every live session does."""
 
     def __init__(self, chat):
         self.chat = chat
@@ -497,7 +475,7 @@ class LiveHost:
         seed = _checked_seed(seed)
         self.chat.prompt_ids(system_prompt)
         # A token of its own: closing one session does not let the model go.
-        return LiveSession(self.chat, object(), system_prompt, seed, keep_audio, keep_input_audio, tts_thread=False)
+        return LiveSession(self.chat, object(), system_prompt, seed, keep_audio, keep_input_audio)
 
     def close(self) -> None:
         if not self._closed:

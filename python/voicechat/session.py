@@ -102,8 +102,9 @@ class VoiceChat:
     """A loaded model: `generate()` runs the offline timeline on one input.
 
     `tts_thread` (on by default on a CUDA GPU, off elsewhere; VOICECHAT_TTS_THREAD=0|1 overrides):
-    build the TTS steps on a host thread of their own while this thread builds the LLM steps (same
-    ids and codes as one thread; `tts_thread.py` says why it pays and the rules it follows)."""
+    `generate` builds the TTS steps on a host thread of their own while this thread builds the LLM
+    steps (same ids and codes as one thread; `tts_thread.py` says why it pays and the rules it
+    follows). Live sessions build both on their own thread."""
 
     def __init__(self, checkpoint: Checkpoint, model: VoiceChatModel, tokenizer: TextTokenizer,
                  rnnt_pieces: list[str]):

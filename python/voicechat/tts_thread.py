@@ -33,7 +33,6 @@ import queue
 import threading
 
 import mlx.core as mx
-import numpy as np
 
 from .tts.backbone import BackboneCache
 
@@ -134,17 +133,12 @@ class TTSThread:
     the host syncs it made); an error in the worker is raised there, or by the next `put()`, after
     which the caller must `abort()`. `abort()` stops a worker whose codes are no longer wanted (the
     caller's loop failed) without stepping the ids still queued. `worker`: the thread to step on (a
-    `WorkerThread` the caller keeps, as `VoiceChat` does).
+    `WorkerThread` the caller keeps, as `VoiceChat` does)."""
 
-    `deliver` (a live session's mode): the worker waits for each frame's codes and hands them back
-    as host data, in order, through `take()`, and keeps none (`finish()` then returns no codes)."""
-
-    def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int, worker: WorkerThread,
-                 deliver: bool = False):
+    def __init__(self, tts, stream: mx.Stream, silence: mx.array, sync_every: int, worker: WorkerThread):
         self.tts, self.stream, self.silence, self.sync_every = tts, stream, silence, sync_every
         self._ids: queue.SimpleQueue = queue.SimpleQueue()
         self._codes: list[mx.array] = []
-        self._delivered: queue.SimpleQueue | None = queue.SimpleQueue() if deliver else None
         self._error: BaseException | None = None
         self._worker = worker
         self._done: threading.Event | None = None  # set when the job has returned
@@ -170,14 +164,6 @@ class TTSThread:
         handoff = mx.contiguous(text_id)
         mx.async_eval(handoff)
         self._ids.put(handoff)
-
-    def take(self) -> np.ndarray:
-        """`deliver` mode: the next frame's codes `[1, 1, Q]` int32, waiting for the worker; the
-        worker's error, if it failed."""
-        item = self._delivered.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
 
     def finish(self) -> tuple[list[mx.array], int]:
         """The codes `[1, 1, Q]` of every frame put, evaluated, and the worker's host syncs."""
@@ -206,11 +192,6 @@ class TTSThread:
                         return
                     previous_code, key = self.tts.step(previous_code, text_id, cache, key, self.silence)
                     frames += 1
-                    if self._delivered is not None:  # host data of its own: the caller reads no array of ours
-                        mx.eval(previous_code, key)
-                        self.syncs += 1
-                        self._delivered.put(np.array(previous_code))
-                        continue
                     self._codes.append(previous_code)
                     mx.async_eval(previous_code, key)
                     if frames % self.sync_every == 0:  # bound what is in flight
@@ -219,10 +200,8 @@ class TTSThread:
                 # settled here: the caller reads the codes and drops the cache on its own thread
                 mx.eval(self._codes, key, cache.state)
                 self.syncs += 1
-        except BaseException as e:  # raised again by finish() (or take()), on the caller's thread
+        except BaseException as e:  # raised again by finish(), on the caller's thread
             self._error = e
-            if self._delivered is not None:
-                self._delivered.put(e)
             if text_id is not _DONE:
                 while self._ids.get() is not _DONE:  # let the caller's loop run to its end
                     pass

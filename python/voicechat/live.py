@@ -52,7 +52,6 @@ from .text_stream import PieceDeltas, TokenDeltas
 from .tokenizer import decode_pieces
 
 
-
 class ContextFull(InputError):
     """The session's timeline reached the model's context: the session has ended. `frames`: the
     frames this call completed before the limit (the last one carries the final samples);
@@ -356,10 +355,10 @@ class LiveSession:
                 self._context_full = True
                 self._end(frames[-1] if frames else None)
                 raise ContextFull(self._full_message(), frames, self.limit)
-            stepped = self._read_frame(*self._queue_frame(projected, i))
+            text_id, function_id, codes, audio = self._read_frame(*self._queue_frame(projected, i))
             if emitted is None:
                 emitted = np.array(table)
-            frames.append(self._emit(*stepped[:3], emitted[i], stepped[3]))
+            frames.append(self._emit(text_id, function_id, codes, emitted[i], audio))
         if end:
             self._end(frames[-1])
         elif self.prompt_frames + self.frames >= self.limit:  # the last frame the context holds

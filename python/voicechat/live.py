@@ -366,7 +366,8 @@ class LiveSession:
             self._end(frames[-1])
         return frames
 
-    def _queue_frame(self, projected: mx.array, i: int) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
+    def _queue_frame(self, projected: mx.array,
+                     i: int) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
         """Frame i of `projected` through the LLM and the TTS (`FrameLoop.step`) and its codes through
         the codec, all queued on the device, nothing read back (for `_read_frame`). The codec's graph
         is built and launched while the device still runs the step: on a GPU a frame then waits for
@@ -392,7 +393,8 @@ class LiveSession:
         id, codes or None)` (position 0 has no TTS step: its codes are 0)."""
         return self.loop.step(projected, i)
 
-    def _read_step(self, text_id: mx.array, function_id: mx.array, code: mx.array | None) -> tuple[int, int, np.ndarray]:
+    def _read_step(self, text_id: mx.array, function_id: mx.array,
+                   code: mx.array | None) -> tuple[int, int, np.ndarray]:
         """A queued step's ids and codes `[Q]` read back."""
         with mx.stream(self.chat._timeline_stream):
             mx.eval(text_id, function_id, *([] if code is None else [code]))

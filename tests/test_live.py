@@ -115,6 +115,7 @@ def test_live_result_equals_generate(chat, inputs, name, kind, options):
     finally:
         chat.tts_thread = False
     check_equal(frames, result, expected)
+    assert chat._tts_worker is None  # a live session steps its TTS on its own thread, whatever tts_thread says
 
 
 def test_chunks_that_complete_no_frame_build_no_matmul_of_zero_rows(chat, inputs, monkeypatch):

@@ -66,9 +66,10 @@ class TextTokenizer:
         drop = set(skip)
         return self._tok.decode([int(i) for i in ids if int(i) not in drop], skip_special_tokens=False)
 
-    def single_character_tokens(self) -> list[tuple[int, str]]:
-        """(id, token) of every one-character token, sorted by id: the TTS char vocabulary."""
-        return sorted((i, t) for t, i in self.vocab().items() if len(t) == 1)
+    def single_character_tokens(self, vocab: dict[str, int] | None = None) -> list[tuple[int, str]]:
+        """(id, token) of every one-character token, sorted by id: the TTS char vocabulary.
+        `vocab`: `vocab()` where the caller has already read it (131072 entries)."""
+        return sorted((i, t) for t, i in (self.vocab() if vocab is None else vocab).items() if len(t) == 1)
 
 
 def load_rnnt_pieces(directory: str | Path, config_vocabulary: list[str] | None, size: int) -> list[str]:

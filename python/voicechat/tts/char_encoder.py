@@ -213,7 +213,7 @@ class CharAwareSubwordEncoder(nn.Module):
     def set_tokenizer(self, tokenizer) -> None:
         """Build the dense char vocabulary and every subword's char ids from a `TextTokenizer`."""
         vocab = tokenizer.vocab()
-        singles = sorted((i, token) for token, i in vocab.items() if len(token) == 1)
+        singles = tokenizer.single_character_tokens(vocab)  # (id, token), sorted by id
         if len(singles) != self.char_pad:
             raise CharVocabularyError(
                 f"the tokenizer has {len(singles)} single-character tokens, but the TTS char encoder "

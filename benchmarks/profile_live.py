@@ -83,8 +83,8 @@ def split(chat, samples: np.ndarray, warmup: int) -> tuple[dict, dict]:
     with chat.live() as live:
         live.perception.push = _timed("perceive", times, ops, live.perception.push, mx.eval, warmup, queued=list)
         live.transcript.push = _timed("transcript", times, ops, live.transcript.push, np.array, warmup)
-        live._queue_step = _timed("step", times, ops, live._queue_step, lambda out: mx.eval(lazy(out)), warmup,
-                                  queued=lazy)
+        live.loop.step = _timed("step", times, ops, live.loop.step, lambda out: mx.eval(lazy(out)), warmup,
+                                queued=lazy)
         decoder = live.decoder
         decoder.queue = _timed("codec", times, ops, decoder.queue, mx.eval, warmup, queued=lambda framed: [framed])
         for pos in range(0, samples.size, CHUNK):

@@ -373,7 +373,7 @@ class LiveSession:
         is built and launched while the device still runs the step: on a GPU a frame then waits for
         the codec's kernels only, not for their launching too. Position 0 (no TTS step, codes 0) is
         decoded once read back (`_emit`)."""
-        text_id, function_id, code = self._queue_step(projected, i)
+        text_id, function_id, code = self.loop.step(projected, i)  # (codes None at position 0)
         framed = None
         if code is not None:
             with mx.stream(self.chat._timeline_stream):
@@ -387,11 +387,6 @@ class LiveSession:
         the codec has not run it yet)."""
         text_id, function_id, codes = self._read_step(text_id, function_id, code)
         return text_id, function_id, codes, None if framed is None else self.decoder.take(framed)[0]
-
-    def _queue_step(self, projected: mx.array, i: int) -> tuple[mx.array, mx.array, mx.array | None]:
-        """`FrameLoop.step` of frame i, queued on the device, not read back: `(text id, function
-        id, codes or None)` (position 0 has no TTS step: its codes are 0)."""
-        return self.loop.step(projected, i)
 
     def _read_step(self, text_id: mx.array, function_id: mx.array,
                    code: mx.array | None) -> tuple[int, int, np.ndarray]:

@@ -9,7 +9,6 @@ what a layer fuses (`linear`, `fuses_prenormed`) and never test a layer's class 
 
 from __future__ import annotations
 
-
 from .kernels.gemv import on_cuda_gpu, use_gemv
 from .llm.nemotron_h import DuplexLM
 from .tts.ear_tts import EarTTS

@@ -4,9 +4,9 @@ Rounds of live sessions of silence run here first, as the server steps them (`En
 then one tick): with one session and with two, each past the encoder's full attention cache (the
 live path's steady state). The 95th percentiles give a round's fixed cost and each session's share
 (sessions share work, so a round is not simply the sessions' single frames added up: their
-perception runs as one batch, and their steps run back to back or as batched rows), and `sessions` is the most whose round fits an 80 ms frame with
-`HEADROOM_MS` to spare (at least 1). The run also compiles and traces the live path before the
-first client comes.
+perception runs as one batch, and their steps run back to back or as batched rows), and
+`sessions` is the most whose round fits an 80 ms frame with `HEADROOM_MS` to spare (at least 1).
+The run also compiles and traces the live path before the first client comes.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from voicechat.checkpoint import (CheckpointError, load_weights, open_checkpoint, quantization_map,
-                                  read_tensors, resolve, safetensors_files, to_mlx_layout)
+                                  read_grouped, read_tensors, resolve, safetensors_files, to_mlx_layout)
 from voicechat.config import ConfigError, VoiceChatConfig
 from voicechat.synthetic import make_checkpoint
 
@@ -23,6 +23,38 @@ def test_sharded_equals_single_file(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("readers", [2, 3, 8])
+def test_reader_groups_split_every_tensor_once_balanced_by_size(tmp_path, readers):
+    three = make_checkpoint(tmp_path / "three", "tiny", quantize=4, seed=3, shards=3)
+    tensors, groups = read_grouped(safetensors_files(three), readers)
+    assert len(groups) == readers
+    names = [k for g in groups for k in g]
+    assert sorted(names) == sorted(tensors) == sorted(read_tensors(safetensors_files(three)))
+    # largest first to the lightest group: no group is heavier than another by more than a tensor
+    totals = [sum(tensors[k].nbytes for k in g) for g in groups]
+    largest = max(a.nbytes for a in tensors.values())
+    assert max(totals) - min(totals) <= largest
+
+
+@pytest.mark.parametrize("quantize", [None, 4])
+def test_a_checkpoint_read_on_several_threads_loads_the_same_model(tmp_path, quantize):
+    """`Checkpoint.read()` reads each reader group on a thread and stream of its own: the model
+    that `load` builds from it holds the tensors a single reader gives, bit for bit."""
+    from mlx.utils import tree_flatten
+
+    import voicechat
+
+    path = make_checkpoint(tmp_path / "c", "tiny", quantize=quantize, seed=5, shards=2)
+    one = voicechat.load(open_checkpoint(path, readers=1))
+    four = open_checkpoint(path, readers=4)
+    assert sum(1 for g in four.groups if g) == 4
+    many = voicechat.load(four)
+    a, b = dict(tree_flatten(one.model.parameters())), dict(tree_flatten(many.model.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
 
 
 def test_tensors_are_read_lazily(tiny_checkpoint):

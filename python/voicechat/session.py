@@ -475,9 +475,9 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
 
     A `Checkpoint` passed in is used up: its tensors are released once the model holds them.
     `progress(stage)` is called as each stage begins: "opening the checkpoint", "reading weights"
-    (the lazily opened tensors of the listening model read and converted), "char table" (the
-    speaking model's weights read, and EAR-TTS's char table computed over the vocabulary or read
-    from its disk cache: `voicechat.char_table_cache`), "speaker prompt" (the codec encodes the TTS
+    (every tensor read, on several threads: `Checkpoint.read`; the listening model's converted),
+    "char table" (the speaking model's converted, and EAR-TTS's char table computed over the
+    vocabulary or read from its disk cache: `voicechat.char_table_cache`), "speaker prompt" (the codec encodes the TTS
     warmup's silence), and with `warmup` "warming up": one short generate on dummy audio
     (`precompile.warm_generate`), so that this process's first generate runs at warm speed (it
     compiles every kernel the caches lack)."""
@@ -493,6 +493,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
         model = VoiceChatModel(config)
         checkpoint.load_into(model, "")
         say("reading weights")
+        checkpoint.read()  # on several threads (checked against the model first: no read is wasted)
         prepare_listening(model.stt_model)
         mx.eval(model.stt_model.parameters())
         tokenizer = tokenizer_job.result()

@@ -57,6 +57,28 @@ def test_a_checkpoint_read_on_several_threads_loads_the_same_model(tmp_path, qua
         assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
 
 
+def test_loads_on_several_threads_at_once_share_the_reader_streams_safely(tmp_path):
+    """Three `load`s at once (a process's reader streams are shared: one read at a time) each get
+    the checkpoint's tensors."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx.utils import tree_flatten
+
+    import voicechat
+    from voicechat.checkpoint import read_tensors
+
+    path = make_checkpoint(tmp_path / "c", "tiny", quantize=4, seed=6, shards=2)
+    stored = read_tensors(safetensors_files(path))
+    with ThreadPoolExecutor(3) as pool:
+        chats = list(pool.map(lambda _: voicechat.load(open_checkpoint(path, readers=3)), range(3)))
+    key = "stt_model.llm.layers.0.mixer.in_proj.weight"
+    for chat in chats:
+        params = dict(tree_flatten(chat.model.parameters()))
+        assert mx.array_equal(params[key], stored[key]).item()
+        assert mx.array_equal(params["tts_model.audio_codec.prvq.mus_list.0"],
+                              stored["tts_model.audio_codec.prvq.mus_list.0"]).item()
+
+
 def test_tensors_are_read_lazily(tiny_checkpoint):
     mx.eval(mx.zeros((1,)))
     before = mx.get_active_memory()

@@ -177,7 +177,8 @@ def default_readers() -> int:
 
 def read_all(tensors: dict[str, mx.array], groups: list[list[str]]) -> None:
     """Read the tensors of every group on a thread of its own (`read_grouped`'s groups: each
-    group's loads are on its own stream, which no other thread uses meanwhile)."""
+    group's loads are on its own stream). The reader streams are shared by the process, so one
+    read runs at a time."""
     groups = [g for g in groups if g]
     if len(groups) <= 1:
         mx.eval([tensors[k] for g in groups for k in g])
@@ -188,9 +189,12 @@ def read_all(tensors: dict[str, mx.array], groups: list[list[str]]) -> None:
         release_mlx_state_at_thread_exit()
         mx.eval([tensors[k] for k in names])
 
-    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+    with _READING, ThreadPoolExecutor(max_workers=len(groups)) as pool:
         for job in [pool.submit(read, g) for g in groups]:
             job.result()
+
+
+_READING = threading.Lock()  # one `read_all` at a time: its streams are the process's
 
 
 # --------------------------------------------------------------------------- quantization
@@ -504,12 +508,12 @@ class Checkpoint:
         return sorted(k for k in self.tensors if not k.startswith(prefixes))
 
 
-def open_checkpoint(path_or_id: str | os.PathLike, readers: int | None = None) -> Checkpoint:
+def open_checkpoint(path_or_id: str | os.PathLike, readers: int = 1) -> Checkpoint:
     """Find, open and check a checkpoint; its tensors are read lazily, or all at once by
-    `Checkpoint.read()` on `readers` threads (default `default_readers()`)."""
+    `Checkpoint.read()` on `readers` threads (`load` takes `default_readers()`)."""
     directory = resolve(path_or_id)
     config = VoiceChatConfig.from_file(directory / "config.json")
-    tensors, groups = read_grouped(safetensors_files(directory), readers or default_readers())
+    tensors, groups = read_grouped(safetensors_files(directory), readers)
     try:
         check_sizes(config, tensors)
     except CheckpointError as e:

@@ -29,7 +29,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .audio import load_audio
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, default_readers, open_checkpoint
 from .config import EXTRA_DECODING_SECONDS, VoiceChatConfig
 from .frame_loop import FrameLoop
 from .model import VoiceChatModel
@@ -484,7 +484,8 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
     say = progress or (lambda stage: None)
     say("opening the checkpoint")
-    checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else open_checkpoint(path_or_id)
+    checkpoint = path_or_id if isinstance(path_or_id, Checkpoint) else \
+        open_checkpoint(path_or_id, readers=default_readers())
     config = checkpoint.config
     # tokenizer.json (131072 ids) is parsed on a thread of its own while the LLM's weights are read
     # (mx.eval lets go of the GIL).

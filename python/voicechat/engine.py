@@ -44,8 +44,9 @@ own caches and the single-session kernels, every session's step and codec frame 
 any is read back (the device runs them back to back while the host builds the next). The default
 is rows except on a CUDA GPU: there the fused one-row kernels step a session in ~5 ms at full
 size, while the batched rows on MLX's ops take ~40 ms for two sessions and ~160 ms for eight
-(benchmarks/bench_batch.py), so sessions in turn serve more of them in real time until the
-kernels take B rows.
+(benchmarks/bench_batch.py; mostly MLX's 4-bit matmul of several rows, which takes a GEMM kernel
+that is slow at a few rows for the LLM's narrower projections), so sessions in turn serve more of
+them in real time until the kernels take B rows.
 
 Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
 so `chat.generate`), whatever its neighbours do and whenever they join or leave, wherever the

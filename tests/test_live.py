@@ -170,10 +170,16 @@ def test_a_live_session_casts_perception_and_codec_weights_once_and_changes_no_v
     frames = []
     with chat.live() as live:
         assert dtypes() == {mx.float32}
+        # The codec's stacked codebooks are made from the float32 means with the cast, not by the
+        # first frame that decodes (on whatever thread steps it).
+        prvq = chat.speaking.audio_codec.prvq
+        book = prvq._book
+        assert book.dtype == mx.float32 and all(a is b for a, b in zip(prvq._held, prvq.mus_list, strict=True))
         for pos in range(0, len(samples), 1280):
             frames += live.push(samples[pos : pos + 1280], sample_rate=rate)
         frames += live.finish(extra_decoding_seconds=EXTRA)
         live_result = live.result()
+        assert prvq.codebooks()[0] is book
     after = chat.generate(samples, extra_decoding_seconds=EXTRA, sample_rate=rate)
     casts_after = casts()
     chat.close()

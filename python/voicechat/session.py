@@ -270,7 +270,10 @@ class VoiceChat:
         for module in modules:
             module.set_dtype(mx.float32)
         self.listening.perception.encoder.stack()  # (its stacked q/k/v from the float32 weights)
-        mx.eval([m.parameters() for m in modules])
+        codec.prvq.codebooks()  # (its stacked codebooks from the float32 means)
+        # Every array these modules hold, the derived private ones too, as `load` does: one left
+        # lazy would be built by the first frame that reads it, on whatever thread steps it.
+        mx.eval([a for m in modules for _, a in tree_flatten(m) if isinstance(a, mx.array)])
         self._streaming_in_float32 = True
 
     def sessions(self):

@@ -154,7 +154,8 @@ def read_grouped(files: Iterable[Path], readers: int) -> tuple[dict[str, mx.arra
 
 
 _READER_STREAMS: dict[tuple[str, int], list[mx.Stream]] = {}
-_READER_LOCK = threading.Lock()
+_STREAMS_LOCK = threading.Lock()
+_READING = threading.Lock()  # one `read_all` at a time: its streams are the process's
 
 
 def reader_streams(count: int) -> list[mx.Stream]:
@@ -162,7 +163,7 @@ def reader_streams(count: int) -> list[mx.Stream]:
     never frees a stream)."""
     device = mx.default_device()
     key = (str(device), count)
-    with _READER_LOCK:
+    with _STREAMS_LOCK:
         if key not in _READER_STREAMS:
             _READER_STREAMS[key] = [mx.new_thread_unsafe_stream(device) for _ in range(count)]
         return _READER_STREAMS[key]
@@ -192,9 +193,6 @@ def read_all(tensors: dict[str, mx.array], groups: list[list[str]]) -> None:
     with _READING, ThreadPoolExecutor(max_workers=len(groups)) as pool:
         for job in [pool.submit(read, g) for g in groups]:
             job.result()
-
-
-_READING = threading.Lock()  # one `read_all` at a time: its streams are the process's
 
 
 # --------------------------------------------------------------------------- quantization

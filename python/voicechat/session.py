@@ -480,10 +480,10 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     `progress(stage)` is called as each stage begins: "opening the checkpoint", "reading weights"
     (every tensor read, on several threads: `Checkpoint.read`; the listening model's converted),
     "char table" (the speaking model's converted, and EAR-TTS's char table computed over the
-    vocabulary or read from its disk cache: `voicechat.char_table_cache`), "speaker prompt" (the codec encodes the TTS
-    warmup's silence), and with `warmup` "warming up": one short generate on dummy audio
-    (`precompile.warm_generate`), so that this process's first generate runs at warm speed (it
-    compiles every kernel the caches lack)."""
+    vocabulary or read from its disk cache: `voicechat.char_table_cache`), "speaker prompt" (the
+    codec encodes the TTS warmup's silence), and with `warmup` "warming up": one short generate on
+    dummy audio (`precompile.warm_generate`), so that this process's first generate runs at warm
+    speed (it compiles every kernel the caches lack)."""
     release_mlx_state_at_thread_exit()  # any thread may call this (tts_thread.py says why)
     say = progress or (lambda stage: None)
     say("opening the checkpoint")

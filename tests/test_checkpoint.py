@@ -55,6 +55,8 @@ def test_a_checkpoint_read_on_several_threads_loads_the_same_model(tmp_path, qua
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and mx.array_equal(a[k], b[k]).item(), k
+    one.close()
+    many.close()
 
 
 def test_loads_on_several_threads_at_once_share_the_reader_streams_safely(tmp_path):
@@ -65,7 +67,6 @@ def test_loads_on_several_threads_at_once_share_the_reader_streams_safely(tmp_pa
     from mlx.utils import tree_flatten
 
     import voicechat
-    from voicechat.checkpoint import read_tensors
 
     path = make_checkpoint(tmp_path / "c", "tiny", quantize=4, seed=6, shards=2)
     stored = read_tensors(safetensors_files(path))
@@ -77,6 +78,7 @@ def test_loads_on_several_threads_at_once_share_the_reader_streams_safely(tmp_pa
         assert mx.array_equal(params[key], stored[key]).item()
         assert mx.array_equal(params["tts_model.audio_codec.prvq.mus_list.0"],
                               stored["tts_model.audio_codec.prvq.mus_list.0"]).item()
+        chat.close()
 
 
 def test_tensors_are_read_lazily(tiny_checkpoint):

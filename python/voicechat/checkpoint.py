@@ -153,20 +153,20 @@ def read_grouped(files: Iterable[Path], readers: int) -> tuple[dict[str, mx.arra
     return tensors, groups
 
 
-_READER_STREAMS: dict[tuple[str, int], list[mx.Stream]] = {}
+_READER_STREAMS: dict[str, list[mx.Stream]] = {}  # per device, made as asked for, then kept
 _STREAMS_LOCK = threading.Lock()
 _READING = threading.Lock()  # one `read_all` at a time: its streams are the process's
 
 
 def reader_streams(count: int) -> list[mx.Stream]:
-    """`count` streams on the default device that any thread may use, made once per process (MLX
-    never frees a stream)."""
+    """`count` streams on the default device that any thread may use: the process's first `count`
+    (MLX never frees a stream, so every reading shares them)."""
     device = mx.default_device()
-    key = (str(device), count)
     with _STREAMS_LOCK:
-        if key not in _READER_STREAMS:
-            _READER_STREAMS[key] = [mx.new_thread_unsafe_stream(device) for _ in range(count)]
-        return _READER_STREAMS[key]
+        streams = _READER_STREAMS.setdefault(str(device), [])
+        while len(streams) < count:
+            streams.append(mx.new_thread_unsafe_stream(device))
+        return streams[:count]
 
 
 def default_readers() -> int:

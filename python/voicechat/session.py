@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
@@ -271,9 +272,7 @@ class VoiceChat:
             module.set_dtype(mx.float32)
         self.listening.perception.encoder.stack()  # (its stacked q/k/v from the float32 weights)
         codec.prvq.codebooks()  # (its stacked codebooks from the float32 means)
-        # Every array these modules hold, the derived private ones too, as `load` does: one left
-        # lazy would be built by the first frame that reads it, on whatever thread steps it.
-        mx.eval([a for m in modules for _, a in tree_flatten(m) if isinstance(a, mx.array)])
+        evaluate_held(*modules)
         self._streaming_in_float32 = True
 
     def sessions(self):
@@ -472,6 +471,15 @@ def _checked_seed(seed) -> int:
     return int(seed)
 
 
+def evaluate_held(*modules: nn.Module) -> None:
+    """Evaluate every array the modules hold, the derived private ones too (norm scales, RoPE
+    frequencies, stacked projections, codebook views): a compiled step that closes over a lazy
+    array computes it again at every call, one made on this thread's default stream cannot be
+    evaluated from another thread, and one left lazy is built by the first step that reads it, on
+    whatever thread runs that step."""
+    mx.eval([a for m in modules for _, a in tree_flatten(m) if isinstance(a, mx.array)])
+
+
 def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str], None] | None = None,
          warmup: bool = False) -> VoiceChat:
     """Open a checkpoint directory or hub id and build a ready VoiceChat (weights in memory).
@@ -512,10 +520,7 @@ def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str]
     chat = VoiceChat(checkpoint, model, tokenizer, pieces)
     say("speaker prompt")
     chat.warmup_codes()
-    # Every array the model holds, the derived private ones too (norm scales, RoPE frequencies,
-    # codebook views): a compiled step that closes over a lazy array computes it again at every
-    # call, and one made on this thread's default stream cannot be evaluated from another thread.
-    mx.eval([a for _, a in tree_flatten(model) if isinstance(a, mx.array)])
+    evaluate_held(model)
     if warmup:
         from .precompile import warm_generate
 

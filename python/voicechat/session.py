@@ -25,14 +25,13 @@ from pathlib import Path
 from typing import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
 from .audio import load_audio
 from .checkpoint import Checkpoint, default_readers, open_checkpoint
 from .config import EXTRA_DECODING_SECONDS, VoiceChatConfig
 from .frame_loop import FrameLoop
+from .held import evaluate_held
 from .model import VoiceChatModel
 from .prepare import prepare_listening, prepare_tts
 from .stt.conformer import subsampled_length
@@ -469,15 +468,6 @@ def _checked_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
         raise InputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     return int(seed)
-
-
-def evaluate_held(*modules: nn.Module) -> None:
-    """Evaluate every array the modules hold, the derived private ones too (norm scales, RoPE
-    frequencies, stacked projections, codebook views): a compiled step that closes over a lazy
-    array computes it again at every call, one made on this thread's default stream cannot be
-    evaluated from another thread, and one left lazy is built by the first step that reads it, on
-    whatever thread runs that step."""
-    mx.eval([a for m in modules for _, a in tree_flatten(m) if isinstance(a, mx.array)])
 
 
 def load(path_or_id: str | os.PathLike | Checkpoint, *, progress: Callable[[str], None] | None = None,

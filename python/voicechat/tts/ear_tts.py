@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from ..char_table_cache import cached_table, table_key
 from ..config import ConfigError, TTSConfig
+from ..held import evaluate_held
 from .backbone import DEFAULT_CHUNK, Backbone, BackboneCache
 from .char_encoder import CharAwareSubwordEncoder
 from .layers import OffsetRMSNorm, prepare_norms, stack_projections, unprepare_norms, unstack_projections
@@ -189,10 +189,9 @@ class EarTTS(nn.Module):
         self._all_masked = mx.full((1, q), k, mx.int32)  # a frame before any code is chosen
         # The unconditioned CFG row's text projection: the same every step.
         self._null_text = self.gated_fusion_audio_text.text_proj(self.null_emb.astype(mx.float32)[None, None])
-        # With every derived array (norm scales, stacks, RoPE frequencies): the compiled step closes
-        # over them, and recomputes at every call any that is still lazy.
-        mx.eval(self._rvq_flat, self._rvq_norms, self._rvq_offsets, self._all_masked, self._null_text,
-                [a for _, a in tree_flatten(self) if isinstance(a, mx.array)])
+        # These and every other derived array (norm scales, stacks, RoPE frequencies), held by the
+        # module, evaluated: the compiled step closes over them.
+        evaluate_held(self)
         self._weights_ready = True
 
     def char_table(self) -> mx.array:

@@ -29,13 +29,15 @@ AUDIO = {
 MEL_FRAMES = 632  # -> 317 -> 159 -> 80 encoder frames
 
 
-@pytest.fixture(scope="module", params=["separate", "stacked"])
+@pytest.fixture(scope="module", params=["separate", "prepared"])
 def perception(request) -> Perception:
-    """The encoder with its attention's q, k and v as three layers, or stacked into one (as loaded)."""
+    """The encoder as built (q, k and v three layers, every weight sliced or transposed where it is
+    used), or prepared as loaded (q, k and v stacked into one; the transposed weights and depthwise
+    taps held)."""
     model = Perception(AudioConfig.from_dict(AUDIO))
     randomize(model, seed=3)
-    if request.param == "stacked":
-        model.encoder.stack()
+    if request.param == "prepared":
+        model.encoder.prepare()
     mx.eval(model.parameters())
     return model
 

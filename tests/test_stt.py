@@ -17,6 +17,7 @@ from voicechat.stt.conformer import (
     CausalSubsampling,
     ConformerBlock,
     Perception,
+    project,
     relative_positions,
     subsampled_length,
 )
@@ -226,6 +227,48 @@ def test_windowed_table_gives_the_full_table_result():
     full = block(x, relative_positions(90, cfg.d_model))
     windowed = block(x, relative_positions(90, cfg.d_model, 89 - 70, 71), 89 - 70)
     np.testing.assert_allclose(np.array(windowed), np.array(full), rtol=1e-5, atol=1e-5)
+
+
+def test_prepared_encoder_reads_held_views_and_drops_stale_ones():
+    """`ConformerEncoder.prepare` holds each projection's transposed weight and each depthwise
+    conv's taps as evaluated views: a product reads the held view (a Matmul alone in its graph, no
+    Transpose) and gives the values of `x @ w.T`; once the weights are replaced (a dtype change)
+    the held views are stale and unused, until `prepare` runs again."""
+    from voicechat.llm.opcount import count_ops
+
+    cfg = tiny_config().audio_config
+    model = Perception(cfg)
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    layer = model.encoder.layers[0]
+    x = mx.random.normal((3, cfg.encoder.d_model), key=mx.random.key(1))
+
+    def check(prepared: bool):
+        linears = [layer.feed_forward1.linear1, layer.conv.pointwise_conv2]
+        if prepared:  # (the stacked q, k and v: prepare's own layer, which a dtype change does not cast)
+            linears.append(layer.self_attn._qkv)
+        for linear in linears:
+            w = linear.weight.reshape(linear.weight.shape[0], -1)
+            rows = x.astype(w.dtype)
+            mx.eval(rows)
+            got, want = project(linear, rows), rows @ w.T
+            counts = count_ops(got)
+            assert counts == {"Matmul": 1} if prepared else counts["Transpose"] == 1
+            assert mx.array_equal(got, want).item()
+        taps = layer.conv.taps()
+        want = layer.conv.depthwise_conv.weight
+        assert len(taps) == want.shape[1] and (sum(count_ops(t).total() for t in taps) == 0) == prepared
+        for j, tap in enumerate(taps):
+            assert mx.array_equal(tap, want[:, j, 0]).item()
+
+    check(prepared=False)
+    model.encoder.prepare()
+    check(prepared=True)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    check(prepared=False)
+    model.encoder.prepare()
+    check(prepared=True)
 
 
 @pytest.mark.parametrize("length", [1, 9, 75])

@@ -53,4 +53,4 @@ def prepare_listening(listening: DuplexLM, kernels: bool | None = None) -> None:
     """The listening model (`stt_model`): its LLM (`prepare_lm`) and its speech encoder's attention
     layers stacked."""
     prepare_lm(listening, kernels)
-    listening.perception.encoder.stack()
+    listening.perception.encoder.prepare()

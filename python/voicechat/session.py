@@ -269,7 +269,7 @@ class VoiceChat:
         modules = (self.listening.perception, codec.decoder, codec.prvq)
         for module in modules:
             module.set_dtype(mx.float32)
-        self.listening.perception.encoder.stack()  # (its stacked q/k/v from the float32 weights)
+        self.listening.perception.encoder.prepare()  # (its derived arrays from the float32 weights)
         codec.prvq.codebooks()  # (its stacked codebooks from the float32 means)
         evaluate_held(*modules)
         self._streaming_in_float32 = True

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import AudioConfig, ConfigError, EncoderConfig, PreprocessorConfig
+from ..held import evaluate_held
 from ..kernels.gemv import stack_linears
 from ..kernels.rel_pos_attention import position_window, rel_pos_attention
 from .mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
@@ -142,6 +143,39 @@ class CausalSubsampling(nn.Module):
         return self.project(x)
 
 
+def _hold(module: nn.Module, name: str, source: mx.array, derived: mx.array) -> None:
+    """Keep `derived` (an array made from `source`) under the private key `name` of `module`: out of
+    the checkpoint's key tree, evaluated with the module's arrays (`held.evaluate_held`)."""
+    module[name] = (source, derived)
+
+
+def _held(module: nn.Module, name: str, source: mx.array):
+    """What `_hold` kept under `name`, while `source` is still the array it was made from (None
+    once the weights were replaced, until `ConformerEncoder.prepare` runs again)."""
+    held = module.get(name)
+    return held[1] if held is not None and held[0] is source else None
+
+
+def _weight_t(layer: nn.Module) -> mx.array:
+    """A bias-free projection's weight as the right operand of `x @ w`: `[in, out]`, a transposed
+    view (a Linear's `[out, in]`, a kernel-1 Conv1d's `[out, 1, in]`)."""
+    w = layer["weight"]
+    return w.reshape(w.shape[0], w.shape[-1]).T if w.ndim == 3 else w.T
+
+
+def hold_weight_t(layer: nn.Module) -> None:
+    """Keep `_weight_t(layer)` (`ConformerEncoder.prepare`)."""
+    _hold(layer, "_weight_t", layer["weight"], _weight_t(layer))
+
+
+def project(layer: nn.Module, x: mx.array) -> mx.array:
+    """`x @ w.T` for a bias-free Linear or kernel-1 Conv1d (the matmul it is). Where the transposed
+    view is held, a compiled graph reads it as a leaf instead of replaying its Transpose (and
+    Reshape) at every call; the product's operands, strides included, are the same."""
+    held = _held(layer, "_weight_t", layer["weight"])
+    return x @ (_weight_t(layer) if held is None else held)
+
+
 class FeedForward(nn.Module):
     def __init__(self, d_model: int, expansion: int):
         super().__init__()
@@ -149,7 +183,7 @@ class FeedForward(nn.Module):
         self.linear2 = nn.Linear(expansion * d_model, d_model, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.linear2(nn.silu(self.linear1(x)))
+        return project(self.linear2, nn.silu(project(self.linear1, x)))
 
 
 class RelPositionAttention(nn.Module):
@@ -176,24 +210,25 @@ class RelPositionAttention(nn.Module):
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         if self._qkv is None:
-            return self.linear_q(x), self.linear_k(x), self.linear_v(x)
+            return project(self.linear_q, x), project(self.linear_k, x), project(self.linear_v, x)
         d = x.shape[-1]
-        return tuple(mx.split(self._qkv(x), [d, 2 * d], axis=-1))
+        return tuple(mx.split(project(self._qkv, x), [d, 2 * d], axis=-1))
 
     def project_positions(self, pos_emb: mx.array) -> mx.array:
         """Table rows `[P, d]` -> this layer's position keys `[heads, P, d / heads]`."""
         d = pos_emb.shape[-1]
         return self.linear_pos(pos_emb).reshape(pos_emb.shape[0], self.n_heads, d // self.n_heads).transpose(1, 0, 2)
 
-    def __call__(self, x: mx.array, pos_emb: mx.array | None, pos_first: int = 0,
+    def __call__(self, x: mx.array, batch: int, pos_emb: mx.array | None, pos_first: int = 0,
                  cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
-        """`pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
+        """`x [batch * T, d]`: the frames as rows, each sequence's T in turn (`ConformerBlock.rows`).
+        `pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
         the context's window): only those rows go through `linear_pos`, unless `positions` gives
         them projected (`project_positions`). With `cache`, `x` continues a stream: its frames
         attend to the cached keys and values of the frames before them too (the table is then that
         of the cached + new length), and the cache keeps the last `left`."""
-        b, length, d = x.shape
-        h = self.n_heads
+        rows, d = x.shape
+        b, length, h = batch, rows // batch, self.n_heads
         heads = lambda y: y.reshape(b, length, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
         q, k, v = (heads(y) for y in self.project(x))
         p = self.project_positions(pos_emb) if positions is None else positions
@@ -207,27 +242,26 @@ class RelPositionAttention(nn.Module):
             cache.keys, cache.values = k[:, :, keep:], v[:, :, keep:]
         out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right,
                                 pos_first)
-        return self.linear_out(out.transpose(0, 2, 1, 3).reshape(b, length, d))
+        return project(self.linear_out, out.transpose(0, 2, 1, 3).reshape(rows, d))
 
 
-def _causal_depthwise(padded: mx.array, taps: mx.array) -> mx.array:
-    """Depthwise conv of `padded [B, k - 1 + T, C]` with `taps [C, k, 1]` (no bias): the T frames
-    after the first k - 1, as k shifted multiply-adds (one fused launch under `mx.compile`)."""
-    k = taps.shape[1]
+def depthwise_taps(weight: mx.array) -> list[mx.array]:
+    """A depthwise Conv1d's weight `[C, k, 1]` as its k taps `[C]`."""
+    return [weight[:, j, 0] for j in range(weight.shape[1])]
+
+
+def _causal_depthwise(padded: mx.array, taps: list[mx.array]) -> mx.array:
+    """Depthwise conv of `padded [B, k - 1 + T, C]` with `taps` (`depthwise_taps`; no bias): the T
+    frames after the first k - 1, as k shifted multiply-adds (one fused launch under `mx.compile`)."""
+    k = len(taps)
     t = padded.shape[1] - (k - 1)
-    y = padded[:, 0:t] * taps[:, 0, 0]
+    y = padded[:, 0:t] * taps[0]
     for j in range(1, k):
-        y = y + padded[:, j : j + t] * taps[:, j, 0]
+        y = y + padded[:, j : j + t] * taps[j]
     return y
 
 
 _causal_depthwise_compiled = mx.compile(_causal_depthwise)
-
-
-def _pointwise(x: mx.array, conv: nn.Conv1d) -> mx.array:
-    """A kernel-1 Conv1d without bias as the matmul it is ([out, 1, in] weights)."""
-    w = conv.weight
-    return x @ w.reshape(w.shape[0], w.shape[2]).T
 
 
 class ConvModule(nn.Module):
@@ -245,17 +279,31 @@ class ConvModule(nn.Module):
         self.batch_norm = nn.LayerNorm(d, eps=LAYER_NORM_EPS)
         self.pointwise_conv2 = nn.Conv1d(d, d, 1, bias=False)
 
-    def __call__(self, x: mx.array, cache: "EncoderLayerCache | None" = None) -> mx.array:
-        """With `cache`, the depthwise conv's left context is the cached last `k - 1` inputs (zeros
-        at a stream's start, as the whole-signal pass pads) instead of zeros, and is updated."""
-        x = nn.glu(_pointwise(x, self.pointwise_conv1), axis=-1)
+    def __call__(self, x: mx.array, batch: int, cache: "EncoderLayerCache | None" = None) -> mx.array:
+        """`x [batch * T, d]`: the frames as rows (`ConformerBlock.rows`). With `cache`, the
+        depthwise conv's left context is the cached last `k - 1` inputs (zeros at a stream's start,
+        as the whole-signal pass pads) instead of zeros, and is updated."""
+        rows, d = x.shape
+        x = nn.glu(project(self.pointwise_conv1, x), axis=-1).reshape(batch, rows // batch, d)
         if cache is None:
             x = mx.pad(x, [(0, 0), (self.kernel_size - 1, 0), (0, 0)])
         else:
             x = mx.concatenate([cache.conv, x], axis=1)
             cache.conv = x[:, x.shape[1] - (self.kernel_size - 1) :]
-        x = nn.silu(self.batch_norm(_causal_depthwise_compiled(x, self.depthwise_conv.weight)))
-        return _pointwise(x, self.pointwise_conv2)
+        x = _causal_depthwise_compiled(x, self.taps()).reshape(rows, d)
+        return project(self.pointwise_conv2, nn.silu(self.batch_norm(x)))
+
+    def hold_taps(self) -> None:
+        """Keep the depthwise taps as evaluated views (`ConformerEncoder.prepare`)."""
+        w = self.depthwise_conv["weight"]
+        _hold(self, "_taps", w, depthwise_taps(w))
+
+    def taps(self) -> list[mx.array]:
+        """The depthwise taps: held views where kept (a compiled graph reads k leaves instead of
+        replaying a Slice and a Squeeze for each tap at every call), else sliced here."""
+        w = self.depthwise_conv["weight"]
+        held = _held(self, "_taps", w)
+        return depthwise_taps(w) if held is None else held
 
 
 class ConformerBlock(nn.Module):
@@ -274,11 +322,19 @@ class ConformerBlock(nn.Module):
 
     def __call__(self, x: mx.array, pos_emb: mx.array | None, pos_first: int = 0,
                  cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
+        """`x [B, T, d]` -> `[B, T, d]` (`rows` on its frames)."""
+        b, t, d = x.shape
+        return self.rows(x.reshape(b * t, d), b, pos_emb, pos_first, cache, positions).reshape(b, t, d)
+
+    def rows(self, x: mx.array, batch: int, pos_emb: mx.array | None, pos_first: int = 0,
+             cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
+        """The block on `batch` sequences' frames as rows `[batch * T, d]`: each projection a matmul
+        of x as it is (a `[B, T, d]` x adds a Flatten and an Unflatten around each one)."""
         # The residual adds stay elementwise ops, which a compiled graph fuses: mx.addmm (the add in
         # the matmul's epilogue) takes ~3 us more a call on a CUDA GPU at one row than matmul + add.
         x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
-        x = x + self.self_attn(self.norm_self_att(x), pos_emb, pos_first, cache, positions)
-        x = x + self.conv(self.norm_conv(x), cache)
+        x = x + self.self_attn(self.norm_self_att(x), batch, pos_emb, pos_first, cache, positions)
+        x = x + self.conv(self.norm_conv(x), batch, cache)
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
 
@@ -300,20 +356,31 @@ class ConformerEncoder(nn.Module):
         a launch's inputs until then), and the host queues the whole encoder long before the GPU
         has run it; one layer at a time bounds that at the cost of a wait per layer."""
         x = self.pre_encode(mel)
-        first, pos_emb = self.position_rows(x.shape[1])
+        b, t, d = x.shape
+        first, pos_emb = self.position_rows(t)
+        x = x.reshape(b * t, d)
         if stepwise:
             mx.eval(x, pos_emb)
         for layer in self.layers:
-            x = layer(x, pos_emb, first)
+            x = layer.rows(x, b, pos_emb, first)
             if stepwise:
                 mx.eval(x)
-        return x
+        return x.reshape(b, t, d)
 
-    def stack(self) -> None:
-        """Every layer's attention projects q, k and v as one layer (`RelPositionAttention.stack`;
-        again after the weights change dtype)."""
+    def prepare(self) -> None:
+        """The arrays the layers derive from their weights, made once and kept (again after the
+        weights change dtype): every attention's q, k and v as one projection
+        (`RelPositionAttention.stack`), each projection's transposed weight and each depthwise
+        conv's taps as evaluated views."""
         for layer in self.layers:
-            layer.self_attn.stack()
+            attention = layer.self_attn
+            attention.stack()
+            for projection in (layer.feed_forward1.linear1, layer.feed_forward1.linear2, attention._qkv,
+                               attention.linear_out, layer.conv.pointwise_conv1, layer.conv.pointwise_conv2,
+                               layer.feed_forward2.linear1, layer.feed_forward2.linear2):
+                hold_weight_t(projection)
+            layer.conv.hold_taps()
+        evaluate_held(*self.layers)
 
     def position_rows(self, length: int) -> tuple[int, mx.array]:
         """`(first, rows)`: only the table rows the attention context reads (71 for [70, 0]),
@@ -358,9 +425,11 @@ class ConformerEncoder(nn.Module):
         """`stream` as a function of arrays (what `mx.compile` traces): each layer's cache arrays
         in, the updated ones out. The layers update caches made here, not the caller's."""
         caches = [EncoderLayerCache(*arrays) for arrays in state]
+        b, n, d = x.shape
+        x = x.reshape(b * n, d)
         for layer, cache, projected in zip(self.layers, caches, positions):
-            x = layer(x, None, first, cache, projected)
-        return x, [cache.state for cache in caches]
+            x = layer.rows(x, b, None, first, cache, projected)
+        return x.reshape(b, n, d), [cache.state for cache in caches]
 
 
 class Perception(nn.Module):

@@ -11,7 +11,8 @@ from mlx.utils import tree_flatten, tree_map
 
 from voicechat.checkpoint import load_weights, open_checkpoint, subtree, to_mlx_layout
 from voicechat.codec import AudioCodec, istft, stft
-from voicechat.codec.codec import _downsample, _upsample, decode_context, decode_windows
+from voicechat.codec.codec import (_downsample, _upsample, conv_matrix, decode_context, decode_windows,
+                                   transposed_conv_matrix)
 from voicechat.codec.stft import istft_reference, stft_reference
 from voicechat.config import CodecConfig, VoiceChatConfig
 from voicechat.synthetic import make_checkpoint, tiny_config
@@ -316,13 +317,52 @@ def test_decode_refuses_a_chunk_of_no_frames(codec):
 
 # --------------------------------------------------------------------------- fast path = reference
 
+def test_held_decoder_operands_are_views_read_by_the_stream_and_dropped_when_stale(tiny_checkpoint):
+    """`AudioDecoder.hold_operands` keeps every layer's operands (taps, transposed matrices) as
+    evaluated views of float32 weights: `operands()` then builds nothing in the caller's graph, a
+    streamed decode reading them gives the very samples it gives without them, and once the
+    weights are replaced (a dtype change) the stale views are not used; bfloat16 weights are
+    never held (their float32 form would be a copy)."""
+    from mlx.utils import tree_flatten
+
+    from voicechat.codec.codec import DecoderStream
+    from voicechat.llm.opcount import count_ops
+
+    ckpt = open_checkpoint(tiny_checkpoint)
+    model = AudioCodec(ckpt.config.codec_config)
+    ckpt.load_into(model, PREFIX)
+    decoder = model.decoder
+    decoder.set_dtype(mx.float32)
+    mx.eval(decoder.parameters())
+    built = lambda: sum(count_ops(a).total() for _, a in tree_flatten(decoder.operands()))  # noqa: E731
+    codes = mx.array(np.random.default_rng(4).integers(0, 52, (1, 31, 3)).astype(np.int32))
+
+    def streamed():
+        stream = DecoderStream(model)
+        return np.concatenate([stream.push(codes[:, :, i : i + 1]) for i in range(3)] + [stream.finish()], axis=1)
+
+    assert built() > 0
+    plain = streamed()
+    decoder.hold_operands()
+    assert built() == 0
+    np.testing.assert_array_equal(streamed(), plain)
+    decoder.set_dtype(mx.bfloat16)
+    mx.eval(decoder.parameters())
+    assert built() > 0  # (stale: made again from the bfloat16 weights, with their casts)
+    decoder.hold_operands()
+    assert built() > 0
+    assert {a.dtype for _, a in tree_flatten(decoder.operands())} == {mx.float32}
+
+
 def test_matmul_convolutions_equal_the_mlx_layers(codec):
     rng = np.random.default_rng(0)
     enc, dec = codec.encoder.layers, codec.decoder.layers
     x = mx.array(rng.normal(size=(2, 63, enc[4].weight.shape[2])).astype(np.float32))
-    np.testing.assert_allclose(np.array(_downsample(x, enc[4])), np.array(enc[4](x)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(_downsample(x, conv_matrix(enc[4].weight), enc[4].weight.shape[1])),
+                               np.array(enc[4](x)), rtol=1e-5, atol=1e-5)
     z = mx.array(rng.normal(size=(2, 3, dec[0].weight.shape[2])).astype(np.float32))
-    np.testing.assert_allclose(np.array(_upsample(z, dec[0])), np.array(dec[0](z)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(_upsample(z, transposed_conv_matrix(dec[0].weight), dec[0].weight.shape[1])),
+                               np.array(dec[0](z)), rtol=1e-5, atol=1e-5)
     block = dec[1]
     h = mx.array(rng.normal(size=(2, 27, block.dwconv.weight.shape[0])).astype(np.float32))
     np.testing.assert_allclose(np.array(block(h)), np.array(block.reference(h)), rtol=1e-5, atol=1e-5)

@@ -175,6 +175,9 @@ def test_a_live_session_casts_perception_and_codec_weights_once_and_changes_no_v
         prvq = chat.speaking.audio_codec.prvq
         book = prvq._book
         assert book.dtype == mx.float32 and all(a is b for a, b in zip(prvq._held, prvq.mus_list, strict=True))
+        # and the decoder's operands (taps, transposed matrices) held as views of its float32 weights
+        operands = tree_flatten(chat.speaking.audio_codec.decoder.operands())
+        assert sum(count_ops(a).total() for _, a in operands) == 0
         for pos in range(0, len(samples), 1280):
             frames += live.push(samples[pos : pos + 1280], sample_rate=rate)
         frames += live.finish(extra_decoding_seconds=EXTRA)

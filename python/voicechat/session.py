@@ -271,6 +271,7 @@ class VoiceChat:
             module.set_dtype(mx.float32)
         self.listening.perception.encoder.prepare()  # (its derived arrays from the float32 weights)
         codec.prvq.codebooks()  # (its stacked codebooks from the float32 means)
+        codec.decoder.hold_operands()  # (its taps and transposed matrices, views of the float32 weights)
         evaluate_held(*modules)
         self._streaming_in_float32 = True
 

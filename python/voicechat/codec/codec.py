@@ -48,6 +48,7 @@ import numpy as np
 import mlx.nn as nn
 
 from ..config import CodecConfig
+from ..held import evaluate_held, held, hold
 from ..kernels import use_reference
 from ..kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
 from .stft import StreamingISTFT, istft, istft_reference, stft, stft_reference, windowed_frames
@@ -61,27 +62,32 @@ DECODE_CHUNK_FRAMES = 16
 
 # --------------------------------------------------------------------------- layers
 
-def _convnext_padded(padded, dw_w, dw_b, ln_w, ln_b, w1, b1, w2, b2):
+def _convnext_padded(padded, operands):
     """Causal ConvNeXt block on [B, k - 1 + T, C] (the k - 1 frames before the T it outputs first);
-    the depthwise conv as k shifted multiply-adds."""
-    k = dw_w.shape[1]
+    the depthwise conv as k shifted multiply-adds. `operands`: `ConvNeXtBlock.operands()`."""
+    taps, dw_b, ln_w, ln_b, w1_t, b1, w2_t, b2 = operands
+    k = len(taps)
     t = padded.shape[1] - (k - 1)
     x = padded[:, k - 1 :]
-    h = dw_b + padded[:, 0:t] * dw_w[:, 0, 0]
+    h = dw_b + padded[:, 0:t] * taps[0]
     for j in range(1, k):
-        h = h + padded[:, j : j + t] * dw_w[:, j, 0]
+        h = h + padded[:, j : j + t] * taps[j]
     h = mx.fast.layer_norm(h, ln_w, ln_b, LAYER_NORM_EPS)
-    h = nn.gelu(h @ w1.reshape(w1.shape[0], -1).T + b1)
-    return x + (h @ w2.reshape(w2.shape[0], -1).T + b2)
+    h = nn.gelu(h @ w1_t + b1)
+    return x + (h @ w2_t + b2)
 
 
 @mx.compile
-def _convnext(x, dw_w, *weights):
+def _convnext(x, operands):
     """`_convnext_padded` from the start of a signal: zeros before it."""
-    return _convnext_padded(mx.pad(x, ((0, 0), (dw_w.shape[1] - 1, 0), (0, 0))), dw_w, *weights)
+    return _convnext_padded(mx.pad(x, ((0, 0), (len(operands[0]) - 1, 0), (0, 0))), operands)
 
 
 _convnext_continued = mx.compile(_convnext_padded)
+
+
+def _all_float32(arrays) -> bool:
+    return all(a.dtype == mx.float32 for a in arrays)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -95,18 +101,43 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv1 = nn.Conv1d(channels, 4 * channels, 1)
         self.pwconv2 = nn.Conv1d(4 * channels, channels, 1)
 
-    def _weights(self) -> tuple[mx.array, ...]:
-        return tuple(_f32(a) for a in (self.dwconv.weight, self.dwconv.bias, self.norm.weight, self.norm.bias,
-                                       self.pwconv1.weight, self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias))
+    def _sources(self) -> tuple[mx.array, ...]:
+        return (self.dwconv.weight, self.dwconv.bias, self.norm.weight, self.norm.bias, self.pwconv1.weight,
+                self.pwconv1.bias, self.pwconv2.weight, self.pwconv2.bias)
+
+    @staticmethod
+    def _derive(sources: tuple[mx.array, ...]) -> tuple:
+        dw_w, dw_b, ln_w, ln_b, w1, b1, w2, b2 = (_f32(a) for a in sources)
+        return ([dw_w[:, j, 0] for j in range(dw_w.shape[1])], dw_b, ln_w, ln_b, conv_matrix(w1), b1,
+                conv_matrix(w2), b2)
+
+    def operands(self) -> tuple:
+        """The block's weights as `_convnext_padded` reads them, in float32: the depthwise conv's k
+        taps `[C]` and its bias, the norm's weight and bias, each pointwise conv's transposed
+        weight `[in, out]` and bias. The held views where `hold_operands` made them from the current
+        weights; else made here, in the caller's graph (slices, transposes and casts)."""
+        sources = self._sources()
+        kept = held(self, "_operands", sources)
+        return self._derive(sources) if kept is None else kept
+
+    def hold_operands(self) -> None:
+        """Keep `operands()` as views, where the weights are float32 (of a bfloat16 weight they would
+        be float32 copies): a compiled graph then reads them as inputs instead of deriving them (a
+        Slice and Squeeze a tap, a Reshape and Transpose a matrix) at every call."""
+        sources = self._sources()
+        if _all_float32(sources):
+            hold(self, "_operands", sources, self._derive(sources))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return _convnext(x, *self._weights())
+        return _convnext(x, self.operands())
 
-    def stream(self, x: mx.array, context: mx.array) -> tuple[mx.array, mx.array]:
+    def stream(self, x: mx.array, context: mx.array, operands: tuple | None = None) -> tuple[mx.array, mx.array]:
         """The block on frames `x` that continue a signal whose last k - 1 frames are `context`
-        (zeros at its start): `(output, the context of the next call)`."""
+        (zeros at its start): `(output, the context of the next call)`. `operands`: `operands()`,
+        where the caller has them."""
         padded = mx.concatenate([context, x], axis=1)
-        return _convnext_continued(padded, *self._weights()), padded[:, padded.shape[1] - context.shape[1] :]
+        operands = self.operands() if operands is None else operands
+        return _convnext_continued(padded, operands), padded[:, padded.shape[1] - context.shape[1] :]
 
     def reference(self, x: mx.array) -> mx.array:
         k, channels = self.dwconv.weight.shape[1], self.dwconv.weight.shape[0]
@@ -130,18 +161,37 @@ def _conv(x: mx.array, layer: nn.Conv1d, stride: int = 1, groups: int = 1) -> mx
     return y + _f32(layer.bias) if "bias" in layer else y
 
 
-def _downsample(x: mx.array, conv: nn.Conv1d) -> mx.array:
-    """Conv1d with kernel = stride, no padding, no bias, as one matmul: [B, T, C] -> [B, T/k, out]."""
-    out, k, c = conv.weight.shape
-    b, t, _ = x.shape
-    return x.reshape(b, t // k, k * c) @ _f32(conv.weight).reshape(out, k * c).T
+def conv_matrix(weight: mx.array) -> mx.array:
+    """A kernel = stride conv's weight `[out, k, c]` as one matmul's right operand `[k * c, out]`
+    (a transposed view; `_downsample`, and a pointwise conv, k = 1)."""
+    return weight.reshape(weight.shape[0], -1).T
 
 
-def _upsample(x: mx.array, conv: nn.ConvTranspose1d) -> mx.array:
-    """ConvTranspose1d with kernel = stride, no bias: each input frame becomes k output frames."""
-    out, k, c = conv.weight.shape
+def transposed_conv_matrix(weight: mx.array) -> mx.array:
+    """A kernel = stride transposed conv's weight `[out, k, c]` as one matmul's right operand
+    `[c, out * k]`, column o * k + j (a transposed view; `_upsample`)."""
+    out, k, c = weight.shape
+    return weight.reshape(out * k, c).T
+
+
+def _matrix(layer: nn.Module, weight: mx.array) -> mx.array:
+    """A strided conv's or transposed conv's `weight` as its matmul's right operand."""
+    return (transposed_conv_matrix if isinstance(layer, nn.ConvTranspose1d) else conv_matrix)(weight)
+
+
+def _downsample(x: mx.array, matrix: mx.array, k: int) -> mx.array:
+    """Conv1d with kernel = stride = k, no padding, no bias, as one matmul (`matrix`: `conv_matrix`
+    of its float32 weight): [B, T, C] -> [B, T/k, out]."""
+    b, t, c = x.shape
+    return x.reshape(b, t // k, k * c) @ matrix
+
+
+def _upsample(x: mx.array, matrix: mx.array, k: int) -> mx.array:
+    """ConvTranspose1d with kernel = stride = k, no bias (`matrix`: `transposed_conv_matrix` of its
+    float32 weight): each input frame becomes k output frames."""
     b, t, _ = x.shape
-    y = x @ _f32(conv.weight).reshape(out * k, c).T  # [B, T, out * k], index o * k + j
+    out = matrix.shape[1] // k
+    y = x @ matrix  # [B, T, out * k], index o * k + j
     return y.reshape(b, t, out, k).transpose(0, 1, 3, 2).reshape(b, t * k, out)
 
 
@@ -165,7 +215,10 @@ class AudioEncoder(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         """STFT features [B, F, 18] -> latent [B, F / prod(rates), latent_dim]."""
         for layer in self.layers:
-            x = layer(x) if isinstance(layer, ConvNeXtBlock) else _downsample(x, layer)
+            if isinstance(layer, ConvNeXtBlock):
+                x = layer(x)
+            else:
+                x = _downsample(x, conv_matrix(_f32(layer.weight)), layer.weight.shape[1])
         return x
 
     def reference(self, x: mx.array) -> mx.array:
@@ -189,22 +242,48 @@ class AudioDecoder(nn.Module):
         layers.append(nn.Conv1d(src, cfg.stft_channels, 1, bias=False))
         self.layers = layers
 
-    def __call__(self, x: mx.array, contexts: list[mx.array] | None = None) -> mx.array:
+    def __call__(self, x: mx.array, contexts: list[mx.array] | None = None, operands: list | None = None) -> mx.array:
         """Latent [B, T, latent_dim] -> decoder features [B, T * prod(rates), 18]. `contexts` (one
-        per ConvNeXt block, see `ConvNeXtBlock.stream`): `x` continues a signal; updated in place."""
+        per ConvNeXt block, see `ConvNeXtBlock.stream`): `x` continues a signal; updated in place.
+        `operands`: `operands()`, where the caller has them."""
+        operands = self.operands() if operands is None else operands
         blocks = 0
-        for layer in self.layers:
+        for layer, operand in zip(self.layers, operands):
             if isinstance(layer, ConvNeXtBlock):
                 if contexts is None:
-                    x = layer(x)
+                    x = _convnext(x, operand)
                 else:
-                    x, contexts[blocks] = layer.stream(x, contexts[blocks])
+                    x, contexts[blocks] = layer.stream(x, contexts[blocks], operand)
                 blocks += 1
             elif isinstance(layer, nn.ConvTranspose1d):
-                x = _upsample(x, layer)
+                x = _upsample(x, operand, layer.weight.shape[1])
             else:
-                x = _downsample(x, layer)
+                x = _downsample(x, operand, layer.weight.shape[1])
         return x
+
+    def operands(self) -> list:
+        """Each layer's weights as the decoder reads them, in float32: a block's `operands()`, an
+        upsampling's `transposed_conv_matrix`, the last conv's `conv_matrix`. Held views where
+        `hold_operands` made them from the current weights; else made in the caller's graph."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, ConvNeXtBlock):
+                out.append(layer.operands())
+                continue
+            kept = held(layer, "_matrix", (layer.weight,))
+            out.append(_matrix(layer, _f32(layer.weight)) if kept is None else kept)
+        return out
+
+    def hold_operands(self) -> None:
+        """Keep every layer's operands as evaluated views where its weights are float32 (a live
+        session's decoder, `VoiceChat._stream_in_float32`); a dtype change or reload leaves them
+        unused until this runs again."""
+        for layer in self.layers:
+            if isinstance(layer, ConvNeXtBlock):
+                layer.hold_operands()
+            elif layer.weight.dtype == mx.float32:
+                hold(layer, "_matrix", (layer.weight,), _matrix(layer, layer.weight))
+        evaluate_held(self)
 
     def reference(self, x: mx.array) -> mx.array:
         for layer in self.layers:
@@ -491,27 +570,27 @@ class DecoderStream:
 
 
 def _stream_graph(codec: AudioCodec, codes: mx.array, book: mx.array, contexts: list[mx.array], window: mx.array,
-                  inverse: mx.array) -> tuple[mx.array, list[mx.array]]:
+                  inverse: mx.array, operands: list) -> tuple[mx.array, list[mx.array]]:
     """Code frames continuing a stream -> their windowed inverse-STFT frames and the blocks' next
     contexts (what `_stream_frames` compiles)."""
     contexts = list(contexts)
-    features = codec.decoder(codewords_sum(book, codes), contexts)
+    features = codec.decoder(codewords_sum(book, codes), contexts, operands)
     return windowed_frames(_spectrum(features), window, inverse), contexts
 
 
 def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],
                    istft: StreamingISTFT) -> tuple[mx.array, list[mx.array]]:
     """A streamed decode step as one compiled graph (traced once per batch and frame count; the
-    decoder's weights are inputs, so a cast or reload is seen): replayed, not built op by op, each
-    frame. Returns the windowed frames and the new contexts, lazy."""
+    decoder's operands are inputs, taken anew at each call, so a cast or reload is seen): replayed,
+    not built op by op, each frame. Returns the windowed frames and the new contexts, lazy."""
     book, _ = codec.prvq.codebooks()
     check_codes(codes, book)
     step = getattr(codec, "_stream_step", None)
     if step is None:
-        step = mx.compile(lambda *args: _stream_graph(codec, *args), inputs=codec.decoder.state)
+        step = mx.compile(lambda *args: _stream_graph(codec, *args))
         codec._stream_step = step
     window, inverse = istft.bases()
-    framed, contexts = step(codes, book, contexts, window, inverse)
+    framed, contexts = step(codes, book, contexts, window, inverse, codec.decoder.operands())
     return framed, contexts
 
 

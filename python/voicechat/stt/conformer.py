@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import AudioConfig, ConfigError, EncoderConfig, PreprocessorConfig
-from ..held import evaluate_held
+from ..held import evaluate_held, held, hold
 from ..kernels.gemv import stack_linears
 from ..kernels.rel_pos_attention import position_window, rel_pos_attention
 from .mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
@@ -143,19 +143,6 @@ class CausalSubsampling(nn.Module):
         return self.project(x)
 
 
-def _hold(module: nn.Module, name: str, source: mx.array, derived: mx.array) -> None:
-    """Keep `derived` (an array made from `source`) under the private key `name` of `module`: out of
-    the checkpoint's key tree, evaluated with the module's arrays (`held.evaluate_held`)."""
-    module[name] = (source, derived)
-
-
-def _held(module: nn.Module, name: str, source: mx.array):
-    """What `_hold` kept under `name`, while `source` is still the array it was made from (None
-    once the weights were replaced, until `ConformerEncoder.prepare` runs again)."""
-    held = module.get(name)
-    return held[1] if held is not None and held[0] is source else None
-
-
 def _weight_t(layer: nn.Module) -> mx.array:
     """A bias-free projection's weight as the right operand of `x @ w`: `[in, out]`, a transposed
     view (a Linear's `[out, in]`, a kernel-1 Conv1d's `[out, 1, in]`)."""
@@ -165,15 +152,15 @@ def _weight_t(layer: nn.Module) -> mx.array:
 
 def hold_weight_t(layer: nn.Module) -> None:
     """Keep `_weight_t(layer)` (`ConformerEncoder.prepare`)."""
-    _hold(layer, "_weight_t", layer["weight"], _weight_t(layer))
+    hold(layer, "_weight_t", (layer["weight"],), _weight_t(layer))
 
 
 def project(layer: nn.Module, x: mx.array) -> mx.array:
     """`x @ w.T` for a bias-free Linear or kernel-1 Conv1d (the matmul it is). Where the transposed
     view is held, a compiled graph reads it as a leaf instead of replaying its Transpose (and
     Reshape) at every call; the product's operands, strides included, are the same."""
-    held = _held(layer, "_weight_t", layer["weight"])
-    return x @ (_weight_t(layer) if held is None else held)
+    kept = held(layer, "_weight_t", (layer["weight"],))
+    return x @ (_weight_t(layer) if kept is None else kept)
 
 
 class FeedForward(nn.Module):
@@ -296,14 +283,14 @@ class ConvModule(nn.Module):
     def hold_taps(self) -> None:
         """Keep the depthwise taps as evaluated views (`ConformerEncoder.prepare`)."""
         w = self.depthwise_conv["weight"]
-        _hold(self, "_taps", w, depthwise_taps(w))
+        hold(self, "_taps", (w,), depthwise_taps(w))
 
     def taps(self) -> list[mx.array]:
         """The depthwise taps: held views where kept (a compiled graph reads k leaves instead of
         replaying a Slice and a Squeeze for each tap at every call), else sliced here."""
         w = self.depthwise_conv["weight"]
-        held = _held(self, "_taps", w)
-        return depthwise_taps(w) if held is None else held
+        kept = held(self, "_taps", (w,))
+        return depthwise_taps(w) if kept is None else kept
 
 
 class ConformerBlock(nn.Module):

@@ -73,8 +73,10 @@ def _convnext_padded(padded, operands):
     for j in range(1, k):
         h = h + padded[:, j : j + t] * taps[j]
     h = mx.fast.layer_norm(h, ln_w, ln_b, LAYER_NORM_EPS)
-    h = nn.gelu(h @ w1_t + b1)
-    return x + (h @ w2_t + b2)
+    # the frames as matmul rows: a [B, T, C] operand costs a Flatten and an Unflatten a matmul
+    b, _, c = h.shape
+    h = nn.gelu(h.reshape(b * t, c) @ w1_t + b1)
+    return x + (h @ w2_t + b2).reshape(b, t, c)
 
 
 @mx.compile
@@ -183,15 +185,15 @@ def _downsample(x: mx.array, matrix: mx.array, k: int) -> mx.array:
     """Conv1d with kernel = stride = k, no padding, no bias, as one matmul (`matrix`: `conv_matrix`
     of its float32 weight): [B, T, C] -> [B, T/k, out]."""
     b, t, c = x.shape
-    return x.reshape(b, t // k, k * c) @ matrix
+    return (x.reshape(b * (t // k), k * c) @ matrix).reshape(b, t // k, matrix.shape[1])
 
 
 def _upsample(x: mx.array, matrix: mx.array, k: int) -> mx.array:
     """ConvTranspose1d with kernel = stride = k, no bias (`matrix`: `transposed_conv_matrix` of its
     float32 weight): each input frame becomes k output frames."""
-    b, t, _ = x.shape
+    b, t, c = x.shape
     out = matrix.shape[1] // k
-    y = x @ matrix  # [B, T, out * k], index o * k + j
+    y = x.reshape(b * t, c) @ matrix  # [B * T, out * k], index o * k + j
     return y.reshape(b, t, out, k).transpose(0, 1, 3, 2).reshape(b, t * k, out)
 
 

@@ -88,10 +88,6 @@ def _convnext(x, operands):
 _convnext_continued = mx.compile(_convnext_padded)
 
 
-def _all_float32(arrays) -> bool:
-    return all(a.dtype == mx.float32 for a in arrays)
-
-
 class ConvNeXtBlock(nn.Module):
     """dwconv (depthwise k7, bias, causal) -> LayerNorm(1e-6) -> pwconv1 (C -> 4C) -> GELU(erf)
     -> pwconv2 (4C -> C) -> + input."""
@@ -127,7 +123,7 @@ class ConvNeXtBlock(nn.Module):
         be float32 copies): a compiled graph then reads them as inputs instead of deriving them (a
         Slice and Squeeze a tap, a Reshape and Transpose a matrix) at every call."""
         sources = self._sources()
-        if _all_float32(sources):
+        if all(a.dtype == mx.float32 for a in sources):
             hold(self, "_operands", sources, self._derive(sources))
 
     def __call__(self, x: mx.array) -> mx.array:

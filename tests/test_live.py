@@ -150,6 +150,7 @@ def test_a_live_session_casts_perception_and_codec_weights_once_and_changes_no_v
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from voicechat.held import held
     from voicechat.llm.opcount import count_ops
     from voicechat.synthetic import random_checkpoint
 
@@ -173,8 +174,10 @@ def test_a_live_session_casts_perception_and_codec_weights_once_and_changes_no_v
         # The codec's stacked codebooks are made from the float32 means with the cast, not by the
         # first frame that decodes (on whatever thread steps it).
         prvq = chat.speaking.audio_codec.prvq
-        book = prvq._book
-        assert book.dtype == mx.float32 and all(a is b for a, b in zip(prvq._held, prvq.mus_list, strict=True))
+        kept = held(prvq, "_codebooks", tuple(prvq.mus_list))
+        assert kept is not None
+        book = kept[0]
+        assert book.dtype == mx.float32
         # and the decoder's operands (taps, transposed matrices) held as views of its float32 weights
         operands = tree_flatten(chat.speaking.audio_codec.decoder.operands())
         assert sum(count_ops(a).total() for _, a in operands) == 0

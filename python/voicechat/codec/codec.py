@@ -129,12 +129,10 @@ class ConvNeXtBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         return _convnext(x, self.operands())
 
-    def stream(self, x: mx.array, context: mx.array, operands: tuple | None = None) -> tuple[mx.array, mx.array]:
+    def stream(self, x: mx.array, context: mx.array, operands: tuple) -> tuple[mx.array, mx.array]:
         """The block on frames `x` that continue a signal whose last k - 1 frames are `context`
-        (zeros at its start): `(output, the context of the next call)`. `operands`: `operands()`,
-        where the caller has them."""
+        (zeros at its start): `(output, the context of the next call)`. `operands`: `operands()`."""
         padded = mx.concatenate([context, x], axis=1)
-        operands = self.operands() if operands is None else operands
         return _convnext_continued(padded, operands), padded[:, padded.shape[1] - context.shape[1] :]
 
     def reference(self, x: mx.array) -> mx.array:
@@ -326,21 +324,22 @@ class PRVQ(nn.Module):
         super().__init__()
         self.mus_list = [mx.zeros((cfg.codebook_size, cfg.latent_dim)) for _ in range(cfg.num_quantizers)]
         self.variance_list = [_Variance() for _ in range(cfg.num_quantizers)]
-        self._held: tuple = ()
 
     def codebooks(self) -> tuple[mx.array, mx.array]:
         """The means stacked as float32 [Q, K, D] and their squared norms [Q, K].
 
-        Built once per set of loaded means: `mus_list` then holds views of the stack, so the
-        means are stored once. Holding the arrays keeps their ids from being reused.
+        Built once per set of loaded means (`held.hold`, with the means as its sources): `mus_list`
+        then holds views of the stack, so the means are stored once. Holding the arrays keeps their
+        ids from being reused.
         """
-        if len(self._held) != len(self.mus_list) or any(a is not b for a, b in zip(self._held, self.mus_list)):
+        kept = held(self, "_codebooks", tuple(self.mus_list))
+        if kept is None:
             book = mx.stack([m.astype(mx.float32) for m in self.mus_list])
             # range slices: views (an integer index is a gather, which evaluates to a copy)
             self.mus_list = [book[q : q + 1].reshape(book.shape[1:]) for q in range(book.shape[0])]
-            self._held = tuple(self.mus_list)
-            self._book, self._norms = book, codebook_norms(book)
-        return self._book, self._norms
+            kept = (book, codebook_norms(book))
+            hold(self, "_codebooks", tuple(self.mus_list), kept)
+        return kept
 
     def encode(self, latent: mx.array) -> mx.array:
         """latent [B, T, D] -> codes [B, Q, T] int32."""

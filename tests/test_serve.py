@@ -36,6 +36,8 @@ def server(tiny_checkpoint):
 def test_health_and_models(server):
     health = get_json(server + "/health")
     assert health["status"] == "ok" and health["sessions"] == 0 and health["max_sessions"] == 9
+    # a given --max-sessions still warms the live path before serving, and says what a frame took
+    assert health["live_frame_ms"] > 0 and health["session_ms"] is None
     models = get_json(server + "/v1/models")
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
 

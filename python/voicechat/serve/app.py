@@ -33,8 +33,8 @@ class ServerSettings:
     allowed_origins: list[str] = field(default_factory=list)  # besides the server's own; "*" allows any
     max_sessions: int = 8
     limits: Limits = field(default_factory=Limits)
-    live_frame_ms: float | None = None  # a live frame's p95 measured at start (`--max-sessions auto`)
-    session_ms: float | None = None  # what each further session adds to a round, measured with it
+    live_frame_ms: float | None = None  # a live frame's p95, measured at start as the server warms up
+    session_ms: float | None = None  # what each further session adds to a round (`--max-sessions auto`)
 
 
 def _offered_subprotocols(ws: WebSocket) -> list[str]:

@@ -146,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
                 settings.session_ms = capacity.session_ms
                 print(f"vc-serve: a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95), each further "
                       f"session {capacity.session_ms:.1f} ms: --max-sessions {capacity.sessions}", file=sys.stderr)
+            else:  # the first client gets a warm live path all the same (kernels built and loaded)
+                from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, round_ms
+
+                print(f"vc-serve: warming up the live path ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)",
+                      file=sys.stderr)
+                settings.live_frame_ms = round_ms(chat, 1)
+                print(f"vc-serve: a live frame takes {settings.live_frame_ms:.1f} ms here (p95)", file=sys.stderr)
             app = create_app(chat, settings)
             print(f"vc-serve: http://{args.host}:{args.port}/  (WebSocket /v1/realtime)", file=sys.stderr)
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=16 << 20,

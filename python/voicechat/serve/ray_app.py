@@ -29,6 +29,7 @@ import ray
 from ray import serve
 
 from ..session import InputError
+from .capacity import round_ms
 from .scheduler import FrameScheduler, NoCapacity, SessionLost
 
 APP_NAME = "voicechat"
@@ -99,6 +100,7 @@ class ModelReplica:
         from ..session import load
 
         self.chat = load(model)
+        round_ms(self.chat, 1)  # a warm live path (kernels built and loaded) before Serve routes a client here
         self.scheduler = FrameScheduler(self.chat, max_sessions=max_sessions)
 
     def check_health(self) -> None:

@@ -327,3 +327,61 @@ def test_the_context_full_ends_the_session_with_one_clear_error(tmp_path, inputs
     assert cut.frames < room
     assert result.text_tokens[: cut.frames - 1] == cut.text_tokens[:-1]
     assert result.audio_codes[: cut.frames - 1] == cut.audio_codes[:-1]
+
+
+def test_vc_chat_with_a_model_here_warms_it_then_streams_a_file(chat, tiny_checkpoint, spoken_wav, tmp_path):
+    """`vc-chat -m`: the model is loaded and its live path warmed before the file is read, and the
+    transcript and the answer WAV equal generate's (the answer as PCM16)."""
+    import subprocess
+    import sys
+
+    from serving import child_env
+
+    out = tmp_path / "answer.wav"
+    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tiny_checkpoint),
+                           "--audio-file", str(spoken_wav), "--fast", "--no-playback", "--output-audio", str(out),
+                           "--seed", "5", "-p", PROMPT, "--extra-decoding-seconds", "0.4"],
+                          env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("vc-chat:")]
+    assert steps == [f"vc-chat: loading {tiny_checkpoint}", "vc-chat: warming up the live path"]
+    result = chat.generate(str(spoken_wav), system_prompt=PROMPT, seed=5, extra_decoding_seconds=0.4)
+    heard = "".join(line[len("[user] "):] for line in proc.stdout.splitlines() if line.startswith("[user] "))
+    assert heard == result.user_transcript
+    got, rate = sf.read(out, dtype="float32")  # PCM16 back to float: within one step of the samples
+    assert rate == 22050 and got.shape == result.audio.shape
+    np.testing.assert_allclose(got, np.clip(result.audio, -1.0, 1.0), atol=1.5 / 32768)
+
+
+def test_vc_chat_with_a_bad_model_path_is_one_error_line(tmp_path, spoken_wav):
+    import subprocess
+    import sys
+
+    from serving import child_env
+
+    out = tmp_path / "answer.wav"
+    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tmp_path / "missing"),
+                           "--audio-file", str(spoken_wav), "--no-playback", "--output-audio", str(out)],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "missing" in errors[0]
+    assert not out.exists()
+
+
+def test_vc_chat_refuses_a_bad_file_before_loading_the_model(tmp_path):
+    """The file is checked first: with a junk file and a model path that does not exist, the one
+    error is the file's (no load was tried)."""
+    import subprocess
+    import sys
+
+    from serving import child_env
+
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"RIFF" + bytes(100))
+    out = tmp_path / "answer.wav"
+    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tmp_path / "no-model"),
+                           "--audio-file", str(junk), "--no-playback", "--output-audio", str(out)],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and "junk.wav" in lines[0]
+    assert not out.exists()

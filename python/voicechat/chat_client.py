@@ -69,10 +69,14 @@ class Player:
 
 def file_chunks(path: str, realtime: bool):
     """16 kHz float chunks of 80 ms from an audio file (any format soundfile reads), paced at
-    wall-clock speed when `realtime`."""
+    wall-clock speed when `realtime` (from the first chunk taken). The file is read and checked
+    here, before any chunk is asked for."""
     from .audio import load_audio
 
-    wave = load_audio(path, INPUT_RATE)
+    return _chunks(load_audio(path, INPUT_RATE), realtime)
+
+
+def _chunks(wave: np.ndarray, realtime: bool):
     step = int(CHUNK_SECONDS * INPUT_RATE)
     start = time.monotonic()
     for i in range(0, len(wave), step):
@@ -157,10 +161,26 @@ def run_remote(url: str, args, chunks, printer: Printer, player: Player) -> np.n
     return np.concatenate(audio) if audio else np.zeros(0, np.float32)
 
 
-def run_local(model: str, args, chunks, printer: Printer, player: Player) -> np.ndarray:
-    """Streams `chunks` through a live session of a model loaded in this process."""
-    from .config import EXTRA_DECODING_SECONDS
+def load_local(model: str):
+    """The model loaded in this process, its live path warmed by a session of silence: the first
+    frames of the conversation then meet no kernel build, and no input is read before it is ready."""
+    from .precompile import warm_live
     from .session import load
+
+    print(f"vc-chat: loading {model}", file=sys.stderr)
+    chat = load(model)
+    try:
+        print("vc-chat: warming up the live path", file=sys.stderr)
+        warm_live(chat)
+    except BaseException:
+        chat.close()
+        raise
+    return chat
+
+
+def run_local(chat, args, chunks, printer: Printer, player: Player) -> np.ndarray:
+    """Streams `chunks` through a live session of `chat` (`load_local`)."""
+    from .config import EXTRA_DECODING_SECONDS
 
     audio: list[np.ndarray] = []
 
@@ -172,7 +192,7 @@ def run_local(model: str, args, chunks, printer: Printer, player: Player) -> np.
             audio.append(frame.audio)
             player.play(frame.audio)
 
-    with load(model) as chat, chat.live(system_prompt=args.system_prompt or None, seed=args.seed) as live:
+    with chat.live(system_prompt=args.system_prompt or None, seed=args.seed) as live:
         for chunk in chunks:
             show(live.push(chunk, sample_rate=INPUT_RATE))
         extra = EXTRA_DECODING_SECONDS if args.extra_decoding_seconds is None else args.extra_decoding_seconds
@@ -217,19 +237,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stop = threading.Event()
     printer = Printer()
+    chat = None
     try:
         player = Player(not args.no_playback, _device(args.output_device))
-        if args.audio_file:
-            chunks = file_chunks(args.audio_file, realtime=not args.fast)
-        else:
-            print("listening: speak, then Ctrl-C to end your turn", file=sys.stderr)
-            chunks = microphone_chunks(_device(args.input_device), stop)
         try:
-            run = run_remote if args.url else run_local
-            audio = run(args.url or args.model, args, chunks, printer, player)
+            if args.audio_file:  # a bad file is refused before the model loads
+                chunks = file_chunks(args.audio_file, realtime=not args.fast)
+            if args.model:
+                chat = load_local(args.model)
+            if not args.audio_file:
+                print("listening: speak, then Ctrl-C to end your turn", file=sys.stderr)
+                chunks = microphone_chunks(_device(args.input_device), stop)
+            if chat is None:
+                audio = run_remote(args.url, args, chunks, printer, player)
+            else:
+                audio = run_local(chat, args, chunks, printer, player)
         finally:
             printer.end()
             player.close()
+            if chat is not None:
+                chat.close()
         if args.output_audio:
             from .audio import write_wav
 

@@ -385,3 +385,26 @@ def test_vc_chat_refuses_a_bad_file_before_loading_the_model(tmp_path):
     lines = proc.stderr.splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and "junk.wav" in lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("output", ["missing-dir/answer.wav", "question.wav"])
+def test_vc_chat_refuses_an_output_it_cannot_write_before_any_work(tmp_path, spoken_wav, output):
+    """An output in a directory that does not exist, or the input file itself: one error line
+    before the model loads (the model path does not exist either: no load is tried) and the
+    input untouched."""
+    import shutil
+    import subprocess
+    import sys
+
+    from serving import child_env
+
+    question = tmp_path / "question.wav"
+    shutil.copy(spoken_wav, question)
+    before = question.read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tmp_path / "no-model"),
+                           "--audio-file", str(question), "--no-playback", "--output-audio", str(tmp_path / output)],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert "no-model" not in lines[0] and str(tmp_path / output) in lines[0]
+    assert question.read_bytes() == before

@@ -241,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         player = Player(not args.no_playback, _device(args.output_device))
         try:
+            if args.output_audio:  # what can be known of the output before any work
+                from .files import check_output, same_file
+
+                check_output(args.output_audio)
+                if args.audio_file and same_file(args.output_audio, args.audio_file):
+                    raise ValueError(f"--output-audio {args.output_audio} is the --audio-file; "
+                                     "give it a file of its own")
             if args.audio_file:  # a bad file is refused before the model loads
                 chunks = file_chunks(args.audio_file, realtime=not args.fast)
             if args.model:

@@ -1,5 +1,5 @@
 """The live session: pushed in any chunks, its result equals generate() on the same input; bad input,
-busy models, the end of the context."""
+busy models, the end of the context; `vc-chat -m`, a live session in a terminal client."""
 
 from __future__ import annotations
 

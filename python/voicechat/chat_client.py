@@ -86,13 +86,16 @@ def _chunks(wave: np.ndarray, realtime: bool):
 
 
 def microphone_chunks(device, stop: threading.Event):
-    """16 kHz float chunks of 80 ms from the microphone until `stop` is set."""
+    """16 kHz float chunks of 80 ms from the microphone until `stop` is set. The microphone opens,
+    and the user is told to speak, at the first chunk asked for (once the model or the server is
+    ready)."""
     import sounddevice as sd
 
     chunks: queue.Queue = queue.Queue()
     with sd.InputStream(samplerate=INPUT_RATE, channels=1, dtype="float32", device=device,
                         blocksize=int(CHUNK_SECONDS * INPUT_RATE),
                         callback=lambda data, frames, t, status: chunks.put(data[:, 0].copy())):
+        print("listening: speak, then Ctrl-C to end your turn", file=sys.stderr)
         try:
             while not stop.is_set():
                 try:
@@ -253,7 +256,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.model:
                 chat = load_local(args.model)
             if not args.audio_file:
-                print("listening: speak, then Ctrl-C to end your turn", file=sys.stderr)
                 chunks = microphone_chunks(_device(args.input_device), stop)
             if chat is None:
                 audio = run_remote(args.url, args, chunks, printer, player)

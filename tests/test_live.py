@@ -408,3 +408,31 @@ def test_vc_chat_refuses_an_output_it_cannot_write_before_any_work(tmp_path, spo
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "no-model" not in lines[0] and str(tmp_path / output) in lines[0]
     assert question.read_bytes() == before
+
+
+def test_vc_chat_compiles_ahead_on_a_first_run_then_only_warms(tiny_checkpoint, spoken_wav, tmp_path):
+    """VOICECHAT_PRECOMPILE=1 (a first run's precompile on any device, as a CUDA GPU's by default):
+    the first vc-chat -m says its precompile's progress and runs the conversation; the next, on the
+    caches and marker it left, only warms the live path. Both answers are the same."""
+    import subprocess
+    import sys
+
+    from serving import child_env
+
+    env = dict(child_env(), VOICECHAT_PRECOMPILE="1", VOICECHAT_PRECOMPILE_PROCESSES="0",
+               XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path))
+    answers, steps = [], []
+    for run in ("first", "second"):
+        out = tmp_path / f"{run}.wav"
+        proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tiny_checkpoint),
+                               "--audio-file", str(spoken_wav), "--fast", "--no-playback", "--output-audio", str(out)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        steps.append([line for line in proc.stderr.splitlines() if line.startswith("vc-chat:")])
+        answers.append(sf.read(out, dtype="int16")[0])
+    first, second = steps
+    assert first[0].startswith("vc-chat: loading") and first[-1].startswith("vc-chat: precompiled: ")
+    assert any(line.startswith("vc-chat: compiling kernels for this model (first run only): ") for line in first)
+    assert not any("warming" in line for line in first)
+    assert second[1:] == ["vc-chat: warming up the live path"]
+    np.testing.assert_array_equal(answers[0], answers[1])

@@ -272,3 +272,32 @@ def test_a_bad_max_sessions_is_one_error_line(value, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "max-sessions" in err[-1] and "error" in err[-1]
+
+
+def test_a_first_run_precompiles_with_progress_before_serving(tiny_checkpoint, tmp_path):
+    """VOICECHAT_PRECOMPILE=1 (a first run's precompile on any device, as a CUDA GPU's by default):
+    vc-serve says its precompile's progress, then warms the live path, then serves."""
+    import subprocess
+    import sys
+
+    from serving import child_env, free_port
+
+    env = dict(child_env(), VOICECHAT_PRECOMPILE="1", VOICECHAT_PRECOMPILE_PROCESSES="0",
+               XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "voicechat.serve.cli", "-m", str(tiny_checkpoint),
+                             "--port", str(free_port()), "--max-sessions", "1"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stderr:  # until it says where it serves
+            lines.append(line.rstrip("\n"))
+            if line.startswith("vc-serve: http://"):
+                break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert lines and lines[-1].startswith("vc-serve: http://"), lines
+    steps = [line.split(":")[1].strip() for line in lines if line.startswith("vc-serve:")]
+    compiled = steps.index("precompiled")
+    assert steps[:compiled].count("compiling kernels for this model (first run only)") >= 1
+    assert steps.index("warming up the live path (100 frames of silence)") > compiled

@@ -165,16 +165,21 @@ def run_remote(url: str, args, chunks, printer: Printer, player: Player) -> np.n
 
 
 def load_local(model: str):
-    """The model loaded in this process, its live path warmed by a session of silence: the first
-    frames of the conversation then meet no kernel build, and no input is read before it is ready."""
-    from .precompile import warm_live
+    """The model loaded in this process, its live path warmed (on a first run, every kernel compiled
+    ahead, `precompile.compile_ahead`; else a session of silence): the first frames of the
+    conversation then meet no kernel build, and no input is read before it is ready."""
+    from .precompile import compile_ahead, warm_live
     from .session import load
 
-    print(f"vc-chat: loading {model}", file=sys.stderr)
+    def say(message: str) -> None:
+        print(f"vc-chat: {message}", file=sys.stderr, flush=True)
+
+    say(f"loading {model}")
     chat = load(model)
     try:
-        print("vc-chat: warming up the live path", file=sys.stderr)
-        warm_live(chat)
+        if not compile_ahead(chat, say):
+            say("warming up the live path")
+            warm_live(chat)
     except BaseException:
         chat.close()
         raise

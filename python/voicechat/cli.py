@@ -312,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
                 say("demo: tiny synthetic checkpoint with random weights (the text is noise; the pipeline is real)")
             import mlx.core as mx
 
+            from .precompile import first_run_here
             from .session import load
 
             tty = sys.stderr.isatty()
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
                     _precompile(chat, stages, say, load_s, live=True)
                     failed = False
                     return 0
-                if _first_run_on_a_gpu(chat):  # (said only where the stages are: a bad input stays one line)
+                if first_run_here(chat):  # (said only where the stages are: a bad input stays one line)
                     _precompile(chat, stages, say if stages.enabled else (lambda *a: None), load_s,
                                 long_inputs=False)
                 failed = False
@@ -377,16 +378,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.output_audio:
         say("note: the spoken answer was not written (--output-audio FILE keeps it)")
     return 0
-
-
-def _first_run_on_a_gpu(chat) -> bool:
-    """Whether this run compiles ahead (`voicechat.precompile`, side by side) before it generates:
-    on a CUDA GPU where no precompile finished for this model (VOICECHAT_PRECOMPILE=0: never; then
-    the kernels compile one by one as generate meets them)."""
-    from .kernels.gemv import on_cuda_gpu
-    from .precompile import is_precompiled
-
-    return os.environ.get("VOICECHAT_PRECOMPILE", "") != "0" and on_cuda_gpu() and not is_precompiled(chat)
 
 
 def _precompile(chat, stages: _Stages, say, load_s: float, long_inputs: bool = True, live: bool = False) -> int:

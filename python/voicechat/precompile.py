@@ -318,6 +318,35 @@ def _mark_precompiled(chat: VoiceChat, last: "Progress") -> None:
         pass
 
 
+def first_run_here(chat: VoiceChat) -> bool:
+    """Whether a front end compiles ahead (`precompile`, side by side) before its first work: on a
+    CUDA GPU where no precompile finished for this model. VOICECHAT_PRECOMPILE=0: never (the
+    kernels then compile one by one as they are met); =1: wherever none finished, on any device."""
+    from .kernels.gemv import on_cuda_gpu
+
+    flag = os.environ.get("VOICECHAT_PRECOMPILE", "")
+    return flag != "0" and (flag == "1" or on_cuda_gpu()) and not is_precompiled(chat)
+
+
+def compile_ahead(chat: VoiceChat, say: Callable[[str], None], live: bool = True) -> bool:
+    """On a first run (`first_run_here`), `precompile` without the long inputs' shapes (with the
+    live path's where `live`), each part and every few seconds said in a line; returns whether it
+    ran. What the live front ends (vc-chat -m, vc-serve) do before their first conversation."""
+    if not first_run_here(chat):
+        return False
+    said = {"done": -1, "at": 0.0}
+
+    def progress(p: Progress) -> None:
+        if not p.finished and (p.done != said["done"] or p.elapsed - said["at"] >= 5.0):
+            said.update(done=p.done, at=p.elapsed)
+            say(f"compiling kernels for this model (first run only): {p.done}/{p.total} parts done, "
+                f"{p.kernels} kernels compiled, {p.elapsed:.0f} s")
+
+    last = precompile(chat, progress=progress, long_inputs=False, live=live)
+    say(f"precompiled: {last.kernels} kernels compiled in {last.elapsed:.1f} s; later runs read them from the caches")
+    return True
+
+
 def warm_generate(chat: VoiceChat, seconds: float = DUMMY_SECONDS) -> None:
     """One short `generate` on the calling thread (with a system prompt): a fresh process's next
     `generate` then runs at warm speed (what MLX keeps per thread is made here)."""

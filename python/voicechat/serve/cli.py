@@ -131,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                                                     idle_timeout_seconds=args.idle_timeout))
             if args.ray or args.ray_address:
                 return _serve_on_ray(args, str(model), settings)
+            from ..precompile import compile_ahead
             from ..session import load
 
             print(f"vc-serve: loading {model}", file=sys.stderr)
             chat = load(model)
+            compile_ahead(chat, lambda message: print(f"vc-serve: {message}", file=sys.stderr, flush=True))
             if args.max_sessions == "auto":
                 from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, measure
 

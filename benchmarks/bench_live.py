@@ -6,10 +6,10 @@
     PYTHONPATH=python python benchmarks/bench_live.py --size full                 # GPU, random weights in memory
 
 Latency (default): the bundled spoken question, then `--silence` seconds to answer in, pushed in
-80 ms chunks at wall-clock speed (`--fast`: as fast as the session takes them). A first live
-session on the same input, unpaced, is run and dropped unless `--cold`: a session's first frames
-meet a new shape each (the encoder's cache grows to 70 frames), whose kernels the first session
-in a process builds or loads. Reported:
+80 ms chunks at wall-clock speed (`--fast`: as fast as the session takes them). A warm-up live
+session on the same input, unpaced, runs before the measured one and is dropped (not with
+`--cold`): while the encoder's cache grows to 70 frames each frame has a shape of its own, whose
+kernels a process builds or loads when it meets that shape. Reported:
 per-frame latency from the arrival of the chunk that completed a frame to `push` returning it
 (p50, p95, max), the frames returned more than one chunk (80 ms) after their chunk arrived, and the
 time from the end of the user's speech to the first non-silent answer audio.
@@ -61,9 +61,9 @@ def load(size: str, workdir: Path, context: int | None = None):
 def latency(chat, silence_s: float, realtime: bool, cold: bool) -> dict:
     speech = question()
     samples = np.concatenate([speech, np.zeros(int(silence_s * 16000), np.float32)])
-    if not cold:  # what a session after the first costs: the first runs the same input, unpaced, so
-        # that every shape the measured one meets (each encoder cache length up to the full 70
-        # frames, then the compiled steady state) has had its kernels built and loaded
+    if not cold:  # the warm-up runs the same input, unpaced: every shape the measured session meets
+        # (each encoder cache length up to the full 70 frames, then the compiled steady state) has
+        # its kernels built and loaded before it
         with chat.live() as live:
             feed(live, samples, realtime=False)
     with chat.live() as live:

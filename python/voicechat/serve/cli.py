@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"vc-serve: loading {model}", file=sys.stderr)
             chat = load(model)
-            compile_ahead(chat, lambda message: print(f"vc-serve: {message}", file=sys.stderr, flush=True))
+            # (without precompile's live session: the warm-up rounds below step the live path)
+            compile_ahead(chat, lambda message: print(f"vc-serve: {message}", file=sys.stderr, flush=True), live=False)
             if args.max_sessions == "auto":
                 from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, measure
 

@@ -3,6 +3,7 @@
     PYTHONPATH=python python benchmarks/bench_live.py --size tiny                 # CPU, paced 80 ms chunks
     PYTHONPATH=python python benchmarks/bench_live.py --size tiny --fast          # as fast as possible
     PYTHONPATH=python python benchmarks/bench_live.py --size tiny --minutes 1,10  # memory over a long session
+    PYTHONPATH=python python benchmarks/bench_live.py --size tiny --minutes 1,10 --paced  # ... live, its latency
     PYTHONPATH=python python benchmarks/bench_live.py --size full                 # GPU, random weights in memory
 
 Latency (default): the bundled spoken question, then `--silence` seconds to answer in, pushed in
@@ -17,8 +18,10 @@ time from the end of the user's speech to the first non-silent answer audio.
 Memory (`--minutes`): a conversation of the question and 3 s pauses, looped, pushed as fast as
 possible (the tiny checkpoint's context, 4096 positions or 5.5 minutes, is raised to hold the
 longest mark; nothing else about it changes); at each mark, the wall time so far, MLX's active and peak memory, the process's peak
-RSS, and the bytes the session holds by part (`LiveSession.held_bytes`). A benchmark measures; it
-asserts nothing about timings.
+RSS, and the bytes the session holds by part (`LiveSession.held_bytes`). With `--paced` the same
+conversation is pushed at wall-clock speed, after a warm-up session on its first 8 s (not with
+`--cold`), and the latency of the whole session is reported at the end (p50, p95, p99, max, late
+frames): a long live session. A benchmark measures; it asserts nothing about timings.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import numpy as np
 
 import voicechat
 from voicechat.audio import load_audio
-from voicechat.pacing import feed, speech_end
+from voicechat.pacing import LatencyLog, feed, speech_end
 from voicechat.synthetic import make_checkpoint, random_checkpoint, tiny_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,20 +77,28 @@ def latency(chat, silence_s: float, realtime: bool, cold: bool) -> dict:
             "frames_total": result.frames}
 
 
-def memory(chat, minutes: list[float], keep_audio: bool) -> list[dict]:
+def memory(chat, minutes: list[float], keep_audio: bool, paced: bool = False, cold: bool = False) -> list[dict]:
     turn = np.concatenate([question(), np.zeros(3 * 16000, np.float32)])
     chunk = 1280
     marks, rows = sorted(minutes), []
-    start = time.perf_counter()
+    if paced and not cold:  # the growing encoder cache's shapes, met before the measured session
+        with chat.live() as live:
+            feed(live, np.tile(turn, 2)[: 8 * 16000], realtime=False)
+    log = LatencyLog(chunk / 16000, realtime=paced)
+    start = log.start = time.perf_counter()
     mx.reset_peak_memory()
     with chat.live(keep_audio=keep_audio) as live:
         fed, pos = 0, 0
         for mark in marks:
             while fed < mark * 60 * 16000:
                 piece = turn[pos : pos + chunk]
-                live.push(piece)
                 fed += piece.size
                 pos = (pos + chunk) % len(turn)
+                if paced:
+                    time.sleep(max(0.0, start + fed / 16000 - time.perf_counter()))
+                arrived = time.perf_counter()
+                frames = live.push(piece)
+                log.add(frames, arrived, time.perf_counter())
             held = live.held_bytes()
             rows.append({"minutes": mark, "frames": live.frames, "wall_s": time.perf_counter() - start,
                          "mlx_active_mb": mx.get_active_memory() / 1e6, "mlx_peak_mb": mx.get_peak_memory() / 1e6,
@@ -95,6 +106,8 @@ def memory(chat, minutes: list[float], keep_audio: bool) -> list[dict]:
                          **{f"{k}_mb": v / 1e6 for k, v in held.items()}})
             print(json.dumps(rows[-1]), flush=True)
         live.finish(0.0)
+    if paced:
+        print(json.dumps({"mode": "realtime", "input_s": fed / 16000, **log.summary()}), flush=True)
     return rows
 
 
@@ -106,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--silence", type=float, default=4.0, help="seconds of silence after the question (default 4)")
     p.add_argument("--minutes", default=None, help="memory run: report at these minutes of input, e.g. 1,10,60")
     p.add_argument("--no-keep-audio", action="store_true", help="memory run without keeping the answer's audio")
+    p.add_argument("--paced", action="store_true", help="memory run at wall-clock speed, its latency reported")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-live-") as tmp:
         start = time.perf_counter()
@@ -117,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mlx_env": mlx_env()}
         print(json.dumps(info), flush=True)
         if args.minutes:
-            memory(chat, marks, keep_audio=not args.no_keep_audio)
+            memory(chat, marks, keep_audio=not args.no_keep_audio, paced=args.paced, cold=args.cold)
         else:
             print(json.dumps(latency(chat, args.silence, realtime=not args.fast, cold=args.cold)), flush=True)
         chat.close()

@@ -79,7 +79,7 @@ def test_realtime_paces_the_input_and_ends_with_the_latency(capsys, tmp_path, ti
     _, err = capsys.readouterr()
     expected, data = json.loads(js_offline.read_text()), json.loads(js_live.read_text())
     assert {k: data[k] for k in SAME} == {k: expected[k] for k in SAME}
-    assert "latency over" in err and "p50" in err and "p95" in err and "late" in err
+    assert "latency over" in err and "p50" in err and "p95" in err and "p99" in err and "late" in err
 
 
 def test_realtime_needs_stream(capsys, tiny_checkpoint, spoken_wav):

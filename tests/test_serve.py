@@ -247,9 +247,33 @@ def test_max_sessions_by_default_is_what_live_rounds_measured_here_allow(tiny_ch
 
     with vc_serve(tiny_checkpoint) as base:
         health = get_json(base + "/health")
-    frame_ms, session_ms = health["live_frame_ms"], health["session_ms"]
-    assert isinstance(frame_ms, float) and frame_ms > 0 and 0 < session_ms
-    assert health["max_sessions"] == sessions_for(session_ms, frame_ms - session_ms)
+    frame_ms, session_ms, round_ms = health["live_frame_ms"], health["session_ms"], health["round_ms"]
+    assert isinstance(frame_ms, float) and frame_ms > 0 and 0 < session_ms and round_ms > 0
+    # the estimate from one and two sessions, checked with that many begun together
+    sessions = health["max_sessions"]
+    assert 1 <= sessions <= sessions_for(session_ms, frame_ms - session_ms)
+    assert sessions == 1 or round_ms + 20 <= 80
+
+
+@pytest.mark.parametrize("estimate,fixed_ms,cost,found,measured", [
+    (5, 10.0, lambda n: 10 + 10 * n, (5, 60), [5]),  # the estimate fits (exactly 60 + 20)
+    (5, 10.0, lambda n: 10 + 14 * n, (3, 52), [5, 3]),  # 14 ms a session, re-estimated: 50 // 14
+    (6, 10.0, lambda n: 10 + 10 * n + (5 if n > 4 else 0), (4, 50), [6, 4]),  # 65 / 6 a session: 50 // 10.8
+    (4, 0.0, lambda n: 100.0, (1, None), [4, 2]),  # nothing fits: one session, not measured
+    (1, 0.0, lambda n: 100.0, (1, None), []),
+    (3, 70.0, lambda n: 75.0, (1, None), [3]),  # the fixed cost alone leaves no room
+])
+def test_the_estimate_is_checked_and_lowered_until_its_measured_round_fits(estimate, fixed_ms, cost, found, measured):
+    from voicechat.serve.capacity import verified_sessions
+
+    asked = []
+
+    def round_p95(n):
+        asked.append(n)
+        return float(cost(n))
+
+    assert verified_sessions(estimate, fixed_ms, round_p95) == found
+    assert asked == measured
 
 
 @pytest.mark.parametrize("session_ms,fixed_ms,sessions", [(12.4, 0.0, 4), (30.0, 0.0, 2), (30.1, 0.0, 1),

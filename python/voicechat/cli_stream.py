@@ -85,8 +85,8 @@ def run_stream(chat, audio, args, lines: TextIO | None, clean: Callable[[str], s
 
 def _latency_line(s: dict) -> str:
     line = (f"latency over {s['frames']} frames (chunk arrival -> frame audio): p50 {s.get('p50_ms', 0):.1f} ms, "
-            f"p95 {s.get('p95_ms', 0):.1f} ms, max {s.get('max_ms', 0):.1f} ms; {s.get('late', 0)} late "
-            f"(returned after the next chunk's arrival)")
+            f"p95 {s.get('p95_ms', 0):.1f} ms, p99 {s.get('p99_ms', 0):.1f} ms, max {s.get('max_ms', 0):.1f} ms; "
+            f"{s.get('late', 0)} late (returned after the next chunk's arrival)")
     if "first_voice_after_speech_ms" in s:
         line += (f"; first answer audio {s['first_voice_after_speech_ms']:.0f} ms after the user stopped speaking "
                  f"({s['first_voice_frame_delay_ms']:.0f} ms of it on the timeline)")

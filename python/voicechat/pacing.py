@@ -50,7 +50,7 @@ class LatencyLog:
         out = {"frames": len(latency)}
         if len(latency):
             out.update(p50_ms=float(np.percentile(latency, 50)), p95_ms=float(np.percentile(latency, 95)),
-                       max_ms=float(latency.max()),
+                       p99_ms=float(np.percentile(latency, 99)), max_ms=float(latency.max()),
                        late=int((latency > self.chunk_seconds * 1000.0).sum()))
         if speech_end_s is not None:
             first = next((i for i, (idx, rms) in enumerate(zip(self.index, self.rms))

@@ -35,6 +35,7 @@ class ServerSettings:
     limits: Limits = field(default_factory=Limits)
     live_frame_ms: float | None = None  # a live frame's p95, measured at start as the server warms up
     session_ms: float | None = None  # what each further session adds to a round (`--max-sessions auto`)
+    round_ms: float | None = None  # the admitted sessions' round begun together, p95 (`--max-sessions auto`)
 
 
 def _offered_subprotocols(ws: WebSocket) -> list[str]:
@@ -92,7 +93,7 @@ def create_app(chat, settings: ServerSettings | None = None, scheduler=None) -> 
     def health() -> dict:
         return {"status": "ok", "model": settings.model_name, "sessions": app.state.connections,
                 "max_sessions": settings.max_sessions, "live_frame_ms": settings.live_frame_ms,
-                "session_ms": settings.session_ms,
+                "session_ms": settings.session_ms, "round_ms": settings.round_ms,
                 "uptime_s": round(time.time() - started, 1),
                 **scheduler.health()}
 

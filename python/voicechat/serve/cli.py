@@ -143,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
 
                 print(f"vc-serve: measuring live rounds here (one session, then two: "
                       f"{WARMUP_FRAMES + MEASURED_FRAMES} frames of silence each)", file=sys.stderr)
-                capacity = measure(chat)
+                capacity = measure(chat, lambda message: print(f"vc-serve: {message}", file=sys.stderr, flush=True))
                 settings.max_sessions = capacity.sessions
                 settings.live_frame_ms = capacity.frame_ms_p95
                 settings.session_ms = capacity.session_ms
+                settings.round_ms = capacity.round_ms_p95
                 print(f"vc-serve: a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95), each further "
-                      f"session {capacity.session_ms:.1f} ms: --max-sessions {capacity.sessions}", file=sys.stderr)
+                      f"session {capacity.session_ms:.1f} ms; {capacity.sessions} begun together: a round "
+                      f"{capacity.round_ms_p95:.1f} ms (p95): --max-sessions {capacity.sessions}", file=sys.stderr)
             else:  # the first client gets a warm live path all the same (kernels built and loaded)
                 from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, round_ms
 

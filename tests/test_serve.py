@@ -285,6 +285,18 @@ def test_sessions_whose_round_fits_an_80_ms_frame_with_20_ms_to_spare(session_ms
     assert sessions_for(session_ms, fixed_ms) == sessions
 
 
+@pytest.mark.parametrize("times,rounds,past", [
+    ([61.0] * 5, 100, False), ([61.0] * 6, 100, True), ([60.0] * 50, 100, False),  # more than 5%, longer than 60
+    ([10.0] * 90 + [70.0] * 5, 100, False), ([70.0, 10.0, 70.0], 20, True), ([70.0], 20, False), ([], 20, False),
+])
+def test_a_check_stops_once_its_p95_is_past_the_budget_whatever_the_rest_take(times, rounds, past):
+    from voicechat.serve.capacity import p95_past
+
+    assert p95_past(times, rounds, 60.0) is past
+    if past:  # whatever the other rounds take, their 95th percentile is past 60 ms
+        assert np.percentile(times + [0.0] * (rounds - len(times)), 95) > 60.0
+
+
 @pytest.mark.parametrize("value", ["0", "1025", "many", "2.5"])
 def test_a_bad_max_sessions_is_one_error_line(value, capsys):
     from voicechat.serve.cli import main

@@ -61,25 +61,37 @@ def verified_sessions(estimate: int, fixed_ms: float, round_p95: Callable[[int],
     return 1, None
 
 
-def round_ms(chat, sessions: int, *, from_start: bool = False) -> float:
+def round_ms(chat, sessions: int, *, from_start: bool = False, over_ms: float | None = None) -> float:
     """The 95th percentile of engine rounds (a chunk fed to every session, one tick) of `sessions`
     sessions of silence, after the warmup; `from_start`: of every round, from the sessions' first
-    frame (their encoders' caches still growing)."""
+    frame (their encoders' caches still growing). With `over_ms`, the run stops as soon as more
+    than 5% of its rounds have taken longer (its 95th percentile is then past `over_ms`
+    whatever the rest would take) and gives the percentile of the rounds so far."""
     from ..engine import Engine
 
     rate = chat.config.input_sample_rate
     chunk = np.zeros(rate * int(FRAME_MS) // 1000, np.float32)
+    rounds = WARMUP_FRAMES + MEASURED_FRAMES
+    first = 0 if from_start else WARMUP_FRAMES
     times = []
     with Engine(chat, max_sessions=sessions) as engine:
         lives = [engine.live() for _ in range(sessions)]
-        for _ in range(WARMUP_FRAMES + MEASURED_FRAMES):
+        for _ in range(rounds):
             start = time.perf_counter()
             engine.feed_many([(live, chunk, rate) for live in lives])
             engine.step()
             for live in lives:
                 live.collect()
             times.append((time.perf_counter() - start) * 1e3)
-    return float(np.percentile(np.array(times[0 if from_start else WARMUP_FRAMES:]), 95))
+            if over_ms is not None and p95_past(times[first:], rounds - first, over_ms):
+                break
+    return float(np.percentile(np.array(times[first:]), 95))
+
+
+def p95_past(times_ms: list[float], rounds: int, over_ms: float) -> bool:
+    """Whether the 95th percentile of `rounds` rounds, of which `times_ms` are the first, is past
+    `over_ms` whatever the others take: more than 5% of all of them already are."""
+    return sum(t > over_ms for t in times_ms) > 0.05 * rounds
 
 
 def measure(chat, say: Callable[[str], None] = lambda message: None) -> Capacity:
@@ -93,7 +105,7 @@ def measure(chat, say: Callable[[str], None] = lambda message: None) -> Capacity
 
     def check(n: int) -> float:
         say(f"checking {n} sessions begun together ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)")
-        return round_ms(chat, n, from_start=True)
+        return round_ms(chat, n, from_start=True, over_ms=FRAME_MS - HEADROOM_MS)
 
     sessions, checked = verified_sessions(estimate, fixed_ms, check)
     return Capacity(frame_ms_p95=one, session_ms=session_ms, sessions=sessions,

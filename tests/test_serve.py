@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import threading
 import time
 
@@ -176,8 +177,9 @@ def test_a_disconnect_mid_session_frees_its_state(server, ws_url, pcm):
 
 @pytest.fixture(scope="module")
 def locked_server(tiny_checkpoint):
+    # (a memory limit below the model's own size: no conversation can start there)
     with vc_serve(tiny_checkpoint, "--api-key", "sesame", "--max-sessions", "1",
-                  "--allowed-origins", "https://app.example") as base:
+                  "--allowed-origins", "https://app.example", "--memory-limit", "0.000001") as base:
         yield base.replace("http", "ws", 1) + "/v1/realtime"
 
 
@@ -218,6 +220,68 @@ def test_past_max_sessions_a_client_gets_an_error_and_a_close_code(locked_server
             assert closed.value.rcvd.code == 1013
         first.send(json.dumps({"type": "session.update", "session": {"instructions": "still here"}}))
         assert json.loads(first.recv(timeout=30))["type"] == "session.updated"
+
+
+def test_past_the_memory_limit_no_conversation_starts_and_the_connection_stays(locked_server, pcm):
+    key = {"Authorization": "Bearer sesame"}
+    health = get_json(locked_server.replace("ws", "http", 1).rsplit("/v1/", 1)[0] + "/health")
+    assert health["memory_limit_bytes"] == 1000
+    with connect(locked_server, additional_headers=key) as ws:
+        assert json.loads(ws.recv(timeout=30))["type"] == "session.created"
+        for _ in range(2):  # each new conversation is refused, once
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(pcm[:4000])}))
+            error = json.loads(ws.recv(timeout=60))
+            assert error["type"] == "error" and error["error"]["code"] == "session_memory_full"
+            assert "memory is full" in error["error"]["message"] and "limit 0.0 MB" in error["error"]["message"]
+            ws.send(json.dumps({"type": "session.update", "session": {"instructions": "still here"}}))
+            assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
+
+
+def test_past_the_memory_limit_the_largest_conversation_ends_and_the_others_go_on(chat, pcm):
+    import mlx.core as mx
+
+    from voicechat.serve.scheduler import FrameScheduler, MemoryFull
+
+    got = {"long": [], "short": []}
+    errors = {"long": [], "short": []}
+    finished = threading.Event()
+
+    def frames_to(name):
+        def on_frames(frames, done):
+            got[name].extend(frames)
+            if done:
+                finished.set()
+        return on_frames
+
+    def errors_to(name):
+        return lambda exc, fatal: errors[name].append((exc, fatal))
+
+    scheduler = FrameScheduler(chat, max_sessions=4)
+    try:
+        long = scheduler.open(None, 0, frames_to("long"), errors_to("long"))
+        long.push(np.tile(pcm, 16)[: 25 * 16000], 16000)  # 312 frames: its caches past their first 256 slots
+        deadline = time.monotonic() + 120
+        while len(got["long"]) < 312 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # (its last round over: nothing of it in flight)
+        assert len(got["long"]) >= 312 and not errors["long"]
+        # What a new conversation's caches add crosses the limit; the long one holds the most.
+        scheduler.memory_limit = mx.get_active_memory() + (64 << 10)
+        short = scheduler.open(None, 1, frames_to("short"), errors_to("short"))
+        short.push(pcm, 16000)
+        short.finish(0.4)
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+    (exc, fatal), = errors["long"]
+    assert isinstance(exc, MemoryFull) and fatal and exc.code == "session_memory_full"
+    assert "the largest" in str(exc) and int(re.search(r"after (\d+) frames", str(exc))[1]) >= 312
+    assert not errors["short"]
+    result = expect(chat, pcm, seed=1)
+    assert "".join(f.text for f in got["short"]) == result.text
+    assert "".join(f.transcript for f in got["short"]) == result.user_transcript
+    assert [f.text_id for f in got["short"]] == result.text_tokens
+    np.testing.assert_allclose(np.concatenate([f.audio for f in got["short"]]), result.audio, atol=1e-5)
 
 
 def test_vc_chat_streams_a_file_and_writes_the_answer(ws_url, chat, spoken_wav, tmp_path):

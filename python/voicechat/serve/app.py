@@ -36,6 +36,7 @@ class ServerSettings:
     live_frame_ms: float | None = None  # a live frame's p95, measured at start as the server warms up
     session_ms: float | None = None  # what each further session adds to a round (`--max-sessions auto`)
     round_ms: float | None = None  # the admitted sessions' round begun together, p95 (`--max-sessions auto`)
+    memory_limit: int | None = None  # bytes in use past which the largest conversation ends (`--memory-limit`)
 
 
 def _offered_subprotocols(ws: WebSocket) -> list[str]:
@@ -78,7 +79,8 @@ def create_app(chat, settings: ServerSettings | None = None, scheduler=None) -> 
     every session's frame of a round is stepped in one batch (`FrameScheduler`). Or, with `scheduler`
     and no `chat`, the same app in front of models elsewhere (`voicechat.serve.ray_app`)."""
     settings = settings or ServerSettings()
-    scheduler = scheduler if scheduler is not None else FrameScheduler(chat, max_sessions=settings.max_sessions)
+    scheduler = scheduler if scheduler is not None else FrameScheduler(chat, max_sessions=settings.max_sessions,
+                                                                     memory_limit=settings.memory_limit)
     app = FastAPI(title="voicechat", docs_url=None, redoc_url=None)
     app.state.scheduler = scheduler
     app.state.connections = 0
@@ -94,6 +96,7 @@ def create_app(chat, settings: ServerSettings | None = None, scheduler=None) -> 
         return {"status": "ok", "model": settings.model_name, "sessions": app.state.connections,
                 "max_sessions": settings.max_sessions, "live_frame_ms": settings.live_frame_ms,
                 "session_ms": settings.session_ms, "round_ms": settings.round_ms,
+                "memory_limit_bytes": settings.memory_limit,
                 "uptime_s": round(time.time() - started, 1),
                 **scheduler.health()}
 

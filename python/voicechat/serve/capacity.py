@@ -17,6 +17,7 @@ re-estimated from what it measured, lower, and checked again; `sessions` is the 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -36,6 +37,23 @@ class Capacity:
     session_ms: float  # what each further session adds to a round (from the rounds of one and two)
     sessions: int  # the sessions whose round fits one 80 ms frame with the headroom
     round_ms_p95: float  # `sessions` new sessions' rounds from their first frame, 95th percentile
+
+
+MEMORY_FRACTION = 0.9  # `vc-serve`'s default memory limit: this much of the device's memory
+
+
+def device_memory() -> int | None:
+    """The default device's memory in bytes: a GPU's own (MLX's device_info), else the machine's RAM."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.gpu:
+        info = mx.device_info()
+        size = info.get("total_memory") or info.get("memory_size")
+        return int(size) if size else None
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # (a platform without these names)
+        return None
 
 
 def sessions_for(session_ms: float, fixed_ms: float = 0.0, most: int = 1024) -> int:

@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="close a session after this long without a client event (default: 120)")
     p.add_argument("--max-ahead-seconds", type=float, default=30.0, metavar="SECONDS",
                    help="refuse audio sent further than this ahead of real time (default: 30)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                   help="past this much memory in use the largest conversation ends and no new one starts "
+                        "(default: 90%% of the GPU's memory, or of the machine's RAM on a CPU)")
     p.add_argument("--model-name", default=None, help="the name /v1/models reports (default: the model's)")
     ray = p.add_argument_group("Ray Serve (the ray extra; docs/deploy.md)")
     ray.add_argument("--ray", action="store_true", help="serve on Ray Serve: a replica of the model per GPU, "
@@ -47,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
     ray.add_argument("--target-sessions", type=int, default=None,
                      help="autoscaling's aim of active sessions per replica (default: 3/4 of --max-sessions)")
     return p
+
+
+def _memory_limit(gb: float | None) -> int | None:
+    """`--memory-limit` in bytes; by default `MEMORY_FRACTION` of the device's memory (None where
+    that is unknown: no limit)."""
+    from .capacity import MEMORY_FRACTION, device_memory
+
+    if gb is not None:
+        return int(gb * 1e9)
+    total = device_memory()
+    return None if total is None else int(MEMORY_FRACTION * total)
 
 
 def _sessions(text: str) -> int | str:
@@ -87,8 +101,9 @@ def _serve_on_ray(args: argparse.Namespace, model: str, settings) -> int:
         model = os.path.abspath(model)
     options = RayOptions(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                          sessions_per_replica=args.max_sessions, target_sessions=args.target_sessions,
-                         gpus_per_replica=None)
+                         gpus_per_replica=None, memory_limit_gb=args.memory_limit)
     settings.max_sessions = options.max_sessions()
+    settings.memory_limit = None  # (each replica's own, from its device)
     serve_forever(model, settings, options, args.host, args.port, args.ray_address,
                   say=lambda line: print(line, file=sys.stderr))
     return 0
@@ -110,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_sessions == "auto" and (args.ray or args.ray_address):
         args.max_sessions = 8  # (each replica's limit is set before the replicas load a model)
     if args.max_sessions != "auto" and not 1 <= args.max_sessions <= 1024 or not 0 < args.port < 65536 \
-            or not args.idle_timeout > 0 or not args.max_ahead_seconds > 0:
-        print("error: --max-sessions must be 1..1024, --port 1..65535, and the timeouts positive", file=sys.stderr)
+            or not args.idle_timeout > 0 or not args.max_ahead_seconds > 0 \
+            or args.memory_limit is not None and not 0 < args.memory_limit < 1e6:
+        print("error: --max-sessions must be 1..1024, --port 1..65535, and the timeouts and --memory-limit positive",
+              file=sys.stderr)
         return 2
     try:
         _check_port(args.host, args.port)
@@ -129,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                                       max_sessions=8 if args.max_sessions == "auto" else args.max_sessions,
                                       limits=Limits(max_ahead_seconds=args.max_ahead_seconds,
                                                     idle_timeout_seconds=args.idle_timeout))
+            settings.memory_limit = _memory_limit(args.memory_limit)
             if args.ray or args.ray_address:
                 return _serve_on_ray(args, str(model), settings)
             from ..precompile import compile_ahead

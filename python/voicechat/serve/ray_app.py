@@ -29,7 +29,7 @@ import ray
 from ray import serve
 
 from ..session import InputError
-from .capacity import round_ms
+from .capacity import MEMORY_FRACTION, device_memory, round_ms
 from .scheduler import FrameScheduler, NoCapacity, SessionLost
 
 APP_NAME = "voicechat"
@@ -96,12 +96,13 @@ class ReplicaError(RuntimeError):
 class ModelReplica:
     """One loaded model and its scheduler; `session` serves one connection's conversations."""
 
-    def __init__(self, model: str, max_sessions: int = 64):
+    def __init__(self, model: str, max_sessions: int = 64, memory_limit_gb: float | None = None):
         from ..session import load
 
         self.chat = load(model)
         round_ms(self.chat, 1)  # a warm live path (kernels built and loaded) before Serve routes a client here
-        self.scheduler = FrameScheduler(self.chat, max_sessions=max_sessions)
+        self.scheduler = FrameScheduler(self.chat, max_sessions=max_sessions,
+                                        memory_limit=_replica_memory_limit(memory_limit_gb))
 
     def check_health(self) -> None:
         if not self.scheduler.alive():  # (Serve then replaces this replica)
@@ -148,6 +149,18 @@ class ModelReplica:
             follower.cancel()
             for handle in handles.values():
                 handle.close()
+
+
+def _replica_memory_limit(gb: float | None) -> int | None:
+    """A replica's memory limit: `gb`, else `MEMORY_FRACTION` of its share of the device (a
+    fraction of a GPU where Serve gave it one)."""
+    if gb is not None:
+        return int(gb * 1e9)
+    total = device_memory()
+    if total is None:
+        return None
+    share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
+    return int(MEMORY_FRACTION * total * min(1.0, share or 1.0))
 
 
 class _RemoteConversation:
@@ -292,6 +305,7 @@ class RayOptions:
     ingress_replicas: int = 1  # processes that hold the clients' WebSockets (no GPU)
     admission_timeout_s: float = 10.0  # how long a new connection waits for a free slot
     drain_timeout_s: float = 600.0  # a replica scaled down serves its sessions this long at most
+    memory_limit_gb: float | None = None  # a replica's (vc-serve's --memory-limit); None: 90% of its device share
 
     def autoscaling(self) -> dict | None:
         if self.min_replicas is None and self.max_replicas is None:
@@ -316,7 +330,8 @@ def build_app(model: str, settings, options: RayOptions):
     ingress = serve.deployment(Ingress, name="VoiceChatIngress").options(
         num_replicas=options.ingress_replicas, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(100, 2 * options.max_sessions()))
-    return ingress.bind(replica.bind(model, options.sessions_per_replica), settings, options.admission_timeout_s)
+    return ingress.bind(replica.bind(model, options.sessions_per_replica, options.memory_limit_gb), settings,
+                        options.admission_timeout_s)
 
 
 def app(args: dict):
@@ -339,7 +354,7 @@ def app(args: dict):
     numbers = {name: type_(args.pop(name)) for name, type_ in (
         ("replicas", int), ("min_replicas", int), ("max_replicas", int), ("sessions_per_replica", int),
         ("target_sessions", int), ("ingress_replicas", int), ("gpus_per_replica", float), ("cpus_per_replica", float),
-        ("admission_timeout_s", float), ("drain_timeout_s", float)) if name in args}
+        ("memory_limit_gb", float), ("admission_timeout_s", float), ("drain_timeout_s", float)) if name in args}
     if args:
         raise ValueError(f"unknown arguments: {', '.join(sorted(args))}")
     options = RayOptions(**numbers)

@@ -6,6 +6,12 @@ each round feeds one piece from each session that has work (`Engine.feed_many`: 
 as one batch), then one engine tick steps every
 session with a complete frame together (one batched frame), then each session's frames go out. A
 client that sends a minute of audio at once is stepped a frame a round like the others.
+
+A conversation's caches grow with its length (docs/live.md: up to 0.4 GB a minute at full size),
+so with `memory_limit` set, the memory in use is checked after every round: past the limit, the
+conversation holding the most ends with `MemoryFull` (its state is freed at once; its client may
+start another), and no new one starts while the memory stays past it. One long conversation then
+never takes the memory the others need.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+import mlx.core as mx
 import numpy as np
 
 from ..engine import Engine, EngineFull
@@ -24,6 +31,13 @@ from ..live import ContextFull
 from ..session import InputError
 
 FRAME_SECONDS = 0.08
+
+
+class MemoryFull(InputError):
+    """The server's memory limit was reached: the conversation holding the most has ended, or a new
+    one cannot start yet."""
+
+    code = "session_memory_full"
 
 
 class SessionLost(RuntimeError):
@@ -79,10 +93,12 @@ class SessionHandle:
 
 class FrameScheduler:
     """Owns the model's thread of work for all sessions of one loaded `VoiceChat`
-    (`max_sessions`: the most conversations the engine holds at once)."""
+    (`max_sessions`: the most conversations the engine holds at once; `memory_limit`: bytes of
+    MLX's active memory past which the largest conversation ends, None for none)."""
 
-    def __init__(self, chat, max_sessions: int = 64):
+    def __init__(self, chat, max_sessions: int = 64, memory_limit: int | None = None):
         self.chat = chat
+        self.memory_limit = memory_limit
         self.engine = Engine(chat, max_sessions=max_sessions)  # the model is the server's while it runs
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
@@ -101,8 +117,6 @@ class FrameScheduler:
         return self._thread.is_alive()
 
     def health(self) -> dict:
-        import mlx.core as mx
-
         return {"active_memory_bytes": mx.get_active_memory()}
 
     def open(self, system_prompt: str | None, seed: int, on_frames, on_error) -> SessionHandle:
@@ -158,6 +172,7 @@ class FrameScheduler:
                 for handle in list(self.sessions):
                     if handle.live is not None:
                         self._hand_out(handle)
+            self._hold_memory()
 
     def _do(self, handle: SessionHandle, work: Work) -> None:
         if work.kind == "close":
@@ -167,6 +182,12 @@ class FrameScheduler:
             return
         try:
             if handle.live is None:
+                if self._memory_full():
+                    self._drop(handle)
+                    handle.on_error(MemoryFull(f"the server's memory is full ({_size(mx.get_active_memory())} in use, "
+                                               f"limit {_size(self.memory_limit)}): no new conversation can start "
+                                               f"now; try again later"), True)
+                    return
                 # The answer's samples go to the client as they come: none kept for result().
                 handle.live = self.engine.live(system_prompt=handle.system_prompt or None, seed=handle.seed,
                                                keep_audio=False)
@@ -185,6 +206,25 @@ class FrameScheduler:
         except Exception as e:  # a bug: this session ends, the others go on
             traceback.print_exc()
             self._fail(handle, e)
+
+    def _memory_full(self) -> bool:
+        return self.memory_limit is not None and mx.get_active_memory() > self.memory_limit
+
+    def _hold_memory(self) -> None:
+        """Past the memory limit, the conversation holding the most ends (one a round: its state is
+        freed at once, and the next round checks again)."""
+        if not self._memory_full():
+            return
+        open_ = [h for h in self.sessions if h.live is not None]
+        if not open_:
+            return
+        largest = max(open_, key=lambda h: sum(h.live.held_bytes().values()))
+        live = largest.live
+        held = sum(live.held_bytes().values())
+        self._fail(largest, MemoryFull(
+            f"the server's memory is full ({_size(mx.get_active_memory())} in use, limit {_size(self.memory_limit)}): "
+            f"this conversation, the largest ({_size(held)} after {live.frames} frames, "
+            f"{live.frames * FRAME_SECONDS / 60:.1f} min), has ended; a new one may start"))
 
     def _feed(self, pushes: list[tuple[SessionHandle, Work]]) -> None:
         """The round's chunks of open sessions, their perception as one batch (`Engine.feed_many`);
@@ -209,9 +249,17 @@ class FrameScheduler:
             self._end_live(handle)
 
     def _fail(self, handle: SessionHandle, error: Exception) -> None:
-        """A bug met on this session's work: the session ends (the others go on)."""
+        """The session ends on `error` (a bug met on its work, or the memory limit); the others go on."""
+        self._drop(handle)
         handle.on_error(error, True)
         self._end_live(handle)
+
+    def _drop(self, handle: SessionHandle) -> None:
+        """The handle takes no more work: what its client queued after the error that ends it would
+        otherwise begin a new conversation before the client hears of the error."""
+        with self.lock:
+            handle.work.clear()
+            handle.closed = True
 
     def _hand_out(self, handle: SessionHandle) -> None:
         """The session's frames of this round to its client; its end once finish's frames are out."""
@@ -241,3 +289,7 @@ class FrameScheduler:
         with self.lock:
             if handle in self.sessions:
                 self.sessions.remove(handle)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"

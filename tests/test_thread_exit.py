@@ -36,12 +36,39 @@ SCRIPTS = {
         t.join()
         assert chat._tts_worker is not None and chat._tts_worker.is_alive()  # left for the exit to end
     """,
+    "an Engine's session, on a worker thread": """
+        from voicechat.engine import Engine
+
+        def engine_session():
+            with Engine(chat, max_sessions=2) as engine:
+                live = engine.live()
+                results.append(len(live.push(soundfile.read(sys.argv[2], dtype="float32")[0])))
+        t = threading.Thread(target=engine_session)
+        t.start()
+        t.join()
+    """,
+    "vc-serve's scheduler thread": """
+        import time
+        from voicechat.serve.scheduler import FrameScheduler
+
+        frames = []
+        scheduler = FrameScheduler(chat, max_sessions=2)
+        handle = scheduler.open(None, 0, lambda got, done: frames.extend(got), lambda exc, fatal: None)
+        handle.push(soundfile.read(sys.argv[2], dtype="int16")[0], 16000)
+        deadline = time.monotonic() + 120
+        while not frames and time.monotonic() < deadline:
+            time.sleep(0.05)
+        scheduler.stop()
+        results.append(len(frames))
+    """,
 }
 
 PRELUDE = """
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+
+import soundfile
 
 import voicechat
 

@@ -77,6 +77,7 @@ from .session import InputError, _checked_seed
 from .stt.conformer import push_streams as push_perception
 from .tts.backbone import DEFAULT_CHUNK
 from .tts.rows import TTSRows
+from .tts_thread import release_mlx_state_at_thread_exit
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -142,6 +143,7 @@ class Engine:
              keep_input_audio: bool = False) -> "EngineSession":
         """A new session, as `chat.live(...)` makes one (the same arguments and errors)."""
         seed = _checked_seed(seed)
+        release_mlx_state_at_thread_exit()  # any thread may step the engine (tts_thread.py says why)
         self.chat.prompt_ids(system_prompt)  # (its TypeError first)
         with self._lock:
             if self._closed:
@@ -221,6 +223,7 @@ class Engine:
     def step(self) -> int:
         """One frame for every session with a complete 80 ms of input queued, as one batch; each
         session's frame goes to its `collect()`. Returns how many sessions stepped."""
+        release_mlx_state_at_thread_exit()
         with self._lock:
             ready = [s for s in self.sessions if s is not None and s._queue]
             if not ready:
@@ -289,6 +292,7 @@ class Engine:
         encoders whose caches are full run their layers together, one compiled graph for all).
         Returns the sessions whose chunk was refused, with the error (each of them unchanged);
         the others' frames are queued for `step`."""
+        release_mlx_state_at_thread_exit()
         with self._lock:
             refused: dict[EngineSession, InputError] = {}
             accepted: list[tuple[EngineSession, np.ndarray]] = []
@@ -383,10 +387,12 @@ class EngineSession(LiveSession):
 
     def feed(self, chunk, sample_rate: int = 16000) -> None:
         """Take a chunk (as `push`) and queue its frames for `Engine.step`."""
+        release_mlx_state_at_thread_exit()
         LiveSession.push(self, chunk, sample_rate)
 
     def feed_end(self, extra_decoding_seconds: float | None = None) -> None:
         """End the input (as `finish`); the last frames are queued for `Engine.step`."""
+        release_mlx_state_at_thread_exit()
         args = () if extra_decoding_seconds is None else (extra_decoding_seconds,)
         LiveSession.finish(self, *args)
 

@@ -361,6 +361,19 @@ def test_a_check_stops_once_its_p95_is_past_the_budget_whatever_the_rest_take(ti
         assert np.percentile(times + [0.0] * (rounds - len(times)), 95) > 60.0
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "lots"])
+def test_a_bad_memory_limit_is_one_error_line(value, capsys):
+    from voicechat.serve.cli import main
+
+    try:
+        code = main(["--demo", "--memory-limit", value])
+    except SystemExit as e:  # (argparse's refusal of what is not a number)
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "memory-limit" in err[-1] and "error" in err[-1]
+
+
 @pytest.mark.parametrize("value", ["0", "1025", "many", "2.5"])
 def test_a_bad_max_sessions_is_one_error_line(value, capsys):
     from voicechat.serve.cli import main

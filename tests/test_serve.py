@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 import threading
 import time
@@ -39,6 +40,15 @@ def test_health_and_models(server):
     assert health["status"] == "ok" and health["sessions"] == 0 and health["max_sessions"] == 9
     # a given --max-sessions still warms the live path before serving, and says what a frame took
     assert health["live_frame_ms"] > 0 and health["session_ms"] is None
+    # the default memory limit: 90% of the GPU's memory, or of the machine's RAM on a CPU
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.gpu:
+        info = mx.device_info()
+        total = int(info.get("total_memory") or info.get("memory_size"))
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert health["memory_limit_bytes"] == int(0.9 * total)
     models = get_json(server + "/v1/models")
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
 

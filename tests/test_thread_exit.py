@@ -47,6 +47,16 @@ SCRIPTS = {
         t.start()
         t.join()
     """,
+    "a live session opened here, fed from a worker thread": """
+        live = chat.live()
+
+        def feed():
+            results.append(len(live.push(soundfile.read(sys.argv[2], dtype="float32")[0]) + live.finish(0.2)))
+        t = threading.Thread(target=feed)
+        t.start()
+        t.join()
+        live.close()
+    """,
     "vc-serve's scheduler thread": """
         import time
         from voicechat.serve.scheduler import FrameScheduler

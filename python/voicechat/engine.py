@@ -143,7 +143,6 @@ class Engine:
              keep_input_audio: bool = False) -> "EngineSession":
         """A new session, as `chat.live(...)` makes one (the same arguments and errors)."""
         seed = _checked_seed(seed)
-        release_mlx_state_at_thread_exit()  # any thread may step the engine (tts_thread.py says why)
         self.chat.prompt_ids(system_prompt)  # (its TypeError first)
         with self._lock:
             if self._closed:
@@ -223,7 +222,7 @@ class Engine:
     def step(self) -> int:
         """One frame for every session with a complete 80 ms of input queued, as one batch; each
         session's frame goes to its `collect()`. Returns how many sessions stepped."""
-        release_mlx_state_at_thread_exit()
+        release_mlx_state_at_thread_exit()  # any thread may step the engine (tts_thread.py says why)
         with self._lock:
             ready = [s for s in self.sessions if s is not None and s._queue]
             if not ready:
@@ -387,12 +386,10 @@ class EngineSession(LiveSession):
 
     def feed(self, chunk, sample_rate: int = 16000) -> None:
         """Take a chunk (as `push`) and queue its frames for `Engine.step`."""
-        release_mlx_state_at_thread_exit()
         LiveSession.push(self, chunk, sample_rate)
 
     def feed_end(self, extra_decoding_seconds: float | None = None) -> None:
         """End the input (as `finish`); the last frames are queued for `Engine.step`."""
-        release_mlx_state_at_thread_exit()
         args = () if extra_decoding_seconds is None else (extra_decoding_seconds,)
         LiveSession.finish(self, *args)
 

@@ -49,6 +49,7 @@ from .session import InputError, Result
 from .stt.conformer import PerceptionStream
 from .stt.rnnt import TranscriptStream
 from .text_stream import PieceDeltas, TokenDeltas
+from .tts_thread import release_mlx_state_at_thread_exit
 from .tokenizer import decode_pieces
 
 
@@ -112,6 +113,7 @@ class LiveSession:
     def __init__(self, chat, turn: object, system_prompt: str | None, seed: int, keep_audio: bool,
                  keep_input_audio: bool):
         """`turn`: the model's turn this session holds (`VoiceChat._begin_turn`), released at close."""
+        release_mlx_state_at_thread_exit()  # here and in push / finish: any thread may feed a session
         self.chat = chat
         c = chat.config
         self.config = c
@@ -198,6 +200,7 @@ class LiveSession:
         """Take a chunk of input (`[samples]` or `[samples, channels]`; float in [-1, 1] or int16 /
         int32 / uint8 PCM) and return the frames it completed (0 or more). Bad input raises
         `InputError` and changes nothing."""
+        release_mlx_state_at_thread_exit()
         with self._lock:
             return self._take(self._accept(chunk, sample_rate), end=False)
 
@@ -208,6 +211,7 @@ class LiveSession:
         if isinstance(extra_decoding_seconds, bool) or not number or not math.isfinite(extra_decoding_seconds) \
                 or extra_decoding_seconds < 0:
             raise InputError(f"extra_decoding_seconds must be a finite number >= 0, got {extra_decoding_seconds!r}")
+        release_mlx_state_at_thread_exit()
         with self._lock:
             self._check_open()
             tail = np.zeros(0, np.float32)

@@ -248,7 +248,6 @@ class VoiceChat:
         from .live import LiveSession
 
         seed = _checked_seed(seed)
-        release_mlx_state_at_thread_exit()
         self.prompt_ids(system_prompt)  # (its TypeError before the model is taken)
         turn = self._begin_turn(live=True)
         try:

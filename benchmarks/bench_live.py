@@ -94,8 +94,10 @@ def memory(chat, minutes: list[float], keep_audio: bool, paced: bool = False, co
                 piece = turn[pos : pos + chunk]
                 fed += piece.size
                 pos = (pos + chunk) % len(turn)
-                if paced:
-                    time.sleep(max(0.0, start + fed / 16000 - time.perf_counter()))
+                if not paced:
+                    live.push(piece)
+                    continue
+                time.sleep(max(0.0, start + fed / 16000 - time.perf_counter()))
                 arrived = time.perf_counter()
                 frames = live.push(piece)
                 log.add(frames, arrived, time.perf_counter())

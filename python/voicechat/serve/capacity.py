@@ -56,6 +56,15 @@ def device_memory() -> int | None:
         return None
 
 
+def memory_limit(gb: float | None, share: float = 1.0) -> int | None:
+    """A server's memory limit in bytes: `gb` where given, else `MEMORY_FRACTION` of `share` of the
+    device's memory (None where that is unknown: no limit)."""
+    if gb is not None:
+        return int(gb * 1e9)
+    total = device_memory()
+    return None if total is None else int(MEMORY_FRACTION * total * share)
+
+
 def sessions_for(session_ms: float, fixed_ms: float = 0.0, most: int = 1024) -> int:
     """The most sessions whose round, `fixed_ms + sessions * session_ms`, fits one 80 ms frame with
     `HEADROOM_MS` to spare: 1 to `most`."""

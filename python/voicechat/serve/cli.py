@@ -52,17 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _memory_limit(gb: float | None) -> int | None:
-    """`--memory-limit` in bytes; by default `MEMORY_FRACTION` of the device's memory (None where
-    that is unknown: no limit)."""
-    from .capacity import MEMORY_FRACTION, device_memory
-
-    if gb is not None:
-        return int(gb * 1e9)
-    total = device_memory()
-    return None if total is None else int(MEMORY_FRACTION * total)
-
-
 def _sessions(text: str) -> int | str:
     if text == "auto":
         return text
@@ -103,7 +92,6 @@ def _serve_on_ray(args: argparse.Namespace, model: str, settings) -> int:
                          sessions_per_replica=args.max_sessions, target_sessions=args.target_sessions,
                          gpus_per_replica=None, memory_limit_gb=args.memory_limit)
     settings.max_sessions = options.max_sessions()
-    settings.memory_limit = None  # (each replica's own, from its device)
     serve_forever(model, settings, options, args.host, args.port, args.ray_address,
                   say=lambda line: print(line, file=sys.stderr))
     return 0
@@ -130,13 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-sessions must be 1..1024, --port 1..65535, and the timeouts and --memory-limit positive",
               file=sys.stderr)
         return 2
+
+    def say(message: str) -> None:
+        print(f"vc-serve: {message}", file=sys.stderr, flush=True)
+
     try:
         _check_port(args.host, args.port)
         with tempfile.TemporaryDirectory(prefix="vc-serve-") as tmp:
             if args.demo:
                 from ..synthetic import make_checkpoint
 
-                print("vc-serve: making a tiny synthetic checkpoint (random weights)", file=sys.stderr)
+                say("making a tiny synthetic checkpoint (random weights)")
                 model = make_checkpoint(os.path.join(tmp, "ckpt"), size="tiny")
             else:
                 model = args.model
@@ -146,38 +138,38 @@ def main(argv: list[str] | None = None) -> int:
                                       max_sessions=8 if args.max_sessions == "auto" else args.max_sessions,
                                       limits=Limits(max_ahead_seconds=args.max_ahead_seconds,
                                                     idle_timeout_seconds=args.idle_timeout))
-            settings.memory_limit = _memory_limit(args.memory_limit)
-            if args.ray or args.ray_address:
+            if args.ray or args.ray_address:  # (each replica takes its own memory limit, from its device)
                 return _serve_on_ray(args, str(model), settings)
             from ..precompile import compile_ahead
             from ..session import load
+            from .capacity import memory_limit
 
-            print(f"vc-serve: loading {model}", file=sys.stderr)
+            settings.memory_limit = memory_limit(args.memory_limit)
+            say(f"loading {model}")
             chat = load(model)
             # (without precompile's live session: the warm-up rounds below step the live path)
-            compile_ahead(chat, lambda message: print(f"vc-serve: {message}", file=sys.stderr, flush=True), live=False)
+            compile_ahead(chat, say, live=False)
             if args.max_sessions == "auto":
                 from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, measure
 
-                print(f"vc-serve: measuring live rounds here (one session, then two: "
-                      f"{WARMUP_FRAMES + MEASURED_FRAMES} frames of silence each)", file=sys.stderr)
-                capacity = measure(chat, lambda message: print(f"vc-serve: {message}", file=sys.stderr, flush=True))
+                say(f"measuring live rounds here (one session, then two: {WARMUP_FRAMES + MEASURED_FRAMES} frames "
+                    f"of silence each)")
+                capacity = measure(chat, say)
                 settings.max_sessions = capacity.sessions
                 settings.live_frame_ms = capacity.frame_ms_p95
                 settings.session_ms = capacity.session_ms
                 settings.round_ms = capacity.round_ms_p95
-                print(f"vc-serve: a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95), each further "
-                      f"session {capacity.session_ms:.1f} ms; {capacity.sessions} begun together: a round "
-                      f"{capacity.round_ms_p95:.1f} ms (p95): --max-sessions {capacity.sessions}", file=sys.stderr)
+                say(f"a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95), each further session "
+                    f"{capacity.session_ms:.1f} ms; {capacity.sessions} begun together: a round "
+                    f"{capacity.round_ms_p95:.1f} ms (p95): --max-sessions {capacity.sessions}")
             else:  # the first client gets a warm live path all the same (kernels built and loaded)
                 from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, round_ms
 
-                print(f"vc-serve: warming up the live path ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)",
-                      file=sys.stderr)
+                say(f"warming up the live path ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)")
                 settings.live_frame_ms = round_ms(chat, 1)
-                print(f"vc-serve: a live frame takes {settings.live_frame_ms:.1f} ms here (p95)", file=sys.stderr)
+                say(f"a live frame takes {settings.live_frame_ms:.1f} ms here (p95)")
             app = create_app(chat, settings)
-            print(f"vc-serve: http://{args.host}:{args.port}/  (WebSocket /v1/realtime)", file=sys.stderr)
+            say(f"http://{args.host}:{args.port}/  (WebSocket /v1/realtime)")
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=16 << 20,
                         ws_ping_interval=20, ws_ping_timeout=20)
     except (ValueError, OSError) as e:

@@ -29,7 +29,7 @@ import ray
 from ray import serve
 
 from ..session import InputError
-from .capacity import MEMORY_FRACTION, device_memory, round_ms
+from .capacity import memory_limit, round_ms
 from .scheduler import FrameScheduler, NoCapacity, SessionLost
 
 APP_NAME = "voicechat"
@@ -101,8 +101,10 @@ class ModelReplica:
 
         self.chat = load(model)
         round_ms(self.chat, 1)  # a warm live path (kernels built and loaded) before Serve routes a client here
+        # by default a share of the device as Serve gave this replica (a fraction of a GPU, or all of it)
+        share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
         self.scheduler = FrameScheduler(self.chat, max_sessions=max_sessions,
-                                        memory_limit=_replica_memory_limit(memory_limit_gb))
+                                        memory_limit=memory_limit(memory_limit_gb, min(1.0, share or 1.0)))
 
     def check_health(self) -> None:
         if not self.scheduler.alive():  # (Serve then replaces this replica)
@@ -149,18 +151,6 @@ class ModelReplica:
             follower.cancel()
             for handle in handles.values():
                 handle.close()
-
-
-def _replica_memory_limit(gb: float | None) -> int | None:
-    """A replica's memory limit: `gb`, else `MEMORY_FRACTION` of its share of the device (a
-    fraction of a GPU where Serve gave it one)."""
-    if gb is not None:
-        return int(gb * 1e9)
-    total = device_memory()
-    if total is None:
-        return None
-    share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
-    return int(MEMORY_FRACTION * total * min(1.0, share or 1.0))
 
 
 class _RemoteConversation:

@@ -329,19 +329,23 @@ def test_the_context_full_ends_the_session_with_one_clear_error(tmp_path, inputs
     assert result.audio_codes[: cut.frames - 1] == cut.audio_codes[:-1]
 
 
-def test_vc_chat_with_a_model_here_warms_it_then_streams_a_file(chat, tiny_checkpoint, spoken_wav, tmp_path):
-    """`vc-chat -m`: the model is loaded and its live path warmed before the file is read, and the
-    transcript and the answer WAV equal generate's (the answer as PCM16)."""
+def vc_chat(*argv: str, env: dict | None = None, timeout: float = 300):
+    """`vc-chat` run as a user runs it, in a process of its own."""
     import subprocess
     import sys
 
     from serving import child_env
 
+    return subprocess.run([sys.executable, "-m", "voicechat.chat_client", *argv], env=env or child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_vc_chat_with_a_model_here_warms_it_then_streams_a_file(chat, tiny_checkpoint, spoken_wav, tmp_path):
+    """`vc-chat -m`: the model is loaded and its live path warmed before the file is read, and the
+    transcript and the answer WAV equal generate's (the answer as PCM16)."""
     out = tmp_path / "answer.wav"
-    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tiny_checkpoint),
-                           "--audio-file", str(spoken_wav), "--fast", "--no-playback", "--output-audio", str(out),
-                           "--seed", "5", "-p", PROMPT, "--extra-decoding-seconds", "0.4"],
-                          env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = vc_chat("-m", str(tiny_checkpoint), "--audio-file", str(spoken_wav), "--fast", "--no-playback",
+                   "--output-audio", str(out), "--seed", "5", "-p", PROMPT, "--extra-decoding-seconds", "0.4")
     assert proc.returncode == 0, proc.stderr
     steps = [line for line in proc.stderr.splitlines() if line.startswith("vc-chat:")]
     assert steps == [f"vc-chat: loading {tiny_checkpoint}", "vc-chat: warming up the live path"]
@@ -354,15 +358,9 @@ def test_vc_chat_with_a_model_here_warms_it_then_streams_a_file(chat, tiny_check
 
 
 def test_vc_chat_with_a_bad_model_path_is_one_error_line(tmp_path, spoken_wav):
-    import subprocess
-    import sys
-
-    from serving import child_env
-
     out = tmp_path / "answer.wav"
-    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tmp_path / "missing"),
-                           "--audio-file", str(spoken_wav), "--no-playback", "--output-audio", str(out)],
-                          env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = vc_chat("-m", str(tmp_path / "missing"), "--audio-file", str(spoken_wav), "--no-playback",
+                   "--output-audio", str(out), timeout=120)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "missing" in errors[0]
     assert not out.exists()
@@ -371,17 +369,11 @@ def test_vc_chat_with_a_bad_model_path_is_one_error_line(tmp_path, spoken_wav):
 def test_vc_chat_refuses_a_bad_file_before_loading_the_model(tmp_path):
     """The file is checked first: with a junk file and a model path that does not exist, the one
     error is the file's (no load was tried)."""
-    import subprocess
-    import sys
-
-    from serving import child_env
-
     junk = tmp_path / "junk.wav"
     junk.write_bytes(b"RIFF" + bytes(100))
     out = tmp_path / "answer.wav"
-    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tmp_path / "no-model"),
-                           "--audio-file", str(junk), "--no-playback", "--output-audio", str(out)],
-                          env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = vc_chat("-m", str(tmp_path / "no-model"), "--audio-file", str(junk), "--no-playback",
+                   "--output-audio", str(out), timeout=120)
     lines = proc.stderr.splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and "junk.wav" in lines[0]
     assert not out.exists()
@@ -393,17 +385,11 @@ def test_vc_chat_refuses_an_output_it_cannot_write_before_any_work(tmp_path, spo
     before the model loads (the model path does not exist either: no load is tried) and the
     input untouched."""
     import shutil
-    import subprocess
-    import sys
-
-    from serving import child_env
-
     question = tmp_path / "question.wav"
     shutil.copy(spoken_wav, question)
     before = question.read_bytes()
-    proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tmp_path / "no-model"),
-                           "--audio-file", str(question), "--no-playback", "--output-audio", str(tmp_path / output)],
-                          env=child_env(), capture_output=True, text=True, timeout=120)
+    proc = vc_chat("-m", str(tmp_path / "no-model"), "--audio-file", str(question), "--no-playback",
+                   "--output-audio", str(tmp_path / output), timeout=120)
     lines = proc.stderr.splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
     assert "no-model" not in lines[0] and str(tmp_path / output) in lines[0]
@@ -414,9 +400,6 @@ def test_vc_chat_compiles_ahead_on_a_first_run_then_only_warms(tiny_checkpoint, 
     """VOICECHAT_PRECOMPILE=1 (a first run's precompile on any device, as a CUDA GPU's by default):
     the first vc-chat -m says its precompile's progress and runs the conversation; the next, on the
     caches and marker it left, only warms the live path. Both answers are the same."""
-    import subprocess
-    import sys
-
     from serving import child_env
 
     env = dict(child_env(), VOICECHAT_PRECOMPILE="1", VOICECHAT_PRECOMPILE_PROCESSES="0",
@@ -424,9 +407,8 @@ def test_vc_chat_compiles_ahead_on_a_first_run_then_only_warms(tiny_checkpoint, 
     answers, steps = [], []
     for run in ("first", "second"):
         out = tmp_path / f"{run}.wav"
-        proc = subprocess.run([sys.executable, "-m", "voicechat.chat_client", "-m", str(tiny_checkpoint),
-                               "--audio-file", str(spoken_wav), "--fast", "--no-playback", "--output-audio", str(out)],
-                              env=env, capture_output=True, text=True, timeout=300)
+        proc = vc_chat("-m", str(tiny_checkpoint), "--audio-file", str(spoken_wav), "--fast", "--no-playback",
+                       "--output-audio", str(out), env=env)
         assert proc.returncode == 0, proc.stderr
         steps.append([line for line in proc.stderr.splitlines() if line.startswith("vc-chat:")])
         answers.append(sf.read(out, dtype="int16")[0])

@@ -149,3 +149,47 @@ def test_bad_arguments_are_errors():
         rel_pos_attention(q, k, v, p, u[:1], b, 0.3, 70, 0)
     with pytest.raises(ValueError, match="method"):
         rel_pos_attention(q, k, v, p, u, b, 0.3, 70, 0, method="fast")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("context", [(70, 0), (4, 1), (-1, 0)])
+@pytest.mark.parametrize("method", ["fused", "composed"])
+def test_rows_with_a_key_start_are_their_frames_alone(dtype, context, method):
+    """A stream's cache kept at one length while it fills: batch row b's frames begin at key
+    key_start[b], and the keys before hold anything. Each row's output is that of its frames
+    alone (the keys from key_start[b] on, the table rows of the same relative positions): bit
+    for bit on the fused path."""
+    length, queries, starts = 20, 3, [0, 5, 13]
+    q, k, v, p, u, b = _case(len(starts), 2, length, 20, dtype, seed=11 + context[0])
+    q = q[:, :, -queries:]
+    garbage = mx.arange(length)[None, None, :, None] < mx.array(starts)[:, None, None, None]
+    k, v = (mx.where(garbage, (1e3 * a).astype(dtype), a) for a in (k, v))
+    out = rel_pos_attention(q, k, v, p, u, b, 0.3, *context, key_start=mx.array(starts, mx.int32), method=method)
+    ref = rel_pos_attention_reference(q, k, v, p, u, b, 0.3, *context, key_start=mx.array(starts, mx.int32))
+    _close(out, ref, dtype)
+    for row, start in enumerate(starts):
+        frames = length - start  # the frames' table: rows of the same relative positions
+        alone = rel_pos_attention(q[row : row + 1], k[row : row + 1, :, start:], v[row : row + 1, :, start:],
+                                  p[:, start : start + 2 * frames - 1], u, b, 0.3, *context, method=method)
+        if method == "fused":
+            np.testing.assert_array_equal(np.array(out[row : row + 1].astype(mx.float32)),
+                                          np.array(alone.astype(mx.float32)))
+        else:
+            _close(out[row : row + 1], alone, dtype)
+
+
+@pytest.mark.parametrize("method", ["fused", "composed"])
+def test_a_query_before_its_key_start_gets_zeros(method):
+    q, k, v, p, u, b = _case(2, 2, 12, 8, mx.float32, seed=12)
+    starts = mx.array([0, 4], mx.int32)
+    out = np.array(rel_pos_attention(q, k, v, p, u, b, 0.3, 70, 0, key_start=starts, method=method))
+    ref = np.array(rel_pos_attention_reference(q, k, v, p, u, b, 0.3, 70, 0, key_start=starts))
+    assert (out[1, :, :4] == 0).all() and (ref[1, :, :4] == 0).all() and (np.abs(out[1, :, 4:]) > 0).any()
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_a_bad_key_start_is_an_error():
+    q, k, v, p, u, b = _case(2, 2, 5, 8, mx.float32, seed=13)
+    for bad in (mx.array([0, 1, 2], mx.int32), mx.array([0.0, 1.0]), mx.array([[0, 1]], mx.int32)):
+        with pytest.raises(ValueError, match="key_start"):
+            rel_pos_attention(q, k, v, p, u, b, 0.3, 70, 0, key_start=bad)

@@ -10,7 +10,11 @@
 // uses are enough, see position_window in kernels/rel_pos_attention.py); u, v_bias [H, D]. ctx(i): chunks of `right + 1` frames, frame i sees the frames of its own chunk
 // and of the `left / (right + 1)` chunks before it (left < 0: all of them). NeMo's rel_shift (pad,
 // reshape, drop a row) is only the index arithmetic `L - 1 - i + j`, so no path here copies it.
-// Entry (i, j) reads row `L - 1 - i + j - pos_first` of p.
+// Entry (i, j) reads row `L - 1 - i + j - pos_first` of p. key_start [B] (int32, optional): batch row
+// b's frames begin at key key_start[b] (a stream whose cache is not yet full keeps its keys at one
+// length: the keys before are not frames). Its context windows count from there and the keys
+// before get no weight: its rows equal those of k[b, :, key_start[b]:] alone (the table rows are
+// those of the same relative positions), bit for bit on the CPU and CUDA paths.
 //
 // Paths: CPU, a fused loop that only scores each frame's window (O(L * window), not O(L^2));
 // CUDA, one block per query row with an online softmax; anything else, composed MLX ops with an
@@ -22,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,7 +41,8 @@ namespace mx = mlx::core;
 namespace voicechat {
 namespace {
 
-// First frame of frame i's context window, and one past its last.
+// First frame of frame i's context window, and one past its last (frames from 0; a stream's from its
+// key start: the caller adds it).
 inline int window_begin(int i, int left, int right) {
   const int chunk = right + 1;
   if (left < 0) return 0;
@@ -50,19 +56,32 @@ inline int window_end(int i, int length, int right) {
 
 // ---------------------------------------------------------------- composed ops (any backend)
 
-mx::array context_mask(int length, int left, int right, mx::Stream s) {
-  auto chunk_of = mx::floor_divide(mx::arange(length, mx::int32, s), mx::array(right + 1), s);
-  auto diff = mx::subtract(mx::expand_dims(chunk_of, 1, s), mx::expand_dims(chunk_of, 0, s), s);
+// [L, L], or [B, 1, L, L] where the frames begin at key_start [B]: (i, j) in frame i's context.
+mx::array context_mask(int length, int left, int right, const std::optional<mx::array>& key_start, mx::Stream s) {
+  auto index = mx::arange(length, mx::int32, s);
+  mx::array frame = index;  // each key's index among its row's frames (negative: not a frame)
+  if (key_start) {
+    frame = mx::subtract(mx::reshape(index, {1, 1, 1, length}, s),
+                         mx::reshape(*key_start, {key_start->shape(0), 1, 1, 1}, s), s);
+  }
+  // Chunks by floor division: a key before the frames lands in a chunk below 0, never in a window.
+  auto chunk_of = mx::floor_divide(frame, mx::array(right + 1), s);
+  auto diff = key_start ? mx::subtract(mx::swapaxes(chunk_of, -1, -2, s), chunk_of, s)
+                        : mx::subtract(mx::expand_dims(chunk_of, 1, s), mx::expand_dims(chunk_of, 0, s), s);
   auto allowed = mx::greater_equal(diff, mx::array(0), s);
   if (left >= 0) {
     allowed = mx::logical_and(allowed, mx::less_equal(diff, mx::array(left / (right + 1)), s), s);
+  }
+  if (key_start) {
+    allowed = mx::logical_and(allowed, mx::greater_equal(frame, mx::array(0), s), s);
   }
   return allowed;
 }
 
 mx::array rel_pos_attention_composed(const mx::array& q_in, const mx::array& k, const mx::array& v,
                                      const mx::array& p_in, const mx::array& u, const mx::array& vb, float scale,
-                                     int left, int right, int pos_first, mx::Stream s) {
+                                     int left, int right, int pos_first, const std::optional<mx::array>& key_start,
+                                     mx::Stream s) {
   const int batch = q_in.shape(0), heads = q_in.shape(1), length = k.shape(2), queries = q_in.shape(2);
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, s); };
   // The whole table: rows outside the given window only ever meet masked scores, so zeros do.
@@ -81,8 +100,12 @@ mx::array rel_pos_attention_composed(const mx::array& q_in, const mx::array& k, 
                            {heads * length * pos, length * pos, pos - 1, 1}, static_cast<size_t>(length - 1), s);
   auto sc = mx::array(scale, mx::float32);
   auto scores = mx::add(mx::multiply(ac, sc, s), mx::multiply(bd, sc, s), s);
-  scores = mx::where(context_mask(length, left, right, s), scores, mx::array(-1e30f, mx::float32), s);
+  const auto mask = context_mask(length, left, right, key_start, s);
+  scores = mx::where(mask, scores, mx::array(-1e30f, mx::float32), s);
   auto out = mx::matmul(mx::softmax(scores, std::vector<int>{-1}, false, s), f32(v), s);
+  if (key_start) {  // a query before its row's frames: zeros, as the kernels give
+    out = mx::where(mx::any(mask, -1, true, s), out, mx::array(0.0f), s);
+  }
   if (queries < length) out = mx::slice(out, {0, 0, length - queries, 0}, {batch, heads, length, q_in.shape(3)}, s);
   return mx::astype(out, q_in.dtype(), s);
 }
@@ -133,21 +156,31 @@ class RelPosAttention : public mx::UnaryPrimitive {
     const int length = inputs[1].shape(2), q_first = length - queries;
     const auto& us = inputs[4].strides();
     const auto& vs = inputs[5].strides();
+    const int32_t* starts = inputs.size() > 6 ? inputs[6].data<int32_t>() : nullptr;
+    const int64_t start_stride = inputs.size() > 6 ? inputs[6].strides()[0] : 0;
     enc.dispatch([q = view_of(inputs[0]), k = view_of(inputs[1]), v = view_of(inputs[2]),
                   p = view_of(inputs[3]), u = inputs[4].data<float>(), vb = inputs[5].data<float>(),
                   u0 = us[0], u1 = us[1], v0 = vs[0], v1 = vs[1], o = out.data<float>(), batch, heads, length,
-                  dim, queries, q_first, scale = scale_, left = left_, right = right_, first = pos_first_]() {
+                  dim, queries, q_first, starts, start_stride, scale = scale_, left = left_, right = right_,
+                  first = pos_first_]() {
       std::vector<float> qu(dim), qv(dim), acc(dim), scores(length);
       for (int b = 0; b < batch; ++b) {
+        const int start = starts ? starts[b * start_stride] : 0;
         for (int h = 0; h < heads; ++h) {
           for (int i = q_first; i < length; ++i) {
             const float* qi = q.row(b, h, i - q_first);
+            float* oi = o + ((static_cast<int64_t>(b) * heads + h) * queries + i - q_first) * dim;
+            if (i < start) {  // a query before the frames: no key in its window
+              std::fill(oi, oi + dim, 0.0f);
+              continue;
+            }
             for (int d = 0; d < dim; ++d) {
               const float x = qi[d * q.s3];
               qu[d] = x + u[h * u0 + d * u1];
               qv[d] = x + vb[h * v0 + d * v1];
             }
-            const int lo = window_begin(i, left, right), hi = window_end(i, length, right);
+            const int lo = start + window_begin(i - start, left, right);
+            const int hi = start + window_end(i - start, length - start, right);
             float top = -std::numeric_limits<float>::infinity();
             for (int j = lo; j < hi; ++j) {
               const float ac = dot(qu.data(), k.row(b, h, j), k.s3, dim);
@@ -164,7 +197,6 @@ class RelPosAttention : public mx::UnaryPrimitive {
               const float* vj = v.row(b, h, j);
               for (int d = 0; d < dim; ++d) acc[d] += e * vj[d * v.s3];
             }
-            float* oi = o + ((static_cast<int64_t>(b) * heads + h) * queries + i - q_first) * dim;
             const float inv = 1.0f / total;
             for (int d = 0; d < dim; ++d) oi[d] = acc[d] * inv;
           }
@@ -196,17 +228,19 @@ constexpr int kCudaThreads = 128;
 const CudaSource& cuda_source() {
   static const CudaSource& src = register_cuda_source({
       "rel_pos_attention",
-      {"q", "k", "v", "p", "pos_bias_u", "pos_bias_v", "dims", "scale"},
+      {"q", "k", "v", "p", "pos_bias_u", "pos_bias_v", "dims", "scale", "starts"},
       {"out"},
       jit::rel_pos_attention::rel_pos_attention_body,
       "",
       {
-          {{"float", "float", "float", "float", "float", "float", "int32_t", "float"}, {"float"},
-           {{"T", "type:float"}, {"D", "int:128"}, {"THREADS", "int:128"}}},
+          {{"float", "float", "float", "float", "float", "float", "int32_t", "float", "int32_t"}, {"float"},
+           {{"T", "type:float"}, {"D", "int:128"}, {"THREADS", "int:128"}, {"STARTS", "bool:false"}}},
+          {{"float", "float", "float", "float", "float", "float", "int32_t", "float", "int32_t"}, {"float"},
+           {{"T", "type:float"}, {"D", "int:128"}, {"THREADS", "int:128"}, {"STARTS", "bool:true"}}},
           {{"__nv_bfloat16", "__nv_bfloat16", "__nv_bfloat16", "__nv_bfloat16", "float", "float", "int32_t",
-            "float"},
+            "float", "int32_t"},
            {"float"},
-           {{"T", "type:__nv_bfloat16"}, {"D", "int:20"}, {"THREADS", "int:128"}}},
+           {{"T", "type:__nv_bfloat16"}, {"D", "int:20"}, {"THREADS", "int:128"}, {"STARTS", "bool:true"}}},
       },
   });
   return src;
@@ -214,7 +248,7 @@ const CudaSource& cuda_source() {
 
 mx::array rel_pos_attention_cuda(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& p,
                                  const mx::array& u, const mx::array& vb, float scale, int left, int right,
-                                 int pos_first, mx::Stream s) {
+                                 int pos_first, const std::optional<mx::array>& key_start, mx::Stream s) {
   static auto kernel = [] {
     const auto& src = cuda_source();
     return make_cuda_kernel(src);
@@ -227,11 +261,13 @@ mx::array rel_pos_attention_cuda(const mx::array& q, const mx::array& k, const m
   auto dims = mx::array({length, heads, left, right, pos_first, static_cast<int>(p.shape(1)), length - queries},
                         mx::int32);
   auto sc = mx::array({scale}, mx::float32);
+  // Without key starts the kernel reads none: dims stands in for them.
   auto out = kernel({as(q, dtype), as(k, dtype), as(v, dtype), as(p, dtype), as(u, mx::float32),
-                     as(vb, mx::float32), dims, sc},
+                     as(vb, mx::float32), dims, sc, key_start ? *key_start : dims},
                     {{batch, heads, queries, dim}}, {mx::float32},
                     {batch * heads * queries * kCudaThreads, 1, 1}, {kCudaThreads, 1, 1},
-                    {{"T", dtype}, {"D", dim}, {"THREADS", kCudaThreads}}, std::nullopt, false, s)[0];
+                    {{"T", dtype}, {"D", dim}, {"THREADS", kCudaThreads}, {"STARTS", key_start.has_value()}},
+                    std::nullopt, false, s)[0];
   return mx::astype(out, q.dtype(), s);
 }
 
@@ -248,7 +284,7 @@ std::pair<int, int> rows_needed(int length, int left, int right) {
 }
 
 void check_args(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& p, const mx::array& u,
-                const mx::array& vb, int left, int right, int pos_first) {
+                const mx::array& vb, int left, int right, int pos_first, const std::optional<mx::array>& key_start) {
   if (q.ndim() != 4 || k.ndim() != 4 || v.shape() != k.shape() || q.shape(0) != k.shape(0) ||
       q.shape(1) != k.shape(1) || q.shape(3) != k.shape(3) || q.shape(2) > k.shape(2)) {
     throw std::invalid_argument("rel_pos_attention: k and v must be [B, H, L, D] and q [B, H, n, D] with n <= L");
@@ -276,6 +312,9 @@ void check_args(const mx::array& q, const mx::array& k, const mx::array& v, cons
   if (u.shape() != mx::Shape{heads, dim} || vb.shape() != mx::Shape{heads, dim}) {
     throw std::invalid_argument("rel_pos_attention: pos_bias_u and pos_bias_v must be [H, D]");
   }
+  if (key_start && (key_start->dtype() != mx::int32 || key_start->shape() != mx::Shape{q.shape(0)})) {
+    throw std::invalid_argument("rel_pos_attention: key_start must be int32 [B]");
+  }
   for (const auto* a : {&q, &k, &v, &p, &u, &vb}) {
     if (!mx::issubdtype(a->dtype(), mx::floating)) {
       throw std::invalid_argument("rel_pos_attention: inputs must be floating point");
@@ -288,25 +327,28 @@ void check_args(const mx::array& q, const mx::array& k, const mx::array& v, cons
 // method: "auto" / "fused" (the C++ or CUDA kernel) or "composed" (MLX ops).
 mx::array rel_pos_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& p,
                             const mx::array& u, const mx::array& vb, float scale, int left, int right,
-                            int pos_first, const std::string& method, mx::StreamOrDevice s_) {
-  check_args(q, k, v, p, u, vb, left, right, pos_first);
+                            int pos_first, const std::optional<mx::array>& key_start, const std::string& method,
+                            mx::StreamOrDevice s_) {
+  check_args(q, k, v, p, u, vb, left, right, pos_first, key_start);
   if (method != "auto" && method != "fused" && method != "composed") {
     throw std::invalid_argument("rel_pos_attention: method must be 'auto', 'fused' or 'composed'");
   }
   auto s = mx::to_stream(s_);
   auto p3 = p.ndim() == 4 ? mx::squeeze(p, 0, s) : p;
   if (method == "composed" || q.size() == 0) {
-    return rel_pos_attention_composed(q, k, v, p3, u, vb, scale, left, right, pos_first, s);
+    return rel_pos_attention_composed(q, k, v, p3, u, vb, scale, left, right, pos_first, key_start, s);
   }
   if (gpu_stream(s)) {
     if (cuda_build()) {
-      return rel_pos_attention_cuda(q, k, v, p3, u, vb, scale, left, right, pos_first, s);
+      return rel_pos_attention_cuda(q, k, v, p3, u, vb, scale, left, right, pos_first, key_start, s);
     }
-    return rel_pos_attention_composed(q, k, v, p3, u, vb, scale, left, right, pos_first, s);
+    return rel_pos_attention_composed(q, k, v, p3, u, vb, scale, left, right, pos_first, key_start, s);
   }
   auto f32 = [&](const mx::array& a) { return mx::astype(a, mx::float32, s); };
+  std::vector<mx::array> inputs = {f32(q), f32(k), f32(v), f32(p3), f32(u), f32(vb)};
+  if (key_start) inputs.push_back(*key_start);
   auto out = mx::array(q.shape(), mx::float32, std::make_shared<RelPosAttention>(s, scale, left, right, pos_first),
-                       {f32(q), f32(k), f32(v), f32(p3), f32(u), f32(vb)});
+                       std::move(inputs));
   return mx::astype(out, q.dtype(), s);
 }
 

@@ -31,10 +31,11 @@ void bind_ops(py::module_& m) {
   // rel_pos_attention
   m.def("rel_pos_attention", &voicechat::rel_pos_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("p"),
         py::arg("pos_bias_u"), py::arg("pos_bias_v"), py::arg("scale"), py::arg("left"), py::arg("right"),
-        py::arg("pos_first") = 0, py::arg("method") = "auto", py::arg("stream") = py::none(),
+        py::arg("pos_first") = 0, py::arg("key_start") = py::none(), py::arg("method") = "auto",
+        py::arg("stream") = py::none(),
         "Rel-pos attention with rel_shift and the chunked-limited mask: q, k, v [B, H, L, D], p [H, P, D] = rows "
-        "[pos_first, pos_first + P) of the 2L-1 relative-position rows, pos_bias_u / pos_bias_v [H, D] -> "
-        "[B, H, L, D] in q's dtype.");
+        "[pos_first, pos_first + P) of the 2L-1 relative-position rows, pos_bias_u / pos_bias_v [H, D], "
+        "key_start [B] int32 (batch row b's frames begin at that key) -> [B, H, L, D] in q's dtype.");
 
   // rnnt_greedy
   m.def("rnnt_greedy", &voicechat::rnnt_greedy, py::arg("enc_proj"), py::arg("embed"), py::arg("lstm"), py::arg("pred_w"),

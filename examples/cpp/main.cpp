@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
   const auto attention = voicechat::rel_pos_attention(
       in("rel.q"), in("rel.k"), in("rel.v"), in("rel.p"), in("rel.pos_bias_u"), in("rel.pos_bias_v"),
       static_cast<float>(number("rel.scale")), static_cast<int>(number("rel.left")),
-      static_cast<int>(number("rel.right")), 0, "auto", cpu);
+      static_cast<int>(number("rel.right")), 0, std::nullopt, "auto", cpu);
   check("rel_pos_attention", attention, in("rel.out"), 1e-4f);
 
   // one Mamba-2 decode step from a state

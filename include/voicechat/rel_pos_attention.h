@@ -1,6 +1,7 @@
 // FastConformer relative-position self-attention with the chunked-limited mask.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "mlx/array.h"
@@ -15,11 +16,16 @@ namespace voicechat {
 // [H, D]. Context: chunks of right + 1 frames, a frame sees its own chunk and the left / (right + 1)
 // chunks before it (left < 0: all). Returns [B, H, n, D] in q's dtype; float32 accumulation. Each
 // output row is computed on its own: row i of n < L queries equals row L - n + i of all L.
+// key_start [B] int32 (optional): batch row b's frames begin at key key_start[b], the keys before are
+// not frames (a stream's cache kept at one length while it fills): its windows count from there and
+// its rows equal those of its keys from key_start[b] on alone (bit for bit on the CPU and CUDA paths);
+// a query before its frames gets zeros.
 // method: "auto" / "fused" (the CPU loop or the CUDA kernel) or "composed" (MLX ops).
 mlx::core::array rel_pos_attention(const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v,
                                    const mlx::core::array& p, const mlx::core::array& pos_bias_u,
                                    const mlx::core::array& pos_bias_v, float scale, int left, int right,
-                                   int pos_first = 0, const std::string& method = "auto",
+                                   int pos_first = 0, const std::optional<mlx::core::array>& key_start = std::nullopt,
+                                   const std::string& method = "auto",
                                    mlx::core::StreamOrDevice s = {});
 
 }  // namespace voicechat

@@ -2,7 +2,10 @@
 // L - q_first frames' queries). Warps stride over the frame's context window, lanes over the head
 // dimension; each warp keeps an online softmax (running max, sum, and its share of the weighted
 // sum of values), and the warps are merged at the end. `dims` = [L, H, left, right, pos_first, P,
-// q_first], `scale` = [s]: runtime values, so one compiled kernel serves every length.
+// q_first], `scale` = [s]: runtime values, so one compiled kernel serves every length. With STARTS,
+// batch row b's frames begin at key starts[b] (a stream's cache not yet filled: the keys before are
+// not frames): its window and its warps' keys count from there, so the frames' outputs are those of
+// the keys from starts[b] on alone, bit for bit.
   constexpr int WARPS = THREADS / 32;
   constexpr int PER_LANE = (D + 31) / 32;
   __shared__ float qu[D];
@@ -21,8 +24,10 @@
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int chunk = right + 1;
-  const int lo = left < 0 ? 0 : max(0, (i / chunk - left / chunk) * chunk);
-  const int hi = min(L, (i / chunk + 1) * chunk);
+  const int start = STARTS ? starts[bh / H] : 0;
+  const int fi = i - start;  // the frame's index among the frames (a query before them sees no key)
+  const int lo = start + (left < 0 ? 0 : max(0, (fi / chunk - left / chunk) * chunk));
+  const int hi = fi < 0 ? lo : start + min(L - start, (fi / chunk + 1) * chunk);
   for (int d = threadIdx.x; d < D; d += THREADS) {
     const float x = static_cast<float>(q[(size_t)row * D + d]);
     qu[d] = x + pos_bias_u[h * D + d];
@@ -78,5 +83,5 @@
       num += warp_acc[w][d] * f;
       den += warp_sum[w] * f;
     }
-    out[(size_t)row * D + d] = num / den;
+    out[(size_t)row * D + d] = den > 0.0f ? num / den : 0.0f;
   }

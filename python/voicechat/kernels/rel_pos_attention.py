@@ -43,14 +43,21 @@ def rel_shift(x: mx.array) -> mx.array:
     return x[..., 1:, :].reshape(*lead, rows, cols)
 
 
-def chunked_limited_mask(length: int, left: int, right: int) -> mx.array:
-    """`[L, L]` bool, True where frame i may attend to frame j (NeMo's chunked_limited style)."""
+def chunked_limited_mask(length: int, left: int, right: int, key_start: mx.array | None = None) -> mx.array:
+    """`[L, L]` bool, True where frame i may attend to frame j (NeMo's chunked_limited style).
+    With `key_start [B]`, `[B, 1, L, L]`: row b's frames begin at key `key_start[b]` (frames
+    counted from there; nothing before it is attended or attends)."""
     chunk = right + 1
-    idx = mx.arange(length) // chunk
-    diff = idx[:, None] - idx[None, :]
+    frame = mx.arange(length)
+    if key_start is not None:
+        frame = frame[None, :] - key_start.astype(mx.int32)[:, None]  # [B, L]; negative: not a frame
+    idx = frame // chunk  # floor division: keys before the frames fall in chunks below 0
+    diff = idx[..., :, None] - idx[..., None, :]
     allowed = diff >= 0
     if left >= 0:
         allowed = allowed & (diff <= left // chunk)
+    if key_start is not None:
+        allowed = (allowed & (frame[:, :, None] >= 0) & (frame[:, None, :] >= 0))[:, None]
     return allowed
 
 
@@ -65,9 +72,11 @@ def rel_pos_attention_reference(
     left: int,
     right: int,
     pos_first: int = 0,
+    key_start: mx.array | None = None,
 ) -> mx.array:
     """Composed MLX ops: full score matrices, pad/reshape rel_shift, masked softmax (zero queries
-    for the frames before the given ones, their rows dropped)."""
+    for the frames before the given ones, their rows dropped). `key_start`: as `rel_pos_attention`'s
+    (a query before its row's frames gives zeros)."""
     dtype = q.dtype
     q, k, v, p, u, b = (a.astype(mx.float32) for a in (q, k, v, p, pos_bias_u, pos_bias_v))
     length, queries = k.shape[-2], q.shape[-2]
@@ -79,8 +88,12 @@ def rel_pos_attention_reference(
     ac = (q + u[:, None, :]) @ k.swapaxes(-1, -2)
     bd = rel_shift((q + b[:, None, :]) @ p.swapaxes(-1, -2))[..., :length]
     scores = ac * scale + bd * scale
-    scores = mx.where(chunked_limited_mask(length, left, right), scores, mx.array(-1e30, mx.float32))
-    return (mx.softmax(scores, axis=-1) @ v)[:, :, length - queries :].astype(dtype)
+    mask = chunked_limited_mask(length, left, right, key_start)
+    scores = mx.where(mask, scores, mx.array(-1e30, mx.float32))
+    out = mx.softmax(scores, axis=-1) @ v
+    if key_start is not None:
+        out = mx.where(mask.any(axis=-1, keepdims=True), out, 0.0)
+    return out[:, :, length - queries :].astype(dtype)
 
 
 def rel_pos_attention(
@@ -94,15 +107,20 @@ def rel_pos_attention(
     left: int,
     right: int,
     pos_first: int = 0,
+    key_start: mx.array | None = None,
     *,
     method: str = "auto",
 ) -> mx.array:
     """The C++ kernel: scores only inside each frame's context window, rel_shift as indexing.
 
-    `method`: "auto" or "fused" (the kernel: C++ loop on the CPU, CUDA on a CUDA GPU, the
+    `key_start` (int32 `[B]`): batch row b's frames begin at key `key_start[b]`; the keys before
+    are not frames (a stream's cache kept at one length while it fills). Its windows count from
+    there, and its rows are those of `k[b, :, key_start[b]:]` alone, bit for bit on the kernel
+    paths. `method`: "auto" or "fused" (the kernel: C++ loop on the CPU, CUDA on a CUDA GPU, the
     composed ops elsewhere) or "composed" (the C++ composed-ops path, as_strided rel_shift).
     """
     if use_reference():
-        return rel_pos_attention_reference(q, k, v, p, pos_bias_u, pos_bias_v, scale, left, right, pos_first)
+        return rel_pos_attention_reference(q, k, v, p, pos_bias_u, pos_bias_v, scale, left, right, pos_first,
+                                           key_start)
     return ext.rel_pos_attention(q, k, v, p, pos_bias_u, pos_bias_v, float(scale), int(left), int(right),
-                                 int(pos_first), method)
+                                 int(pos_first), key_start, method)

@@ -14,8 +14,10 @@ float32 whatever the weights' dtype.
 subsampling stage keeps the input frames its next output reads (its right zero pad is only read
 by a stage's last output, when the input length is even, so that output waits for `finish`), each
 layer the keys and values of its last `left` frames and the last `k - 1` inputs of its depthwise
-conv. New mel frames give new encoder frames, the same values as the whole-signal pass. Once the
-attention caches are full, a chunk's layers run as one compiled graph (`ConformerEncoder.stream`).
+conv. New mel frames give new encoder frames, the same values as the whole-signal pass. The
+attention caches hold `left` frames' keys from the start (zeros before the first frames, which the
+attention skips: its key start), so every chunk of n frames has one shape from the first: its
+layers run as one compiled graph (`ConformerEncoder.stream`), and streams at any point batch.
 """
 
 from __future__ import annotations
@@ -207,13 +209,15 @@ class RelPositionAttention(nn.Module):
         return self.linear_pos(pos_emb).reshape(pos_emb.shape[0], self.n_heads, d // self.n_heads).transpose(1, 0, 2)
 
     def __call__(self, x: mx.array, batch: int, pos_emb: mx.array | None, pos_first: int = 0,
-                 cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
+                 cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None,
+                 key_start: mx.array | None = None) -> mx.array:
         """`x [batch * T, d]`: the frames as rows, each sequence's T in turn (`ConformerBlock.rows`).
         `pos_emb`: rows `[pos_first, pos_first + P)` of the relative-position table (all 2L - 1 or
         the context's window): only those rows go through `linear_pos`, unless `positions` gives
         them projected (`project_positions`). With `cache`, `x` continues a stream: its frames
         attend to the cached keys and values of the frames before them too (the table is then that
-        of the cached + new length), and the cache keeps the last `left`."""
+        of the cached + new length), and the cache keeps the last `left`; `key_start [batch]`: where
+        each sequence's frames begin among the cached + new keys (`rel_pos_attention`)."""
         rows, d = x.shape
         b, length, h = batch, rows // batch, self.n_heads
         heads = lambda y: y.reshape(b, length, h, d // h).transpose(0, 2, 1, 3)  # noqa: E731
@@ -228,7 +232,7 @@ class RelPositionAttention(nn.Module):
             keep = max(0, k.shape[2] - left)
             cache.keys, cache.values = k[:, :, keep:], v[:, :, keep:]
         out = rel_pos_attention(q, k, v, p, self.pos_bias_u, self.pos_bias_v, (d // h) ** -0.5, left, right,
-                                pos_first)
+                                pos_first, key_start)
         return project(self.linear_out, out.transpose(0, 2, 1, 3).reshape(rows, d))
 
 
@@ -314,13 +318,14 @@ class ConformerBlock(nn.Module):
         return self.rows(x.reshape(b * t, d), b, pos_emb, pos_first, cache, positions).reshape(b, t, d)
 
     def rows(self, x: mx.array, batch: int, pos_emb: mx.array | None, pos_first: int = 0,
-             cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None) -> mx.array:
+             cache: "EncoderLayerCache | None" = None, positions: mx.array | None = None,
+             key_start: mx.array | None = None) -> mx.array:
         """The block on `batch` sequences' frames as rows `[batch * T, d]`: each projection a matmul
         of x as it is (a `[B, T, d]` x adds a Flatten and an Unflatten around each one)."""
         # The residual adds stay elementwise ops, which a compiled graph fuses: mx.addmm (the add in
         # the matmul's epilogue) takes ~3 us more a call on a CUDA GPU at one row than matmul + add.
         x = x + 0.5 * self.feed_forward1(self.norm_feed_forward1(x))
-        x = x + self.self_attn(self.norm_self_att(x), batch, pos_emb, pos_first, cache, positions)
+        x = x + self.self_attn(self.norm_self_att(x), batch, pos_emb, pos_first, cache, positions, key_start)
         x = x + self.conv(self.norm_conv(x), batch, cache)
         x = x + 0.5 * self.feed_forward2(self.norm_feed_forward2(x))
         return self.norm_out(x)
@@ -358,7 +363,9 @@ class ConformerEncoder(nn.Module):
         """The arrays the layers derive from their weights, made once and kept (again after the
         weights change dtype): every attention's q, k and v as one projection
         (`RelPositionAttention.stack`), each projection's transposed weight and each depthwise
-        conv's taps as evaluated views."""
+        conv's taps as evaluated views. The stream's compiled layers are made again: a trace holds
+        the weights it read as constants."""
+        self._stream_compiled = mx.compile(self._stream_layers)
         for layer in self.layers:
             attention = layer.self_attn
             attention.stack()
@@ -375,11 +382,6 @@ class ConformerEncoder(nn.Module):
         first, count = position_window(length, *self.context)
         return first, relative_positions(length, self.d_model, first, count)
 
-    def full(self, caches: list["EncoderLayerCache"]) -> bool:
-        """The stream's attention caches hold a whole left context: every chunk of n frames then
-        has one shape."""
-        return caches[0].keys.shape[2] == self.context[0]
-
     def stream_positions(self, length: int) -> tuple[int, list[mx.array]]:
         """`position_rows(length)` through every layer's `linear_pos`: `(first, [positions [heads,
         P, d / heads] per layer])`, what `stream` takes. They depend on the length only, so a
@@ -387,27 +389,24 @@ class ConformerEncoder(nn.Module):
         first, pos_emb = self.position_rows(length)
         return first, [mx.contiguous(layer.self_attn.project_positions(pos_emb)) for layer in self.layers]
 
-    def stream(self, x: mx.array, caches: list["EncoderLayerCache"],
+    def stream(self, x: mx.array, caches: list["EncoderLayerCache"], key_start: mx.array,
                positions: tuple[int, list[mx.array]] | None = None) -> mx.array:
-        """The layers on new subsampled frames `x [1, n, d_model]` of a stream, with `caches`
-        (one per layer, updated). `positions`: `stream_positions(cached + n)` where the caller
-        keeps them.
+        """The layers on new subsampled frames `x [B, n, d_model]` of B streams, with `caches`
+        (one per layer, `left` frames each, updated) and `key_start [B]` (int32: where each
+        stream's frames begin among the cached + new keys; the keys before are the zeros a cache
+        starts with). `positions`: `stream_positions(left + n)` where the caller keeps them.
 
-        Once the caches hold `left` frames (a full attention context), every chunk of n frames has
-        the same shapes: the layers then run as one compiled graph (`mx.compile`, traced once per
-        n and thread), replayed instead of built op by op, its elementwise chains fused (on a CPU
-        the fused code rounds as the separate ops do: tested). Before, while the caches grow, the
-        layers run eagerly: each cache length would be a trace of its own (and on a GPU, kernels
-        compiled for it)."""
+        Every chunk of n frames has the same shapes, so the layers run as one compiled graph
+        (`mx.compile`, traced once per B, n and thread), replayed instead of built op by op, its
+        elementwise chains fused (on a CPU the fused code rounds as the separate ops do: tested)."""
         cached = caches[0].keys.shape[2]
         first, projected = positions if positions is not None else self.stream_positions(cached + x.shape[1])
-        run = self._stream_compiled if self.full(caches) else self._stream_layers
-        x, state = run(x, projected, first, [c.state for c in caches])
+        x, state = self._stream_compiled(x, projected, first, key_start, [c.state for c in caches])
         for cache, (keys, values, conv) in zip(caches, state):
             cache.keys, cache.values, cache.conv = keys, values, conv
         return x
 
-    def _stream_layers(self, x: mx.array, positions: list[mx.array], first: int,
+    def _stream_layers(self, x: mx.array, positions: list[mx.array], first: int, key_start: mx.array,
                        state: list[list[mx.array]]) -> tuple[mx.array, list[list[mx.array]]]:
         """`stream` as a function of arrays (what `mx.compile` traces): each layer's cache arrays
         in, the updated ones out. The layers update caches made here, not the caller's."""
@@ -415,7 +414,7 @@ class ConformerEncoder(nn.Module):
         b, n, d = x.shape
         x = x.reshape(b * n, d)
         for layer, cache, projected in zip(self.layers, caches, positions):
-            x = layer.rows(x, b, None, first, cache, projected)
+            x = layer.rows(x, b, None, first, cache, projected, key_start)
         return x.reshape(b, n, d), [cache.state for cache in caches]
 
 
@@ -482,7 +481,8 @@ class PerceptionStream:
     need the signal's end). Concatenated, the outputs equal `perception(perception.log_mel(x))`
     (the same arithmetic on the same values, row by row). What it holds is bounded: under one
     mel frame's span of samples, three stage inputs of two frames each, and per layer `left`
-    frames of keys and values and `k - 1` conv inputs.
+    frames of keys and values (zeros before the first frames: the attention's key start skips
+    them) and `k - 1` conv inputs.
 
     The attention must see no frame to its right (`att_context_size [left, 0]`) and a bounded past
     (`left >= 0`): the published model's [70, 0]."""
@@ -503,7 +503,8 @@ class PerceptionStream:
             self.subsampling.pending.append(mx.zeros((1, CausalSubsampling.LEFT, width, 1 if i == 0 else channels)))
             width = (width - 3) // 2 + 1 + CausalSubsampling.LEFT + CausalSubsampling.RIGHT
         d, k = cfg.encoder.d_model, cfg.encoder.conv_kernel_size
-        self.caches = [EncoderLayerCache(mx.zeros((1, heads, 0, d // heads)), mx.zeros((1, heads, 0, d // heads)),
+        self.left = left
+        self.caches = [EncoderLayerCache(mx.zeros((1, heads, left, d // heads)), mx.zeros((1, heads, left, d // heads)),
                                          mx.zeros((1, k - 1, d))) for _ in enc.layers]
         self.frames = 0  # encoder frames returned so far
         self._rows: tuple[int, tuple[int, list[mx.array]]] | None = None  # (length, its positions)
@@ -523,8 +524,10 @@ class PerceptionStream:
         return self._encode(self.mel.finish(), end=True)
 
     @property
-    def full(self) -> bool:
-        return self.perception.encoder.full(self.caches)
+    def key_start(self) -> int:
+        """Where this stream's frames begin among its cached keys and a chunk's new ones: the
+        cache's zeros before the first frames, until `left` frames have come."""
+        return max(0, self.left - self.frames)
 
     def _subsampled(self, mel: mx.array, end: bool) -> mx.array:
         return self.perception.encoder.pre_encode.stream(mel.astype(mx.float32), self.subsampling, end)
@@ -536,14 +539,15 @@ class PerceptionStream:
         """Subsampled frames `x [1, n, d_model]` through the layers (caches updated) and the projection."""
         if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
             return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), x
-        x = self.perception.encoder.stream(x, self.caches, self._positions(self.caches[0].keys.shape[2] + x.shape[1]))
+        x = self.perception.encoder.stream(x, self.caches, mx.array([self.key_start], mx.int32),
+                                           self._positions(self.left + x.shape[1]))
         self.frames += x.shape[1]
         return self.perception.project(x)
 
     def _positions(self, length: int) -> tuple[int, list[mx.array]]:
-        """`ConformerEncoder.stream_positions(length)`, kept while chunks repeat the length (a full
-        cache, the same frame count): evaluated with the first such chunk, the 24 layers' position
-        keys are leaves of the next chunks' graphs, not a matmul each again."""
+        """`ConformerEncoder.stream_positions(length)`, kept while chunks repeat the length (the
+        same frame count): evaluated with the first such chunk, the 24 layers' position keys are
+        leaves of the next chunks' graphs, not a matmul each again."""
         if self._rows is None or self._rows[0] != length:
             self._rows = (length, self.perception.encoder.stream_positions(length))
         return self._rows[1]
@@ -551,16 +555,16 @@ class PerceptionStream:
 
 def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> tuple[list[tuple[mx.array, mx.array]], int]:
     """`streams[i].push(chunks[i])` for every stream (all of one `Perception`), with the layers and
-    the projection of the streams whose caches are `full` and whose chunks complete the same number
-    of frames run as one batch: their caches stacked, one compiled graph for all of them (the
-    launches of one stream's chunk), each stream's rows and caches then taken back. Row by row it
-    is each stream's own arithmetic (on a CPU, bit for bit: tested). Returns the outputs and how
-    many streams ran in a batch of two or more."""
+    the projection of the streams whose chunks complete the same number of frames run as one
+    batch, wherever each stream is (its key start in the batch's): their caches stacked, one
+    compiled graph for all of them (the launches of one stream's chunk), each stream's rows and
+    caches then taken back. Row by row it is each stream's own arithmetic (on a CPU, bit for bit:
+    tested). Returns the outputs and how many streams ran in a batch of two or more."""
     xs = [stream._subsampled(stream.mel.push(chunk), False) for stream, chunk in zip(streams, chunks)]
     out: list[tuple[mx.array, mx.array] | None] = [None] * len(streams)
     groups: dict[int, list[int]] = {}
     for i, (stream, x) in enumerate(zip(streams, xs)):
-        if x.shape[1] and stream.full:
+        if x.shape[1]:
             groups.setdefault(x.shape[1], []).append(i)
         else:
             out[i] = stream._layers(x)
@@ -573,8 +577,9 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> t
         first = streams[members[0]]
         caches = [EncoderLayerCache(*(mx.concatenate([streams[i].caches[layer].state[j] for i in members])
                                       for j in range(3))) for layer in range(len(first.caches))]
-        x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in members]), caches,
-                                            first._positions(first.caches[0].keys.shape[2] + count))
+        starts = mx.array([streams[i].key_start for i in members], mx.int32)
+        x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in members]), caches, starts,
+                                            first._positions(first.left + count))
         projected, encoded = first.perception.project(x)
         for row, i in enumerate(members):
             stream = streams[i]

@@ -5,12 +5,10 @@
 
 For each B, an `Engine` holds B sessions, each fed the bundled spoken question (then silence),
 looped, from its own starting point. A round feeds every session one 80 ms piece
-(`Engine.feed_many`: their perception as one batch where the encoders' caches are full, then each
-session's transcript) and runs one engine tick (the LLM and TTS steps of all B
+(`Engine.feed_many`: their perception as one batch, then each session's transcript) and runs one engine tick (the LLM and TTS steps of all B
 sessions as one batch, or each session in turn: `--rows`, `Engine`'s `rows`; then each session's
 codec frame and text). `--warmup` rounds trace the
-compiled steps for the bucket and fill the encoders' 70-frame attention caches (their steady
-state, where perception batches); `--rounds` rounds are measured. Reported per B:
+compiled steps for the bucket; `--rounds` rounds are measured. Reported per B:
 
 - `round_ms` p50 / p95: one round, feeds and tick: the wall time of one 80 ms frame for all B
   sessions (real time needs it under 80 ms);
@@ -126,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default=None, help="session counts, e.g. 1,2,4,8 (default: 1..64 in powers of two "
                                                    "at full size, 1..16 tiny)")
     p.add_argument("--rounds", type=int, default=40, help="measured rounds per B (default 40)")
-    p.add_argument("--warmup", type=int, default=72, help="rounds first, not measured (default 72)")
+    p.add_argument("--warmup", type=int, default=16, help="rounds first, not measured (default 16)")
     p.add_argument("--headroom-ms", type=float, default=20.0, help="real time: round p95 + this < 80 ms (default 20)")
     p.add_argument("--rows", choices=["auto", "on", "off"], default="auto",
                    help="how sessions step: the engine's default for this device (auto), batched rows (on) or "

@@ -9,8 +9,8 @@
 Latency (default): the bundled spoken question, then `--silence` seconds to answer in, pushed in
 80 ms chunks at wall-clock speed (`--fast`: as fast as the session takes them). A warm-up live
 session on the same input, unpaced, runs before the measured one and is dropped (not with
-`--cold`): while the encoder's cache grows to 70 frames each frame has a shape of its own, whose
-kernels a process builds or loads when it meets that shape. Reported:
+`--cold`): it meets every shape the measured one does, so that a process has built or loaded their
+kernels and traced its compiled graphs before. Reported:
 per-frame latency from the arrival of the chunk that completed a frame to `push` returning it
 (p50, p95, max), the frames returned more than one chunk (80 ms) after their chunk arrived, and the
 time from the end of the user's speech to the first non-silent answer audio.
@@ -65,8 +65,7 @@ def latency(chat, silence_s: float, realtime: bool, cold: bool) -> dict:
     speech = question()
     samples = np.concatenate([speech, np.zeros(int(silence_s * 16000), np.float32)])
     if not cold:  # the warm-up runs the same input, unpaced: every shape the measured session meets
-        # (each encoder cache length up to the full 70 frames, then the compiled steady state) has
-        # its kernels built and loaded before it
+        # has its kernels built and loaded, its compiled graphs traced, before it
         with chat.live() as live:
             feed(live, samples, realtime=False)
     with chat.live() as live:
@@ -81,7 +80,7 @@ def memory(chat, minutes: list[float], keep_audio: bool, paced: bool = False, co
     turn = np.concatenate([question(), np.zeros(3 * 16000, np.float32)])
     chunk = 1280
     marks, rows = sorted(minutes), []
-    if paced and not cold:  # the growing encoder cache's shapes, met before the measured session
+    if paced and not cold:  # the session's shapes, met before the measured one
         with chat.live() as live:
             feed(live, np.tile(turn, 2)[: 8 * 16000], realtime=False)
     log = LatencyLog(chunk / 16000, realtime=paced)

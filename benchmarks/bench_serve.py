@@ -145,8 +145,7 @@ def main() -> int:
     p.add_argument("--audio", help="a 16 kHz mono WAV (default: the bundled question)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--warm-seconds", type=float, default=8.0,
-                   help="input each of K warm-up clients streams before K is measured (default 8: past the "
-                        "encoder's 70-frame cache)")
+                   help="input each of K warm-up clients streams before K is measured (default 8)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
     audio = args.audio or str(resources.files("voicechat") / "data" / "question.wav")

@@ -16,8 +16,8 @@ Printed per stage: p50, p95 and max in ms over `--frames` frames after `--warmup
 kernel compiles); `host`, the p50 of the time until its graph is built and queued
 (`mx.async_eval` returns once the host has launched every kernel: what is left is the device's);
 and the primitives the first measured frame's graph holds (`opcount`: each costs
-a launch on a GPU). The speech encoder's attention cache fills at frame 70 (its left context):
-from there on perception runs its compiled steady state, measured with `--warmup` 70 or more.
+a launch on a GPU). Perception runs its compiled chunk from the first frame (its attention
+cache holds the left context's keys from the start).
 Full size: random 4-bit weights in memory (a CUDA GPU). A measurement, not a test.
 """
 

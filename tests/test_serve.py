@@ -411,4 +411,4 @@ def test_a_first_run_precompiles_with_progress_before_serving(tiny_checkpoint, t
     steps = [line.split(":")[1].strip() for line in lines if line.startswith("vc-serve:")]
     compiled = steps.index("precompiled")
     assert steps[:compiled].count("compiling kernels for this model (first run only)") >= 1
-    assert steps.index("warming up the live path (100 frames of silence)") > compiled
+    assert steps.index("warming up the live path (40 frames of silence)") > compiled

@@ -17,9 +17,9 @@ two rows per session (`tts.rows.TTSRows`: each session's CFG pair, its own keys,
 generator key), then the codec on every session's frame as one batch (`codec.push_streams`: each
 session's streamed-decoder caches stacked, then taken back), then each session's text. Perception
 and the transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with
-`feed_many` (a server's round: a chunk for each of several sessions) the streamed encoders whose
-caches are full run their layers as one batch (`stt.conformer.push_streams`), then each session's
-transcript.
+`feed_many` (a server's round: a chunk for each of several sessions) the streamed encoders run
+their layers as one batch (`stt.conformer.push_streams`: sessions whose chunks complete the same
+number of frames, wherever each one is), then each session's transcript.
 
 A session open on its own steps alone (`Engine.alone`): its tick is `chat.live`'s frame, the
 single-session step (`FrameLoop.step`: `DuplexLM.decode`, `EarTTS.step`, with every CUDA kernel
@@ -288,7 +288,8 @@ class Engine:
     def feed_many(self, chunks: list[tuple["EngineSession", object, int]]) -> dict["EngineSession", InputError]:
         """`session.feed(chunk, sample_rate)` for every `(session, chunk, sample_rate)` (one chunk a
         session), with their perception as one batch (`stt.conformer.push_streams`: the streamed
-        encoders whose caches are full run their layers together, one compiled graph for all).
+        encoders whose chunks complete the same number of frames run their layers together, one
+        compiled graph for all).
         Returns the sessions whose chunk was refused, with the error (each of them unchanged);
         the others' frames are queued for `step`."""
         release_mlx_state_at_thread_exit()

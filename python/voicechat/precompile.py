@@ -26,9 +26,8 @@ What runs:
   at a time), unless `long_inputs` is off;
 - last, on the calling thread, one short `generate`: it finds every kernel compiled and warms what
   MLX keeps per thread, so that the caller's next `generate` runs at warm speed;
-- with `live`, then a live session of silence past the encoder's 70-frame attention cache
-  (`warm_live`): the live path's own shapes (the streamed encoder's chunks and its compiled
-  steady state, the streamed codec). It casts perception's and the codec decoder's weights to
+- with `live`, then a short live session of silence (`warm_live`): the live path's own shapes
+  (the streamed encoder's compiled chunk, one shape from the first frame; the streamed codec). It casts perception's and the codec decoder's weights to
   float32 as any live session does (1.4 GB more at full size), so `vc-generate --precompile`, which
   exits after it, asks for it, and a first run's precompile before a `generate` does not.
 
@@ -81,9 +80,9 @@ from .tts_thread import WorkerThread
 # The parts when they run as threads of this process (`PROCESS_PARTS` in worker processes); the
 # last with `live` only.
 PARTS = ("our kernels", "timeline", "speech encoder", "codec", "long context", "warm generate", "live session")
-# Frames of the live warm-up: past the encoder's 70-frame attention cache, so that its compiled
-# steady-state chunk runs too.
-LIVE_FRAMES = 76
+# Frames of the live warm-up: every chunk of the live path has one shape from the first frame; a
+# few more than one trace and warm what MLX keeps per thread.
+LIVE_FRAMES = 12
 # Seconds of the dummy input of the timeline and the warm generate.
 DUMMY_SECONDS = 2.0
 # K/V slots from which the decode attention kernels take their split form (csrc/ops/decode_attention.cpp)

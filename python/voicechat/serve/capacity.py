@@ -1,16 +1,15 @@
 """How many live sessions this machine steps in real time: `vc-serve`'s default `--max-sessions`.
 
 Rounds of live sessions of silence run here first, as the server steps them (`Engine.feed_many`,
-then one tick): with one session and with two, each past the encoder's full attention cache (the
-live path's steady state). The 95th percentiles give a round's fixed cost and each session's share
+then one tick): with one session and with two, each past a warm-up that meets and traces every
+shape of the live path. The 95th percentiles give a round's fixed cost and each session's share
 (sessions share work, so a round is not simply the sessions' single frames added up: their
 perception runs as one batch, and their steps run back to back or as batched rows), and
 that line's estimate is the most whose round fits an 80 ms frame with `HEADROOM_MS` to spare.
 
 The estimate is then checked: that many new sessions run together from their first frame, and the
-95th percentile of all their rounds must fit too. Their first 70 frames, while each encoder's
-attention cache grows, cost more than the steady state (each session's perception runs alone, at
-a shape of its own), and clients that arrive together meet exactly that. A count that misses is
+95th percentile of all their rounds must fit too (clients that arrive together meet exactly that:
+their first rounds, the first frames' work of every session at once). A count that misses is
 re-estimated from what it measured, lower, and checked again; `sessions` is the first that fits
 (at least 1). The run also compiles and traces the live path before the first client comes.
 """
@@ -26,7 +25,7 @@ import numpy as np
 
 FRAME_MS = 80.0
 HEADROOM_MS = 20.0
-WARMUP_FRAMES = 75  # past the encoder's 70-frame cache: its compiled chunk is traced by then
+WARMUP_FRAMES = 15  # every live shape met and traced (the encoder's chunks have one shape from the first)
 MEASURED_FRAMES = 25
 MEASURED_SESSIONS = (1, 2)
 
@@ -91,7 +90,7 @@ def verified_sessions(estimate: int, fixed_ms: float, round_p95: Callable[[int],
 def round_ms(chat, sessions: int, *, from_start: bool = False, over_ms: float | None = None) -> float:
     """The 95th percentile of engine rounds (a chunk fed to every session, one tick) of `sessions`
     sessions of silence, after the warmup; `from_start`: of every round, from the sessions' first
-    frame (their encoders' caches still growing). With `over_ms`, the run stops as soon as more
+    frame. With `over_ms`, the run stops as soon as more
     than 5% of its rounds have taken longer (its 95th percentile is then past `over_ms`
     whatever the rest would take) and gives the percentile of the rounds so far."""
     from ..engine import Engine

@@ -165,8 +165,8 @@ def test_sessions_stepped_in_turn_equal_their_generate(tiny_checkpoint, inputs):
 
 @pytest.mark.parametrize("rows", [None, False])
 def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, rows):
-    """`feed_many` (a server's round): the chunks of a tick go through perception as one batch
-    wherever the streamed encoders' caches are full. Sessions long enough to fill them, joining
+    """`feed_many` (a server's round): the chunks of a tick go through perception as one batch,
+    the streamed encoders' caches filling or full. Sessions long enough to fill them, joining
     at different ticks, one with half-frame pieces, one with a bad chunk in the same call: each
     session still gets its generate's ids, codes, transcript and audio."""
     speech, _ = inputs["speech16k"]

@@ -38,6 +38,10 @@ from ..kernels.rel_pos_attention import position_window, rel_pos_attention
 from .mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
 
 LAYER_NORM_EPS = 1e-5
+# The streamed layers' projected position tables are held under this key + the length, for the
+# last few lengths (each 71 rows a layer: ~7 MB at full size).
+POSITIONS_KEY = "_stream_positions_"
+KEPT_POSITION_LENGTHS = 4
 
 
 def subsampled_length(lengths: mx.array | int):
@@ -384,10 +388,22 @@ class ConformerEncoder(nn.Module):
 
     def stream_positions(self, length: int) -> tuple[int, list[mx.array]]:
         """`position_rows(length)` through every layer's `linear_pos`: `(first, [positions [heads,
-        P, d / heads] per layer])`, what `stream` takes. They depend on the length only, so a
-        stream keeps them while chunks repeat it."""
-        first, pos_emb = self.position_rows(length)
-        return first, [mx.contiguous(layer.self_attn.project_positions(pos_emb)) for layer in self.layers]
+        P, d / heads] per layer])`, what `stream` takes. They depend on the length and the weights
+        only: made once a length, evaluated, and held for every stream until the weights change
+        (a session's first chunk then projects no table); the last `KEPT_POSITION_LENGTHS` lengths
+        are kept (chunks of one size repeat one length)."""
+        sources = tuple(layer.self_attn.linear_pos.weight for layer in self.layers)
+        name = f"{POSITIONS_KEY}{length}"
+        kept = held(self, name, sources)
+        if kept is None:
+            first, pos_emb = self.position_rows(length)
+            kept = (first, [mx.contiguous(layer.self_attn.project_positions(pos_emb)) for layer in self.layers])
+            mx.eval(kept[1])
+            lengths = [key for key in self if key.startswith(POSITIONS_KEY) and key != name]
+            for key in lengths[: max(0, len(lengths) - KEPT_POSITION_LENGTHS + 1)]:  # (oldest first)
+                del self[key]
+            hold(self, name, sources, kept)
+        return kept
 
     def stream(self, x: mx.array, caches: list["EncoderLayerCache"], key_start: mx.array,
                positions: tuple[int, list[mx.array]] | None = None) -> mx.array:
@@ -507,7 +523,6 @@ class PerceptionStream:
         self.caches = [EncoderLayerCache(mx.zeros((1, heads, left, d // heads)), mx.zeros((1, heads, left, d // heads)),
                                          mx.zeros((1, k - 1, d))) for _ in enc.layers]
         self.frames = 0  # encoder frames returned so far
-        self._rows: tuple[int, tuple[int, list[mx.array]]] | None = None  # (length, its positions)
 
     @property
     def state(self) -> list[mx.array]:
@@ -540,17 +555,9 @@ class PerceptionStream:
         if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
             return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), x
         x = self.perception.encoder.stream(x, self.caches, mx.array([self.key_start], mx.int32),
-                                           self._positions(self.left + x.shape[1]))
+                                           self.perception.encoder.stream_positions(self.left + x.shape[1]))
         self.frames += x.shape[1]
         return self.perception.project(x)
-
-    def _positions(self, length: int) -> tuple[int, list[mx.array]]:
-        """`ConformerEncoder.stream_positions(length)`, kept while chunks repeat the length (the
-        same frame count): evaluated with the first such chunk, the 24 layers' position keys are
-        leaves of the next chunks' graphs, not a matmul each again."""
-        if self._rows is None or self._rows[0] != length:
-            self._rows = (length, self.perception.encoder.stream_positions(length))
-        return self._rows[1]
 
 
 def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> tuple[list[tuple[mx.array, mx.array]], int]:
@@ -579,7 +586,7 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> t
                                       for j in range(3))) for layer in range(len(first.caches))]
         starts = mx.array([streams[i].key_start for i in members], mx.int32)
         x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in members]), caches, starts,
-                                            first._positions(first.left + count))
+                                            first.perception.encoder.stream_positions(first.left + count))
         projected, encoded = first.perception.project(x)
         for row, i in enumerate(members):
             stream = streams[i]

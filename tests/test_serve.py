@@ -247,6 +247,27 @@ def test_past_the_memory_limit_no_conversation_starts_and_the_connection_stays(l
             assert json.loads(ws.recv(timeout=30))["type"] == "session.updated"
 
 
+def test_the_warm_up_rounds_run_on_the_schedulers_thread_and_leave_no_session(chat):
+    """`FrameScheduler.call` runs a job on the thread that steps the sessions (what MLX keeps per
+    thread is warm there): the capacity rounds open their sessions past the engine's limit, close
+    them and give the limit back; a job's error reaches the caller and the scheduler goes on."""
+    from voicechat.serve.capacity import round_ms
+    from voicechat.serve.scheduler import FrameScheduler
+
+    scheduler = FrameScheduler(chat, max_sessions=1)
+    try:
+        assert scheduler.call(lambda engine: threading.current_thread().name) == "voicechat-scheduler"
+        assert scheduler.call(lambda engine: round_ms(engine, 2)) > 0
+        assert scheduler.engine.open_sessions == 0 and scheduler.engine.max_sessions == 1
+        with pytest.raises(ZeroDivisionError):
+            scheduler.call(lambda engine: 1 / 0)
+        assert scheduler.alive() and scheduler.call(lambda engine: engine.open_sessions) == 0
+    finally:
+        scheduler.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        scheduler.call(lambda engine: None)
+
+
 def test_past_the_memory_limit_the_largest_conversation_ends_and_the_others_go_on(chat, pcm):
     import mlx.core as mx
 
@@ -275,12 +296,14 @@ def test_past_the_memory_limit_the_largest_conversation_ends_and_the_others_go_o
             time.sleep(0.05)
         time.sleep(0.3)  # (its last round over: nothing of it in flight)
         assert len(got["long"]) >= 312 and not errors["long"]
-        # What a new conversation's caches add crosses the limit; the long one holds the most.
-        scheduler.memory_limit = mx.get_active_memory() + (64 << 10)
+        # What a new conversation's caches add crosses the limit (a session's fixed buffers, its
+        # caches' first slots, are most of what the long one holds too); the long one holds the
+        # most, and the new one alone stays under it.
+        scheduler.memory_limit = mx.get_active_memory() + sum(long.live.held_bytes().values()) // 2
         short = scheduler.open(None, 1, frames_to("short"), errors_to("short"))
         short.push(pcm, 16000)
         short.finish(0.4)
-        assert finished.wait(120)
+        assert finished.wait(120), errors
     finally:
         scheduler.stop()
     (exc, fatal), = errors["long"]

@@ -1,7 +1,7 @@
 """How many live sessions this machine steps in real time: `vc-serve`'s default `--max-sessions`.
 
-Rounds of live sessions of silence run here first, as the server steps them (`Engine.feed_many`,
-then one tick): with one session and with two, each past a warm-up that meets and traces every
+Rounds of live sessions of silence run here first, as the server steps them and on the thread that
+steps them (`FrameScheduler.call`; `Engine.feed_many`, then one tick): with one session and with two, each past a warm-up that meets and traces every
 shape of the live path. The 95th percentiles give a round's fixed cost and each session's share
 (sessions share work, so a round is not simply the sessions' single frames added up: their
 perception runs as one batch, and their steps run back to back or as batched rows), and
@@ -87,20 +87,22 @@ def verified_sessions(estimate: int, fixed_ms: float, round_p95: Callable[[int],
     return 1, None
 
 
-def round_ms(chat, sessions: int, *, from_start: bool = False, over_ms: float | None = None) -> float:
-    """The 95th percentile of engine rounds (a chunk fed to every session, one tick) of `sessions`
-    sessions of silence, after the warmup; `from_start`: of every round, from the sessions' first
-    frame. With `over_ms`, the run stops as soon as more
-    than 5% of its rounds have taken longer (its 95th percentile is then past `over_ms`
-    whatever the rest would take) and gives the percentile of the rounds so far."""
-    from ..engine import Engine
-
-    rate = chat.config.input_sample_rate
+def round_ms(engine, sessions: int, *, from_start: bool = False, over_ms: float | None = None) -> float:
+    """The 95th percentile of rounds (a chunk fed to every session, one tick) of `sessions` live
+    sessions of silence on `engine` (a `voicechat.Engine`: opened here, beside any it holds and
+    past its session limit, and closed after), after the warmup; `from_start`: of every round, from
+    the sessions' first frame. With `over_ms`, the run stops as soon as more than 5% of its rounds
+    have taken longer (its 95th percentile is then past `over_ms` whatever the rest would take) and
+    gives the percentile of the rounds so far. Run it on the thread that steps the engine's
+    sessions (`FrameScheduler.call`): what MLX keeps per thread is then warm for them."""
+    rate = engine.chat.config.input_sample_rate
     chunk = np.zeros(rate * int(FRAME_MS) // 1000, np.float32)
     rounds = WARMUP_FRAMES + MEASURED_FRAMES
     first = 0 if from_start else WARMUP_FRAMES
     times = []
-    with Engine(chat, max_sessions=sessions) as engine:
+    limit, lives = engine.max_sessions, []
+    engine.max_sessions = max(limit, engine.open_sessions + sessions)
+    try:
         lives = [engine.live() for _ in range(sessions)]
         for _ in range(rounds):
             start = time.perf_counter()
@@ -111,6 +113,10 @@ def round_ms(chat, sessions: int, *, from_start: bool = False, over_ms: float | 
             times.append((time.perf_counter() - start) * 1e3)
             if over_ms is not None and p95_past(times[first:], rounds - first, over_ms):
                 break
+    finally:
+        for live in lives:
+            live.close()
+        engine.max_sessions = limit
     return float(np.percentile(np.array(times[first:]), 95))
 
 
@@ -120,10 +126,11 @@ def p95_past(times_ms: list[float], rounds: int, over_ms: float) -> bool:
     return sum(t > over_ms for t in times_ms) > 0.05 * rounds
 
 
-def measure(chat, say: Callable[[str], None] = lambda message: None) -> Capacity:
-    """Run rounds of one and of two live sessions of silence on `chat`, then check the estimate
-    they give (see the module docstring); the capacity found. `say` hears each check."""
-    one, two = (round_ms(chat, n) for n in MEASURED_SESSIONS)
+def measure(engine, say: Callable[[str], None] = lambda message: None) -> Capacity:
+    """Run rounds of one and of two live sessions of silence on `engine` (as `round_ms`), then
+    check the estimate they give (see the module docstring); the capacity found. `say` hears each
+    check."""
+    one, two = (round_ms(engine, n) for n in MEASURED_SESSIONS)
     # Each further session counts as at least 5% of a lone frame, however close the two rounds measure.
     session_ms = max(two - one, 0.05 * one)
     fixed_ms = one - session_ms
@@ -131,7 +138,7 @@ def measure(chat, say: Callable[[str], None] = lambda message: None) -> Capacity
 
     def check(n: int) -> float:
         say(f"checking {n} sessions begun together ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)")
-        return round_ms(chat, n, from_start=True, over_ms=FRAME_MS - HEADROOM_MS)
+        return round_ms(engine, n, from_start=True, over_ms=FRAME_MS - HEADROOM_MS)
 
     sessions, checked = verified_sessions(estimate, fixed_ms, check)
     return Capacity(frame_ms_p95=one, session_ms=session_ms, sessions=sessions,

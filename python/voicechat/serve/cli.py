@@ -143,32 +143,39 @@ def main(argv: list[str] | None = None) -> int:
             from ..precompile import compile_ahead
             from ..session import load
             from .capacity import memory_limit
+            from .scheduler import FrameScheduler
 
             settings.memory_limit = memory_limit(args.memory_limit)
             say(f"loading {model}")
             chat = load(model)
             # (without precompile's live session: the warm-up rounds below step the live path)
             compile_ahead(chat, say, live=False)
-            if args.max_sessions == "auto":
-                from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, measure
+            # The warm-up and capacity rounds run on the scheduler's thread, where the sessions step.
+            scheduler = FrameScheduler(chat, max_sessions=settings.max_sessions, memory_limit=settings.memory_limit)
+            try:
+                if args.max_sessions == "auto":
+                    from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, measure
 
-                say(f"measuring live rounds here (one session, then two: {WARMUP_FRAMES + MEASURED_FRAMES} frames "
-                    f"of silence each)")
-                capacity = measure(chat, say)
-                settings.max_sessions = capacity.sessions
-                settings.live_frame_ms = capacity.frame_ms_p95
-                settings.session_ms = capacity.session_ms
-                settings.round_ms = capacity.round_ms_p95
-                say(f"a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95), each further session "
-                    f"{capacity.session_ms:.1f} ms; {capacity.sessions} begun together: a round "
-                    f"{capacity.round_ms_p95:.1f} ms (p95): --max-sessions {capacity.sessions}")
-            else:  # the first client gets a warm live path all the same (kernels built and loaded)
-                from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, round_ms
+                    say(f"measuring live rounds here (one session, then two: {WARMUP_FRAMES + MEASURED_FRAMES} frames "
+                        f"of silence each)")
+                    capacity = scheduler.call(lambda engine: measure(engine, say))
+                    settings.max_sessions = scheduler.engine.max_sessions = capacity.sessions
+                    settings.live_frame_ms = capacity.frame_ms_p95
+                    settings.session_ms = capacity.session_ms
+                    settings.round_ms = capacity.round_ms_p95
+                    say(f"a live frame takes {capacity.frame_ms_p95:.1f} ms here (p95), each further session "
+                        f"{capacity.session_ms:.1f} ms; {capacity.sessions} begun together: a round "
+                        f"{capacity.round_ms_p95:.1f} ms (p95): --max-sessions {capacity.sessions}")
+                else:  # the first client gets a warm live path all the same (kernels built and loaded)
+                    from .capacity import MEASURED_FRAMES, WARMUP_FRAMES, round_ms
 
-                say(f"warming up the live path ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)")
-                settings.live_frame_ms = round_ms(chat, 1)
-                say(f"a live frame takes {settings.live_frame_ms:.1f} ms here (p95)")
-            app = create_app(chat, settings)
+                    say(f"warming up the live path ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)")
+                    settings.live_frame_ms = scheduler.call(lambda engine: round_ms(engine, 1))
+                    say(f"a live frame takes {settings.live_frame_ms:.1f} ms here (p95)")
+            except BaseException:  # (an interrupt or a failed warm-up: the thread ends before the process)
+                scheduler.stop()
+                raise
+            app = create_app(chat, settings, scheduler=scheduler)
             say(f"http://{args.host}:{args.port}/  (WebSocket /v1/realtime)")
             uvicorn.run(app, host=args.host, port=args.port, log_level="warning", ws_max_size=16 << 20,
                         ws_ping_interval=20, ws_ping_timeout=20)

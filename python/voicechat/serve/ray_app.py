@@ -100,11 +100,13 @@ class ModelReplica:
         from ..session import load
 
         self.chat = load(model)
-        round_ms(self.chat, 1)  # a warm live path (kernels built and loaded) before Serve routes a client here
         # by default a share of the device as Serve gave this replica (a fraction of a GPU, or all of it)
         share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0)
         self.scheduler = FrameScheduler(self.chat, max_sessions=max_sessions,
                                         memory_limit=memory_limit(memory_limit_gb, min(1.0, share or 1.0)))
+        # a warm live path (kernels built and loaded, traced on the thread that steps the sessions)
+        # before Serve routes a client here
+        self.scheduler.call(lambda engine: round_ms(engine, 1))
 
     def check_health(self) -> None:
         if not self.scheduler.alive():  # (Serve then replaces this replica)

@@ -17,6 +17,7 @@ never takes the memory the others need.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import threading
 import traceback
@@ -103,6 +104,7 @@ class FrameScheduler:
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
         self.sessions: list[SessionHandle] = []
+        self._calls: collections.deque[tuple[Callable, concurrent.futures.Future]] = collections.deque()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="voicechat-scheduler", daemon=True)
         self._thread.start()
@@ -119,6 +121,19 @@ class FrameScheduler:
     def health(self) -> dict:
         return {"active_memory_bytes": mx.get_active_memory()}
 
+    def call(self, job: Callable[[Engine], object]):
+        """`job(engine)` run on the scheduler's thread between rounds; its result (or its error).
+        What MLX keeps per thread (compiled graphs' traces, cuDNN plans, CUDA graphs) is then that
+        thread's, where every session steps: a server's warm-up and capacity rounds run here
+        (`serve.capacity`), so that its first clients do not trace again."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.lock:
+            if self._stopping:
+                raise RuntimeError("the scheduler has stopped")
+            self._calls.append((job, future))
+            self.wake.notify()
+        return future.result()
+
     def open(self, system_prompt: str | None, seed: int, on_frames, on_error) -> SessionHandle:
         handle = SessionHandle(self, system_prompt, seed, on_frames, on_error)
         with self.lock:
@@ -131,13 +146,16 @@ class FrameScheduler:
             for handle in self.sessions:
                 handle.work.clear()
                 handle.work.append(Work("close"))
+            for _, future in self._calls:
+                future.set_exception(RuntimeError("the scheduler has stopped"))
+            self._calls.clear()
             self.wake.notify()
         self._thread.join(timeout=30)
         self.engine.close()
 
     def _busy(self) -> bool:
         """Work queued, or frames waiting for a tick (called with the lock held)."""
-        return any(h.work or (h.live is not None and h.live.queued) for h in self.sessions)
+        return bool(self._calls) or any(h.work or (h.live is not None and h.live.queued) for h in self.sessions)
 
     def _next_round(self) -> list[tuple[SessionHandle, Work]] | None:
         with self.lock:
@@ -152,6 +170,7 @@ class FrameScheduler:
             round_ = self._next_round()
             if round_ is None:
                 return
+            self._run_calls()
             pushes = []
             for handle, work in round_:
                 if work.kind == "push" and handle.live is not None and not handle.closed:
@@ -173,6 +192,17 @@ class FrameScheduler:
                     if handle.live is not None:
                         self._hand_out(handle)
             self._hold_memory()
+
+    def _run_calls(self) -> None:
+        while True:
+            with self.lock:
+                if not self._calls:
+                    return
+                job, future = self._calls.popleft()
+            try:
+                future.set_result(job(self.engine))
+            except BaseException as e:  # (the caller gets it)
+                future.set_exception(e)
 
     def _do(self, handle: SessionHandle, work: Work) -> None:
         if work.kind == "close":

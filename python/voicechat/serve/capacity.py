@@ -11,7 +11,8 @@ The estimate is then checked: that many new sessions run together from their fir
 95th percentile of all their rounds must fit too (clients that arrive together meet exactly that:
 their first rounds, the first frames' work of every session at once). A count that misses is
 re-estimated from what it measured, lower, and checked again; `sessions` is the first that fits
-(at least 1). The run also compiles and traces the live path before the first client comes.
+(at least 1). The run also compiles and traces the live path, on the thread that steps the
+sessions, before the first client comes.
 """
 
 from __future__ import annotations

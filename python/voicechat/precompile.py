@@ -562,8 +562,14 @@ def _run_in_processes(chat: VoiceChat, count: int, long_inputs: bool, extra_fold
                 proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
             workers.append((proc, parts, root, private))
         failures = []
-        for proc, parts, root, private in workers:
-            proc.wait()
+        running = list(workers)
+        while running:  # each worker as it ends (progress says so then, its kernels merged then)
+            ended = [w for w in running if w[0].poll() is not None]
+            if not ended:
+                time.sleep(0.05)
+                continue
+            proc, parts, root, private = ended[0]
+            running.remove(ended[0])
             if proc.returncode != 0:
                 err = (root / "stderr").read_text(errors="replace")
                 last = [line for line in err.splitlines() if line.strip()][-1:] or [f"exit {proc.returncode}"]

@@ -257,6 +257,7 @@ def test_the_warm_up_rounds_run_on_the_schedulers_thread_and_leave_no_session(ch
     scheduler = FrameScheduler(chat, max_sessions=1)
     try:
         assert scheduler.call(lambda engine: threading.current_thread().name) == "voicechat-scheduler"
+        assert scheduler.call(lambda engine: scheduler.call(lambda again: again is engine))  # (nested: runs there)
         assert scheduler.call(lambda engine: round_ms(engine, 2)) > 0
         assert scheduler.engine.open_sessions == 0 and scheduler.engine.max_sessions == 1
         with pytest.raises(ZeroDivisionError):

@@ -126,6 +126,8 @@ class FrameScheduler:
         What MLX keeps per thread (compiled graphs' traces, cuDNN plans, CUDA graphs) is then that
         thread's, where every session steps: a server's warm-up and capacity rounds run here
         (`serve.capacity`), so that its first clients do not trace again."""
+        if threading.current_thread() is self._thread:  # (a job of its own: waiting would never end)
+            return job(self.engine)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             if self._stopping:

@@ -53,8 +53,8 @@ so `chat.generate`), whatever its neighbours do and whenever they join or leave,
 backend computes each row independently of the others (MLX on a CPU: tested); and on any backend
 for a session that has only ever stepped alone (it runs `chat.live`'s ops). On a CUDA GPU the
 perception `feed_many` batches rounds otherwise than a session's alone (about 1e-6: MLX's matmul
-picks its kernel by the row count); the ids and codes of sessions fed together there were their
-generate's at the tiny size (tests/test_engine.py run on an H100).
+picks its kernel by the row count), so there a session's ids equal its generate's unless two of
+its logits are that close.
 
 The engine holds the `VoiceChat` until closed (`with`, or `close()`), as `chat.sessions()` does:
 meanwhile `generate()` and `live()` raise `ModelBusy`. One thread at a time steps it; every session

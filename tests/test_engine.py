@@ -187,6 +187,12 @@ def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, row
         check_equal(frames, result, expected[i])
 
 
+def test_warm_batches_traces_each_bucket_and_leaves_no_session(tiny_checkpoint):
+    with voicechat.Engine(voicechat.load(tiny_checkpoint), max_sessions=5) as engine:
+        assert engine.warm_batches() == 3  # batches of 2, 3-4 and 5 sessions run as 2, 4 and 8 rows
+        assert engine.warm_batches(2) == 1 and engine.open_sessions == 0
+
+
 def test_push_steps_the_neighbours_queued_input_in_the_same_batches(tiny_checkpoint, inputs):
     chat = voicechat.load(tiny_checkpoint)  # the references: chat.live alone
     a_samples, _ = inputs["speech16k"]

@@ -411,7 +411,8 @@ def test_a_bad_limit_is_one_error_line(flag, value, capsys):
 
 def test_a_first_run_precompiles_with_progress_before_serving(tiny_checkpoint, tmp_path):
     """VOICECHAT_PRECOMPILE=1 (a first run's precompile on any device, as a CUDA GPU's by default):
-    vc-serve says its precompile's progress, then warms the live path, then serves."""
+    vc-serve says its precompile's progress, then warms the live path, traces the batched speech
+    encoder for its sessions, then serves."""
     import subprocess
     import sys
 
@@ -420,7 +421,7 @@ def test_a_first_run_precompiles_with_progress_before_serving(tiny_checkpoint, t
     env = dict(child_env(), VOICECHAT_PRECOMPILE="1", VOICECHAT_PRECOMPILE_PROCESSES="0",
                XDG_CACHE_HOME=str(tmp_path / "cache"), TMPDIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-m", "voicechat.serve.cli", "-m", str(tiny_checkpoint),
-                             "--port", str(free_port()), "--max-sessions", "1"],
+                             "--port", str(free_port()), "--max-sessions", "3"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     try:
@@ -435,4 +436,6 @@ def test_a_first_run_precompiles_with_progress_before_serving(tiny_checkpoint, t
     steps = [line.split(":")[1].strip() for line in lines if line.startswith("vc-serve:")]
     compiled = steps.index("precompiled")
     assert steps[:compiled].count("compiling kernels for this model (first run only)") >= 1
-    assert steps.index("warming up the live path (40 frames of silence)") > compiled
+    warmed = steps.index("warming up the live path (40 frames of silence)")
+    assert warmed > compiled
+    assert steps.index("tracing the batched speech encoder for up to 3 sessions") > warmed

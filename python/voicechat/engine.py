@@ -19,7 +19,8 @@ session's streamed-decoder caches stacked, then taken back), then each session's
 and the transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with
 `feed_many` (a server's round: a chunk for each of several sessions) the streamed encoders run
 their layers as one batch (`stt.conformer.push_streams`: sessions whose chunks complete the same
-number of frames, wherever each one is), then each session's transcript.
+number of frames, wherever each one is, run as a bucket's rows: `warm_batches` traces each bucket
+ahead), then each session's transcript.
 
 A session open on its own steps alone (`Engine.alone`): its tick is `chat.live`'s frame, the
 single-session step (`FrameLoop.step`: `DuplexLM.decode`, `EarTTS.step`, with every CUDA kernel
@@ -77,7 +78,7 @@ from .kernels.gemv import on_cuda_gpu
 from .live import ContextFull, Frame, LiveSession
 from .llm.rows import LMRows
 from .session import InputError, _checked_seed
-from .stt.conformer import push_streams as push_perception
+from .stt.conformer import PerceptionStream, push_streams as push_perception
 from .tts.backbone import DEFAULT_CHUNK
 from .tts.rows import TTSRows
 from .tts_thread import release_mlx_state_at_thread_exit
@@ -309,11 +310,33 @@ class Engine:
             for session, samples in accepted:
                 session._count_input(samples)
             with mx.stream(self.chat._timeline_stream):
-                perceived, together = push_perception([s.perception for s, _ in accepted], [x for _, x in accepted])
+                perceived, together = push_perception([s.perception for s, _ in accepted], [x for _, x in accepted],
+                                                      rows=bucket)
             self.perceived_together += together
             for (session, _), (projected, encoded) in zip(accepted, perceived):
                 session._queue_frames(projected, encoded)
             return refused
+
+    def warm_batches(self, sessions: int | None = None) -> int:
+        """Trace, on this thread, the streamed encoder's compiled chunk for every batch `feed_many`
+        can make of 2 up to `sessions` (default `max_sessions`) sessions: silence through fresh
+        streams, a chunk each, one batch a bucket (`bucket`: the batch sizes perception runs as).
+        A round that first meets a bucket then replays its graph instead of tracing it (and, on a
+        first run, compiling its kernels) while every session waits. Returns the buckets traced."""
+        release_mlx_state_at_thread_exit()
+        count = self.max_sessions if sessions is None else sessions
+        sizes = sorted({bucket(n) for n in range(2, count + 1)})
+        c = self.chat.config
+        chunk = np.zeros(int(round(c.frame_duration * c.input_sample_rate)), np.float32)
+        with self._lock:
+            self.chat._stream_in_float32()  # (as a live session does first: the weights it reads)
+            perception = self.chat.listening.perception
+            with mx.stream(self.chat._timeline_stream):
+                for size in sizes:
+                    streams = [PerceptionStream(perception) for _ in range(size)]
+                    out, _ = push_perception(streams, [chunk] * size, rows=bucket)
+                    mx.eval(out, [s.state for s in streams])
+        return len(sizes)
 
     def run(self) -> None:
         """Step until no session has input queued."""

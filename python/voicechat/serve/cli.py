@@ -172,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"warming up the live path ({WARMUP_FRAMES + MEASURED_FRAMES} frames of silence)")
                     settings.live_frame_ms = scheduler.call(lambda engine: round_ms(engine, 1))
                     say(f"a live frame takes {settings.live_frame_ms:.1f} ms here (p95)")
+                if settings.max_sessions > 1:  # (past the largest listed bucket a round is far from real time)
+                    from ..engine import SLOT_BUCKETS
+
+                    batches = min(settings.max_sessions, SLOT_BUCKETS[-1])
+                    say(f"tracing the batched speech encoder for up to {batches} sessions")
+                    scheduler.call(lambda engine: engine.warm_batches(batches))
             except BaseException:  # (an interrupt or a failed warm-up: the thread ends before the process)
                 scheduler.stop()
                 raise

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import ray
 from ray import serve
 
+from ..engine import SLOT_BUCKETS
 from ..session import InputError
 from .capacity import memory_limit, round_ms
 from .scheduler import FrameScheduler, NoCapacity, SessionLost
@@ -106,7 +107,8 @@ class ModelReplica:
                                         memory_limit=memory_limit(memory_limit_gb, min(1.0, share or 1.0)))
         # a warm live path (kernels built and loaded, traced on the thread that steps the sessions)
         # before Serve routes a client here
-        self.scheduler.call(lambda engine: round_ms(engine, 1))
+        self.scheduler.call(lambda engine: (round_ms(engine, 1),
+                                            engine.warm_batches(min(max_sessions, SLOT_BUCKETS[-1]))))
 
     def check_health(self) -> None:
         if not self.scheduler.alive():  # (Serve then replaces this replica)

@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -560,13 +561,17 @@ class PerceptionStream:
         return self.perception.project(x)
 
 
-def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> tuple[list[tuple[mx.array, mx.array]], int]:
+def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray],
+                 rows: Callable[[int], int] | None = None) -> tuple[list[tuple[mx.array, mx.array]], int]:
     """`streams[i].push(chunks[i])` for every stream (all of one `Perception`), with the layers and
     the projection of the streams whose chunks complete the same number of frames run as one
     batch, wherever each stream is (its key start in the batch's): their caches stacked, one
     compiled graph for all of them (the launches of one stream's chunk), each stream's rows and
     caches then taken back. Row by row it is each stream's own arithmetic (on a CPU, bit for bit:
-    tested). Returns the outputs and how many streams ran in a batch of two or more."""
+    tested). `rows(m)`: the rows a batch of m streams runs as (>= m; the first stream's rows
+    again fill the rest, their results unused), so that the compiled graph is traced for a few
+    batch sizes, not every count. Returns the outputs and how many streams ran in a batch of two
+    or more."""
     xs = [stream._subsampled(stream.mel.push(chunk), False) for stream, chunk in zip(streams, chunks)]
     out: list[tuple[mx.array, mx.array] | None] = [None] * len(streams)
     groups: dict[int, list[int]] = {}
@@ -582,10 +587,11 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> t
             continue
         together += len(members)
         first = streams[members[0]]
-        caches = [EncoderLayerCache(*(mx.concatenate([streams[i].caches[layer].state[j] for i in members])
+        batch = members + [members[0]] * ((rows(len(members)) if rows else len(members)) - len(members))
+        caches = [EncoderLayerCache(*(mx.concatenate([streams[i].caches[layer].state[j] for i in batch])
                                       for j in range(3))) for layer in range(len(first.caches))]
-        starts = mx.array([streams[i].key_start for i in members], mx.int32)
-        x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in members]), caches, starts,
+        starts = mx.array([streams[i].key_start for i in batch], mx.int32)
+        x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in batch]), caches, starts,
                                             first.perception.encoder.stream_positions(first.left + count))
         projected, encoded = first.perception.project(x)
         for row, i in enumerate(members):

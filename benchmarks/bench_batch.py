@@ -5,10 +5,10 @@
 
 For each B, an `Engine` holds B sessions, each fed the bundled spoken question (then silence),
 looped, from its own starting point. A round feeds every session one 80 ms piece
-(`Engine.feed_many`: their perception as one batch, then each session's transcript) and runs one engine tick (the LLM and TTS steps of all B
-sessions as one batch, or each session in turn: `--rows`, `Engine`'s `rows`; then each session's
-codec frame and text). `--warmup` rounds trace the
-compiled steps for the bucket; `--rounds` rounds are measured. Reported per B:
+(`Engine.feed_many`: their perception as one batch, then each session's transcript) and runs one
+engine tick (the LLM and TTS steps of all B sessions as one batch, or each session in turn:
+`--rows`, `Engine`'s `rows`; then each session's codec frame and text). `--warmup` rounds trace
+the compiled steps for the bucket; `--rounds` rounds are measured. Reported per B:
 
 - `round_ms` p50 / p95: one round, feeds and tick: the wall time of one 80 ms frame for all B
   sessions (real time needs it under 80 ms);

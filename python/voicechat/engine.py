@@ -326,8 +326,7 @@ class Engine:
         release_mlx_state_at_thread_exit()
         count = self.max_sessions if sessions is None else sessions
         sizes = sorted({bucket(n) for n in range(2, count + 1)})
-        c = self.chat.config
-        chunk = np.zeros(int(round(c.frame_duration * c.input_sample_rate)), np.float32)
+        chunk = np.zeros(self.chat.config.input_samples_per_frame, np.float32)
         with self._lock:
             self.chat._stream_in_float32()  # (as a live session does first: the weights it reads)
             perception = self.chat.listening.perception

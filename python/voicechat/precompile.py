@@ -27,9 +27,10 @@ What runs:
 - last, on the calling thread, one short `generate`: it finds every kernel compiled and warms what
   MLX keeps per thread, so that the caller's next `generate` runs at warm speed;
 - with `live`, then a short live session of silence (`warm_live`): the live path's own shapes
-  (the streamed encoder's compiled chunk, one shape from the first frame; the streamed codec). It casts perception's and the codec decoder's weights to
-  float32 as any live session does (1.4 GB more at full size), so `vc-generate --precompile`, which
-  exits after it, asks for it, and a first run's precompile before a `generate` does not.
+  (the streamed encoder's compiled chunk, one shape from the first frame; the streamed codec).
+  It casts perception's and the codec decoder's weights to float32 as any live session does
+  (1.4 GB more at full size), so `vc-generate --precompile`, which exits after it, asks for it,
+  and a first run's precompile before a `generate` does not.
 
 What MLX-CUDA 0.32.4 allows at once, and so the rules here:
 - MLX's JIT cache is one per process behind one lock held over the whole NVRTC compile

@@ -1,11 +1,11 @@
 """How many live sessions this machine steps in real time: `vc-serve`'s default `--max-sessions`.
 
 Rounds of live sessions of silence run here first, as the server steps them and on the thread that
-steps them (`FrameScheduler.call`; `Engine.feed_many`, then one tick): with one session and with two, each past a warm-up that meets and traces every
-shape of the live path. The 95th percentiles give a round's fixed cost and each session's share
-(sessions share work, so a round is not simply the sessions' single frames added up: their
-perception runs as one batch, and their steps run back to back or as batched rows), and
-that line's estimate is the most whose round fits an 80 ms frame with `HEADROOM_MS` to spare.
+steps them (`FrameScheduler.call`; `Engine.feed_many`, then one tick): with one session and with
+two, each past a warm-up that meets and traces every shape of the live path. The 95th percentiles
+give a round's fixed cost and each session's share (sessions share work, so a round is not simply
+the sessions' single frames added up: their perception runs as one batch, and their steps run
+back to back or as batched rows), and that line's estimate is the most whose round fits an 80 ms frame with `HEADROOM_MS` to spare.
 
 The estimate is then checked: that many new sessions run together from their first frame, and the
 95th percentile of all their rounds must fit too (clients that arrive together meet exactly that:
@@ -96,8 +96,8 @@ def round_ms(engine, sessions: int, *, from_start: bool = False, over_ms: float 
     have taken longer (its 95th percentile is then past `over_ms` whatever the rest would take) and
     gives the percentile of the rounds so far. Run it on the thread that steps the engine's
     sessions (`FrameScheduler.call`): what MLX keeps per thread is then warm for them."""
-    rate = engine.chat.config.input_sample_rate
-    chunk = np.zeros(rate * int(FRAME_MS) // 1000, np.float32)
+    c = engine.chat.config
+    rate, chunk = c.input_sample_rate, np.zeros(c.input_samples_per_frame, np.float32)
     rounds = WARMUP_FRAMES + MEASURED_FRAMES
     first = 0 if from_start else WARMUP_FRAMES
     times = []

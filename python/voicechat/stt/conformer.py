@@ -406,18 +406,17 @@ class ConformerEncoder(nn.Module):
             hold(self, name, sources, kept)
         return kept
 
-    def stream(self, x: mx.array, caches: list["EncoderLayerCache"], key_start: mx.array,
-               positions: tuple[int, list[mx.array]] | None = None) -> mx.array:
+    def stream(self, x: mx.array, caches: list["EncoderLayerCache"], key_start: mx.array) -> mx.array:
         """The layers on new subsampled frames `x [B, n, d_model]` of B streams, with `caches`
         (one per layer, `left` frames each, updated) and `key_start [B]` (int32: where each
         stream's frames begin among the cached + new keys; the keys before are the zeros a cache
-        starts with). `positions`: `stream_positions(left + n)` where the caller keeps them.
+        starts with); the position tables of `stream_positions(left + n)`.
 
         Every chunk of n frames has the same shapes, so the layers run as one compiled graph
         (`mx.compile`, traced once per B, n and thread), replayed instead of built op by op, its
         elementwise chains fused (on a CPU the fused code rounds as the separate ops do: tested)."""
         cached = caches[0].keys.shape[2]
-        first, projected = positions if positions is not None else self.stream_positions(cached + x.shape[1])
+        first, projected = self.stream_positions(cached + x.shape[1])
         x, state = self._stream_compiled(x, projected, first, key_start, [c.state for c in caches])
         for cache, (keys, values, conv) in zip(caches, state):
             cache.keys, cache.values, cache.conv = keys, values, conv
@@ -555,8 +554,7 @@ class PerceptionStream:
         """Subsampled frames `x [1, n, d_model]` through the layers (caches updated) and the projection."""
         if x.shape[1] == 0:  # (as in `CausalSubsampling.stream`: no matmul of zero rows)
             return mx.zeros((1, 0, self.perception.proj.weight.shape[0]), mx.float32), x
-        x = self.perception.encoder.stream(x, self.caches, mx.array([self.key_start], mx.int32),
-                                           self.perception.encoder.stream_positions(self.left + x.shape[1]))
+        x = self.perception.encoder.stream(x, self.caches, mx.array([self.key_start], mx.int32))
         self.frames += x.shape[1]
         return self.perception.project(x)
 
@@ -591,8 +589,7 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray],
         caches = [EncoderLayerCache(*(mx.concatenate([streams[i].caches[layer].state[j] for i in batch])
                                       for j in range(3))) for layer in range(len(first.caches))]
         starts = mx.array([streams[i].key_start for i in batch], mx.int32)
-        x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in batch]), caches, starts,
-                                            first.perception.encoder.stream_positions(first.left + count))
+        x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in batch]), caches, starts)
         projected, encoded = first.perception.project(x)
         for row, i in enumerate(members):
             stream = streams[i]

@@ -1,16 +1,17 @@
-"""The GEMV kernels against MLX's own ops at the model's decode shapes (1-2 rows).
+"""The GEMV kernels against MLX's own ops at the model's decode shapes (a few rows).
 
     PYTHONPATH=python pytest benchmarks/bench_gemv.py --benchmark-enable              # tiny shapes
     VOICECHAT_BENCH_SIZE=full pytest benchmarks/bench_gemv.py --benchmark-enable      # published shapes (GPU)
     PYTHONPATH=python python benchmarks/bench_gemv.py --size full --json OUT.json     # table + JSON
+    PYTHONPATH=python python benchmarks/bench_gemv.py --size full --rows 1,2,4        # sessions stepped together
 
 Cases, each ours vs MLX's op, float32 and bfloat16 activations:
-- q4:     4-bit GEMV (1 row) at every distinct Nemotron-H projection shape and the 131072 x 4480
-          head, vs `mx.quantized_matmul`;
+- q4:     4-bit GEMV (`--rows`, default 1) at every distinct Nemotron-H projection shape and the
+          131072 x 4480 head, vs `mx.quantized_matmul`;
 - dense:  bf16-weight GEMV (2 rows: the TTS backbone's two CFG rows) at the TTS model's linear
           shapes, vs `x @ w.T`;
-- argmax: both heads' argmax in one pass vs two `mx.quantized_matmul` + `mx.argmax`;
-- floor:  every Nemotron-H projection (one distinct weight each) + both heads, one row: the LLM
+- argmax: both heads' argmax in one pass vs two `mx.quantized_matmul` + `mx.argmax` (`--rows`);
+- floor:  every Nemotron-H projection (one distinct weight each) + both heads (`--rows`): the LLM
           step's matmul floor.
 Each timed round evaluates many calls (mx.eval, time.perf_counter, after warm-up); weights are
 cycled over copies totalling >= 256 MB so that a call reads them from memory, not from the
@@ -140,8 +141,8 @@ ECHO = False  # script mode: print every result as it is measured (a cut-off run
 
 def emit(r: Result) -> Result:
     if ECHO:
-        print(f"  {r.group:<11} {r.name:<14} {r.x:<5} {r.impl:<5} {r.us_per_call:9.1f} us {r.gbps:8.1f} GB/s",
-              flush=True)
+        print(f"  {r.group:<11} {r.name:<14} {r.x:<5} {r.rows:>2} {r.impl:<5} {r.us_per_call:9.1f} us "
+              f"{r.gbps:8.1f} GB/s", flush=True)
     return r
 
 
@@ -196,18 +197,18 @@ def dense_runs(n, k, x_dtype, rows=2):
     return calls, {"ours": ours, "mlx": mlx}
 
 
-def argmax_runs(n, k, x_dtype):
+def argmax_runs(n, k, x_dtype, rows=1):
     head_a, head_b = random_head(n, k, 1), random_head(n, k, 2)
-    h = mx.random.normal((1, k)).astype(x_dtype)
+    h = mx.random.normal((rows, k)).astype(x_dtype)
     calls = MIN_CALLS
     return calls, {"ours": lambda: [two_head_argmax(h, head_a, head_b) for _ in range(calls)],
                    "mlx": lambda: [two_head_argmax_reference(h, head_a, head_b) for _ in range(calls)]}
 
 
-def floor_runs(size, x_dtype):
+def floor_runs(size, x_dtype, rows=1):
     projections = llm_projections(size)
     weights = [random_q4(n, k, i) for i, (_, n, k) in enumerate(projections)]
-    xs = {k: mx.random.normal((1, k)).astype(x_dtype) for _, _, k in projections}
+    xs = {k: mx.random.normal((rows, k)).astype(x_dtype) for _, _, k in projections}
     mx.eval(list(xs.values()))
     pairs = [(xs[k], w) for (_, _, k), w in zip(projections, weights)]
     total = sum(q4_bytes(n, k) for _, n, k in projections)
@@ -227,16 +228,17 @@ def release():
 GROUPS = ("q4", "dense", "argmax", "floor")
 
 
-def run_all(size: str, groups=GROUPS) -> list[Result]:
+def run_all(size: str, groups=GROUPS, rows_list=(1,)) -> list[Result]:
     results = []
     cfg = full_config().text_config if size == "full" else tiny_config().text_config
     for n, k in distinct((n, k) for _, n, k in llm_projections(size)) if "q4" in groups else []:
         for x_name, x_dtype in DTYPES.items():
-            calls, runs = q4_runs(n, k, x_dtype)
-            for impl, run in runs.items():
-                results.append(measure("q4", f"{n}x{k}", impl, x_name, 1, calls, q4_bytes(n, k), run))
-            del runs
-            release()
+            for rows in rows_list:
+                calls, runs = q4_runs(n, k, x_dtype, rows)
+                for impl, run in runs.items():
+                    results.append(measure("q4", f"{n}x{k}", impl, x_name, rows, calls, q4_bytes(n, k), run))
+                del runs
+                release()
     for n, k in tts_linear_shapes(size) if "dense" in groups else []:
         for x_name, x_dtype in DTYPES.items():
             calls, runs = dense_runs(n, k, x_dtype)
@@ -245,29 +247,32 @@ def run_all(size: str, groups=GROUPS) -> list[Result]:
             del runs
             release()
     for x_name, x_dtype in DTYPES.items() if "argmax" in groups else []:
-        calls, runs = argmax_runs(cfg.vocab_size, cfg.hidden_size, x_dtype)
-        for impl, run in runs.items():
-            results.append(measure("argmax", f"2x{cfg.vocab_size}x{cfg.hidden_size}", impl, x_name, 1, calls,
-                                   2 * q4_bytes(cfg.vocab_size, cfg.hidden_size), run))
-        del runs
-        release()
+        for rows in rows_list:
+            calls, runs = argmax_runs(cfg.vocab_size, cfg.hidden_size, x_dtype, rows)
+            for impl, run in runs.items():
+                results.append(measure("argmax", f"2x{cfg.vocab_size}x{cfg.hidden_size}", impl, x_name, rows, calls,
+                                       2 * q4_bytes(cfg.vocab_size, cfg.hidden_size), run))
+            del runs
+            release()
     for x_name, x_dtype in DTYPES.items() if "floor" in groups else []:
-        count, total, runs = floor_runs(size, x_dtype)
-        for impl, run in runs.items():
-            r = measure("floor", f"{count} matrices", impl, x_name, 1, 1, total, run, {"matrices": count})
-            results.append(r)
-        del runs
-        release()
+        for rows in rows_list:
+            count, total, runs = floor_runs(size, x_dtype, rows)
+            for impl, run in runs.items():
+                r = measure("floor", f"{count} matrices", impl, x_name, rows, 1, total, run, {"matrices": count})
+                results.append(r)
+            del runs
+            release()
     return results
 
 
 def table(results: list[Result]) -> str:
-    base = {(r.group, r.name, r.x): r for r in results if r.impl == "mlx"}
-    lines = [f"{'case':<8} {'shape':<22} {'x':<5} {'impl':<5} {'us/call':>10} {'GB/s':>9} {'vs mlx':>7}"]
+    base = {(r.group, r.name, r.x, r.rows): r for r in results if r.impl == "mlx"}
+    lines = [f"{'case':<8} {'shape':<22} {'x':<5} {'rows':>4} {'impl':<5} {'us/call':>10} {'GB/s':>9} {'vs mlx':>7}"]
     for r in results:
-        ref = base.get((r.group, r.name, r.x))
+        ref = base.get((r.group, r.name, r.x, r.rows))
         speedup = f"{ref.us_per_call / r.us_per_call:6.2f}x" if ref and r.impl != "mlx" else ""
-        lines.append(f"{r.group:<8} {r.name:<22} {r.x:<5} {r.impl:<5} {r.us_per_call:10.1f} {r.gbps:9.1f} {speedup:>7}")
+        lines.append(f"{r.group:<8} {r.name:<22} {r.x:<5} {r.rows:>4} {r.impl:<5} {r.us_per_call:10.1f} {r.gbps:9.1f} "
+                     f"{speedup:>7}")
     return "\n".join(lines)
 
 
@@ -276,7 +281,14 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=("tiny", "full"), default=SIZE)
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--only", default=",".join(GROUPS), help=f"comma-separated subset of {','.join(GROUPS)}")
+    p.add_argument("--rows", default="1", help="comma-separated rows of x for q4, argmax and floor (1, 2, 4)")
     args = p.parse_args(argv)
+    try:
+        rows_list = tuple(int(r) for r in args.rows.split(","))
+    except ValueError:
+        p.error(f"--rows: whole numbers separated by commas, not {args.rows!r}")
+    if any(r < 1 for r in rows_list):
+        p.error("--rows: each at least 1")
     info = {"size": args.size, "device": str(mx.default_device()), "build": build_info(), "mlx": mx.__version__,
             "tf32": os.environ.get("MLX_ENABLE_TF32", "")}
     print(json.dumps(info))
@@ -286,7 +298,7 @@ def main(argv=None) -> int:
         p.error(f"--only: unknown {sorted(unknown)}")
     global ECHO
     ECHO = True
-    results = run_all(args.size, groups)
+    results = run_all(args.size, groups, rows_list)
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"info": info, "results": [asdict(r) for r in results]}, indent=1))

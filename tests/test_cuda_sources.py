@@ -21,16 +21,19 @@ MLX_PRELUDE = """
 """
 
 
-def kernel(src: dict, inst: dict, name: str) -> str:
-    """One instance as MLX writes its kernel, under `name`."""
+def kernel(src: dict, inst: dict, name: str, launch_bounds: bool = False) -> str:
+    """One instance as MLX writes its kernel, under `name`; `launch_bounds`: with the block size our
+    own launch states (`__launch_bounds__`, where the source names its threads arg)."""
     params = [f"    const {t}* {n}" for t, n in zip(inst["input_types"], src["input_names"])]
     params += [f"    {t}* {n}" for t, n in zip(inst["output_types"], src["output_names"])]
-    consts = []
+    consts, bounds = [], ""
     for arg, value in inst["template_args"]:
         kind, _, v = value.partition(":")
         consts.append({"int": f"  constexpr int {arg} = {v};", "bool": f"  constexpr bool {arg} = {v};",
                        "type": f"  using {arg} = {v};"}[kind])
-    return (f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n"
+        if launch_bounds and arg == src["threads_arg"]:
+            bounds = f"__launch_bounds__({int(v) * src['threads_scale']}) "
+    return (f"__global__ void {bounds}{name}(\n" + ",\n".join(params) + ") {\n"
             + "\n".join(consts) + "\n" + src["source"] + "\n}\n\n")
 
 

@@ -168,6 +168,48 @@ def test_plain_attention_writes_the_cache_in_place(cap, offset):
     np.testing.assert_array_equal(np.array(got), np.array(plain))
 
 
+def test_reference_takes_a_position_a_row():
+    """Positions and slots a row (sessions stepped together): each row as the reference at its own
+    position (the formula's check above covers one position)."""
+    b, h, hk, cap, d = 3, 4, 2, 24, 8
+    q, k, v = _inputs(b, h, hk, cap, d, seed=7)
+    k_new, v_new = _new_key(b, hk, d, 7)
+    rows = [0, 9, 23]
+    positions = mx.array(rows, mx.int32)
+    got = decode_attention(q, k, v, positions, d**-0.5, new=(k_new, v_new, positions))
+    for i, p in enumerate(rows):
+        want = decode_attention_reference(q[i:i + 1], k[i:i + 1], v[i:i + 1], mx.array(p, mx.int32), d**-0.5,
+                                          new=(k_new[i:i + 1], v_new[i:i + 1], mx.array(p, mx.int32)))
+        np.testing.assert_allclose(np.array(got[i:i + 1]), np.array(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
+def test_rows_at_their_own_positions_have_the_bits_of_each_row_alone():
+    """The LLM's decode step for sessions stepped together (chunked, a position a row, writing in
+    place): each row's output and written slot equal, bit for bit, that row's step alone over buffers
+    of its own capacity."""
+    b, h, hk, d, cap = 3, 40, 8, 128, 1536
+    rows, own_caps = [3, 700, 1400], [256, 768, 1536]
+    keys = iter(mx.random.split(mx.random.key(5), 5))
+    q = mx.random.normal((b, h, 1, d), key=next(keys))
+    k, v = (mx.random.normal((b, hk, cap, d), key=next(keys)) for _ in range(2))
+    k_new, v_new = (mx.random.normal((b, hk, 1, d), key=next(keys)) for _ in range(2))
+    alone_kv = [(mx.array(k[i:i + 1, :, :c]), mx.array(v[i:i + 1, :, :c])) for i, c in enumerate(own_caps)]
+    mx.eval(q, k, v, k_new, v_new, alone_kv)
+    positions = mx.array(rows, mx.int32)
+    together = decode_attention(q, k, v, positions, d**-0.5, new=(k_new, v_new, positions), write_cache=True,
+                                chunked=True)
+    mx.eval(together)
+    for i, (p, (ki, vi)) in enumerate(zip(rows, alone_kv)):
+        at = mx.array([p], mx.int32)
+        alone = decode_attention(q[i:i + 1], ki, vi, at, d**-0.5, new=(k_new[i:i + 1], v_new[i:i + 1], at),
+                                 write_cache=True, chunked=True)
+        mx.eval(alone)
+        np.testing.assert_array_equal(np.array(together[i:i + 1]), np.array(alone), err_msg=f"row {i}")
+        np.testing.assert_array_equal(np.array(k[i:i + 1, :, :own_caps[i]]), np.array(ki))
+        np.testing.assert_array_equal(np.array(v[i:i + 1, :, :own_caps[i]]), np.array(vi))
+
+
 def test_write_cache_is_refused_off_the_kernel_path():
     qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(1, 4, 2, 20, 8, mx.float32, seed=3)
     with mx.stream(mx.cpu), pytest.raises(ValueError, match="write_cache"):

@@ -19,9 +19,9 @@ from voicechat.kernels.qkv_heads import qkv_heads_reference, rope_inv_freq
 ATTN_CHUNK, ATTN_SPLIT_CHUNK = 1024, 256
 
 
-def attn_chunking(cap):
-    """(slots per chunk, chunks) of the first launch over `cap` slots."""
-    ch = ATTN_CHUNK if cap <= ATTN_CHUNK else ATTN_SPLIT_CHUNK
+def attn_chunking(cap, chunked=False):
+    """(slots per chunk, chunks) of the first launch over `cap` slots (`chunked`: split at any cap)."""
+    ch = ATTN_CHUNK if cap <= ATTN_CHUNK and not chunked else ATTN_SPLIT_CHUNK
     return ch, -(-cap // ch)
 
 
@@ -32,6 +32,12 @@ ATTN_CONFIGS = {"attn_tts": (2, 4, 4, 1300, 72), "attn_gqa": (1, 4, 2, 1500, 40)
 # the plain kernel writing the new key and value in place: the LLM's grouped heads in one chunk, and
 # over several chunks
 ATTN_WRITE_CONFIGS = {"attn_write_llm": (1, 8, 2, 300, 64), "attn_write_chunks": (2, 4, 2, 1300, 40)}
+# sessions stepped together (the LLM's decode step at a position a row, chunked, writing in place):
+# three rows at their own positions in buffers of the longest one's capacity, and each row alone in
+# buffers of its own (smaller) capacity
+ATTN_ROWS_CONFIGS = {"attn_rows": (3, 8, 2, 1300, 64)}
+ROWS_OWN_CAPS = {"attn_rows": (256, 800, 1300)}
+ROWS_POSITIONS = {"attn_rows": (5, 700, 1299)}
 # (B, H, HK, CAP, D, qkv's dtype, WRITE) of the attention from the stacked projection: the TTS step
 # over several chunks and over one, writing the cache in place over one and several chunks, grouped
 # heads with a bfloat16 projection
@@ -49,15 +55,17 @@ def combine_case(b, h, cap, d):
                 [("float", (b * h, d))], b * h, 128)
 
 
-def attention_cases(tag, b, h, hk, cap, d, write=False):
-    """The plain kernel's launch and its merge (inputs set per test)."""
-    ch, nc = attn_chunking(cap)
+def attention_cases(tag, b, h, hk, cap, d, write=False, chunked=False, row_pos=False):
+    """The plain kernel's launch and its merge (inputs set per test); `row_pos`: a position and slot a
+    batch row."""
+    ch, nc = attn_chunking(cap, chunked)
     q, kv = mx.zeros((b, h, 1, d)), mx.zeros((b, hk, cap, d))
-    single = nc == 1  # one chunk: the part kernel writes the result
+    single = nc == 1 and not chunked  # one chunk: the part kernel writes the result
     new = mx.zeros((b, hk, 1, d))
+    positions = mx.zeros((b if row_pos else 1,), mx.int32)
     part = Case("vc_decode_attn_part", dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, WRITE=write,
-                                            SCALE_BITS=float_bits(d**-0.5)),
-                [q, kv, kv, mx.zeros((1,), mx.int32), mx.array([cap], mx.int32), new, new, mx.zeros((1,), mx.int32)],
+                                            ROW_POS=row_pos, SCALE_BITS=float_bits(d**-0.5)),
+                [q, kv, kv, positions, mx.array([cap], mx.int32), new, new, positions],
                 [("float", (b * h * nc, d if single else d + 2))], b * h * nc, 256, written=(1, 2) if write else ())
     return {f"{tag}_part": (part, None), f"{tag}_combine": (combine_case(b, h, cap, d), None)}
 
@@ -68,7 +76,7 @@ def attention_qkv_cases(tag, b, h, hk, cap, d, dtype, write):
     inputs = [mx.zeros((b, 1, (h + 2 * hk) * d), dtype), mx.zeros((d,)), mx.zeros((d,)), mx.zeros((d // 2,)),
               kv, kv, mx.zeros((1,), mx.int32), mx.array([cap], mx.int32), mx.zeros((1,), mx.int32)]
     part = Case("vc_decode_attn_qkv_part",
-                dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=nc == 1, TX=dtype, WRITE=write,
+                dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=nc == 1, TX=dtype, WRITE=write, ROW_POS=False,
                      SCALE_BITS=float_bits(256**-0.5), EPS_BITS=float_bits(1e-6)),
                 inputs, [("float", (b * h * nc, d if nc == 1 else d + 2)), ("float", (b, hk, 1, d)),
                          ("float", (b, hk, 1, d))], b * h * nc, 256, written=(4, 5) if write else ())
@@ -84,6 +92,10 @@ def emulated(tmp_path_factory):
         cases.update(attention_cases(tag, *config, write=True))
     for tag, config in ATTN_QKV_CONFIGS.items():
         cases.update(attention_qkv_cases(tag, *config))
+    for tag, (b, h, hk, cap, d) in ATTN_ROWS_CONFIGS.items():
+        cases.update(attention_cases(tag, b, h, hk, cap, d, write=True, chunked=True, row_pos=True))
+        for i, own_cap in enumerate(ROWS_OWN_CAPS[tag]):
+            cases.update(attention_cases(f"{tag}_alone{i}", 1, h, hk, own_cap, d, write=True, chunked=True))
     return emulate(tmp_path_factory, "decode_attention", cases)
 
 
@@ -101,9 +113,10 @@ def _with_inputs(case: Case, inputs) -> Case:
     return launch
 
 
-def _merged(emulated, tag, out, cap, folder):
-    """The attention's second launch (beyond ATTN_CHUNK slots): the chunks' partial softmaxes merged."""
-    if cap <= ATTN_CHUNK:
+def _merged(emulated, tag, out, cap, folder, chunked=False):
+    """The attention's second launch (beyond ATTN_CHUNK slots, or `chunked`): the chunks' partial
+    softmaxes merged."""
+    if cap <= ATTN_CHUNK and not chunked:
         return out
     combine = _with_inputs(emulated.cases[f"{tag}_combine"], [mx.array(out), mx.array([cap], mx.int32)])
     (merged,) = emulated.run(f"{tag}_combine", combine, folder)
@@ -188,3 +201,32 @@ def test_decode_attention_from_qkv_kernel_emulated(emulated, tag, offset):
     np.testing.assert_allclose(k_new, np.array(want_k), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(v_new, np.array(want_v), rtol=0, atol=0)
     np.testing.assert_allclose(out.reshape(b, 1, h * d), np.array(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tag", list(ATTN_ROWS_CONFIGS))
+def test_rows_at_their_own_positions_have_the_bits_of_each_row_alone(emulated, tag):
+    """A position and slot a batch row (ROW_POS, chunked, writing the new key in place): each row's
+    output equals, bit for bit, the launch of that row alone over buffers of its own capacity (the
+    chunks' sums do not depend on the capacity), and the reference; each row's new key and value land
+    in its own slot."""
+    b, h, hk, cap, d = ATTN_ROWS_CONFIGS[tag]
+    positions = ROWS_POSITIONS[tag]
+    q, k, v, k_new, v_new = _attention_inputs(b, h, hk, cap, d, seed=d)
+    rows = mx.array(positions, mx.int32)
+    part = _with_inputs(emulated.cases[f"{tag}_part"], [q, k, v, rows, mx.array([cap], mx.int32), k_new, v_new, rows])
+    out, k_after, v_after = emulated.run(f"{tag}_part", part, f"{tag}_rows")
+    together = _merged(emulated, tag, out, cap, f"{tag}_rows_c", chunked=True).reshape(b, 1, h * d)
+    with mx.stream(mx.cpu):
+        want = decode_attention_reference(q, k, v, rows, d**-0.5, new=(k_new, v_new, rows))
+    np.testing.assert_allclose(together, np.array(want), rtol=2e-5, atol=2e-5)
+    for i, (own_cap, p) in enumerate(zip(ROWS_OWN_CAPS[tag], positions)):
+        name = f"{tag}_alone{i}"
+        alone_in = [q[i:i + 1], k[i:i + 1, :, :own_cap], v[i:i + 1, :, :own_cap], mx.array([p], mx.int32),
+                    mx.array([own_cap], mx.int32), k_new[i:i + 1], v_new[i:i + 1], mx.array([p], mx.int32)]
+        out_i, *_ = emulated.run(f"{name}_part", _with_inputs(emulated.cases[f"{name}_part"], alone_in), name)
+        alone = _merged(emulated, name, out_i, own_cap, name + "_c", chunked=True)
+        np.testing.assert_array_equal(together[i], alone.reshape(1, h * d), err_msg=f"row {i}")
+        for after, before, new in ((k_after, k, k_new), (v_after, v, v_new)):
+            want_row = np.array(before[i]).copy()
+            want_row[:, p] = np.array(new[i])[:, 0]
+            np.testing.assert_array_equal(after[i], want_row)

@@ -132,11 +132,79 @@ def test_quantized_other_packings_equal_mlx(n, k, bits, group, scale_dtype, dtyp
 
 
 @needs_cuda
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("n,k", LLM_FULL)
 def test_quantized_full_size_equals_mlx(n, k, dtype, rows):
     _check_quantized(n, k, dtype, rows)
+
+
+def _exact(a: mx.array) -> np.ndarray:
+    """`a` as numpy, every value kept (bfloat16 and float16 widen to float32 exactly)."""
+    return np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
+
+
+def _each_row_alone(fn, x):
+    """`fn(x)` and `fn` of each row of x alone, evaluated (fn returns an array or a tuple)."""
+    as_list = lambda out: list(out) if isinstance(out, (tuple, list)) else [out]  # noqa: E731
+    together = as_list(fn(x))
+    alone = [as_list(fn(x[i:i + 1])) for i in range(x.shape[0])]
+    mx.eval(together, alone)
+    return together, alone
+
+
+ROW_SHAPES = LLM_FULL if ON_CUDA else LLM_TINY
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("n,k", ROW_SHAPES)
+def test_quantized_rows_have_the_bits_they_have_alone(n, k, dtype, rows):
+    """Each row of a 2- or 4-row quantized matvec equals, bit for bit, the matvec of that row alone
+    (at every LLM shape: on a CUDA GPU the streamed, integer-MMA and block layouts), plain, with a
+    residual and with squared ReLU: a session's step in a batch is its step alone."""
+    w, s, b = _quantized(n, k, seed=n + k)
+    x = _x((rows, k), dtype, seed=rows) * 3.0
+    residual = _x((rows, n), mx.float32, seed=9)
+    for kw in ({}, {"squared_relu": True}):
+        together, alone = _each_row_alone(lambda v: quantized_matvec(v, w, s, b, **kw), x)
+        for i, (row,) in enumerate(alone):
+            np.testing.assert_array_equal(_exact(together[0][i:i + 1]), _exact(row), err_msg=f"{kw} row {i}")
+    together = quantized_matvec(x, w, s, b, residual=residual)
+    for i in range(rows):
+        alone = quantized_matvec(x[i:i + 1], w, s, b, residual=residual[i:i + 1])
+        np.testing.assert_array_equal(_exact(together[i:i + 1]), _exact(alone), err_msg=f"residual row {i}")
+
+
+SEAMS = [(192, 320, 256, 4), (192, 320, 256, 1)] + ([(4480, 10240, 22656, 8), (4480, 15680, 22656, 1)] if ON_CUDA
+                                                    else [])
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("n,k,n2,groups", SEAMS)
+def test_emitted_norm_rows_have_the_bits_they_have_alone(n, k, n2, groups, rows):
+    """The LLM's block seams at 2 and 4 rows: a group-prenormed input into a + residual matvec that
+    emits the next norm (the mamba out_proj, the MLP down_proj), then the matvec that finishes it
+    (the next in_proj): every output and partial of row i equals row i's alone, bit for bit."""
+    w1, s1, b1 = _q4(n, k, seed=n)
+    w2, s2, b2 = _q4(n2, n, seed=n2)
+    norm = 1.0 + 0.2 * mx.random.normal((n,), key=mx.random.key(3))
+    x = mx.random.normal((rows, k), key=mx.random.key(1))
+    partials = mx.abs(mx.random.normal((rows, 8 * groups), key=mx.random.key(4))) * k
+    residual = 3.0 * mx.random.normal((rows, n), key=mx.random.key(2))
+
+    def seam(i, j):
+        pre_in = Prenormed(x[i:j], partials[i:j], groups, 1e-5)
+        out, pre = quantized_matvec_emit_norm(pre_in, w1, s1, b1, residual[i:j], norm, eps=1e-5)
+        return [out, pre.weighted, pre.partials, quantized_matvec(pre, w2, s2, b2, squared_relu=True)]
+
+    together = seam(0, rows)
+    mx.eval(together)
+    for i in range(rows):
+        alone = seam(i, i + 1)
+        mx.eval(alone)
+        for a, b in zip(together, alone):
+            np.testing.assert_array_equal(_exact(a[i:i + 1]), _exact(b), err_msg=f"row {i}")
 
 
 def test_stream_launch_at_the_step_shapes():
@@ -301,7 +369,7 @@ def _check_two_heads(n, k, dtype, rows, plant_ties):
 
 @needs_cuda
 @pytest.mark.parametrize("plant_ties", [False, True])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_two_head_argmax_equals_argmax(dtype, rows, plant_ties):
     vocab, k = (tiny_config().text_config.vocab_size, tiny_config().text_config.hidden_size)
@@ -314,6 +382,19 @@ def test_two_head_argmax_equals_argmax(dtype, rows, plant_ties):
 def test_two_head_argmax_full_size(dtype, plant_ties):
     cfg = full_config().text_config
     _check_two_heads(cfg.vocab_size, cfg.hidden_size, dtype, 1, plant_ties)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_two_head_argmax_rows_have_the_bits_they_have_alone(rows):
+    """The two-head argmax of 2 and 4 rows (at full size on a CUDA GPU): each row's ids and logits are
+    those of that row alone, bit for bit."""
+    cfg = (full_config() if ON_CUDA else tiny_config()).text_config
+    head_a, head_b = _head(cfg.vocab_size, cfg.hidden_size, seed=1), _head(cfg.vocab_size, cfg.hidden_size, seed=2)
+    x = _x((rows, cfg.hidden_size), mx.float32, seed=5)
+    together, alone = _each_row_alone(lambda v: two_head_argmax(v, head_a, head_b, return_logits=True), x)
+    for i, row in enumerate(alone):
+        for a, b in zip(together, row):
+            np.testing.assert_array_equal(_exact(a[i:i + 1]), _exact(b), err_msg=f"row {i}")
 
 
 @needs_cuda

@@ -25,8 +25,8 @@ ON_CUDA = on_cuda_gpu()
 
 def _instance_kernel(src: dict, inst: dict) -> str:
     """The kernel part of an instance's text as test_cuda_sources' nvcc check writes it (MLX's
-    layout), as our unmangled vc_kernel."""
-    return 'extern "C" ' + kernel(src, inst, "vc_kernel")
+    layout), as our unmangled vc_kernel with the launch bounds our launch states."""
+    return 'extern "C" ' + kernel(src, inst, "vc_kernel", launch_bounds=True)
 
 
 def test_every_instance_text_is_the_header_and_the_kernel_as_mlx_writes_it():

@@ -33,6 +33,11 @@ struct CudaSource {
   // Blocks a thread-block cluster (1: none). A source of clusters runs only through our own launch,
   // which asks for them (MLX's custom-kernel launch cannot), and each grid is a whole number of them.
   int cluster = 1;
+  // The template arg that gives the block's threads (times `threads_scale`), stated to the compiler
+  // as __launch_bounds__ by our own launch: an instance that would take more registers a thread than
+  // a block of that size has spills instead of failing to launch. Empty: none.
+  std::string threads_arg = "";
+  int threads_scale = 1;
 };
 
 // The name MLX compiles `source` under: its name and a hash of its text. MLX keeps compiled kernels

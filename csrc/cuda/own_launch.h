@@ -30,7 +30,8 @@ std::string template_arg_text(const mlx::core::fast::TemplateArg& arg);
 // The whole translation unit NVRTC compiles for one instance: the prelude our kernels rely on
 // (the same as the nvcc check's stand-in for MLX's), the source's header, and
 // `extern "C" __global__ void vc_kernel(inputs..., outputs...)` with the template args as constexpr
-// / using lines before the body, as MLX writes its kernels. The first line names the target
+// / using lines before the body, as MLX writes its kernels (and `__launch_bounds__` where the source
+// names its threads arg). The first line names the target
 // (`// sm_90`), so that one text is one cubin.
 std::string own_kernel_text(const CudaSource& source, const CudaInstance& instance, const std::string& arch);
 

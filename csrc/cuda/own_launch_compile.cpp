@@ -81,12 +81,21 @@ std::string own_kernel_text(const CudaSource& source, const CudaInstance& instan
   for (size_t i = 0; i < source.output_names.size(); ++i) {
     params += (params.empty() ? "    " : ",\n    ") + instance.output_types[i] + "* " + source.output_names[i];
   }
-  std::string consts;
-  for (const auto& [name, value] : instance.template_args) consts += template_line(name, value);
+  std::string consts, bounds;
+  for (const auto& [name, value] : instance.template_args) {
+    consts += template_line(name, value);
+    if (!source.threads_arg.empty() && name == source.threads_arg) {
+      if (value.rfind("int:", 0) != 0) {
+        throw std::invalid_argument(source.name + ": its threads arg " + name + " is not an int");
+      }
+      bounds = "__launch_bounds__(" + std::to_string(std::stoi(value.substr(4)) * source.threads_scale) + ") ";
+    }
+  }
   // the prelude (csrc/kernels/launch/prelude.cuh): what our kernels may rely on of MLX's JIT prelude
   // (tests/data/cuda_stub says the same to nvcc)
   return "// " + arch + "\n" + jit::launch::prelude + source.header +
-         "\nnamespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n\nextern \"C\" __global__ void vc_kernel(\n" +
+         "\nnamespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n\nextern \"C\" __global__ void " + bounds +
+         "vc_kernel(\n" +
          params + ") {\n" + consts + source.source + "\n}\n\n}  // namespace mlx::core::cu\n";
 }
 

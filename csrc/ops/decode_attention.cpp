@@ -12,8 +12,10 @@
 // CUDA, and its fallback is a matmul, the mask, a softmax and a matmul (with layout copies). Here
 // NC chunks of CH slots per (b, h) each make the softmax of their valid slots (max, sum, weighted
 // values: scores in shared memory, see csrc/kernels/decode_attention/part_tail.body.cuh), then one
-// block per (b, h) merges the chunks: two launches, or one while the buffers hold <= 1024 slots (one chunk normalizes and writes the result
-// itself). No block waits for another. Every warp of a block works in each phase and no lane's
+// block per (b, h) merges the chunks: two launches, or one while the buffers hold <= 1024 slots
+// (one chunk normalizes and writes the result itself; `chunked` asks for the two launches at any
+// capacity, so that a row's result does not depend on how many slots the buffers hold). offset and
+// slot hold one value for every batch row, or one a row. No block waits for another. Every warp of a block works in each phase and no lane's
 // loads wait on one another's, so a step's time does not grow slot by slot (as it would with one
 // slot a warp at a time). CUDA through
 // fast::cuda_kernel; elsewhere MLX's attention with the mask (the reference:
@@ -46,7 +48,7 @@ constexpr int kSplitChunk = 256;
 
 const CudaSource& part_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int h, int hk, bool single, bool write = false) {
+  auto inst = [](int d, int h, int hk, bool single, bool write = false, bool row_pos = false) {
     return CudaInstance{{"float", "float", "float", "int32_t", "int32_t", "float", "float", "int32_t"},
                         {"float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)},
@@ -54,6 +56,7 @@ const CudaSource& part_source() {
                          P{"THREADS", int_arg(kThreads)},
                          P{"SINGLE", single ? "bool:true" : "bool:false"},
                          P{"WRITE", write ? "bool:true" : "bool:false"},
+                         P{"ROW_POS", row_pos ? "bool:true" : "bool:false"},
                          P{"SCALE_BITS", int_arg(float_bits(1.0f / std::sqrt(static_cast<float>(d))))}}};
   };
   static const CudaSource& src = register_cuda_source({
@@ -63,8 +66,10 @@ const CudaSource& part_source() {
       std::string(jit::decode_attention::part_head_body) + jit::decode_attention::plain_prologue_body +
           jit::decode_attention::part_tail_body,
       block_reduce_header(),
-      // the TTS backbone, the LLM's grouped heads (its decode step writing the cache in place)
-      {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false), inst(128, 40, 8, true, true)},
+      // the TTS backbone; the LLM's grouped heads (its decode step writing the cache in place, in
+      // chunks: one session, and sessions stepped together at their own positions)
+      {inst(72, 16, 16, true), inst(72, 16, 16, false), inst(128, 40, 8, false), inst(128, 40, 8, false, true),
+       inst(128, 40, 8, false, true, true)},
   });
   return src;
 }
@@ -77,7 +82,7 @@ const CudaSource& qkv_part_source() {
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"HK", int_arg(hk)},
                          P{"CH", int_arg(single ? kChunk : kSplitChunk)}, P{"THREADS", int_arg(kThreads)},
                          P{"SINGLE", single ? "bool:true" : "bool:false"}, P{"TX", type_arg(tx)},
-                         P{"WRITE", write ? "bool:true" : "bool:false"},
+                         P{"WRITE", write ? "bool:true" : "bool:false"}, P{"ROW_POS", "bool:false"},
                          P{"SCALE_BITS", int_arg(float_bits(0.0625f))}, P{"EPS_BITS", int_arg(float_bits(1e-6f))}}};
   };
   static const CudaSource& src = register_cuda_source({
@@ -128,10 +133,10 @@ struct Chunking {
   int ch;  // slots per chunk
 };
 
-Chunking chunking(int cap) {
-  const int ch = cap <= kChunk ? kChunk : kSplitChunk;
+Chunking chunking(int cap, bool chunked = false) {
+  const int ch = cap <= kChunk && !chunked ? kChunk : kSplitChunk;
   const int nc = (cap + ch - 1) / ch;
-  return {nc, kept_ints({cap}), nc == 1, ch};
+  return {nc, kept_ints({cap}), nc == 1 && !chunked, ch};
 }
 
 // The second launch: one block per (b, h) merges its chunks' partial softmaxes -> [B, 1, H * D].
@@ -143,26 +148,29 @@ mx::array combine_chunks(const mx::array& parts, const mx::array& dims, int b, i
 
 }  // namespace
 
-// q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid);
-// k_new, v_new [B, HK, 1, D] and slot: read in that slot instead of the buffers (all three or none);
-// write_cache (with them): also stored there in place, as decode_attention_qkv's write_cache (same
-// conditions). Returns [B, 1, H * D] float32.
+// q [B, H, 1, D]; k, v [B, HK, CAP, D]; offset: the query's position (slots <= it are valid), [1]
+// or one a row [B]; k_new, v_new [B, HK, 1, D] and slot ([1] or [B]): read in that slot instead of
+// the buffers (all three or none); write_cache (with them): also stored there in place, as
+// decode_attention_qkv's write_cache (same conditions); chunked: the two launches at any capacity.
+// Returns [B, 1, H * D] float32.
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, const mx::array& offset,
                            float scale, const std::optional<mx::array>& k_new, const std::optional<mx::array>& v_new,
-                           const std::optional<mx::array>& slot, bool write_cache, mx::StreamOrDevice s_) {
+                           const std::optional<mx::array>& slot, bool write_cache, bool chunked,
+                           mx::StreamOrDevice s_) {
   expect(q.ndim() == 4 && q.shape(2) == 1, "q must be [B, H, 1, D]");
   expect(k.ndim() == 4 && v.shape() == k.shape(), "k and v must be [B, HK, CAP, D] alike");
   const int b = q.shape(0), h = q.shape(1), d = q.shape(3), hk = k.shape(1), cap = k.shape(2);
   expect(k.shape(0) == b && k.shape(3) == d, "q and k disagree in batch or head dim");
   expect(hk >= 1 && h % hk == 0, "the query heads must be a multiple of the K/V heads");
-  expect(offset.size() == 1, "offset must hold one position");
+  const bool row_pos = offset.size() != 1;
+  expect(offset.size() == 1 || static_cast<int>(offset.size()) == b, "offset must hold one position, or one a row");
   const bool with_new = k_new.has_value();
   expect(with_new == v_new.has_value() && with_new == slot.has_value(), "give k_new, v_new and slot together");
   if (with_new) {
     const mx::Shape one{b, hk, 1, d};
     expect(k_new->shape() == one && v_new->shape() == one, "k_new and v_new must be [B, HK, 1, D]");
     expect(k_new->dtype() == mx::float32 && v_new->dtype() == mx::float32, "k_new and v_new must be float32");
-    expect(slot->size() == 1, "slot must hold one slot");
+    expect(slot->size() == offset.size(), "slot must hold as many slots as offset holds positions");
   }
   expect(!write_cache || with_new, "write_cache needs k_new, v_new and slot");
   auto s = mx::to_stream(s_);
@@ -171,17 +179,19 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
          "runs on a CUDA stream (float32); elsewhere use voicechat.kernels.decode_attention, which uses "
          "MLX's attention with a mask");
   static auto part = make_cuda_kernel(part_source());
-  const auto [nc, dims, single, ch] = chunking(cap);
+  const auto [nc, dims, single, ch] = chunking(cap, chunked);
   // The offset goes in as its one value and a one-launch result comes out as [B, 1, H * D] (the
   // same flat values as [B * H, D]): no reshape nodes in the graph.
   const mx::Shape result{b, 1, h * d};
   // Without a new key: slot -1, and k_new / v_new fill their places unread.
   auto parts = part({q, k, v, mx::astype(offset, mx::int32, s), dims, with_new ? *k_new : q,
-                     with_new ? *v_new : q, with_new ? mx::astype(*slot, mx::int32, s) : kept_ints({-1})},
+                     with_new ? *v_new : q,
+                     with_new ? mx::astype(*slot, mx::int32, s) : row_pos ? mx::full({b}, -1, mx::int32, s)
+                                                                          : kept_ints({-1})},
                     {single ? result : mx::Shape{b * h * nc, d + 2}}, {mx::float32}, {b * h * nc * kThreads, 1, 1},
                     {kThreads, 1, 1},
                     {{"D", d}, {"H", h}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},
-                     {"WRITE", write_cache}, {"SCALE_BITS", float_bits(scale)}},
+                     {"WRITE", write_cache}, {"ROW_POS", row_pos}, {"SCALE_BITS", float_bits(scale)}},
                     std::nullopt, false, s)[0];
   return single ? parts : combine_chunks(parts, dims, b, h, d, s);
 }
@@ -229,7 +239,7 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
                    {single ? result : mx::Shape{b * heads * nc, d + 2}, one, one},
                    {mx::float32, mx::float32, mx::float32}, {b * heads * nc * kThreads, 1, 1}, {kThreads, 1, 1},
                    {{"D", d}, {"H", heads}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},
-                    {"TX", qkv.dtype()}, {"WRITE", write_cache}, {"SCALE_BITS", float_bits(scale)},
+                    {"TX", qkv.dtype()}, {"WRITE", write_cache}, {"ROW_POS", false}, {"SCALE_BITS", float_bits(scale)},
                     {"EPS_BITS", float_bits(eps)}},
                    std::nullopt, false, s);
   return {single ? outs[0] : combine_chunks(outs[0], dims, b, heads, d, s), outs[1], outs[2]};

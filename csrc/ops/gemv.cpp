@@ -44,7 +44,12 @@ using gemv::qmv_stream_source;
 
 // ---------------------------------------------------------------- launch shapes
 
-constexpr int kMaxRows = 2;    // input rows the kernels take (decode: batch 1, or 2)
+constexpr int kMaxRows = 2;    // input rows the dense kernels take (decode: batch 1, or 2)
+
+// Input rows the 4-bit kernels take: 1, 2 or 4 (the persistent layouts' sums a tile are a power of two).
+// Each shape takes one layout and one launch at every row count, so that a row's output has the same
+// bits whichever rows come with it (a session's step alone or in a batch).
+bool quantized_rows(int m) { return m == 1 || m == 2 || m == 4; }
 constexpr int kSmCount = 132;  // the SMs of the sm_90 parts the grids are sized for
 
 // The block layout's launch: `rows` output rows a block, `threads` splitting K.
@@ -253,12 +258,14 @@ int compute_capability(int device_index) {
 // the block layout (and the two-head argmax MLX's ops).
 bool persistent_layouts(int device_index) { return compute_capability(device_index) >= 9; }
 
-// vc_qmv_stream's launch at this shape, or nothing (the block layout then): one row of x where K or N
-// is 8192 or more (the block layout's one trip to memory a thread leaves the bytes in flight short
-// there), 8-row tiles, 2 stages, `threads` (0: a thread for one or two chunks of K).
+// vc_qmv_stream's launch at this shape, or nothing (the block layout then): where K or N is 8192 or
+// more (the block layout's one trip to memory a thread leaves the bytes in flight short there), 8-row
+// tiles, 2 stages, `threads` (0: a thread for one or two chunks of K). Whether it takes the shape, its
+// threads, blocks and last-round split are those of one row of x at every m (each output's sum and the
+// emitted partials then add up in the same order); m sets only the shared memory and how x is staged.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                         bool x_float32, int prenorm_groups, int threads, bool bulk) {
-  if (!bulk || m != 1 || (k < 8192 && n < 8192)) {
+  if (!bulk || !quantized_rows(m) || (k < 8192 && n < 8192)) {
     return std::nullopt;
   }
   const int rows = kStreamRows, stages = kStages;
@@ -269,27 +276,39 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
   const int stage = rows * k / 2 + 2 * rows * (k / group_size) * scale_bytes;
   const int cpt = (chunks + threads - 1) / threads;  // chunks a thread
   // its own arrays, and every warp's share of the norm's group totals (apart from a tile's sums)
-  const int own = stream_static_smem(stages, threads, rows, m, prenorm_groups) + (threads / 32) * prenorm_groups * m * 4;
+  auto own_for = [&](int rows_of_x) {
+    return stream_static_smem(stages, threads, rows, rows_of_x, prenorm_groups) +
+           (threads / 32) * prenorm_groups * rows_of_x * 4;
+  };
+  const int own = own_for(m);
   const bool takes = bits == 4 && group_size % 32 == 0 && n % rows == 0 &&
                      (rows * (k / group_size) * scale_bytes) % 16 == 0 && threads <= 512 && cpt <= 2 &&
-                     stages * stage + own <= kSmemPerSm;
+                     stages * stage + own_for(1) <= kSmemPerSm;
   if (!takes) {
     return std::nullopt;
   }
-  int smem = stages * stage;
-  auto fit = [&](int bytes) { return std::max(1, std::min(2048 / threads, kSmemPerSm / (bytes + own))); };
-  int per_sm = fit(smem);
+  if (stages * stage + own > kSmemPerSm) {
+    throw std::runtime_error("quantized_matvec: " + std::to_string(m) + " rows of x at [" + std::to_string(n) + ", " +
+                             std::to_string(k) + "] do not fit the streamed layout's shared memory");
+  }
+  auto fit = [&](int bytes, int own_bytes) {
+    return std::max(1, std::min(2048 / threads, kSmemPerSm / (bytes + own_bytes)));
+  };
   // x staged (vc_stream::StagedX: a warp's 4 KB slices for each of its chunk rounds): through the
   // last stage's buffer where the slices fit in one stage, else in their own region where that leaves
-  // the SM its blocks, else not (bfloat16 x is never staged).
-  const int x_bytes = threads / 32 * cpt * m * 4096;
-  const bool own_fits = (smem + x_bytes + own) * per_sm <= kSmemPerSm;
-  const bool in_stages = x_bytes <= stage || (m == 1 && x_bytes <= (stages - 1) * stage);
-  const int stage_x = !x_float32 ? 0 : in_stages ? 1 : own_fits ? 2 : 0;
-  if (stage_x == 2) {
-    smem += x_bytes;
-    per_sm = fit(smem);
-  }
+  // the SM its blocks, else not (bfloat16 x is never staged). Returns the dynamic shared memory.
+  auto staging = [&](int rows_of_x, int own_bytes, int& stage_x) {
+    int smem = stages * stage;
+    const int per_sm = fit(smem, own_bytes);
+    const int x_bytes = threads / 32 * cpt * rows_of_x * 4096;
+    const bool own_fits = (smem + x_bytes + own_bytes) * per_sm <= kSmemPerSm;
+    const bool in_stages = x_bytes <= stage || (rows_of_x == 1 && x_bytes <= (stages - 1) * stage);
+    stage_x = !x_float32 ? 0 : in_stages ? 1 : own_fits ? 2 : 0;
+    return stage_x == 2 ? smem + x_bytes : smem;
+  };
+  int stage_x_one = 0, stage_x = 0;
+  const int per_sm = fit(staging(1, own_for(1), stage_x_one), own_for(1));  // one row of x's grid
+  const int smem = staging(m, own, stage_x);
   const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
   const int split = split_last_round(tiles, blocks, rows, per_sm == 1);
   const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
@@ -302,7 +321,7 @@ struct ImmaStreamLaunch {
 
 // vc_qmv_imma_stream's launch (and the two-head argmax's), or nothing: 16-row slabs of 64-wide 4-bit
 // groups, 8 warps a block (fewer where K has fewer 64-wide groups), x's expansion and 2 stages of slabs
-// in shared memory, 1-2 rows of x.
+// in shared memory, 1, 2 or 4 rows of x (the MMA takes two rows at a time).
 std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                                  int prenorm_groups, bool persistent) {
   const int warps = std::max(1, std::min(8, k / 64));
@@ -313,7 +332,8 @@ std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_
   const int slab = kSlabRows * row_stride + 2 * kSlabRows * (scale_row % 32 == 0 ? scale_row + 16 : scale_row);
   const int smem = expansion + kStages * slab;
   const int own = stream_static_smem(kStages, 32 * warps, kSlabRows, m, prenorm_groups);
-  const bool takes = persistent && bits == 4 && group_size == 64 && k % 64 == 0 && n % kSlabRows == 0 && m <= 2 &&
+  const bool takes = persistent && bits == 4 && group_size == 64 && k % 64 == 0 && n % kSlabRows == 0 &&
+                     quantized_rows(m) &&
                      (k / prenorm_groups) % 64 == 0 && prenorm_groups <= kSlabRows && smem + own <= kSmemPerSm;
   if (!takes) {
     return std::nullopt;
@@ -323,10 +343,10 @@ std::optional<ImmaStreamLaunch> pick_imma_stream(int k, int n, int m, int group_
   return ImmaStreamLaunch{warps, std::min(n / kSlabRows, kSmCount * per_sm), smem};
 }
 
-// Where the integer MMA is the product: one row of x at the wide outputs of a narrow input (K < 8192,
-// N >= 8192: the mamba in_proj, the MLP up_proj). Where K >= 8192 its x expansion and 16-row slabs
-// leave one block an SM, or do not fit shared memory: the float streamed layout there.
-bool imma_stream_shape(int k, int n, int m) { return m == 1 && n >= 8192 && k < 8192; }
+// Where the integer MMA is the product: the wide outputs of a narrow input (K < 8192, N >= 8192: the
+// mamba in_proj, the MLP up_proj), at every row count. Where K >= 8192 its x expansion and 16-row
+// slabs leave one block an SM, or do not fit shared memory: the float streamed layout there.
+bool imma_stream_shape(int k, int n) { return n >= 8192 && k < 8192; }
 
 // A persistent 4-bit kernel's launch from quantized_matvec_impl (its checks done): `layout` its
 // leading template args, `plain` / `emitting` its two sources, `partial_count` the emitting kernel's
@@ -392,7 +412,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   const int chunk = 128 / bits;  // values per 16-byte chunk: a group's scale must cover whole chunks
   const bool prenorm_fits = !prenorm || ((k / prenorm->groups) % chunk == 0 && prenorm->partials.dtype() == mx::float32);
-  const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && float_dtype(x.dtype()) &&
+  const bool kernel_path = gpu_stream(s) && cuda_build() && quantized_rows(m) && float_dtype(x.dtype()) &&
                            float_dtype(scales.dtype()) && biases.dtype() == scales.dtype() &&
                            (!bias || (bias->ndim() == 1 && bias->shape(0) == n && float_dtype(bias->dtype()))) &&
                            kernel_takes(epi, m, n) && prenorm_fits;
@@ -414,7 +434,7 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   const int threads = one_step_threads(chunks, groups);
   const int scale_bytes = static_cast<int>(scales.itemsize());
   const bool persistent = persistent_layouts(s.device.index);
-  const auto imma = imma_stream_shape(k, n, m)
+  const auto imma = imma_stream_shape(k, n)
                         ? pick_imma_stream(k, n, m, group_size, bits, scale_bytes, groups, persistent)
                         : std::nullopt;
   if (imma) {
@@ -642,7 +662,7 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
   }
   auto s = mx::to_stream(s_);
   const int m = leading_rows(x);
-  const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && float_dtype(x.dtype()) &&
+  const bool kernel_path = gpu_stream(s) && cuda_build() && quantized_rows(m) && float_dtype(x.dtype()) &&
                            float_dtype(head_a[1].dtype()) && head_a[2].dtype() == head_a[1].dtype() &&
                            n % kSlabRows == 0;
   const auto l = kernel_path ? pick_imma_stream(k, 2 * n, m, group_size, bits, static_cast<int>(head_a[1].itemsize()),
@@ -673,7 +693,7 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
 }
 
 std::optional<GemvStreamLaunch> stream_launch(int k, int n, bool x_float32, int prenorm_groups) {
-  if (imma_stream_shape(k, n, 1) && pick_imma_stream(k, n, 1, 64, 4, 2, prenorm_groups, true)) {
+  if (imma_stream_shape(k, n) && pick_imma_stream(k, n, 1, 64, 4, 2, prenorm_groups, true)) {
     return std::nullopt;
   }
   const auto l = pick_stream(k, n, 1, 64, 4, 2, x_float32, prenorm_groups, one_step_threads(k / 32, prenorm_groups),

@@ -194,7 +194,7 @@ const CudaSource& qmv_stream_source() {
           // scan's gated output (640 partials in 8 groups) with bfloat16 x (not staged)
           qmv_stream_instance(false, f, 15680, 4480, 512, 1, 4, 1),
           qmv_stream_instance(false, bf, 10240, 4480, 320, 0, 1, 0, 640, 8),
-      },
+      }, /*cluster*/ 1, /*threads_arg*/ "THREADS",
   });
   return src;
 }
@@ -212,7 +212,7 @@ const CudaSource& qmv_stream_emit_source() {
           // MLP down_proj
           qmv_stream_instance(true, f, 10240, 4480, 320, 1, 1, 0, 640, 8),
           qmv_stream_instance(true, f, 15680, 4480, 512, 1, 4),
-      },
+      }, /*cluster*/ 1, /*threads_arg*/ "THREADS",
   });
   return src;
 }
@@ -245,7 +245,7 @@ const CudaSource& qmv_imma_stream_source() {
           qmv_imma_stream_instance(false, f, 4480, 22656, 1, 0, 560),
           qmv_imma_stream_instance(false, f, 4480, 15680, 1, 2, 560),
           qmv_imma_stream_instance(false, bf, 4480, 22656, 1),
-      },
+      }, /*cluster*/ 1, /*threads_arg*/ "WARPS", /*threads_scale*/ 32,
   });
   return src;
 }
@@ -258,7 +258,7 @@ const CudaSource& qmv_imma_stream_emit_source() {
       {"out", "normed", "partials"},
       jit::gemv::vc_qmv_imma_stream_emit_body,
       imma_stream_header(),
-      {qmv_imma_stream_instance(true, f, 4480, 22656, 1, 0, 560)},
+      {qmv_imma_stream_instance(true, f, 4480, 22656, 1, 0, 560)}, /*cluster*/ 1, /*threads_arg*/ "WARPS", /*threads_scale*/ 32,
   });
   return src;
 }
@@ -286,7 +286,7 @@ const CudaSource& imma_stream_argmax_source() {
       jit::gemv::vc_two_head_argmax_stream_body,
       imma_stream_header(),
       {inst("float", "float", 1, false), inst("__nv_bfloat16", "__nv_bfloat16", 1, true),
-       inst("float", "float", 2, true)},
+       inst("float", "float", 2, true)}, /*cluster*/ 1, /*threads_arg*/ "WARPS", /*threads_scale*/ 32,
   });
   return src;
 }

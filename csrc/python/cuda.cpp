@@ -51,6 +51,8 @@ void bind_cuda(py::module_& m) {
       d["source"] = src.source;
       d["header"] = src.header;
       d["cluster"] = src.cluster;
+      d["threads_arg"] = src.threads_arg;
+      d["threads_scale"] = src.threads_scale;
       py::list instances;
       for (const auto& inst : src.instances) {
         py::dict i;

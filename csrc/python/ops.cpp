@@ -149,11 +149,13 @@ void bind_ops(py::module_& m) {
   // decode_attention
   m.def("decode_attention", &voicechat::decode_attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offset"),
         py::arg("scale"), py::kw_only(), py::arg("k_new") = py::none(), py::arg("v_new") = py::none(),
-        py::arg("slot") = py::none(), py::arg("write_cache") = false, py::arg("stream") = py::none(),
-        "Attention of one query q [B, H, 1, D] over the slots <= offset of K/V buffers [B, HK, CAP, D] "
-        "(grouped heads), slot `slot` read from k_new / v_new [B, HK, 1, D] when given: [B, 1, H * D] "
-        "float32, in one CUDA launch while CAP <= 1024, two beyond; CUDA streams only. write_cache=True also "
-        "stores k_new / v_new in `slot` of k and v in place (as decode_attention_qkv's write_cache).");
+        py::arg("slot") = py::none(), py::arg("write_cache") = false, py::arg("chunked") = false,
+        py::arg("stream") = py::none(),
+        "Attention of one query q [B, H, 1, D] over the slots <= offset ([1] or one a row [B]) of K/V "
+        "buffers [B, HK, CAP, D] (grouped heads), slot `slot` (as offset) read from k_new / v_new [B, HK, 1, "
+        "D] when given: [B, 1, H * D] float32, in one CUDA launch while CAP <= 1024, two beyond (chunked=True: "
+        "two at any CAP, so that a row's result does not depend on CAP); CUDA streams only. write_cache=True "
+        "also stores k_new / v_new in `slot` of k and v in place (as decode_attention_qkv's write_cache).");
   m.def("decode_attention_qkv", &voicechat::decode_attention_qkv, py::arg("qkv"), py::arg("q_scale"), py::arg("k_scale"),
         py::arg("inv_freq"), py::arg("eps"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
         py::arg("slot"), py::arg("heads"), py::kw_only(), py::arg("write_cache") = false,

@@ -76,7 +76,7 @@ from .codec.codec import push_streams
 from .kernels._native import reference_ops
 from .kernels.gemv import on_cuda_gpu
 from .live import ContextFull, Frame, LiveSession
-from .llm.rows import LMRows
+from .llm.rows import LMGroups
 from .session import InputError, _checked_seed
 from .stt.conformer import PerceptionStream, push_streams as push_perception
 from .tts.backbone import DEFAULT_CHUNK
@@ -129,7 +129,7 @@ class Engine:
         self._audio_width = c.text_config.hidden_size
         self.sessions: list[EngineSession | None] = [None]
         with mx.stream(chat._timeline_stream):
-            self.lm = LMRows(chat.listening, 0, c.pad_token_id)
+            self.lm = LMGroups(chat.listening, 0, c.pad_token_id)
             self.tts = TTSRows(chat.ear_tts, 0, DEFAULT_CHUNK)
             self._no_audio = mx.zeros((1, 1, self._audio_width), mx.float32)
             mx.eval(self._no_audio)
@@ -156,12 +156,6 @@ class Engine:
                 raise EngineFull(f"the engine holds its maximum of {self.max_sessions} sessions")
             slot = next((i for i, s in enumerate(self.sessions) if s is None), len(self.sessions))
             session = EngineSession(self, slot, system_prompt, seed, keep_audio, keep_input_audio)
-            if not self.rows:  # every session steps on its own loop
-                if slot == len(self.sessions):
-                    self.sessions.append(None)
-                self.sessions[slot] = session
-                self._alone = session if open_now == 0 else None
-                return session
             if open_now == 0:
                 self.sessions = [session]
                 self._alone = session  # steps on its own loop
@@ -193,7 +187,7 @@ class Engine:
         size = bucket(rows)
         with mx.stream(self.chat._timeline_stream):
             self.lm.resize(size if size > 1 else 0)
-            self.tts.resize(size if size > 1 else 0)
+            self.tts.resize(size if size > 1 and self.rows else 0)
         self.sessions = (self.sessions + [None] * size)[:size]
 
     def _release(self, session: "EngineSession") -> None:
@@ -207,11 +201,6 @@ class Engine:
             if self._closed:
                 return
             left = [s for s in self.sessions if s is not None]
-            if not self.rows:
-                self._alone = left[0] if len(left) == 1 else None
-                used = max((i + 1 for i, s in enumerate(self.sessions) if s is not None), default=1)
-                self.sessions = self.sessions[:used]
-                return
             if len(left) == 1 and self._alone is None:
                 last = left[0]
                 with mx.stream(self.chat._timeline_stream):
@@ -231,7 +220,7 @@ class Engine:
             ready = [s for s in self.sessions if s is not None and s._queue]
             if not ready:
                 return 0
-            if self._alone is not None or not self.rows:
+            if self._alone is not None:
                 started = time.perf_counter()
                 stepped, delivered = self._step_in_turn(ready)
                 self.ticks += 1
@@ -245,17 +234,23 @@ class Engine:
             for s in ready:
                 active[s.slot] = True
                 audio[s.slot] = s._queue[0][0]
-            # Timeline position 0 has no TTS step (its codes are zeros).
-            speaking = active & (self.lm.positions >= 1)
-            # Rows take MLX's own ops on a GPU (our kernels serve one session); on a CPU the kernel
-            # faces are already the ops (or C++ loops) whose rows do not depend on each other.
-            with mx.stream(chat._timeline_stream), reference_ops(on_cuda_gpu()):
-                text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
-                codes = self.tts.step(text, speaking, self._silence)
-                mx.eval(text, function, codes)
-                text, function, codes = np.array(text), np.array(function), np.array(codes)
             self.ticks += 1
             self.path_ticks["rows"] += 1
+            if not self.rows:
+                self.last_tick = self._step_speaking_in_turn(ready, audio, active, started)
+                return len(ready)
+            # Timeline position 0 has no TTS step (its codes are zeros).
+            speaking = active & (self.lm.positions >= 1)
+            # The LLM's rows take our kernels on a GPU (each row's bits as alone, up to
+            # MAX_KERNEL_ROWS rows a group); the TTS's rows take MLX's own ops there (its kernels
+            # serve one session). On a CPU the kernel faces are the ops (or C++ loops) whose rows
+            # do not depend on each other.
+            with mx.stream(chat._timeline_stream):
+                text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
+                with reference_ops(on_cuda_gpu()):
+                    codes = self.tts.step(text, speaking, self._silence)
+                mx.eval(text, function, codes)
+                text, function, codes = np.array(text), np.array(function), np.array(codes)
             times = TickTimes(started, time.perf_counter(), {})
             # Read by slot before any frame is handed out: a session that ends frees its slot, and
             # the one left then moves to slot 0.
@@ -270,6 +265,25 @@ class Engine:
                 times.delivered[s] = time.perf_counter()
             self.last_tick = times
             return len(ready)
+
+    def _step_speaking_in_turn(self, ready: list["EngineSession"], audio: list[mx.array], active: np.ndarray,
+                               started: float) -> TickTimes:
+        """The LLM's rows as one batch (per group), then each ready session's TTS step and codec
+        frame on its own caches (`FrameLoop.speak`: the single-session TTS kernels), every one
+        queued before any is read back."""
+        with mx.stream(self.chat._timeline_stream):
+            text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
+            mx.async_eval(text, function)
+            queued = []
+            for s in ready:
+                text_id, function_id = text[s.slot : s.slot + 1], function[s.slot : s.slot + 1]
+                queued.append((s, s._queue_codec(text_id, function_id, s.loop.speak(text_id, function_id))))
+        frames = [(s, s._read_frame(*lazy)) for s, lazy in queued]
+        times = TickTimes(started, time.perf_counter(), {})
+        for s, (text_id, function_id, codes, samples) in frames:
+            s._deliver(text_id, function_id, codes, samples)
+            times.delivered[s] = time.perf_counter()
+        return times
 
     def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
         """Each ready session's frame as `chat.live` makes it (`FrameLoop.step` with the
@@ -396,17 +410,23 @@ class EngineSession(LiveSession):
         self._overflow = False  # input arrived past the context: ContextFull once its frames are out
 
     def _join(self) -> None:
-        """The session's state goes from its loop into its slot's rows."""
+        """The session's LLM state (and with the engine's `rows`, its TTS state) goes from its loop
+        into its slot's rows."""
         loop, engine = self.loop, self.engine
         with mx.stream(self.chat._timeline_stream):
             engine.lm.insert(self.slot, loop.cache, loop.position, loop.prev_text, loop.prev_function)
-            engine.tts.insert(self.slot, loop.tts_cache, loop.tts_cache.offset, loop.previous_code, loop.key)
-        loop.cache = loop.tts_cache = None  # the slot's rows hold the state now
+            if engine.rows:
+                engine.tts.insert(self.slot, loop.tts_cache, loop.tts_cache.offset, loop.previous_code, loop.key)
+                loop.tts_cache = None
+        loop.cache = None  # the slot's rows hold the state now
 
     def _leave_rows(self) -> None:
         """The session's state goes from its slot's rows back into its loop (it steps alone)."""
-        engine = self.engine
-        self.loop.resume(*engine.lm.take(self.slot), *engine.tts.take(self.slot))
+        engine, loop = self.engine, self.loop
+        if engine.rows:
+            loop.resume(*engine.lm.take(self.slot), *engine.tts.take(self.slot))
+        else:
+            loop.resume(*engine.lm.take(self.slot), loop.tts_cache, loop.previous_code, loop.key)
 
     # ------------------------------------------------------------------ API
 
@@ -457,9 +477,11 @@ class EngineSession(LiveSession):
             if self.loop.cache is not None:  # (stepping alone: its own caches)
                 return LiveSession.held_bytes(self)
             share = lambda arrays, rows: sum(int(a.nbytes) for a in arrays) // max(rows, 1)  # noqa: E731
+            tts = share(engine.tts.buffers, engine.slots) if engine.rows else \
+                sum(int(a.nbytes) for a in self.loop.tts_cache.state)
             return {
                 "llm_cache": share(engine.lm.state, engine.slots),
-                "tts_cache": share(engine.tts.buffers, engine.slots),
+                "tts_cache": tts,
                 "encoder_cache": sum(int(a.nbytes) for a in self.perception.state),
                 "ids_and_codes": self._codes.values.nbytes + 8 * (len(self._text_ids) + len(self._function_ids)
                                                                   + len(self._transcript_ids)),

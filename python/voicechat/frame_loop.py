@@ -91,12 +91,19 @@ class FrameLoop:
             else:  # the same step as one compiled graph, left on the device
                 text_id, function_id = lm.decode(self.prev_text, audio_frame, self.prev_function, self.cache)
                 mx.async_eval(text_id, function_id)
+        return text_id, function_id, self.speak(text_id, function_id)
+
+    def speak(self, text_id: mx.array, function_id: mx.array) -> mx.array | None:
+        """The rest of a position once the LLM has made its ids `[1]` (here, in `step`, or in
+        sessions' batched rows): the TTS step (from position 1; its codes `[1, 1, Q]` returned,
+        lazy, else None) and the ids kept for the next position."""
+        with mx.stream(self.stream):
             code = None
             if self.position >= 1:
                 code = self._tts_step(int(text_id.item()) if self.plain else text_id)
             self.prev_text, self.prev_function = text_id[None], function_id[None]
         self.position += 1
-        return text_id, function_id, code
+        return code
 
     def _tts_step(self, text_id) -> mx.array | None:
         """This position's TTS step: on the worker, or here (its codes returned)."""

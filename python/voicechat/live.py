@@ -377,7 +377,11 @@ class LiveSession:
         is built and launched while the device still runs the step: on a GPU a frame then waits for
         the codec's kernels only, not for their launching too. Position 0 (no TTS step, codes 0) is
         decoded once read back (`_emit`)."""
-        text_id, function_id, code = self.loop.step(projected, i)  # (codes None at position 0)
+        return self._queue_codec(*self.loop.step(projected, i))  # (codes None at position 0)
+
+    def _queue_codec(self, text_id: mx.array, function_id: mx.array,
+                     code: mx.array | None) -> tuple[mx.array, mx.array, mx.array | None, mx.array | None]:
+        """A stepped frame's codes queued through the codec (see `_queue_frame`)."""
         framed = None
         if code is not None:
             with mx.stream(self.chat._timeline_stream):

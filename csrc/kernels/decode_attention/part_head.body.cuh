@@ -1,5 +1,6 @@
 // Template args: D, H, HK, CH (kChunk when SINGLE, else kSplitChunk), THREADS, SINGLE, SCALE_BITS
-// (the score scale as float bits); dims = [CAP]
+// (the score scale as float bits), ROW_POS (offset and slot hold a value a batch row, else one for
+// all); dims = [CAP]
 // (the buffers' slots: an input, so that a growing cache does not compile a kernel per size).
 // part: [B * H * NC, D + 2] = (max, sum, values); SINGLE (CAP <= CH, one chunk): the result itself,
 // [B * H, D], and no second launch. With one chunk a block is its (b, h) whatever CAP holds, so

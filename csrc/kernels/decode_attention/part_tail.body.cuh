@@ -7,8 +7,8 @@
 // (One slot a lane would leave a 40-slot step with 2 of 8 warps working and ~10 dependent memory
 // round trips.)
   const float sc = __int_as_float(SCALE_BITS);
-  const int cur = slot[0];
-  const int last = min(offset[0], CAP - 1);  // the highest valid slot
+  const int cur = slot[ROW_POS ? b : 0];
+  const int last = min(offset[ROW_POS ? b : 0], CAP - 1);  // the highest valid slot
   const float* kb = k + (static_cast<size_t>(b) * HK + hk) * CAP * D;
   const float* vb = v + (static_cast<size_t>(b) * HK + hk) * CAP * D;
   const int start = chunk * CH;

@@ -7,8 +7,9 @@
   const float* kn = k_new + (static_cast<size_t>(b) * HK + hk) * D;
   const float* vn = v_new + (static_cast<size_t>(b) * HK + hk) * D;
   if constexpr (WRITE) {
-    if (chunk == 0 && h % (H / HK) == 0 && slot[0] >= 0) {
-      const size_t at = ((static_cast<size_t>(b) * HK + hk) * CAP + slot[0]) * D;
+    const int at_slot = slot[ROW_POS ? b : 0];
+    if (chunk == 0 && h % (H / HK) == 0 && at_slot >= 0) {
+      const size_t at = ((static_cast<size_t>(b) * HK + hk) * CAP + at_slot) * D;
       for (int d = threadIdx.x; d < D; d += THREADS) {
         const_cast<float*>(k)[at + d] = kn[d];
         const_cast<float*>(v)[at + d] = vn[d];

@@ -1,7 +1,6 @@
 // The decode-speed matrix-vector kernels' device code (csrc/ops/gemv.cpp launches them).
 //
-// Block layout (vc_qmv, vc_dense_mv): one block computes ROWS output rows for the 1..2 input rows
-// (M); its THREADS threads split K: thread t reads the 16-byte chunks t, t + THREADS, ... of each of
+// Block layout (vc_qmv, vc_dense_mv): one block computes ROWS output rows for the M input rows; its THREADS threads split K: thread t reads the 16-byte chunks t, t + THREADS, ... of each of
 // the ROWS weight rows (a warp reads 512 contiguous bytes of a row per step), keeps the activations
 // of a chunk in registers while it serves all ROWS rows, and accumulates in float32. A block-wide sum
 // through shared memory ends the block. Rows past N are clamped onto row N - 1 and not written.
@@ -157,14 +156,15 @@ __device__ __forceinline__ Tail<TB, TR, TE> load_tail(const TB* bias, const TR* 
   return t;
 }
 
-// The Tail of the output that slot `slot` stores when ROWS * M slots store rows row0, row0 + 1, ...
-// (slot i: row row0 + i / M, input row i % M); zeros for the other slots and past n.
-template <int ROWS, int M, int EPI, bool HAS_BIAS, typename TB, typename TR, typename TE = float>
+// The Tail of the output that slot `slot` stores when ROWS * MC slots store rows row0, row0 + 1, ...
+// of input rows m0 .. m0 + MC - 1 (slot i: row row0 + i / MC, input row m0 + i % MC; MC = M: every
+// input row at once); zeros for the other slots and past n.
+template <int ROWS, int M, int EPI, bool HAS_BIAS, int MC = M, typename TB, typename TR, typename TE = float>
 __device__ __forceinline__ Tail<TB, TR, TE> slot_tail(int slot, const TB* bias, const TR* residual, int row0, int n,
-                                                      const TE* next_w = nullptr) {
-  const int row = row0 + slot / M;
-  if (slot < ROWS * M && row < n) {
-    return load_tail<EPI, HAS_BIAS>(bias, residual, slot % M, row, n, next_w);
+                                                      const TE* next_w = nullptr, int m0 = 0) {
+  const int row = row0 + slot / MC;
+  if (slot < ROWS * MC && row < n) {
+    return load_tail<EPI, HAS_BIAS>(bias, residual, m0 + slot % MC, row, n, next_w);
   }
   return zero_tail<TB, TR, TE>();
 }
@@ -234,14 +234,16 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int index) {
 }
 
 // The end of an emitting matvec's row group, in one warp (all 32 lanes call it): lane t with
-// `valid` stores finish(v) for row `row`, input row t % M, and the next norm's input normed = stored *
-// next_w[row] (tail: the lane's, with next_w); partials[m * np + p] gets the sum of stored^2 over the
-// group's rows.
-template <int M, int EPI, bool HAS_BIAS, typename TO, typename TL>
+// `valid` stores finish(v) for row `row`, input row m0 + t % MC (MC input rows from m0 at a time; MC =
+// M: all), and the next norm's input normed = stored * next_w[row] (tail: the lane's, with next_w);
+// partials[m * np + p] gets the sum of stored^2 over the group's rows. The sum over the rows pairs
+// them as xor butterflies from the farthest, whatever MC is: an input row's partial has the same bits
+// at every M.
+template <int M, int EPI, bool HAS_BIAS, int MC = M, typename TO, typename TL>
 __device__ __forceinline__ void emit_rows(float v, bool valid, int row, const TL& tail, TO* out, int n, float* normed,
-                                          float* partials, int p, int np) {
+                                          float* partials, int p, int np, int m0 = 0) {
   const int lane = static_cast<int>(threadIdx.x & 31);
-  const int m = lane % M;
+  const int m = m0 + lane % MC;
   float sq = 0.0f;
   if (valid) {
     const float stored = finish<EPI, HAS_BIAS>(v, tail, out, m, row, n);
@@ -249,8 +251,8 @@ __device__ __forceinline__ void emit_rows(float v, bool valid, int row, const TL
     sq = stored * stored;
   }
 #pragma unroll
-  for (int off = 16; off >= M; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
-  if (lane < M) partials[static_cast<size_t>(lane) * np + p] = sq;
+  for (int off = 16; off >= MC; off >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, off);
+  if (lane < MC) partials[static_cast<size_t>(m0 + lane) * np + p] = sq;
 }
 
 }  // namespace vc_gemv

@@ -3,7 +3,7 @@
 // values, against the float path's five a pair), and x the s8 B operand as a block floating point
 // expansion built once a block in shared memory: each group of 64 inputs is 2^E (p0 + p1 / 128 + p2 /
 // 128^2 ...) with int8 p (LEVELS terms, 6 + 7 (LEVELS - 1) bits below the group's largest |x|), one
-// term a B column, so one MMA takes every term (and both rows of x) at once. Integer sums are exact;
+// term a B column, so one MMA takes every term of two rows of x at once. Integer sums are exact;
 // each group's are scaled in float32: s * 2^E * sum(q p) + b * sum(x).
 #ifndef VC_IMMA_HEADER
 #define VC_IMMA_HEADER
@@ -39,16 +39,19 @@ struct Layout {
   static constexpr int BYTES = SUMS + GROUPS * 4 * M * 4;
 };
 
-// One lane's side of a slab's products (lane 4g + t): its B column g is term (level g / 2, row g %
-// 2) of the expansion or none, its C columns 2t, 2t + 1 are level t of rows 0 and 1, weighed 128^-t.
+// One lane's side of a slab's products (lane 4g + t), for input rows taken two at a time (pair q: rows
+// 2q, 2q + 1; one MMA a pair, so that a row's integer sums and their float steps are the same at every
+// M): its B column g is term (level g / 2, row 2q + g % 2) of the expansion or none, its C columns 2t,
+// 2t + 1 are level t of the pair's rows, weighed 128^-t.
 template <int K, int M, int LEVELS>
 struct LaneTerms {
   using L = Layout<K, M, LEVELS>;
+  static constexpr int PAIRS = (M + 1) / 2;
   const uint2* terms;
   const float* factors;
   const float* sums;
-  int t, term;
-  bool has_term;
+  int t, term;  // term: pair 0's (pair q's is term + 2q)
+  int level;    // the lane's B level, LEVELS past the expansion
   float level_weight;
 
   __device__ LaneTerms(const unsigned char* smem, int lane)
@@ -57,30 +60,42 @@ struct LaneTerms {
         sums(reinterpret_cast<const float*>(smem + L::SUMS)),
         t(lane & 3),
         term((lane >> 3) * M + ((lane >> 2) & 1)),
-        has_term(((lane >> 2) & 1) < M && (lane >> 3) < LEVELS),
+        level(lane >> 3),
         level_weight((lane & 3) < LEVELS ? __uint_as_float(static_cast<unsigned int>(127 - 7 * (lane & 3)) << 23)
                                          : 0.0f) {}
+
+  // Whether the lane's B column holds a term of pair q (its row inside M, its level inside LEVELS).
+  __device__ __forceinline__ bool has_term(int q) const {
+    return 2 * q + (term - level * M) < M && level < LEVELS;
+  }
 
   // acc[0][m] / acc[1][m] (rows g and g + 8) += 64-wide group grp's product with input row m: wl / wh
   // the rows' words 2t, 2t + 1 of the group, s* / b* their scales and biases.
   __device__ __forceinline__ void add_group(float (&acc)[2][M], uint2 wl, uint2 wh, int grp, float s0, float s1,
                                             float b0, float b1) const {
     constexpr unsigned int NIBBLES = 0x0F0F0F0Fu;
-    int c[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int step = 0; step < 2; ++step) {
-      const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
-      const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
-      const uint2 bt = has_term ? terms[((grp * 2 + step) * 4 + t) * L::P + term] : uint2{0u, 0u};
-      const unsigned int b[2] = {bt.x, bt.y};
-      mma(c, a, b);
-    }
+    for (int q = 0; q < PAIRS; ++q) {
+      int c[4] = {0, 0, 0, 0};
+      const bool has = has_term(q);
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float f = factors[grp * M + m] * level_weight;
-      const float xs = sums[(grp * 4 + t) * M + m];
-      acc[0][m] = fmaf(s0 * f, small_int_float(c[m]), fmaf(b0, xs, acc[0][m]));
-      acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + m]), fmaf(b1, xs, acc[1][m]));
+      for (int step = 0; step < 2; ++step) {
+        const unsigned int vl = step ? wl.y : wl.x, vh = step ? wh.y : wh.x;
+        const unsigned int a[4] = {vl & NIBBLES, vh & NIBBLES, (vl >> 4) & NIBBLES, (vh >> 4) & NIBBLES};
+        const uint2 bt = has ? terms[((grp * 2 + step) * 4 + t) * L::P + term + 2 * q] : uint2{0u, 0u};
+        const unsigned int b[2] = {bt.x, bt.y};
+        mma(c, a, b);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int m = 2 * q + i;
+        if (m < M) {
+          const float f = factors[grp * M + m] * level_weight;
+          const float xs = sums[(grp * 4 + t) * M + m];
+          acc[0][m] = fmaf(s0 * f, small_int_float(c[i]), fmaf(b0, xs, acc[0][m]));
+          acc[1][m] = fmaf(s1 * f, small_int_float(c[2 + i]), fmaf(b1, xs, acc[1][m]));
+        }
+      }
     }
   }
 };

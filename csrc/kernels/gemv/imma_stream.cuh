@@ -46,7 +46,8 @@ __device__ __forceinline__ void qmv_imma_stream(const TX* x, const unsigned int*
   constexpr int SROW = S::S_ROW_STRIDE / static_cast<int>(sizeof(TS));  // a scale row's stride in TS
   constexpr int FIRST = (L::BYTES + 127) / 128 * 128;
   constexpr int NGM = (NORM == 2 ? NG : 1) * M;
-  static_assert(K % 64 == 0 && N % SLAB == 0 && M <= 2, "slabs of 64-wide groups");
+  static_assert(K % 64 == 0 && N % SLAB == 0 && (M == 1 || M == 2 || M == 4),
+                "slabs of 64-wide groups; 1, 2 or 4 rows of x");
   static_assert(WARPS <= GROUPS, "a group at least for every warp: a warp without one would idle");
   static_assert(STAGES >= 2, "two stages at least");
   static_assert(NORM == 0 || (NORM == 2 && NP % NG == 0 && (K / NG) % 64 == 0), "no norm, or one its producer applied");

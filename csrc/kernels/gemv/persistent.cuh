@@ -149,6 +149,27 @@ __device__ __forceinline__ float tile_total(const float* red, int stride, int la
   return v;
 }
 
+// Input rows a tile's end takes at a time: all M where a warp's lanes hold every row's sum (ROWS x M
+// <= 32), else 32 / ROWS (the tile then ends in M / MC turns, turn c the input rows c x MC on).
+template <int ROWS, int M>
+struct EndTurns {
+  static constexpr int MC = ROWS * M <= 32 ? M : 32 / ROWS;
+  static constexpr int TURNS = M / MC;
+  static_assert(MC >= 1 && M % MC == 0, "whole turns of input rows");
+};
+
+// tile_total for turn c of EndTurns: lane l < R x MC gets the sum of row l / MC, input row c x MC + l %
+// MC (the warps' sums laid out as R x M, row-major); 0 in the other lanes.
+template <int R, int M, int MC, int WARPS>
+__device__ __forceinline__ float turn_total(const float* red, int stride, int lane, int c) {
+  float v = 0.0f;
+  if (lane < R * MC) {
+    const int at = lane / MC * M + c * MC + lane % MC;
+    for (int w = 0; w < WARPS; ++w) v += red[w * stride + at];
+  }
+  return v;
+}
+
 // EPI of store_totals for a two-head argmax (vc_imma::qmv_imma_stream's): an item's rows are logits of one of two heads
 // of N / 2 rows each, kept as argmax keys (argmax_totals), not stored as outputs.
 constexpr int EPI_ARGMAX = 3;
@@ -158,12 +179,14 @@ constexpr int EPI_ARGMAX = 3;
 // l % M, for lanes l < ROWS x M. Its value as the logits are stored (TO) goes to logits[head, m, row]
 // where logits is not null, and its key (vc_gemv::argmax_key, the row's index in its head) into
 // best[head x M + m] (the block's, in shared memory, zero before its first item) by atomicMax.
-template <int M, int ROWS, int NH, typename TO>
-__device__ __forceinline__ void argmax_totals(float v, int lane, int row0, TO* logits, unsigned long long* best) {
+// With MC < M the lanes hold input rows m0 .. m0 + MC - 1 (row row0 + l / MC, input row m0 + l % MC).
+template <int M, int ROWS, int NH, int MC = M, typename TO>
+__device__ __forceinline__ void argmax_totals(float v, int lane, int row0, TO* logits, unsigned long long* best,
+                                              int m0 = 0) {
   const int head = row0 >= NH ? 1 : 0;
-  const int row = row0 - head * NH + lane / M, m = lane % M;
+  const int row = row0 - head * NH + lane / MC, m = m0 + lane % MC;
   unsigned long long key = 0ull;
-  if (lane < ROWS * M) {
+  if (lane < ROWS * MC) {
     const TO stored = static_cast<TO>(v);
     if (logits != nullptr) {
       logits[(static_cast<size_t>(head) * M + m) * NH + row] = stored;
@@ -171,30 +194,56 @@ __device__ __forceinline__ void argmax_totals(float v, int lane, int row0, TO* l
     key = vc_gemv::argmax_key(static_cast<float>(stored), row);
   }
 #pragma unroll
-  for (int off = 16; off >= M; off >>= 1) {
+  for (int off = 16; off >= MC; off >>= 1) {
     const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
     key = other > key ? other : key;
   }
-  if (lane < M) {
-    atomicMax(&best[head * M + lane], key);
+  if (lane < MC) {
+    atomicMax(&best[head * M + m0 + lane], key);
   }
 }
 
 // The totals of ROWS rows from row0 on (a tile, or a part of one) stored by one warp, all 32 lanes
-// calling: lane l's total v is row row0 + l / M, input row l % M, stored through vc_gemv::finish's
-// epilogue, or with EMIT as vc_gemv::emit_rows (their partial is p of np). tail: the lane's
-// vc_gemv::Tail for that row.
-template <int M, int ROWS, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TO, typename TL>
+// calling: lane l's total v is row row0 + l / MC, input row m0 + l % MC (MC = M: every input row),
+// stored through vc_gemv::finish's epilogue, or with EMIT as vc_gemv::emit_rows (their partial is p of
+// np). tail: the lane's vc_gemv::Tail for that row.
+template <int M, int ROWS, int EPI, bool HAS_BIAS, bool EMIT, int N, int MC = M, typename TO, typename TL>
 __device__ __forceinline__ void store_totals(float v, int lane, int row0, int p, int np, const TL& tail, TO* out,
-                                             float* normed, float* partials, unsigned long long* best = nullptr) {
-  constexpr int SUMS = ROWS * M;
-  const int row = row0 + lane / M;
+                                             float* normed, float* partials, unsigned long long* best = nullptr,
+                                             int m0 = 0) {
+  constexpr int SUMS = ROWS * MC;
+  const int row = row0 + lane / MC;
   if constexpr (EPI == EPI_ARGMAX) {
-    argmax_totals<M, ROWS, N / 2>(v, lane, row0, out, best);
+    argmax_totals<M, ROWS, N / 2, MC>(v, lane, row0, out, best, m0);
   } else if constexpr (EMIT) {
-    vc_gemv::emit_rows<M, EPI, HAS_BIAS>(v, lane < SUMS, row, tail, out, N, normed, partials, p, np);
+    vc_gemv::emit_rows<M, EPI, HAS_BIAS, MC>(v, lane < SUMS, row, tail, out, N, normed, partials, p, np, m0);
   } else if (lane < SUMS) {
-    vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, lane % M, row, N);
+    vc_gemv::finish<EPI, HAS_BIAS>(v, tail, out, m0 + lane % MC, row, N);
+  }
+}
+
+// The end of an item whose R x M sums take more lanes than a warp has (EndTurns' TURNS > 1), in one
+// warp (all 32 lanes calling): every turn's totals first (turn_totals: red read before the stage is
+// used again), then turn by turn each lane's Tail loaded and the store (store_turns).
+template <int R, int M, int WARPS>
+__device__ __forceinline__ void turn_totals(const float* red, int stride, int lane,
+                                            float (&v)[EndTurns<R, M>::TURNS]) {
+  using E = EndTurns<R, M>;
+#pragma unroll
+  for (int c = 0; c < E::TURNS; ++c) v[c] = turn_total<R, M, E::MC, WARPS>(red, stride, lane, c);
+}
+
+template <int M, int R, int EPI, bool HAS_BIAS, bool EMIT, int N, typename TB, typename TR, typename TE, typename TO>
+__device__ __forceinline__ void store_turns(const float (&v)[EndTurns<R, M>::TURNS], int lane, int row0, int p, int np,
+                                            const TB* bias, const TR* residual, const TE* next_w, TO* out,
+                                            float* normed, float* partials, unsigned long long* best) {
+  using E = EndTurns<R, M>;
+#pragma unroll
+  for (int c = 0; c < E::TURNS; ++c) {
+    const auto tail = vc_gemv::slot_tail<R, M, EPI, HAS_BIAS, E::MC>(lane, bias, residual, row0, N,
+                                                                     EMIT ? next_w : nullptr, c * E::MC);
+    store_totals<M, R, EPI, HAS_BIAS, EMIT, N, E::MC>(v[c], lane, row0, p, np, tail, out, normed, partials, best,
+                                                      c * E::MC);
   }
 }
 

@@ -414,14 +414,25 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
         const auto ready = [&](int g) { bar_wait(&bars[s * W::BARS + g], (i / STAGES) & 1); };
         sums(rows, stages + s * S::BYTES, s, walk.part(i) ? walk.q() * R : 0, ready);
         if (last_warp<WARPS>(&arrived[s], i / STAGES, lane)) {
-          const float v = tile_total<R * M, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
-          __syncwarp();  // every lane has its total (red[s] read) before the stage and red[s] can be used again
+          constexpr int TURNS = EndTurns<R, M>::TURNS;
+          float v[TURNS];
+          if constexpr (TURNS == 1) {
+            v[0] = tile_total<R * M, WARPS>(red + s * WARPS * SUMS, SUMS, lane);
+          } else {
+            turn_totals<R, M, WARPS>(red + s * WARPS * SUMS, SUMS, lane, v);
+          }
+          __syncwarp();  // every lane has its totals (red[s] read) before the stage and red[s] can be used again
           if (i + STAGES < walk.count) {
             reads_before_copies();  // each lane, before its copies
             walk.fetch(i + STAGES, stages + s * S::BYTES, wb, sb, bb, &bars[s * W::BARS], lane);
           }
-          store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), tail, out, normed,
-                                                     partials, best);
+          if constexpr (TURNS == 1) {
+            store_totals<M, R, EPI, HAS_BIAS, EMIT, N>(v[0], lane, walk.row0(i), walk.p(i), walk.np(), tail, out,
+                                                       normed, partials, best);
+          } else {
+            store_turns<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, walk.row0(i), walk.p(i), walk.np(), bias, residual,
+                                                      next_w, out, normed, partials, best);
+          }
         }
       });
     }
@@ -437,8 +448,15 @@ __device__ __forceinline__ void walk_tiles(bool bulk, const W& walk, unsigned lo
       // red double-buffered: a warp may write the next item's before warp 0 reads this one's
       sums(rows, stages, i & 1, walk.part(i) ? walk.q() * R : 0, [](int) {});
       __syncthreads();  // the stage read and the sums written by every thread
-      store_tile<M, R, WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
-                                                          walk.np(), tail, out, normed, partials, best);
+      if constexpr (EndTurns<R, M>::TURNS == 1) {
+        store_tile<M, R, WARPS, EPI, HAS_BIAS, EMIT, N>(red + (i & 1) * WARPS * SUMS, SUMS, row0, walk.p(i),
+                                                            walk.np(), tail, out, normed, partials, best);
+      } else if (threadIdx.x < 32) {
+        float v[EndTurns<R, M>::TURNS];
+        turn_totals<R, M, WARPS>(red + (i & 1) * WARPS * SUMS, SUMS, lane, v);
+        store_turns<M, R, EPI, HAS_BIAS, EMIT, N>(v, lane, row0, walk.p(i), walk.np(), bias, residual, next_w, out,
+                                                  normed, partials, best);
+      }
     });
   }
 }

@@ -3,14 +3,17 @@ the C++ / CUDA kernels and the pure-MLX reference.
 
     out[b, h] = softmax over slots s <= offset of (scale * q[b, h] . k[b, h // G, s]) @ v[b, h // G, s]
 
-`q [B, H, 1, D]`, `k, v [B, HK, CAP, D]` float32, `offset` an int32 array: returns `[B, 1, H * D]`.
+`q [B, H, 1, D]`, `k, v [B, HK, CAP, D]` float32, `offset` an int32 array (one position for every
+row, or `[B]`: one a row, as sessions stepped together are): returns `[B, 1, H * D]`.
 With `new = (k_new, v_new, slot)` (`[B, HK, 1, D]` each and an int32 array), slot `slot` is read
 as holding `k_new` / `v_new` instead of what the buffers hold there: the step attends as if the
 new position were already written, and the caller writes it later (the TTS backbone writes all
 its layers' new keys in one update).
 
 On a CUDA GPU one launch while CAP <= 1024, two beyond (MLX's fast attention takes no mask array on
-CUDA, and its fallback is a matmul, the mask, a softmax and a matmul); elsewhere MLX ops: its
+CUDA, and its fallback is a matmul, the mask, a softmax and a matmul), or with `chunked` two at any
+CAP: a row's result then does not depend on CAP, which sessions stepped together need (their
+buffers have the longest one's capacity); elsewhere MLX ops: its
 attention with the mask, or, with `new`, the scores over the buffer and the new key, one softmax
 and two products (no copy of the buffers).
 
@@ -32,10 +35,19 @@ from .gemv import on_cuda_gpu
 from .qkv_heads import qkv_heads
 
 
+def _per_row(a, b: int):
+    """A position (or slot) as it broadcasts against `[B, HK, G, CAP]` scores: as it is for one value,
+    `[B, 1, 1, 1]` for one a row."""
+    if isinstance(a, mx.array) and a.size > 1:
+        return a.reshape(b, 1, 1, 1)
+    return a
+
+
 def decode_attention_reference(q, k, v, offset, scale: float, mask=None, new=None):
-    """`mask`: the `[CAP]` validity of the slots, if already made (`arange(CAP) <= offset`)."""
-    cap = k.shape[2]
-    mask = mx.arange(cap) <= offset if mask is None else mask
+    """`mask`: the validity of the slots, if already made (`arange(CAP) <= offset`: `[CAP]`, or
+    `[B, 1, 1, CAP]` for a position a row)."""
+    cap, b = k.shape[2], q.shape[0]
+    mask = mx.arange(cap) <= _per_row(offset, b) if mask is None else mask
     if new is None:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         b, h, _, d = out.shape
@@ -45,7 +57,7 @@ def decode_attention_reference(q, k, v, offset, scale: float, mask=None, new=Non
     hk = k.shape[1]
     qg = q.astype(mx.float32).reshape(b, hk, h // hk, d)  # the query heads of each K/V head
     scores = (qg @ k.swapaxes(-1, -2)) * scale  # [B, HK, G, CAP]
-    scores = mx.where(mask & (mx.arange(cap) != slot), scores, -mx.inf)
+    scores = mx.where(mask & (mx.arange(cap) != _per_row(slot, b)), scores, -mx.inf)
     fresh = (qg @ k_new.swapaxes(-1, -2)) * scale  # [B, HK, G, 1]
     p = mx.softmax(mx.concatenate([scores, fresh], axis=-1), axis=-1)
     out = p[..., :cap] @ v + p[..., cap:] * v_new
@@ -61,10 +73,11 @@ def plain_kernel_takes(q, k, v, new=None) -> bool:
     return takes and not use_reference() and on_cuda_gpu()
 
 
-def decode_attention(q, k, v, offset, scale: float, mask=None, new=None, write_cache: bool = False):
+def decode_attention(q, k, v, offset, scale: float, mask=None, new=None, write_cache: bool = False,
+                     chunked: bool = False):
     """See the module docstring. `write_cache` (with `new`, only where `plain_kernel_takes`): the
     launch also stores the new key and value in their slot of `k` and `v`, in place, on the terms
-    of `decode_attention_qkv`'s."""
+    of `decode_attention_qkv`'s. `chunked`: the kernel's two launches at any capacity."""
     if not plain_kernel_takes(q, k, v, new):
         if write_cache:
             raise ValueError("decode_attention: write_cache needs the CUDA kernel (see plain_kernel_takes)")
@@ -72,9 +85,10 @@ def decode_attention(q, k, v, offset, scale: float, mask=None, new=None, write_c
     if new is None:
         if write_cache:
             raise ValueError("decode_attention: write_cache needs new=(k_new, v_new, slot)")
-        return ext.decode_attention(q, k, v, offset, scale)
+        return ext.decode_attention(q, k, v, offset, scale, chunked=chunked)
     k_new, v_new, slot = new
-    return ext.decode_attention(q, k, v, offset, scale, k_new=k_new, v_new=v_new, slot=slot, write_cache=write_cache)
+    return ext.decode_attention(q, k, v, offset, scale, k_new=k_new, v_new=v_new, slot=slot, write_cache=write_cache,
+                                chunked=chunked)
 
 
 def qkv_kernel_takes(qkv, k, v) -> bool:

@@ -1,11 +1,13 @@
-"""Decode-speed matrix-vector products: 1-2 rows of activations against a large weight.
+"""Decode-speed matrix-vector products: a few rows of activations against a large weight.
 
 At decode time every LLM projection, both 131072-wide heads and the TTS backbone's linears see
-one or two rows; those products are bound by how fast the weights stream from memory. On a CUDA
+one or two rows (a few more when sessions step together); those products are bound by how fast the weights stream from memory. On a CUDA
 GPU these functions run our kernels (csrc/kernels/gemv: 16-byte weight loads, float32
 accumulation, float32 or bfloat16 activations at the same speed); elsewhere, and for shapes the
-kernels do not take (more than 2 rows, K not a multiple of 8 for dense weights), MLX's own ops,
-which are also the `_reference` twins.
+kernels do not take (other than 1, 2 or 4 rows for 4-bit weights, more than 2 for dense ones, K
+not a multiple of 8 for dense weights), MLX's own ops, which are also the `_reference` twins. A
+4-bit shape takes the same layout and launch at 1, 2 and 4 rows, so each row's output has the same
+bits whichever rows come with it.
 
 - `quantized_matvec(x, w, scales, biases, group_size=64, bits=4)`: `mx.quantized_matmul(...,
   transpose=True)` for MLX's affine 4- / 8-bit packing, same output dtype.
@@ -21,8 +23,8 @@ which are also the `_reference` twins.
   (`quantized_matvec(..., prenormed=...)`) and no launch of its own forms it.
   `quantized_matvec_emit_norm` is the `+ residual` matvec that leaves the next RMSNorm so; the
   Mamba conv + scan kernel leaves its gated group norm so.
-- `GemvQuantizedLinear` / `GemvLinear`: drop-in layers using the kernels for <= 2 rows on a CUDA
-  GPU; `use_gemv(model)` swaps them in for every `nn.QuantizedLinear` / `nn.Linear`;
+- `GemvQuantizedLinear` / `GemvLinear`: drop-in layers using the kernels on a CUDA GPU for the rows
+  they take; `use_gemv(model)` swaps them in for every `nn.QuantizedLinear` / `nn.Linear`;
   `linear(layer, x, residual=..., squared_relu=..., emit_norm=...)` applies any layer with an
   epilogue (`x` may be `Prenormed`); `stack_linears(layers)` makes one layer of several over the
   same input (one launch).
@@ -38,7 +40,8 @@ from mlx.utils import tree_map_with_path
 
 from ._native import build_info, ext, use_reference
 
-MAX_ROWS = 2  # input rows the kernels take
+MAX_ROWS = 2  # input rows the dense kernels take
+QUANTIZED_ROWS = (1, 2, 4)  # input rows the 4-bit kernels take
 _CUDA_BUILD = build_info()["backend"] == "cuda"
 
 
@@ -217,11 +220,13 @@ def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, stream=No
 
 # --------------------------------------------------------------------------- layers
 
-def gemv_applies(x) -> bool:
-    """Whether our GEMV layers run their kernels for `x` (1-2 rows on a CUDA GPU; an array or
-    `Prenormed`)."""
+def gemv_applies(x, quantized: bool = False) -> bool:
+    """Whether our GEMV layers run their kernels for `x` (an array or `Prenormed`) on a CUDA GPU:
+    1-2 rows for dense weights, 1, 2 or 4 for `quantized` ones."""
     x = x.weighted if isinstance(x, Prenormed) else x
-    return 1 <= rows_of(x) <= MAX_ROWS and on_cuda_gpu() and not use_reference()
+    rows = rows_of(x)
+    fits = rows in QUANTIZED_ROWS if quantized else 1 <= rows <= MAX_ROWS
+    return fits and on_cuda_gpu() and not use_reference()
 
 
 def _same_arrays(cls, layer: nn.Module):
@@ -234,7 +239,7 @@ def _same_arrays(cls, layer: nn.Module):
 
 
 class GemvQuantizedLinear(nn.QuantizedLinear):
-    """`nn.QuantizedLinear` that runs `quantized_matvec` for 1-2 rows on a CUDA GPU."""
+    """`nn.QuantizedLinear` that runs `quantized_matvec` for 1, 2 or 4 rows on a CUDA GPU."""
 
     @classmethod
     def from_quantized_linear(cls, layer: nn.QuantizedLinear) -> "GemvQuantizedLinear":
@@ -243,7 +248,7 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x, *, residual=None, squared_relu: bool = False):
         """`layer(x)`, then `relu(.)^2` or `+ residual`: one launch on the kernel path. `x` may be
         `Prenormed` (applied in the same launch there)."""
-        if self.mode == "affine" and gemv_applies(x):
+        if self.mode == "affine" and gemv_applies(x, quantized=True):
             return quantized_matvec(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits,
                                     bias=self.get("bias"), residual=residual, squared_relu=squared_relu)
         x = resolved(x)
@@ -252,7 +257,7 @@ class GemvQuantizedLinear(nn.QuantizedLinear):
     def emit_norm(self, x, residual, norm: nn.RMSNorm):
         """`(layer(x) + residual, Prenormed norm of that)` on the kernel path (one launch), else
         `(layer(x) + residual, None)`."""
-        if self.mode == "affine" and gemv_applies(x):
+        if self.mode == "affine" and gemv_applies(x, quantized=True):
             return quantized_matvec_emit_norm(x, self["weight"], self["scales"], self["biases"], residual,
                                               norm.weight, self.group_size, self.bits, bias=self.get("bias"),
                                               eps=norm.eps)
@@ -278,7 +283,7 @@ class GemvLinear(nn.Linear):
 def fuses_prenormed(layer: nn.Module, x) -> bool:
     """Whether `linear(layer, x)` applies a `Prenormed` input's scales in its own launch (our
     quantized GEMV layer at a shape the kernel takes), so a producer may hand it one."""
-    return isinstance(layer, GemvQuantizedLinear) and layer.mode == "affine" and gemv_applies(x)
+    return isinstance(layer, GemvQuantizedLinear) and layer.mode == "affine" and gemv_applies(x, quantized=True)
 
 
 def linear(layer: nn.Module, x, *, residual=None, squared_relu: bool = False, emit_norm: nn.RMSNorm | None = None,

@@ -158,7 +158,8 @@ class BufferKV:
     """A `KVCache`'s whole buffers inside the compiled decode step: the position is an array, so
     the step's shapes stay fixed while the cache fills (keys past the position are masked out).
     On CUDA the attention launch writes the new position into the buffers in place
-    (`Attention.__call__`); elsewhere `update` does."""
+    (`Attention.__call__`); elsewhere `update` does. The position is one for every row ([1]) or one
+    a row ([b]: sessions stepped together, each row's key written at its own position)."""
 
     def __init__(self, keys: mx.array, values: mx.array, offset: mx.array, masks: dict | None = None,
                  pending: mx.array | None = None):
@@ -170,17 +171,33 @@ class BufferKV:
         # Shared by the step's attention layers: buffers of one capacity need one mask a step.
         self._masks = {} if masks is None else masks
 
+    @property
+    def per_row(self) -> bool:
+        return self.offset.size > 1
+
     def update(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        if self.per_row:  # k, v [b, HK, 1, D] into slot offset[r] of row r
+            b, hk, _, d = k.shape
+            at = mx.broadcast_to(self.offset.reshape(b, 1, 1, 1), (b, hk, 1, d))
+            self.keys = mx.put_along_axis(self.keys, at, k, axis=2)
+            self.values = mx.put_along_axis(self.values, at, v, axis=2)
+            return self.keys, self.values
         self.keys = mx.slice_update(self.keys, k, self.offset, axes=(2,))
         self.values = mx.slice_update(self.values, v, self.offset, axes=(2,))
         return self.keys, self.values
 
     def attention_mask(self, length: int) -> mx.array:
-        """Query i (at position offset + i) sees the slots <= its position: [length, capacity]."""
-        key = (self.keys.shape[2], length)
+        """Query i (at position offset + i) sees the slots <= its position: [length, capacity], or
+        for a position a row (one query each) [b, 1, 1, capacity]."""
+        key = (self.keys.shape[2], length, self.per_row)
         if key not in self._masks:
             slots = mx.arange(self.keys.shape[2])
-            self._masks[key] = slots[None] <= (self.offset + mx.arange(length))[:, None]
+            if self.per_row:
+                if length != 1:
+                    raise ValueError("a position a row steps one query a row")
+                self._masks[key] = (slots[None] <= self.offset[:, None])[:, None, None, :]
+            else:
+                self._masks[key] = slots[None] <= (self.offset + mx.arange(length))[:, None]
         return self._masks[key]
 
 
@@ -338,8 +355,10 @@ class Attention(nn.Module):
             # The compiled decode step on CUDA: the attention launch stores the new key and value in
             # the buffers itself (an update op would copy each whole buffer, still held by the launches
             # of the step before); what reads the buffers next waits for that launch (mx.depends).
+            # Chunked at every capacity: a session's step then has the same bits whatever capacity
+            # its buffers have (alone, or in rows as long as the longest session's).
             o = decode_attention(q, cache.keys, cache.values, cache.offset, self.scale, new=(k, v, cache.offset),
-                                 write_cache=True)
+                                 write_cache=True, chunked=True)
             cache.written = o
             return _last_projection(self.o_proj, o, residual, emit_norm)
         if cache is not None:
@@ -500,12 +519,32 @@ class DuplexLM(nn.Module):
                 layer_state.append([c.keys, c.values, _nothing_pending() if c.pending is None else c.pending])
             else:
                 layer_state.append([])
-        if getattr(self, "_decode_fns", None) is None:
-            self._decode_fns = [(first, last, mx.compile(functools.partial(self._decode_part, first, last)))
-                                for first, last in decode_parts(len(self.llm.layers))]
         # The position as the last step computed it on the device: an array made on the host for
         # each step would be read from host-written memory by every attention launch.
         position = cache.position if cache.position_at == offset else mx.array([offset], mx.int32)
+        text, function, cache.position, new_state = self.decode_rows(prev_text_ids, audio, prev_function_ids,
+                                                                     position, layer_state, queue)
+        cache.position_at = offset + 1
+        arrays = iter(new_state)
+        for c in cache:
+            if isinstance(c, MambaCache):
+                c.conv, c.ssm = next(arrays), next(arrays)
+            elif isinstance(c, KVCache):
+                c.keys, c.values, c.pending, c.offset = next(arrays), next(arrays), next(arrays), offset + 1
+        return text, function
+
+    def decode_rows(self, prev_text_ids: mx.array, audio: mx.array, prev_function_ids: mx.array,
+                    position: mx.array, layer_state: list[list[mx.array]], queue: bool = True):
+        """`decode`'s compiled parts on a state given layer by layer (a Mamba layer's conv and SSM
+        states, an attention layer's key and value buffers and what their last in-place write was,
+        nothing for an MLP), at `position` (int32, [1] for every row, or [b]: a position a row, as
+        sessions stepped together are). Returns (text ids [b], function ids [b], the next position,
+        the new state flat, layer by layer). A row's ops are those it gets alone: the attention
+        takes each row's own position (chunked: not the buffers' capacity), and on a CUDA GPU the
+        kernels give a row the bits they give it alone at the rows they take (1, 2 or 4)."""
+        if getattr(self, "_decode_fns", None) is None:
+            self._decode_fns = [(first, last, mx.compile(functools.partial(self._decode_part, first, last)))
+                                for first, last in decode_parts(len(self.llm.layers))]
         carry = [prev_text_ids, audio, prev_function_ids]
         new_state = []
         for first, last, fn in self._decode_fns:
@@ -515,15 +554,8 @@ class DuplexLM(nn.Module):
             new_state += part_state
             if queue and last < len(self.llm.layers):
                 mx.async_eval(carry, part_state)
-        text, function, cache.position = carry
-        cache.position_at = offset + 1
-        arrays = iter(new_state)
-        for c in cache:
-            if isinstance(c, MambaCache):
-                c.conv, c.ssm = next(arrays), next(arrays)
-            elif isinstance(c, KVCache):
-                c.keys, c.values, c.pending, c.offset = next(arrays), next(arrays), next(arrays), offset + 1
-        return text, function
+        text, function, position = carry
+        return text, function, position, new_state
 
     def _decode_part(self, first: int, last: int, carry: list, offset: mx.array, state: list) -> list:
         """Layers [first, last) of a decode step (compiled per part by `decode`). carry: the previous

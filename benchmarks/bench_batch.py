@@ -6,8 +6,9 @@
 For each B, an `Engine` holds B sessions, each fed the bundled spoken question (then silence),
 looped, from its own starting point. A round feeds every session one 80 ms piece
 (`Engine.feed_many`: their perception as one batch, then each session's transcript) and runs one
-engine tick (the LLM and TTS steps of all B sessions as one batch, or each session in turn:
-`--rows`, `Engine`'s `rows`; then each session's codec frame and text). `--warmup` rounds trace
+engine tick (the LLM steps of all B sessions as one batch, in groups of 4; with `--rows on`,
+`Engine`'s `rows`, the TTS steps and codec frames as one batch too, else each session's on its
+own caches; then each session's text). `--warmup` rounds trace
 the compiled steps for the bucket; `--rounds` rounds are measured. Reported per B:
 
 - `round_ms` p50 / p95: one round, feeds and tick: the wall time of one 80 ms frame for all B
@@ -127,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=16, help="rounds first, not measured (default 16)")
     p.add_argument("--headroom-ms", type=float, default=20.0, help="real time: round p95 + this < 80 ms (default 20)")
     p.add_argument("--rows", choices=["auto", "on", "off"], default="auto",
-                   help="how sessions step: the engine's default for this device (auto), batched rows (on) or "
-                        "each on its own loop in turn (off)")
+                   help="how sessions' TTS and codec step behind the LLM's batch: the engine's default for this "
+                        "device (auto), batched rows (on) or each on its own caches (off)")
     p.add_argument("--json", default=None, help="write the settings and rows here")
     args = p.parse_args(argv)
     rows_mode = {"auto": None, "on": True, "off": False}[args.rows]

@@ -223,6 +223,22 @@ def test_stream_launch_at_the_step_shapes():
         assert ext.stream_launch(k, n) is None, (k, n)
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_stream_launch_of_rows_adds_up_as_one_row(rows):
+    """2 and 4 rows of x at the step's streamed shapes: the threads and the last-round split of one
+    row (each output's sum in the same order), its blocks where the split cuts tiles (the down_proj),
+    one block an SM where whole tiles let the grid change (the out_proj: a tile's sums and partial do
+    not depend on its block), the same partials; the integer-MMA shapes not streamed."""
+    for k, n, groups in ((15680, 4480, 1), (10240, 4480, 8)):
+        one, more = ext.stream_launch(k, n, prenorm_groups=groups), ext.stream_launch(k, n, prenorm_groups=groups,
+                                                                                   rows=rows)
+        assert (more["threads"], more["split"], more["partials"]) == (one["threads"], one["split"], one["partials"])
+        assert more["blocks"] == (one["blocks"] if one["split"] > 1 else min(one["blocks"], 132)), (k, n)
+    assert ext.stream_launch(10240, 4480, prenorm_groups=8, rows=rows)["blocks"] == 132
+    for k, n in ((4480, 22656), (4480, 15680)):
+        assert ext.stream_launch(k, n, rows=rows) is None, (k, n)
+
+
 @pytest.mark.parametrize("shape", [(192,), (1, 1, 192), (2, 1, 192), (3, 192), (4, 2, 192)])
 def test_quantized_input_shapes_and_bias(shape):
     w, s, b = _quantized(72, 192)

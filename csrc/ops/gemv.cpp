@@ -261,8 +261,11 @@ bool persistent_layouts(int device_index) { return compute_capability(device_ind
 // vc_qmv_stream's launch at this shape, or nothing (the block layout then): where K or N is 8192 or
 // more (the block layout's one trip to memory a thread leaves the bytes in flight short there), 8-row
 // tiles, 2 stages, `threads` (0: a thread for one or two chunks of K). Whether it takes the shape, its
-// threads, blocks and last-round split are those of one row of x at every m (each output's sum and the
-// emitted partials then add up in the same order); m sets only the shared memory and how x is staged.
+// threads and last-round split are those of one row of x at every m, and so are its blocks where
+// the split cuts tiles (each output's sum and the emitted partials then add up in the same order:
+// with whole tiles a tile's sums do not depend on which block walks it). m sets the shared memory,
+// how x is staged, and for 2-4 rows one block an SM: x's terms then take more registers a thread
+// (ptxas: 128-168 at 320-512 threads, against 93-126 for one row) than two blocks an SM leave.
 std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int bits, int scale_bytes,
                                         bool x_float32, int prenorm_groups, int threads, bool bulk) {
   if (!bulk || !quantized_rows(m) || (k < 8192 && n < 8192)) {
@@ -307,10 +310,12 @@ std::optional<StreamLaunch> pick_stream(int k, int n, int m, int group_size, int
     return stage_x == 2 ? smem + x_bytes : smem;
   };
   int stage_x_one = 0, stage_x = 0;
-  const int per_sm = fit(staging(1, own_for(1), stage_x_one), own_for(1));  // one row of x's grid
+  const int per_sm_one = fit(staging(1, own_for(1), stage_x_one), own_for(1));  // one row of x's grid
   const int smem = staging(m, own, stage_x);
-  const int tiles = n / rows, blocks = std::min(tiles, kSmCount * per_sm);
-  const int split = split_last_round(tiles, blocks, rows, per_sm == 1);
+  const int tiles = n / rows, blocks_one = std::min(tiles, kSmCount * per_sm_one);
+  const int split = split_last_round(tiles, blocks_one, rows, per_sm_one == 1);
+  // (a split grid has one block an SM already: split_last_round splits only there)
+  const int blocks = m == 1 ? blocks_one : std::min(tiles, kSmCount);
   const int partials = tiles / blocks * blocks + tiles % blocks * split;  // the whole rounds' tiles, then the parts
   return StreamLaunch{threads, blocks, smem, stage_x, split, partials};
 }
@@ -692,12 +697,12 @@ std::vector<mx::array> two_head_argmax(const mx::array& x, const std::vector<mx:
   return {ids, logits(0), logits(1)};
 }
 
-std::optional<GemvStreamLaunch> stream_launch(int k, int n, bool x_float32, int prenorm_groups) {
-  if (imma_stream_shape(k, n) && pick_imma_stream(k, n, 1, 64, 4, 2, prenorm_groups, true)) {
+std::optional<GemvStreamLaunch> stream_launch(int k, int n, bool x_float32, int prenorm_groups, int rows) {
+  if (imma_stream_shape(k, n) && pick_imma_stream(k, n, rows, 64, 4, 2, prenorm_groups, true)) {
     return std::nullopt;
   }
-  const auto l = pick_stream(k, n, 1, 64, 4, 2, x_float32, prenorm_groups, one_step_threads(k / 32, prenorm_groups),
-                             true);
+  const auto l = pick_stream(k, n, rows, 64, 4, 2, x_float32, prenorm_groups,
+                             one_step_threads(k / 32, prenorm_groups), true);
   if (!l) {
     return std::nullopt;
   }

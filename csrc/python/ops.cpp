@@ -16,8 +16,8 @@ namespace voicechat {
 namespace {
 
 // stream_launch as a dict, or None.
-py::object stream_launch_dict(int k, int n, bool x_float32, int prenorm_groups) {
-  const auto l = stream_launch(k, n, x_float32, prenorm_groups);
+py::object stream_launch_dict(int k, int n, bool x_float32, int prenorm_groups, int rows) {
+  const auto l = stream_launch(k, n, x_float32, prenorm_groups, rows);
   if (!l) {
     return py::none();
   }
@@ -130,8 +130,8 @@ void bind_ops(py::module_& m) {
         "or [ids, logits_a, logits_b]. On an sm_90 GPU one launch over both heads' 16-row slabs and a finish; "
         "MLX's ops elsewhere.");
   m.def("stream_launch", &stream_launch_dict, py::arg("k"), py::arg("n"), py::arg("x_float32") = true,
-        py::arg("prenorm_groups") = 1,
-        "The float streamed layout's launch as quantized_matvec picks it on an sm_90 GPU for one row of x "
+        py::arg("prenorm_groups") = 1, py::arg("rows") = 1,
+        "The float streamed layout's launch as quantized_matvec picks it on an sm_90 GPU for `rows` rows of x "
         "(4-bit, group 64, bfloat16 scales): {threads, blocks, smem (dynamic bytes), stage_x, split (the parts "
         "a last-round tile is cut into), partials (the emitting kernel's partial sums a row of x)}; None "
         "where another layout takes the shape.");

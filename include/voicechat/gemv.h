@@ -65,15 +65,16 @@ std::vector<mlx::core::array> two_head_argmax(const mlx::core::array& x, const s
                                               int bits = 4, bool return_logits = false,
                                               mlx::core::StreamOrDevice s = {});
 
-// The float streamed layout's launch as quantized_matvec picks it on an sm_90 GPU for one row of x
-// (4-bit, group 64, bfloat16 scales): smem is its dynamic shared memory in bytes, stage_x how x
-// reaches the lanes, split the parts a last-round tile is cut into, partials the emitting kernel's
-// partial sums a row of x.
+// The float streamed layout's launch as quantized_matvec picks it on an sm_90 GPU for `rows` rows of
+// x (1, 2 or 4; 4-bit, group 64, bfloat16 scales): smem is its dynamic shared memory in bytes,
+// stage_x how x reaches the lanes, split the parts a last-round tile is cut into, partials the
+// emitting kernel's partial sums a row of x.
 struct GemvStreamLaunch {
   int threads, blocks, smem, stage_x, split, partials;
 };
 
 // stream_launch's at [N, K], or none where another layout takes the shape.
-std::optional<GemvStreamLaunch> stream_launch(int k, int n, bool x_float32 = true, int prenorm_groups = 1);
+std::optional<GemvStreamLaunch> stream_launch(int k, int n, bool x_float32 = true, int prenorm_groups = 1,
+                                              int rows = 1);
 
 }  // namespace voicechat

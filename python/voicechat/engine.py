@@ -11,16 +11,18 @@
     a.collect(), b.collect()                                 # the frames each one completed
 
 Each tick (`step`) runs one timeline frame for every session that has a complete 80 ms of input
-queued, as one batch: the LLM step with a row per session (`llm.rows.LMRows`: per-session Mamba
-states, attention keys at per-session positions, both heads' argmax per row), the TTS step with
-two rows per session (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and
-generator key), then the codec on every session's frame as one batch (`codec.push_streams`: each
-session's streamed-decoder caches stacked, then taken back), then each session's text. Perception
-and the transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with
-`feed_many` (a server's round: a chunk for each of several sessions) the streamed encoders run
-their layers as one batch (`stt.conformer.push_streams`: sessions whose chunks complete the same
-number of frames, wherever each one is, run as a bucket's rows: `warm_batches` traces each bucket
-ahead), then each session's transcript.
+queued. The LLM steps as one batch (`llm.rows.LMGroups`: a row per session, per-session Mamba
+states, attention keys at per-session positions, both heads' argmax per row; `DuplexLM.decode`'s
+own compiled parts, in groups of up to 4 rows). Then, with `rows`, the TTS steps with two rows per
+session (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and generator key) and
+the codec decodes every session's frame as one batch (`codec.push_streams`); without, each
+session's TTS step and codec frame run on its own caches (`FrameLoop.speak`, the single-session
+kernels), every one queued before any is read back. Then each session's text. Perception and the
+transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with `feed_many`
+(a server's round: a chunk for each of several sessions) the streamed encoders run their layers as
+one batch (`stt.conformer.push_streams`: sessions whose chunks complete the same number of frames,
+wherever each one is, run as a bucket's rows: `warm_batches` traces each bucket ahead), then each
+session's transcript.
 
 A session open on its own steps alone (`Engine.alone`): its tick is `chat.live`'s frame, the
 single-session step (`FrameLoop.step`: `DuplexLM.decode`, `EarTTS.step`, with every CUDA kernel
@@ -30,32 +32,27 @@ taken back into single-session caches (buffers of their own) and it moves to slo
 copy that session's caches once, at the join or the leave, never per frame. `path_ticks` counts the
 ticks each way took.
 
-While two or more are open, the state lives in batched arrays indexed by slot and stays there
+While two or more are open, the batched state lives in arrays indexed by slot and stays there
 between ticks (no session's keys are gathered or scattered per frame: that would copy every
 session's whole cache every frame). A session takes the lowest free slot; its system prompt and
 the TTS warmup run alone first (the same code as `chat.live`), then its state is written into the
 slot's rows. Rows of sessions without input in a tick are computed and discarded (their state is
 kept by a select). Slot counts come in buckets (2, 4, 8, ...) so that the compiled steps are traced
 once per bucket and cache capacity, not per session count; the batch shrinks when the highest
-slots free up. On a GPU the batched steps run every kernel face's pure-MLX reference
-(`kernels._native.reference_ops`: our kernels serve one row).
+slots free up.
 
-`rows` picks how two or more sessions step: as batched rows (above), or each alone in turn on its
-own caches and the single-session kernels, every session's step and codec frame queued before
-any is read back (the device runs them back to back while the host builds the next). The default
-is rows except on a CUDA GPU: there the fused one-row kernels step a session in ~5 ms at full
-size, while the batched rows on MLX's ops take ~40 ms for two sessions and ~160 ms for eight
-(benchmarks/bench_batch.py; mostly MLX's 4-bit matmul of several rows, which takes a GEMM kernel
-that is slow at a few rows for the LLM's narrower projections), so sessions in turn serve more of
-them in real time until the kernels take B rows.
+`rows` (default: True except on a CUDA GPU) also batches the TTS and the codec. On a GPU the TTS's
+rows run every kernel face's pure-MLX reference (`kernels._native.reference_ops`: its kernels serve
+one session), which is not bit for bit what a session alone gets there; so a GPU steps each
+session's TTS and codec on its own caches, behind the LLM's batch.
 
 Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
 so `chat.generate`), whatever its neighbours do and whenever they join or leave, wherever the
-backend computes each row independently of the others (MLX on a CPU: tested); and on any backend
-for a session that has only ever stepped alone (it runs `chat.live`'s ops). On a CUDA GPU the
-perception `feed_many` batches rounds otherwise than a session's alone (about 1e-6: MLX's matmul
-picks its kernel by the row count), so there a session's ids equal its generate's unless two of
-its logits are that close.
+backend computes each row independently of the others: MLX on a CPU (tested), and on a CUDA GPU
+the LLM's rows (our kernels give a row the bits it gets alone at up to 4 rows) with the TTS and
+codec per session (`rows=False`). On a CUDA GPU the perception `feed_many` batches rounds
+otherwise than a session's alone (about 1e-6: MLX's matmul picks its kernel by the row count), so
+there a session's ids equal its generate's unless two of its logits are that close.
 
 The engine holds the `VoiceChat` until closed (`with`, or `close()`), as `chat.sessions()` does:
 meanwhile `generate()` and `live()` raise `ModelBusy`. One thread at a time steps it; every session
@@ -110,9 +107,9 @@ def bucket(n: int) -> int:
 
 class Engine:
     """Owns a loaded `VoiceChat` and steps its live sessions together (see the module docstring).
-    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it). `rows`: two
-    or more sessions step as batched rows (True) or each in turn on its own caches (False); None
-    picks rows except on a CUDA GPU (see the module docstring)."""
+    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it). `rows`: the
+    TTS and codec of two or more sessions step as batched rows too (True) or each session's on its
+    own caches (False); None picks rows except on a CUDA GPU (see the module docstring)."""
 
     def __init__(self, chat, max_sessions: int = 64, *, rows: bool | None = None):
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:

@@ -389,6 +389,34 @@ std::vector<mx::array> launch_persistent(const CudaSource& plain, const CudaSour
                                 {out_dtype, mx::float32, mx::float32}, grid, block, args, std::nullopt, false, s);
 }
 
+// The streamed layout's most threads a block at which 4 rows of x take one launch: beyond, their x
+// terms take more registers a thread than the block leaves (ptxas for sm_90: 168 at 320 threads).
+constexpr int kStreamFourRowThreads = 384;
+
+// fn on rows 0-1 and on rows 2-3 of 4-row x (the residual's and the prenorm partials' rows with
+// them), its outputs put back together in x's leading shape.
+template <typename Fn>
+std::vector<mx::array> in_pairs(const mx::array& x, const std::optional<mx::array>& residual,
+                                const std::optional<Prenorm>& prenorm, Fn fn, mx::Stream s) {
+  auto rows = [&](const mx::array& a, int first) {
+    auto flat = mx::reshape(a, {4, a.shape(-1)}, s);
+    return mx::slice(flat, {first, 0}, {first + 2, a.shape(-1)}, s);
+  };
+  std::vector<std::vector<mx::array>> halves;
+  for (int first : {0, 2}) {
+    std::optional<mx::array> r = residual ? std::optional<mx::array>(rows(*residual, first)) : std::nullopt;
+    std::optional<Prenorm> p = prenorm ? std::optional<Prenorm>(Prenorm{rows(prenorm->partials, first), prenorm->groups})
+                                       : std::nullopt;
+    halves.push_back(fn(rows(x, first), r, p));
+  }
+  std::vector<mx::array> out;
+  for (size_t i = 0; i < halves[0].size(); ++i) {
+    auto joined = mx::concatenate({halves[0][i], halves[1][i]}, 0, s);
+    out.push_back(mx::reshape(joined, out_shape(x, joined.shape(-1)), s));
+  }
+  return out;
+}
+
 // What quantized_matvec and quantized_matvec_emit_norm share: [out] or, with next_norm, [out,
 // normed, partials] (normed = out * next_norm, partials [..., P] whose sum is each row's sum of out^2).
 std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array& w, const mx::array& scales,
@@ -450,6 +478,15 @@ std::vector<mx::array> quantized_matvec_impl(const mx::array& x, const mx::array
   }
   if (const auto l = pick_stream(k, n, m, group_size, bits, scale_bytes, x.dtype() == mx::float32, groups, threads,
                                  persistent)) {
+    if (m == 4 && l->threads > kStreamFourRowThreads) {
+      // Two launches of two rows: four rows' x terms would spill (128 registers a thread at 512
+      // threads); each row's bits are the same either way.
+      return in_pairs(x, residual, prenorm, [&](const mx::array& xh, const std::optional<mx::array>& rh,
+                                                const std::optional<Prenorm>& ph) {
+        return quantized_matvec_impl(xh, w, scales, biases, bias, group_size, bits, rh, activation, ph, next_norm,
+                                     norm_eps, s);
+      }, s);
+    }
     return launch_persistent(qmv_stream_source(), qmv_stream_emit_source(),
                              {{"GROUP", group_size}, {"K", k}, {"N", n}, {"M", m}, {"ROWS", kStreamRows},
                               {"THREADS", l->threads}, {"STAGES", kStages}, {"XS", l->stage_x}, {"SPLIT", l->split}},

@@ -438,4 +438,4 @@ def test_a_first_run_precompiles_with_progress_before_serving(tiny_checkpoint, t
     assert steps[:compiled].count("compiling kernels for this model (first run only)") >= 1
     warmed = steps.index("warming up the live path (40 frames of silence)")
     assert warmed > compiled
-    assert steps.index("tracing the batched speech encoder for up to 3 sessions") > warmed
+    assert steps.index("tracing the batched speech encoder and LLM step for up to 3 sessions") > warmed

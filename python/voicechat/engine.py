@@ -73,7 +73,7 @@ from .codec.codec import push_streams
 from .kernels._native import reference_ops
 from .kernels.gemv import on_cuda_gpu
 from .live import ContextFull, Frame, LiveSession
-from .llm.rows import LMGroups
+from .llm.rows import MAX_KERNEL_ROWS, LMGroups, LMRows
 from .session import InputError, _checked_seed
 from .stt.conformer import PerceptionStream, push_streams as push_perception
 from .tts.backbone import DEFAULT_CHUNK
@@ -331,9 +331,11 @@ class Engine:
     def warm_batches(self, sessions: int | None = None) -> int:
         """Trace, on this thread, the streamed encoder's compiled chunk for every batch `feed_many`
         can make of 2 up to `sessions` (default `max_sessions`) sessions: silence through fresh
-        streams, a chunk each, one batch a bucket (`bucket`: the batch sizes perception runs as).
-        A round that first meets a bucket then replays its graph instead of tracing it (and, on a
-        first run, compiling its kernels) while every session waits. Returns the buckets traced."""
+        streams, a chunk each, one batch a bucket (`bucket`: the batch sizes perception runs as);
+        and the LLM's step for each group size its rows take (2 and 4 rows: `LMGroups`), on rows
+        of their own. A round that first meets a bucket then replays its graph instead of tracing
+        it (and, on a first run, compiling its kernels) while every session waits. Returns the
+        perception buckets traced."""
         release_mlx_state_at_thread_exit()
         count = self.max_sessions if sessions is None else sessions
         sizes = sorted({bucket(n) for n in range(2, count + 1)})
@@ -346,6 +348,9 @@ class Engine:
                     streams = [PerceptionStream(perception) for _ in range(size)]
                     out, _ = push_perception(streams, [chunk] * size, rows=bucket)
                     mx.eval(out, [s.state for s in streams])
+                for rows in sorted({min(size, MAX_KERNEL_ROWS) for size in sizes}):
+                    lm = LMRows(self.chat.listening, rows, self.chat.config.pad_token_id)
+                    mx.eval(lm.step(mx.zeros((rows, 1, self._audio_width), mx.float32), np.ones(rows, bool)))
         return len(sizes)
 
     def run(self) -> None:

@@ -4,8 +4,9 @@ Rounds of live sessions of silence run here first, as the server steps them and 
 steps them (`FrameScheduler.call`; `Engine.feed_many`, then one tick): with one session and with
 two, each past a warm-up that meets and traces every shape of the live path. The 95th percentiles
 give a round's fixed cost and each session's share (sessions share work, so a round is not simply
-the sessions' single frames added up: their perception runs as one batch, and their steps run
-back to back or as batched rows), and that line's estimate is the most whose round fits an 80 ms frame with `HEADROOM_MS` to spare.
+the sessions' single frames added up: their perception runs as one batch, their LLM steps as
+batched rows, and their TTS and codec back to back or as batched rows), and that line's estimate
+is the most whose round fits an 80 ms frame with `HEADROOM_MS` to spare.
 
 The estimate is then checked: that many new sessions run together from their first frame, and the
 95th percentile of all their rounds must fit too (clients that arrive together meet exactly that:

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                     from ..engine import SLOT_BUCKETS
 
                     batches = min(settings.max_sessions, SLOT_BUCKETS[-1])
-                    say(f"tracing the batched speech encoder for up to {batches} sessions")
+                    say(f"tracing the batched speech encoder and LLM step for up to {batches} sessions")
                     scheduler.call(lambda engine: engine.warm_batches(batches))
             except BaseException:  # (an interrupt or a failed warm-up: the thread ends before the process)
                 scheduler.stop()

@@ -52,7 +52,7 @@ class LMRows:
     @property
     def state(self) -> list[mx.array]:
         """Every row's state arrays (the Mamba states, the key and value buffers)."""
-        return [a for kind, arrays in zip(self.kinds, self.layers) for a in arrays[:2]]
+        return [a for arrays in self.layers for a in arrays[:2]]
 
     # ------------------------------------------------------------------ rows
 

@@ -170,9 +170,9 @@ CudaInstance persistent_instance(bool emit, const char* tx, std::vector<Template
 // vc_qmv_stream's instances: one row of x, 8-row tiles, 2 stages (pick_stream's), the threads, x's
 // staging (XS) and the last round's parts (SPLIT) as pick_stream picks them at that shape.
 CudaInstance qmv_stream_instance(bool emit, const char* tx, int k, int n, int threads, int xs, int split, int epi = 0,
-                                 int np = 0, int ng = 1) {
+                                 int np = 0, int ng = 1, int m = 1) {
   return persistent_instance(emit, tx,
-                             {{"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(1)},
+                             {{"GROUP", int_arg(64)}, {"K", int_arg(k)}, {"N", int_arg(n)}, {"M", int_arg(m)},
                               {"ROWS", int_arg(8)}, {"THREADS", int_arg(threads)}, {"STAGES", int_arg(2)},
                               {"XS", int_arg(xs)}, {"SPLIT", int_arg(split)}},
                              epi, np, ng);
@@ -209,9 +209,13 @@ const CudaSource& qmv_stream_emit_source() {
       stream_header(),
       {
           // the step's mamba out_proj on the conv + scan's gated output (640 partials in 8 groups) and
-          // MLP down_proj
+          // MLP down_proj; the same for sessions stepped together (out_proj at 2 and 4 rows, down_proj
+          // at 2: it takes 4 as two launches of 2)
           qmv_stream_instance(true, f, 10240, 4480, 320, 1, 1, 0, 640, 8),
           qmv_stream_instance(true, f, 15680, 4480, 512, 1, 4),
+          qmv_stream_instance(true, f, 10240, 4480, 320, 0, 1, 0, 640, 8, 2),
+          qmv_stream_instance(true, f, 10240, 4480, 320, 0, 1, 0, 640, 8, 4),
+          qmv_stream_instance(true, f, 15680, 4480, 512, 0, 4, 0, 0, 1, 2),
       }, /*cluster*/ 1, /*threads_arg*/ "THREADS",
   });
   return src;
@@ -245,6 +249,8 @@ const CudaSource& qmv_imma_stream_source() {
           qmv_imma_stream_instance(false, f, 4480, 22656, 1, 0, 560),
           qmv_imma_stream_instance(false, f, 4480, 15680, 1, 2, 560),
           qmv_imma_stream_instance(false, bf, 4480, 22656, 1),
+          // the up_proj for 4 sessions stepped together (two MMAs a group, the slab's end in two turns)
+          qmv_imma_stream_instance(false, f, 4480, 15680, 4, 2, 560),
       }, /*cluster*/ 1, /*threads_arg*/ "WARPS", /*threads_scale*/ 32,
   });
   return src;
@@ -266,7 +272,7 @@ const CudaSource& qmv_imma_stream_emit_source() {
 namespace {
 
 // The two-head argmax on the streamed integer-MMA walk (kImmaStreamArgmaxSource): the LLM's lm_head and
-// function_head (131072 rows each), one or two rows of x, 8 warps, 2 stages.
+// function_head (131072 rows each), 1, 2 or 4 rows of x, 8 warps, 2 stages.
 }  // namespace
 
 const CudaSource& imma_stream_argmax_source() {
@@ -286,7 +292,7 @@ const CudaSource& imma_stream_argmax_source() {
       jit::gemv::vc_two_head_argmax_stream_body,
       imma_stream_header(),
       {inst("float", "float", 1, false), inst("__nv_bfloat16", "__nv_bfloat16", 1, true),
-       inst("float", "float", 2, true)}, /*cluster*/ 1, /*threads_arg*/ "WARPS", /*threads_scale*/ 32,
+       inst("float", "float", 2, true), inst("float", "float", 4, false)}, /*cluster*/ 1, /*threads_arg*/ "WARPS", /*threads_scale*/ 32,
   });
   return src;
 }

@@ -275,12 +275,7 @@ class Engine:
             for s in ready:
                 text_id, function_id = text[s.slot : s.slot + 1], function[s.slot : s.slot + 1]
                 queued.append((s, s._queue_codec(text_id, function_id, s.loop.speak(text_id, function_id))))
-        frames = [(s, s._read_frame(*lazy)) for s, lazy in queued]
-        times = TickTimes(started, time.perf_counter(), {})
-        for s, (text_id, function_id, codes, samples) in frames:
-            s._deliver(text_id, function_id, codes, samples)
-            times.delivered[s] = time.perf_counter()
-        return times
+        return TickTimes(started, *_read_and_deliver(queued))
 
     def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
         """Each ready session's frame as `chat.live` makes it (`FrameLoop.step` with the
@@ -292,13 +287,7 @@ class Engine:
         when each session's frame was delivered."""
         queued = [(s, s._queue_frame(s._queue[0][0], 0)) for s in ready]
         self.path_ticks["alone"] += len(ready)
-        frames = [(s, s._read_frame(*lazy)) for s, lazy in queued]
-        read = time.perf_counter()
-        delivered = {}
-        for s, (text_id, function_id, codes, audio) in frames:
-            s._deliver(text_id, function_id, codes, audio)
-            delivered[s] = time.perf_counter()
-        return read, delivered
+        return _read_and_deliver(queued)
 
     def feed_many(self, chunks: list[tuple["EngineSession", object, int]]) -> dict["EngineSession", InputError]:
         """`session.feed(chunk, sample_rate)` for every `(session, chunk, sample_rate)` (one chunk a
@@ -376,6 +365,19 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _read_and_deliver(queued: list[tuple["EngineSession", tuple]]) -> tuple[float, dict]:
+    """Each session's queued frame (`LiveSession._queue_codec`'s) read back, all of them before any
+    is delivered (a session that ends frees its slot); returns when they were read back, and when
+    each session's frame was delivered."""
+    frames = [(s, s._read_frame(*lazy)) for s, lazy in queued]
+    read = time.perf_counter()
+    delivered = {}
+    for s, (text_id, function_id, codes, audio) in frames:
+        s._deliver(text_id, function_id, codes, audio)
+        delivered[s] = time.perf_counter()
+    return read, delivered
 
 
 class _TranscriptRows:

@@ -13,6 +13,7 @@ import voicechat
 from live_checks import check_equal
 from voicechat.audio import load_audio
 from voicechat.engine import Engine, EngineFull, bucket
+from voicechat.kernels.gemv import on_cuda_gpu
 from voicechat.live import ContextFull
 from voicechat.session import InputError, ModelBusy
 from voicechat.synthetic import make_checkpoint, tiny_config
@@ -322,3 +323,30 @@ def test_sessions_move_between_stepping_alone_and_the_rows_exactly(tiny_checkpoi
     assert max(batches) == 2
     for i, (frames, result) in out.items():
         check_equal(frames, result, expected[i])
+
+
+@pytest.mark.skipif(not on_cuda_gpu(), reason="full size wants a CUDA GPU")
+def test_sessions_at_full_size_on_a_gpu_have_the_bits_they_have_alone(tmp_path, spoken_wav):
+    """The contract where rows could round otherwise: at the published shapes (random 4-bit
+    weights), four sessions starting at different points of their input, stepped together (the
+    LLM's rows on our kernels), each give `chat.live`'s ids, codes, transcript and samples bit for bit."""
+    from voicechat.synthetic import random_checkpoint
+
+    chat = voicechat.load(random_checkpoint(tmp_path / "full", "full", quantize=4))
+    speech = load_audio(spoken_wav, 16000)
+    piece = chat.config.input_samples_per_frame
+    inputs = [np.concatenate([np.zeros(3 * piece * i, np.float32), speech[: piece * (16 + 3 * i)]]) for i in range(4)]
+    expected = [live_alone(chat, x, 16000, None, i, piece) for i, x in enumerate(inputs)]
+    with Engine(chat, max_sessions=4) as engine:
+        sessions = [engine.live(seed=i) for i in range(4)]
+        for pos in range(0, max(x.size for x in inputs), piece):
+            engine.feed_many([(s, x[pos : pos + piece], 16000) for s, x in zip(sessions, inputs) if pos < x.size])
+            engine.step()
+        for s in sessions:
+            s.feed_end(EXTRA)
+        engine.run()
+        got = [(s.collect(), s.result()) for s in sessions]
+        assert engine.path_ticks["rows"] > 0
+    for (frames, result), (_, want) in zip(got, expected):
+        check_equal(frames, result, want)
+        np.testing.assert_array_equal(result.audio, want.audio)

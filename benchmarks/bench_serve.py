@@ -6,8 +6,10 @@
 
 For K = 1, 2, 4, 8, 16 (`--clients`) it reports per-frame latency p50 / p95 / max (from the moment
 the 80 ms chunk that completes a frame is sent to the moment that frame's audio arrives), the late
-frames (latency over 80 ms: the answer falls behind real time) and the time from the first chunk
-to the first audio. A measurement: it asserts nothing.
+frames (latency over 80 ms: the answer falls behind real time), the time from the first chunk
+to the first audio, and the p95 over each client's frames after its first 2 s (its session's
+start and the others' frames that waited for it left out; `--seconds 20` streams the WAV looped to
+20 s a client, so that there are such frames). A measurement: it asserts nothing.
 
 The server it starts runs in a process of its own, so that the clients' threads do not share its
 interpreter lock. Before each K is measured, K clients stream `--warm-seconds` of the input: the
@@ -31,6 +33,7 @@ import soundfile as sf
 
 CHUNK = 1280  # 80 ms at 16 kHz
 FRAME_SECONDS = 0.08
+STARTING_FRAMES = 25  # a client's first 2 s: its session's start and the others' catching up on it
 
 
 def stream_client(url: str, pcm: np.ndarray, seed: int, out: dict) -> None:
@@ -77,7 +80,7 @@ def run(url: str, pcm: np.ndarray, clients: int) -> dict:
         t.start()
     for t in threads:
         t.join()
-    latencies, first = [], []
+    latencies, steady, first = [], [], []
     errors = [o["error"] for o in outs if "error" in o]
     for o in outs:
         if "sends" not in o:
@@ -85,12 +88,14 @@ def run(url: str, pcm: np.ndarray, clients: int) -> dict:
         sends, arrivals = o["sends"], o["arrivals"]
         n = min(len(sends), len(arrivals))
         latencies += [arrivals[k] - sends[k] for k in range(n)]
+        steady += [arrivals[k] - sends[k] for k in range(STARTING_FRAMES, n)]
         if arrivals:
             first.append(arrivals[0] - (sends[0] - FRAME_SECONDS))
     ms = np.array(latencies) * 1000 if latencies else np.zeros(1)
     return {"clients": clients, "frames": len(latencies), "p50_ms": float(np.percentile(ms, 50)),
             "p95_ms": float(np.percentile(ms, 95)), "max_ms": float(ms.max()),
             "late_frames": int((ms > FRAME_SECONDS * 1000).sum()),
+            "steady_p95_ms": float(np.percentile(np.array(steady) * 1000, 95)) if steady else None,
             "first_audio_ms": float(np.median(first) * 1000) if first else None, "errors": errors}
 
 
@@ -146,6 +151,8 @@ def main() -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--warm-seconds", type=float, default=8.0,
                    help="input each of K warm-up clients streams before K is measured (default 8)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="input each measured client streams: the WAV looped to this length (default: the WAV once)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args()
     audio = args.audio or str(resources.files("voicechat") / "data" / "question.wav")
@@ -153,7 +160,12 @@ def main() -> int:
     if rate != 16000 or pcm.ndim != 1:
         print("error: --audio must be a 16 kHz mono WAV", file=sys.stderr)
         return 2
+    if args.seconds is not None and not 0 < args.seconds <= 3600:
+        print("error: --seconds must be in (0, 3600]", file=sys.stderr)
+        return 2
     warm = np.resize(pcm, int(args.warm_seconds * 16000) // CHUNK * CHUNK)
+    if args.seconds is not None:
+        pcm = np.resize(pcm, max(CHUNK, int(args.seconds * 16000) // CHUNK * CHUNK))
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         url, server = (args.url, None) if args.url else serve_in_subprocess(args.size, tmp, max(args.clients))
         try:
@@ -165,10 +177,12 @@ def main() -> int:
             if server is not None:
                 server.terminate()
                 server.join()
-    print(f"{'clients':>7} {'frames':>7} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'late':>6} {'first audio ms':>15}")
+    print(f"{'clients':>7} {'frames':>7} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'late':>6} {'first audio ms':>15} "
+          f"{'p95 after 2 s':>14}")
     for r in rows:
         print(f"{r['clients']:>7} {r['frames']:>7} {r['p50_ms']:>8.1f} {r['p95_ms']:>8.1f} {r['max_ms']:>8.1f} "
-              f"{r['late_frames']:>6} {r['first_audio_ms'] or float('nan'):>15.1f}" +
+              f"{r['late_frames']:>6} {r['first_audio_ms'] or float('nan'):>15.1f} "
+              f"{r['steady_p95_ms'] or float('nan'):>14.1f}" +
               (f"  errors: {r['errors'][:1]}" if r["errors"] else ""))
     if args.json:
         Path(args.json).write_text(json.dumps({"size": args.size, "rows": rows}, indent=2))

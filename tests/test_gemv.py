@@ -289,6 +289,35 @@ def test_dense_full_size_equals_matmul(n, k, dtype, rows):
     _check_dense(n, k, dtype, rows)
 
 
+@pytest.mark.parametrize("n,k", [(48, 136)] + (TTS_FULL if ON_CUDA else []))
+@pytest.mark.parametrize("rows", [1, 2])
+def test_dense_sessions_in_one_launch_have_the_bits_they_have_alone(n, k, rows):
+    """Sessions' CFG pairs as one launch (`sessions`): each session's rows are its product alone, bit
+    for bit, with + residual and the gated-GELU input too; on a CPU MLX's matmul gives the same."""
+    sessions = 5
+    w = (_x((n, k), mx.float32, seed=n) * k**-0.5).astype(mx.bfloat16)
+    x = _x((sessions * rows, k), mx.float32, seed=2)
+    gated = _x((sessions * rows, 2 * k), mx.float32, seed=3)
+    residual = _x((sessions * rows, n), mx.float32, seed=4)
+    together = [dense_matvec(x, w, sessions=sessions), dense_matvec(x, w, residual=residual, sessions=sessions),
+                dense_matvec(gated, w, gated_input=True, sessions=sessions)]
+    for i in range(sessions):
+        part = slice(i * rows, (i + 1) * rows)
+        alone = [dense_matvec(x[part], w), dense_matvec(x[part], w, residual=residual[part]),
+                 dense_matvec(gated[part], w, gated_input=True)]
+        for t, a in zip(together, alone):
+            assert mx.array_equal(t[part], a).item()
+    assert_close(together[0], reference(dense_matvec_reference, x, w))
+
+
+def test_dense_sessions_must_split_the_rows_evenly():
+    w = mx.zeros((8, 16))
+    with pytest.raises(ValueError, match="not 2 equal groups"):
+        dense_matvec(mx.zeros((3, 16)), w, sessions=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        dense_matvec(mx.zeros((2, 16)), w, sessions=0)
+
+
 # --------------------------------------------------------------------------- epilogues
 
 # The LLM's fused epilogues: out_proj / down_proj / o_proj + residual, up_proj squared ReLU; odd ones.

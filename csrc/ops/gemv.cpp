@@ -573,9 +573,12 @@ mx::array gelu_gate_composed(const mx::array& x, int k, mx::Stream s) {
 
 mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::optional<mx::array>& bias,
                        const std::optional<mx::array>& residual, const std::string& activation,
-                       const std::string& input, mx::StreamOrDevice s_) {
+                       const std::string& input, int sessions, mx::StreamOrDevice s_) {
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_matvec: weight must be [N, K]");
+  }
+  if (sessions < 1) {
+    throw std::invalid_argument("dense_matvec: sessions must be at least 1");
   }
   const int n = w.shape(0), k = w.shape(1);
   const Epilogue epi = make_epilogue(residual, activation, n, "dense_matvec");
@@ -592,7 +595,12 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
     throw std::invalid_argument("dense_matvec: bias must be [N]");
   }
   auto s = mx::to_stream(s_);
-  const int m = leading_rows(x);
+  const int rows = leading_rows(x);
+  if (rows % sessions != 0) {
+    throw std::invalid_argument("dense_matvec: x's " + std::to_string(rows) + " rows are not " +
+                                std::to_string(sessions) + " equal groups (sessions)");
+  }
+  const int m = rows / sessions;  // a session's rows
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && k % 8 == 0 &&
                            float_dtype(x.dtype()) && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype())) &&
                            kernel_takes(epi, m, n);
@@ -605,9 +613,10 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n);
   auto outs = kernel(dense_source())(
       {x, w, bias ? *bias : w, epi.residual ? *epi.residual : w},  // flat, as in quantized_matvec
-      {out_shape(x, n)}, {out_dtype}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
+      {out_shape(x, n)}, {out_dtype}, {sessions * blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads},
-       {"EPI", epi.kind()}, {"PRO", gated ? 1 : 0}, {"HAS_BIAS", bias.has_value()}, {"TX", x.dtype()}, {"TW", w.dtype()},
+       {"EPI", epi.kind()}, {"PRO", gated ? 1 : 0}, {"HAS_BIAS", bias.has_value()}, {"SESSIONS", sessions},
+       {"TX", x.dtype()}, {"TW", w.dtype()},
        {"TB", bias ? bias->dtype() : w.dtype()}, {"TR", epi.residual ? epi.residual->dtype() : w.dtype()},
        {"TO", out_dtype}},
       std::nullopt, false, s);

@@ -56,7 +56,8 @@ CudaInstance qmv_emit_instance(const char* tx, const char* ts, const char* to, i
 
 // One instance of vc_dense_mv (EPI as qmv_instance's; PRO 1: a gated-GELU input).
 CudaInstance dense_instance(const char* tx, const char* tw, const char* tb, const char* to, int k,
-                            int n, int m, int rows, int threads, bool has_bias, int epi = 0, int pro = 0) {
+                            int n, int m, int rows, int threads, bool has_bias, int epi = 0, int pro = 0,
+                            int sessions = 1) {
   const char* residual_type = epi == 1 ? to : tw;
   return CudaInstance{
       {tx, tw, tb, residual_type},
@@ -64,6 +65,7 @@ CudaInstance dense_instance(const char* tx, const char* tw, const char* tb, cons
       {TemplateArg{"K", int_arg(k)}, TemplateArg{"N", int_arg(n)}, TemplateArg{"M", int_arg(m)},
        TemplateArg{"ROWS", int_arg(rows)}, TemplateArg{"THREADS", int_arg(threads)}, TemplateArg{"EPI", int_arg(epi)},
        TemplateArg{"PRO", int_arg(pro)}, TemplateArg{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
+       TemplateArg{"SESSIONS", int_arg(sessions)},
        TemplateArg{"TX", type_arg(tx)}, TemplateArg{"TW", type_arg(tw)}, TemplateArg{"TB", type_arg(tb)}, TemplateArg{"TR", type_arg(residual_type)},
        TemplateArg{"TO", type_arg(to)}}};
 }
@@ -321,6 +323,9 @@ const CudaSource& dense_source() {
           inst(f, bf, bf, f, 1152, 1152, 1, 2, 160, true),    // gated fusion (with bias)
           inst(f, f, f, f, 1024, 4480, 1, 4, 256, true),      // float32 weights
           inst("__half", "__half", "__half", "__half", 640, 2560, 2, 2, 96, true),
+          // sessions' CFG pairs in one launch: attention o (+ residual), mlp down on gate / up
+          inst(f, bf, bf, f, 1152, 1152, 2, 2, 160, false, 1, 0, 8),
+          inst(f, bf, bf, f, 4608, 1152, 2, 4, 192, false, 0, 1, 8),
       },
   });
   return src;

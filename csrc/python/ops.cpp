@@ -114,10 +114,12 @@ void bind_ops(py::module_& m) {
         "streamed layout takes the shape).");
   m.def("dense_matvec", &voicechat::dense_matvec, py::arg("x"), py::arg("w"), py::arg("bias") = py::none(),
         py::arg("residual") = py::none(), py::arg("activation") = "", py::arg("input") = "",
-        py::arg("stream") = py::none(),
+        py::arg("sessions") = 1, py::arg("stream") = py::none(),
         "x @ w.T (+ bias), then the epilogue, for 1-2 rows of x: our CUDA kernel on a CUDA stream, MLX's "
         "matmul elsewhere (epilogue as quantized_matvec's). input='gelu_gate': x is [..., 2K] and "
-        "gelu_tanh(x[..., :K]) * x[..., K:] is the product's input (formed as the kernel loads it).");
+        "gelu_tanh(x[..., :K]) * x[..., K:] is the product's input (formed as the kernel loads it). "
+        "sessions=S: x's rows are S equal groups of 1-2 rows, each group's output the bits it has alone, "
+        "in one launch.");
   m.def("dense_add_norm_matvec", &voicechat::dense_add_norm_matvec, py::arg("h"), py::arg("y").none(true), py::arg("post").none(true), py::arg("pre"),
         py::arg("eps"), py::arg("w"), py::arg("bias") = py::none(), py::arg("stream") = py::none(),
         "[out, h'] with h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias): the "

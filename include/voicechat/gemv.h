@@ -42,12 +42,13 @@ std::vector<mlx::core::array> quantized_matvec_emit_norm(
 
 // x @ w.T (+ bias), then the epilogue as quantized_matvec's, for a bfloat16 / float16 / float32 w
 // [N, K]. input "gelu_gate": x is [..., 2K] and gelu_tanh(x[..., :K]) * x[..., K:] is the product's
-// input (formed as the kernel loads it).
+// input (formed as the kernel loads it). sessions: x's rows are that many equal groups (1-2 rows
+// each, e.g. a session's CFG pair), each group's output the bits of its product alone, in one launch.
 mlx::core::array dense_matvec(const mlx::core::array& x, const mlx::core::array& w,
                               const std::optional<mlx::core::array>& bias = std::nullopt,
                               const std::optional<mlx::core::array>& residual = std::nullopt,
                               const std::string& activation = "", const std::string& input = "",
-                              mlx::core::StreamOrDevice s = {});
+                              int sessions = 1, mlx::core::StreamOrDevice s = {});
 
 // {out, h'}: h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias), for 1-2
 // float32 rows h, y [..., C]. post none: h' = h + y; y none (and post none): h' = h.

@@ -170,15 +170,16 @@ def dense_matvec_reference(x, w, *, bias=None, residual=None, squared_relu: bool
 
 
 def dense_matvec(x, w, *, bias=None, residual=None, squared_relu: bool = False, gated_input: bool = False,
-                 stream=None):
+                 sessions: int = 1, stream=None):
     """`x @ w.T (+ bias)`, then the epilogue as `quantized_matvec`'s; `x` [..., K], w [N, K].
     `gated_input`: x is `[..., 2K]` (gate, up) and `gelu_gate(x)` is the product's input; the kernel
-    forms it as it loads x (no launch of its own)."""
+    forms it as it loads x (no launch of its own). `sessions`: x's rows are that many equal groups
+    (a session's CFG pair each), in one launch, each group's rows with the bits of its product alone."""
     if use_reference():
         return dense_matvec_reference(x, w, bias=bias, residual=residual, squared_relu=squared_relu,
                                       gated_input=gated_input)
     return ext.dense_matvec(x, w, bias, residual=residual, activation=_activation(squared_relu),
-                            input="gelu_gate" if gated_input else "", stream=stream)
+                            input="gelu_gate" if gated_input else "", sessions=sessions, stream=stream)
 
 
 # --------------------------------------------------------------------------- two heads

@@ -210,6 +210,50 @@ def test_rows_at_their_own_positions_have_the_bits_of_each_row_alone():
         np.testing.assert_array_equal(np.array(v[i:i + 1, :, :own_caps[i]]), np.array(vi))
 
 
+def test_qkv_reference_takes_a_position_a_row():
+    """The head preparation and attention at a position and slot a row: each row as its own call at
+    its position (the one-position form is held to the float64 formula above)."""
+    b, h, hk, cap, d = 3, 4, 2, 24, 8
+    qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(b, h, hk, cap, d, mx.float32, seed=11)
+    rows = [0, 9, 23]
+    positions = mx.array(rows, mx.int32)
+    with mx.stream(mx.cpu):
+        got, k_new, v_new = decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, 1e-6, k, v, positions, d**-0.5,
+                                                 positions, h)
+        for i, p in enumerate(rows):
+            at = mx.array(p, mx.int32)
+            want, want_k, want_v = decode_attention_qkv(qkv[i:i + 1], q_scale, k_scale, inv_freq, 1e-6, k[i:i + 1],
+                                                        v[i:i + 1], at, d**-0.5, at, h)
+            np.testing.assert_allclose(np.array(got[i:i + 1]), np.array(want), rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(np.array(k_new[i:i + 1]), np.array(want_k))
+            np.testing.assert_array_equal(np.array(v_new[i:i + 1]), np.array(want_v))
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA kernels run on a CUDA GPU")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_qkv_rows_at_their_own_positions_have_the_bits_of_each_row_alone(dtype):
+    """The TTS step's attention for sessions stepped together (chunked, a position a row, writing in
+    place): each row's output, new key and value equal, bit for bit, that row's step alone over
+    buffers of its own capacity."""
+    b, h, hk, d, cap = 4, 16, 16, 72, 1536
+    rows, own_caps = [3, 4, 700, 1400], [256, 256, 768, 1536]
+    qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(b, h, hk, cap, d, dtype, seed=5)
+    alone_kv = [(mx.array(k[i:i + 1, :, :c]), mx.array(v[i:i + 1, :, :c])) for i, c in enumerate(own_caps)]
+    mx.eval(qkv, k, v, alone_kv)
+    positions = mx.array(rows, mx.int32)
+    together = decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, 1e-6, k, v, positions, d**-0.5, positions, h,
+                                    write_cache=True, chunked=True)
+    mx.eval(together)
+    for i, (p, (ki, vi)) in enumerate(zip(rows, alone_kv)):
+        at = mx.array([p], mx.int32)
+        alone = decode_attention_qkv(qkv[i:i + 1], q_scale, k_scale, inv_freq, 1e-6, ki, vi, at, d**-0.5, at, h,
+                                     write_cache=True, chunked=True)
+        mx.eval(alone)
+        for t, a in zip(together, alone):
+            np.testing.assert_array_equal(np.array(t[i:i + 1]), np.array(a), err_msg=f"row {i}")
+        np.testing.assert_array_equal(np.array(k[i:i + 1, :, :own_caps[i]]), np.array(ki))
+
+
 def test_write_cache_is_refused_off_the_kernel_path():
     qkv, q_scale, k_scale, inv_freq, k, v = _qkv_inputs(1, 4, 2, 20, 8, mx.float32, seed=3)
     with mx.stream(mx.cpu), pytest.raises(ValueError, match="write_cache"):

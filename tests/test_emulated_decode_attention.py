@@ -36,8 +36,10 @@ ATTN_WRITE_CONFIGS = {"attn_write_llm": (1, 8, 2, 300, 64), "attn_write_chunks":
 # three rows at their own positions in buffers of the longest one's capacity, and each row alone in
 # buffers of its own (smaller) capacity
 ATTN_ROWS_CONFIGS = {"attn_rows": (3, 8, 2, 1300, 64)}
-ROWS_OWN_CAPS = {"attn_rows": (256, 800, 1300)}
-ROWS_POSITIONS = {"attn_rows": (5, 700, 1299)}
+ROWS_OWN_CAPS = {"attn_rows": (256, 800, 1300), "attn_qkv_rows": (256, 800, 1300)}
+ROWS_POSITIONS = {"attn_rows": (5, 700, 1299), "attn_qkv_rows": (5, 700, 1299)}
+# the TTS step's form for sessions stepped together (the head norms and RoPE at a position a row)
+ATTN_QKV_ROWS_CONFIGS = {"attn_qkv_rows": (3, 4, 2, 1300, 72, mx.bfloat16)}
 # (B, H, HK, CAP, D, qkv's dtype, WRITE) of the attention from the stacked projection: the TTS step
 # over several chunks and over one, writing the cache in place over one and several chunks, grouped
 # heads with a bfloat16 projection
@@ -70,15 +72,17 @@ def attention_cases(tag, b, h, hk, cap, d, write=False, chunked=False, row_pos=F
     return {f"{tag}_part": (part, None), f"{tag}_combine": (combine_case(b, h, cap, d), None)}
 
 
-def attention_qkv_cases(tag, b, h, hk, cap, d, dtype, write):
-    ch, nc = attn_chunking(cap)
+def attention_qkv_cases(tag, b, h, hk, cap, d, dtype, write, chunked=False, row_pos=False):
+    ch, nc = attn_chunking(cap, chunked)
+    single = nc == 1 and not chunked
     kv = mx.zeros((b, hk, cap, d))
+    positions = mx.zeros((b if row_pos else 1,), mx.int32)
     inputs = [mx.zeros((b, 1, (h + 2 * hk) * d), dtype), mx.zeros((d,)), mx.zeros((d,)), mx.zeros((d // 2,)),
-              kv, kv, mx.zeros((1,), mx.int32), mx.array([cap], mx.int32), mx.zeros((1,), mx.int32)]
+              kv, kv, positions, mx.array([cap], mx.int32), positions]
     part = Case("vc_decode_attn_qkv_part",
-                dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=nc == 1, TX=dtype, WRITE=write, ROW_POS=False,
+                dict(D=d, H=h, HK=hk, CH=ch, THREADS=256, SINGLE=single, TX=dtype, WRITE=write, ROW_POS=row_pos,
                      SCALE_BITS=float_bits(256**-0.5), EPS_BITS=float_bits(1e-6)),
-                inputs, [("float", (b * h * nc, d if nc == 1 else d + 2)), ("float", (b, hk, 1, d)),
+                inputs, [("float", (b * h * nc, d if single else d + 2)), ("float", (b, hk, 1, d)),
                          ("float", (b, hk, 1, d))], b * h * nc, 256, written=(4, 5) if write else ())
     return {tag: (part, None), f"{tag}_combine": (combine_case(b, h, cap, d), None)}
 
@@ -96,6 +100,10 @@ def emulated(tmp_path_factory):
         cases.update(attention_cases(tag, b, h, hk, cap, d, write=True, chunked=True, row_pos=True))
         for i, own_cap in enumerate(ROWS_OWN_CAPS[tag]):
             cases.update(attention_cases(f"{tag}_alone{i}", 1, h, hk, own_cap, d, write=True, chunked=True))
+    for tag, (b, h, hk, cap, d, dtype) in ATTN_QKV_ROWS_CONFIGS.items():
+        cases.update(attention_qkv_cases(tag, b, h, hk, cap, d, dtype, True, chunked=True, row_pos=True))
+        for i, own_cap in enumerate(ROWS_OWN_CAPS[tag]):
+            cases.update(attention_qkv_cases(f"{tag}_alone{i}", 1, h, hk, own_cap, d, dtype, True, chunked=True))
     return emulate(tmp_path_factory, "decode_attention", cases)
 
 
@@ -226,6 +234,44 @@ def test_rows_at_their_own_positions_have_the_bits_of_each_row_alone(emulated, t
         out_i, *_ = emulated.run(f"{name}_part", _with_inputs(emulated.cases[f"{name}_part"], alone_in), name)
         alone = _merged(emulated, name, out_i, own_cap, name + "_c", chunked=True)
         np.testing.assert_array_equal(together[i], alone.reshape(1, h * d), err_msg=f"row {i}")
+        for after, before, new in ((k_after, k, k_new), (v_after, v, v_new)):
+            want_row = np.array(before[i]).copy()
+            want_row[:, p] = np.array(new[i])[:, 0]
+            np.testing.assert_array_equal(after[i], want_row)
+
+
+@pytest.mark.parametrize("tag", list(ATTN_QKV_ROWS_CONFIGS))
+def test_qkv_rows_at_their_own_positions_have_the_bits_of_each_row_alone(emulated, tag):
+    """The TTS form at a position and slot a batch row (ROW_POS, chunked, writing in place): each
+    row's attention, new key and new value equal, bit for bit, that row's launch alone over buffers
+    of its own capacity, its q and key rotated at its own position; and the reference."""
+    b, h, hk, cap, d, dtype = ATTN_QKV_ROWS_CONFIGS[tag]
+    positions = ROWS_POSITIONS[tag]
+    keys = mx.random.split(mx.random.key(d), 5)
+    qkv = (2.0 * mx.random.normal((b, 1, (h + 2 * hk) * d), key=keys[0])).astype(dtype)
+    q_scale = 1.0 + 0.1 * mx.random.normal((d,), key=keys[1])
+    k_scale = 1.0 + 0.1 * mx.random.normal((d,), key=keys[2])
+    inv_freq = rope_inv_freq(d, 1e4)
+    k, v = mx.random.normal((b, hk, cap, d), key=keys[3]), mx.random.normal((b, hk, cap, d), key=keys[4])
+    rows = mx.array(positions, mx.int32)
+    case = _with_inputs(emulated.cases[tag], [qkv, q_scale, k_scale, inv_freq, k, v, rows, mx.array([cap], mx.int32),
+                                              rows])
+    out, k_new, v_new, k_after, v_after = emulated.run(tag, case, f"{tag}_rows")
+    together = _merged(emulated, tag, out, cap, f"{tag}_rows_c", chunked=True).reshape(b, 1, h * d)
+    with mx.stream(mx.cpu):
+        q, want_k, want_v = qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, rows, h, hk, 1e-6)
+        want = decode_attention_reference(q, k, v, rows, 256**-0.5, new=(want_k, want_v, rows))
+    np.testing.assert_allclose(k_new, np.array(want_k), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(together, np.array(want), rtol=2e-5, atol=2e-5)
+    for i, (own_cap, p) in enumerate(zip(ROWS_OWN_CAPS[tag], positions)):
+        name = f"{tag}_alone{i}"
+        alone_in = [qkv[i:i + 1], q_scale, k_scale, inv_freq, k[i:i + 1, :, :own_cap], v[i:i + 1, :, :own_cap],
+                    mx.array([p], mx.int32), mx.array([own_cap], mx.int32), mx.array([p], mx.int32)]
+        out_i, k_i, v_i, *_ = emulated.run(name, _with_inputs(emulated.cases[name], alone_in), name)
+        alone = _merged(emulated, name, out_i, own_cap, name + "_c", chunked=True)
+        np.testing.assert_array_equal(together[i], alone.reshape(1, h * d), err_msg=f"row {i}")
+        np.testing.assert_array_equal(k_new[i], k_i[0])
+        np.testing.assert_array_equal(v_new[i], v_i[0])
         for after, before, new in ((k_after, k, k_new), (v_after, v, v_new)):
             want_row = np.array(before[i]).copy()
             want_row[:, p] = np.array(new[i])[:, 0]

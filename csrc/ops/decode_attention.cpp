@@ -76,13 +76,14 @@ const CudaSource& part_source() {
 
 const CudaSource& qkv_part_source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int h, int hk, bool single, const std::string& tx, bool write) {
+  auto inst = [](int d, int h, int hk, bool single, const std::string& tx, bool write, bool row_pos = false) {
     return CudaInstance{{tx, "float", "float", "float", "float", "float", "int32_t", "int32_t", "int32_t"},
                         {"float", "float", "float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"HK", int_arg(hk)},
                          P{"CH", int_arg(single ? kChunk : kSplitChunk)}, P{"THREADS", int_arg(kThreads)},
                          P{"SINGLE", single ? "bool:true" : "bool:false"}, P{"TX", type_arg(tx)},
-                         P{"WRITE", write ? "bool:true" : "bool:false"}, P{"ROW_POS", "bool:false"},
+                         P{"WRITE", write ? "bool:true" : "bool:false"},
+                         P{"ROW_POS", row_pos ? "bool:true" : "bool:false"},
                          P{"SCALE_BITS", int_arg(float_bits(0.0625f))}, P{"EPS_BITS", int_arg(float_bits(1e-6f))}}};
   };
   static const CudaSource& src = register_cuda_source({
@@ -93,9 +94,10 @@ const CudaSource& qkv_part_source() {
           jit::decode_attention::part_tail_body,
       head_norm_rope_header() + block_reduce_header(),
       // the TTS backbone's step (one chunk, then several; writing the cache in place), grouped heads in
-      // bfloat16
+      // bfloat16, and sessions' rows at their own positions (chunked)
       {inst(72, 16, 16, true, "float", true), inst(72, 16, 16, false, "float", true),
-       inst(72, 16, 16, true, "float", false), inst(80, 4, 2, false, "__nv_bfloat16", false)},
+       inst(72, 16, 16, true, "float", false), inst(80, 4, 2, false, "__nv_bfloat16", false),
+       inst(72, 16, 16, false, "float", true, true)},
   });
   return src;
 }
@@ -212,10 +214,14 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
 // graph alone does not when a step's input is not made from the last step's output), and (c) k
 // and v are row-contiguous views of the cache's buffers (MLX would otherwise hand the kernel a
 // copy; the GPU tests would see it).
+//
+// offset and slot: one value for every row, or one a row ([B]: rows of sessions at their own
+// positions). chunked: the two launches at any capacity, as decode_attention's (a row's result
+// then does not depend on the buffers' capacity).
 std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
     const mx::array& qkv, const mx::array& q_scale, const mx::array& k_scale, const mx::array& inv_freq, float eps,
     const mx::array& k, const mx::array& v, const mx::array& offset, float scale, const mx::array& slot, int heads,
-    bool write_cache, mx::StreamOrDevice s_) {
+    bool write_cache, bool chunked, mx::StreamOrDevice s_) {
   expect(k.ndim() == 4 && v.shape() == k.shape(), "k and v must be [B, HK, CAP, D] alike");
   const int b = k.shape(0), hk = k.shape(1), cap = k.shape(2), d = k.shape(3);
   expect(heads >= 1 && heads % hk == 0, "the query heads must be a multiple of the K/V heads");
@@ -224,7 +230,9 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
   expect(d % 2 == 0 && inv_freq.shape() == mx::Shape{d / 2}, "D must be even and inv_freq [D / 2]");
   expect(qkv.size() == static_cast<size_t>(b) * (heads + 2 * hk) * d,
          "qkv must hold B x (heads + 2 kv_heads) x D values");
-  expect(offset.size() == 1 && slot.size() == 1, "offset and slot must hold one value each");
+  const bool row_pos = offset.size() != 1;
+  expect((offset.size() == 1 || static_cast<int>(offset.size()) == b) && slot.size() == offset.size(),
+         "offset and slot must hold one value each, or one a row each");
   auto s = mx::to_stream(s_);
   expect(gpu_stream(s) && cuda_build() && float_dtype(qkv.dtype()) && k.dtype() == mx::float32 &&
              v.dtype() == mx::float32 && q_scale.dtype() == mx::float32 && k_scale.dtype() == mx::float32 &&
@@ -232,14 +240,14 @@ std::tuple<mx::array, mx::array, mx::array> decode_attention_qkv(
          "decode_attention_qkv runs on a CUDA stream (float32 buffers, scales and inv_freq); elsewhere use "
          "voicechat.kernels.decode_attention.decode_attention_qkv, which composes qkv_heads and the attention");
   static auto part = make_cuda_kernel(qkv_part_source());
-  const auto [nc, dims, single, ch] = chunking(cap);
+  const auto [nc, dims, single, ch] = chunking(cap, chunked);
   const mx::Shape result{b, 1, heads * d}, one{b, hk, 1, d};
   auto outs = part({qkv, q_scale, k_scale, inv_freq, k, v, mx::astype(offset, mx::int32, s), dims,
                     mx::astype(slot, mx::int32, s)},
                    {single ? result : mx::Shape{b * heads * nc, d + 2}, one, one},
                    {mx::float32, mx::float32, mx::float32}, {b * heads * nc * kThreads, 1, 1}, {kThreads, 1, 1},
                    {{"D", d}, {"H", heads}, {"HK", hk}, {"CH", ch}, {"THREADS", kThreads}, {"SINGLE", single},
-                    {"TX", qkv.dtype()}, {"WRITE", write_cache}, {"ROW_POS", false}, {"SCALE_BITS", float_bits(scale)},
+                    {"TX", qkv.dtype()}, {"WRITE", write_cache}, {"ROW_POS", row_pos}, {"SCALE_BITS", float_bits(scale)},
                     {"EPS_BITS", float_bits(eps)}},
                    std::nullopt, false, s);
   return {single ? outs[0] : combine_chunks(outs[0], dims, b, heads, d, s), outs[1], outs[2]};

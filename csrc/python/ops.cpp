@@ -161,13 +161,14 @@ void bind_ops(py::module_& m) {
   m.def("decode_attention_qkv", &voicechat::decode_attention_qkv, py::arg("qkv"), py::arg("q_scale"), py::arg("k_scale"),
         py::arg("inv_freq"), py::arg("eps"), py::arg("k"), py::arg("v"), py::arg("offset"), py::arg("scale"),
         py::arg("slot"), py::arg("heads"), py::kw_only(), py::arg("write_cache") = false,
-        py::arg("stream") = py::none(),
+        py::arg("chunked") = false, py::arg("stream") = py::none(),
         "qkv_heads and decode_attention with a new key in one launch: from the stacked projection qkv "
         "[B, (heads + 2 HK) * D], q and the new key are RMS-normed per head (q_scale / k_scale) and rotated at "
         "`offset`; the new key and value are read in `slot` instead of the buffers k, v [B, HK, CAP, D]. Returns "
         "(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D]) float32; CUDA streams only. write_cache=True also "
         "stores the new key and value in `slot` of k and v in place (they must be row-contiguous views of the "
-        "cache's buffers, and nothing may read the slot's old contents later).");
+        "cache's buffers, and nothing may read the slot's old contents later). offset and slot: [1], or [B] (a "
+        "position and slot a row); chunked=True: two launches at any CAP.");
 
   // qkv_heads
   m.def("qkv_heads", &voicechat::qkv_heads, py::arg("qkv"), py::arg("q_scale"), py::arg("k_scale"), py::arg("inv_freq"),

@@ -27,11 +27,12 @@ mlx::core::array decode_attention(const mlx::core::array& q, const mlx::core::ar
 // rotated (inv_freq [D / 2]) at `offset`; the new key and value are read in `slot` instead of the
 // buffers k, v [B, HK, CAP, D]. Returns (out [B, 1, heads * D], k_new, v_new [B, HK, 1, D]), float32.
 // write_cache also stores the new key and value in `slot` of k and v in place (row-contiguous views
-// of the cache's buffers). CUDA streams only.
+// of the cache's buffers). offset and slot: [1], or [B] (a position and slot a row). chunked: two
+// launches at any CAP (a row's result then does not depend on CAP). CUDA streams only.
 std::tuple<mlx::core::array, mlx::core::array, mlx::core::array> decode_attention_qkv(
     const mlx::core::array& qkv, const mlx::core::array& q_scale, const mlx::core::array& k_scale,
     const mlx::core::array& inv_freq, float eps, const mlx::core::array& k, const mlx::core::array& v,
     const mlx::core::array& offset, float scale, const mlx::core::array& slot, int heads, bool write_cache = false,
-    mlx::core::StreamOrDevice s = {});
+    bool chunked = false, mlx::core::StreamOrDevice s = {});
 
 }  // namespace voicechat

@@ -99,7 +99,7 @@ def qkv_kernel_takes(qkv, k, v) -> bool:
 
 
 def decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps: float, k, v, offset, scale: float, slot, heads: int,
-                         mask=None, write_cache: bool = False):
+                         mask=None, write_cache: bool = False, chunked: bool = False):
     """`qkv [B, 1, (heads + 2 HK) * D]` -> `(out [B, 1, heads * D], k_new, v_new [B, HK, 1, D])`:
     `qkv_heads` at position `offset`, then the attention over the buffers `k, v [B, HK, CAP, D]`
     with the new key and value read in `slot`. One CUDA launch (two beyond 1024 slots); elsewhere
@@ -109,7 +109,9 @@ def decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps: float, k, v, offs
     key and value in `slot` of `k` and `v` themselves, in place. They must be views of the cache's
     own buffers, no later reader may want the slot's old contents, and the caller must order the
     launch after every earlier reader of the buffers and every later reader after it (MLX sees no
-    write: `tts.backbone.settle`; see csrc/ops/decode_attention.cpp)."""
+    write: `tts.backbone.settle`; see csrc/ops/decode_attention.cpp). `offset` and `slot` may hold a
+    value a row ([B]: sessions' rows at their own positions); `chunked`: the kernel's two launches at
+    any capacity, so that a row's result does not depend on the buffers' capacity."""
     if not qkv_kernel_takes(qkv, k, v):
         if write_cache:
             raise ValueError("decode_attention_qkv: write_cache needs the CUDA kernel (see qkv_kernel_takes)")
@@ -118,4 +120,4 @@ def decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps: float, k, v, offs
     offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     slot = slot if isinstance(slot, mx.array) else mx.array(slot, mx.int32)
     return tuple(ext.decode_attention_qkv(qkv, q_scale, k_scale, inv_freq, eps, k, v, offset, scale, slot, heads,
-                                          write_cache=write_cache))
+                                          write_cache=write_cache, chunked=chunked))

@@ -20,9 +20,14 @@ def rope_inv_freq(head_dim: int, base: float) -> mx.array:
 
 
 def _rotate(x: mx.array, inv_freq: mx.array, offset) -> mx.array:
+    """x [B, heads, T, D] rotated from position `offset`: an int, one value, or one a batch row [B]."""
     t, half = x.shape[-2], x.shape[-1] // 2
-    positions = (mx.arange(t, dtype=mx.int32) + offset).astype(mx.float32)
-    angles = positions[:, None] * inv_freq[None, :]
+    if isinstance(offset, mx.array) and offset.size > 1:  # a position a batch row
+        positions = (mx.arange(t, dtype=mx.int32)[None, :] + offset.reshape(-1, 1)).astype(mx.float32)
+        angles = (positions[:, :, None] * inv_freq[None, None, :])[:, None]  # [B, 1, T, D / 2]
+    else:
+        positions = (mx.arange(t, dtype=mx.int32) + offset).astype(mx.float32)
+        angles = positions[:, None] * inv_freq[None, :]
     cos, sin = mx.cos(angles), mx.sin(angles)
     x1, x2 = x[..., :half], x[..., half:]
     return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -40,8 +45,8 @@ def qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, heads: int, kv_
 
 def qkv_heads(qkv, q_scale, k_scale, inv_freq, offset, heads: int, kv_heads: int, eps: float):
     """qkv [B, T, (heads + 2 kv_heads) * D] -> (q, k, v) [B, heads / kv_heads, T, D] float32.
-    `offset`: the first position (int or int32 array)."""
-    if use_reference() or not on_cuda_gpu():
+    `offset`: the first position (int or int32 array), or one a batch row (`[B]`: MLX's ops)."""
+    if use_reference() or not on_cuda_gpu() or (isinstance(offset, mx.array) and offset.size > 1):
         return qkv_heads_reference(qkv, q_scale, k_scale, inv_freq, offset, heads, kv_heads, eps)
     offset = offset if isinstance(offset, mx.array) else mx.array(offset, mx.int32)
     return tuple(ext.qkv_heads(qkv, q_scale, k_scale, inv_freq, offset, heads, kv_heads, qkv.shape[0], eps))

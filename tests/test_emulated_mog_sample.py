@@ -30,6 +30,20 @@ def mog_case(n, r, latent, hidden, w_dtype, seed, sharp=3.0, ties=False):
     return case, ref
 
 
+def mog_sessions_case(n, r, latent, hidden, w_dtype, seeds, session=None):
+    """One draw a session (block b: session b) from one head's weights; `session` i: that session's
+    draw launched alone."""
+    draws = [mog_case(n, r, latent, hidden, w_dtype, seed=sd, sharp=1.0) for sd in seeds]
+    first = draws[0][0]
+    mus, low_mat = first.inputs[4], first.inputs[5]
+    chosen = range(len(seeds)) if session is None else [session]
+    rows = [mx.concatenate([draws[i][0].inputs[j] for i in chosen]) for j in range(4)]
+    s = len(chosen)
+    case = Case("vc_mog_sample", dict(first.template_args), rows + [mus, low_mat],
+                [("float", (s * latent,)), ("int32_t", (s,))], s, 512)
+    return case, None
+
+
 # more components than threads, bfloat16 weights; a flat mixture (top-p keeps many); ties at the edge
 CASES = {"mog_bf16": lambda: mog_case(1500, 8, 40, 96, mx.bfloat16, seed=1),
          "mog_flat_f32": lambda: mog_case(300, 4, 24, 64, mx.float32, seed=2, sharp=0.3),
@@ -37,12 +51,29 @@ CASES = {"mog_bf16": lambda: mog_case(1500, 8, 40, 96, mx.bfloat16, seed=1),
          "mog_ties_flat": lambda: mog_case(700, 4, 24, 48, mx.float32, seed=4, sharp=0.6, ties=True)}
 
 
+SESSION_SEEDS = (11, 12, 13)
+CASES["mog_sessions"] = lambda: mog_sessions_case(300, 8, 24, 64, mx.bfloat16, SESSION_SEEDS)
+for _i in range(len(SESSION_SEEDS)):
+    CASES[f"mog_sessions_alone{_i}"] = lambda i=_i: mog_sessions_case(300, 8, 24, 64, mx.bfloat16, SESSION_SEEDS, i)
+
 emulated = emulation_fixture("mog_sample", CASES)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("mog_sessions")])
 def test_mog_sample_kernel_emulated(emulated, name):
     z, component = emulated.run(name)
     z_ref, c_ref = emulated.refs[name]
     assert component.tolist() == np.array(c_ref).tolist()
     np.testing.assert_allclose(z, np.array(z_ref), rtol=2e-5, atol=2e-5)
+
+
+def test_each_session_of_a_launch_draws_what_it_draws_alone(emulated):
+    """Sessions' draws in one launch (a block a session, one head's weights): each session's latent and
+    component are, bit for bit, its draw launched alone."""
+    z, component = emulated.run("mog_sessions")
+    latent = z.size // len(SESSION_SEEDS)
+    assert len(set(component.tolist())) > 1  # (the sessions draw apart: a mix-up of rows would show)
+    for i in range(len(SESSION_SEEDS)):
+        z_i, c_i = emulated.run(f"mog_sessions_alone{i}")
+        np.testing.assert_array_equal(z[i * latent : (i + 1) * latent].view(np.uint32), z_i.view(np.uint32))
+        assert component[i] == c_i[0]

@@ -72,12 +72,29 @@ def test_the_kernel_is_one_launch():
     assert custom_kernels(counts) == 1 and "Sort" not in counts
 
 
+@pytest.mark.parametrize("n,r,latent,hidden", [(1024, 64, 512, 1152), (7, 2, 5, 33)])
+def test_sessions_in_one_call_draw_what_each_draws_alone(n, r, latent, hidden):
+    """Three sessions' draws from one head (`sessions=3`: the kernel's blocks a session on a GPU, the
+    reference row by row elsewhere): each session's latent and component bit for bit its own call's."""
+    draws = [_inputs(n, r, latent, hidden, seed=s, sharp=1.0) for s in (4, 5, 6)]
+    mus, low_mat = draws[0][4], draws[0][5]
+    rows = [mx.concatenate([d[j] for d in draws], axis=0) for j in range(4)]
+    z, c = mog_sample(*rows, mus, low_mat, 0.95, -4.0, 0.001, sessions=3)
+    assert z.shape == (3, latent) and c.shape == (3,)
+    for i, d in enumerate(draws):
+        z_i, c_i = mog_sample(*d[:4], mus, low_mat, 0.95, -4.0, 0.001)
+        np.testing.assert_array_equal(np.array(z[i]), np.array(z_i))
+        assert int(c[i]) == int(c_i[0])
+
+
 def test_bad_arguments_are_refused():
     y, h, u, noise, mus, low_mat = _inputs(16, 2, 8, 12)
     with pytest.raises(ValueError, match="N \\+ 1 \\+ L"):
         ext.mog_sample(y[..., :-1], h, u, noise, mus, low_mat, 0.95, -4.0, 0.001)
     with pytest.raises(ValueError, match="mus"):
         ext.mog_sample(y, h, u, noise, mus[:-1], low_mat, 0.95, -4.0, 0.001)
+    with pytest.raises(ValueError, match="a session"):
+        ext.mog_sample(y, h, u, noise, mus, low_mat, 0.95, -4.0, 0.001, sessions=2)
     if not ON_CUDA:
         with pytest.raises(ValueError, match="CUDA stream"):
             ext.mog_sample(y, h, u, noise, mus, low_mat, 0.95, -4.0, 0.001)

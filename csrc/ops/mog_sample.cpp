@@ -66,15 +66,18 @@ void expect(bool ok, const std::string& what) {
 
 std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array& h, const mx::array& u,
                                             const mx::array& noise, const mx::array& mus, const mx::array& low_mat,
-                                            float top_p, float min_log_std, float noise_scale, mx::StreamOrDevice s_) {
+                                            float top_p, float min_log_std, float noise_scale, int sessions,
+                                            mx::StreamOrDevice s_) {
   expect(low_mat.ndim() == 3, "low_mat must be [N, L, R]");
+  expect(sessions >= 1, "sessions must be at least 1");
   const int n = low_mat.shape(0), l = low_mat.shape(1), r = low_mat.shape(2);
   expect(h.ndim() >= 1, "h must be [..., H]");
   const int hidden = h.shape(-1);
-  expect(static_cast<int>(h.size()) == hidden, "h must hold one row");
-  expect(static_cast<int>(y.size()) == n + 1 + l, "y must hold N + 1 + L values (logits, log-std, rest)");
-  expect(static_cast<int>(u.size()) == n, "u must hold N uniforms");
-  expect(static_cast<int>(noise.size()) == l, "noise must hold L normals");
+  const auto per = [&](const mx::array& a, size_t each) { return a.size() == each * static_cast<size_t>(sessions); };
+  expect(per(h, hidden), "h must hold one row a session");
+  expect(per(y, n + 1 + l), "y must hold N + 1 + L values (logits, log-std, rest) a session");
+  expect(per(u, n), "u must hold N uniforms a session");
+  expect(per(noise, l), "noise must hold L normals a session");
   expect(mus.shape() == mx::Shape{n * r, hidden}, "mus (proj_mus.weight) must be [N * R, H]");
   auto s = mx::to_stream(s_);
   const bool kernel_path = gpu_stream(s) && cuda_build() && n <= 4096 && y.dtype() == mx::float32 &&
@@ -85,8 +88,10 @@ std::tuple<mx::array, mx::array> mog_sample(const mx::array& y, const mx::array&
                       "voicechat.kernels.mog_sample, which composes MLX ops");
   static auto kernel = make_cuda_kernel(source());
   // y, h, u and noise are read flat (row-contiguous, as MLX makes every kernel input): no reshapes.
-  auto outs = kernel({y, h, u, noise, mus, low_mat}, {{l}, {1}},
-                     {mx::float32, mx::int32}, {kThreads, 1, 1}, {kThreads, 1, 1},
+  const bool one = sessions == 1;
+  auto outs = kernel({y, h, u, noise, mus, low_mat}, {one ? mx::Shape{l} : mx::Shape{sessions, l},
+                                                       one ? mx::Shape{1} : mx::Shape{sessions}},
+                     {mx::float32, mx::int32}, {sessions * kThreads, 1, 1}, {kThreads, 1, 1},
                      {{"N", n}, {"R", r}, {"L", l}, {"H", hidden}, {"THREADS", kThreads}, {"TW", mus.dtype()},
                       {"TOP_P_BITS", float_bits(top_p)}, {"MIN_LOG_STD_BITS", float_bits(std::fabs(min_log_std))},
                       {"MIN_LOG_STD_NEG", std::signbit(min_log_std)},

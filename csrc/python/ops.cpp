@@ -187,9 +187,10 @@ void bind_ops(py::module_& m) {
   // mog_sample
   m.def("mog_sample", &voicechat::mog_sample, py::arg("y"), py::arg("h"), py::arg("u"), py::arg("noise"), py::arg("mus"),
         py::arg("low_mat"), py::arg("top_p"), py::arg("min_log_std"), py::arg("noise_scale"),
-        py::arg("stream") = py::none(),
+        py::arg("sessions") = 1, py::arg("stream") = py::none(),
         "One MoG draw: (z [L] float32, component [1] int32) from y = [logits N | log_std | rest L], the guided "
         "hidden h [H], uniforms u [N], normals noise [L], proj_mus.weight [N * R, H] and low_mat [N, L, R]. "
+        "sessions=S: S rows of each, S draws in one launch ((z [S, L], component [S]), each draw as alone). "
         "One CUDA launch; CUDA streams only.");
 
   // rvq_search

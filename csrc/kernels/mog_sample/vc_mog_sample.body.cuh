@@ -1,6 +1,8 @@
 // Template args: N (components), R (low rank), L (latent), H (hidden), THREADS, TW (weights' type).
 // TOP_P_BITS, NOISE_BITS: top_p and noise_scale as float bits; MIN_LOG_STD_BITS / MIN_LOG_STD_NEG:
 // min_log_std's magnitude as float bits and its sign.
+// Block b draws session b's frame: its y, h, u and noise rows, its z row and component (one block
+// a session, each the launch of that session alone).
 //
 // Top-p without comparing every pair (N^2 = 1M steps for one block): with f(t) = the mass of the components above t, keep_i <=> f(p_i) < top_p, and f only
 // falls as t grows, so the kept components are those with p_i >= tau, tau the smallest p with
@@ -16,17 +18,23 @@
   __shared__ float low[R];
   __shared__ float scratch[WARPS];
   __shared__ int scratch_i[WARPS];
+  const int session = static_cast<int>(blockIdx.x);
+  const float* ys = y + static_cast<size_t>(session) * (N + 1 + L);
+  const float* hrow = h + static_cast<size_t>(session) * H;
+  const float* us = u + static_cast<size_t>(session) * N;
+  const float* ns = noise + static_cast<size_t>(session) * L;
+  float* zs = z + static_cast<size_t>(session) * L;
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const float top_p = __int_as_float(TOP_P_BITS);
-  for (int k = tid; k < H; k += THREADS) hs[k] = h[k];
+  for (int k = tid; k < H; k += THREADS) hs[k] = hrow[k];
   // softmax of the logits
   float m = neg_inf;
-  for (int i = tid; i < N; i += THREADS) m = fmaxf(m, y[i]);
+  for (int i = tid; i < N; i += THREADS) m = fmaxf(m, ys[i]);
   m = vc_block_max<THREADS>(m, scratch);
   float s = 0.0f;
   for (int i = tid; i < N; i += THREADS) {
-    p[i] = expf(y[i] - m);
+    p[i] = expf(ys[i] - m);
     s += p[i];
   }
   s = vc_block_sum<THREADS>(s, scratch);  // (its barrier also publishes p)
@@ -45,7 +53,7 @@
   // the kept logits' logsumexp
   float kept = 0.0f;
   for (int i = tid; i < N; i += THREADS) {
-    if (p[i] >= tau) kept += expf(y[i] - m);
+    if (p[i] >= tau) kept += expf(ys[i] - m);
   }
   const float lse = m + logf(vc_block_sum<THREADS>(kept, scratch));
   // Gumbel-max over the kept components
@@ -53,12 +61,12 @@
   int best_i = 0;
   for (int i = tid; i < N; i += THREADS) {
     if (p[i] >= tau) {
-      const float g = -logf(-logf(u[i] + 1e-8f) + 1e-8f);
-      vc_mog::better(best, best_i, (y[i] - lse) + g, i);
+      const float g = -logf(-logf(us[i] + 1e-8f) + 1e-8f);
+      vc_mog::better(best, best_i, (ys[i] - lse) + g, i);
     }
   }
   const int c = vc_mog::block_argmax<THREADS>(best, best_i, scratch, scratch_i);
-  if (tid == 0) component[0] = c;
+  if (tid == 0) component[session] = c;
   const bool vec = H % VEC == 0 && R % VEC == 0 &&
                    ((reinterpret_cast<unsigned long long>(mus) | reinterpret_cast<unsigned long long>(low_mat)) & 15ull) == 0ull;
   // low = proj_mus rows of c @ h: a warp per row, lanes over the row (all of a warp's rows at once)
@@ -100,7 +108,7 @@
   __syncthreads();
   // z = (low_mat[c] @ low) * s + rest + s * noise * noise_scale
   const float min_log_std = MIN_LOG_STD_NEG ? -__int_as_float(MIN_LOG_STD_BITS) : __int_as_float(MIN_LOG_STD_BITS);
-  const float scale = expf(fmaxf(y[N], min_log_std));
+  const float scale = expf(fmaxf(ys[N], min_log_std));
   for (int l = tid; l < L; l += THREADS) {
     const TW* lm = low_mat + (static_cast<size_t>(c) * L + l) * R;
     float mu = 0.0f;
@@ -115,5 +123,5 @@
     } else {
       for (int r = 0; r < R; ++r) mu = fmaf(static_cast<float>(lm[r]), low[r], mu);
     }
-    z[l] = (mu * scale + y[N + 1 + l]) + scale * noise[l] * __int_as_float(NOISE_BITS);
+    zs[l] = (mu * scale + ys[N + 1 + l]) + scale * ns[l] * __int_as_float(NOISE_BITS);
   }

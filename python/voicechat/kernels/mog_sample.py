@@ -70,10 +70,17 @@ def mog_sample_reference(y, h, u, noise, mus, low_mat, top_p: float, min_log_std
     return z.reshape(latent), c.reshape(1).astype(mx.int32)
 
 
-def mog_sample(y, h, u, noise, mus, low_mat, top_p: float, min_log_std: float, noise_scale: float):
-    """`(z [L], component [1])`; see the module docstring."""
+def mog_sample(y, h, u, noise, mus, low_mat, top_p: float, min_log_std: float, noise_scale: float,
+               sessions: int = 1):
+    """`(z [L], component [1])`; see the module docstring. `sessions` S > 1: y, h, u and noise hold S
+    rows, one draw each (in one launch, each as alone): `(z [S, L], component [S])`."""
     kernel_takes = (all(a.dtype == mx.float32 for a in (y, h, u, noise)) and mus.dtype == low_mat.dtype
                     and low_mat.shape[0] <= 4096)
     if use_reference() or not on_cuda_gpu() or not kernel_takes:
-        return mog_sample_reference(y, h, u, noise, mus, low_mat, top_p, min_log_std, noise_scale)
-    return tuple(ext.mog_sample(y, h, u, noise, mus, low_mat, top_p, min_log_std, noise_scale))
+        if sessions == 1:
+            return mog_sample_reference(y, h, u, noise, mus, low_mat, top_p, min_log_std, noise_scale)
+        rows = [y.reshape(sessions, -1), h.reshape(sessions, -1), u.reshape(sessions, -1), noise.reshape(sessions, -1)]
+        draws = [mog_sample_reference(*(a[i] for a in rows), mus, low_mat, top_p, min_log_std, noise_scale)
+                 for i in range(sessions)]
+        return mx.stack([z for z, _ in draws]), mx.concatenate([c for _, c in draws])
+    return tuple(ext.mog_sample(y, h, u, noise, mus, low_mat, top_p, min_log_std, noise_scale, sessions=sessions))

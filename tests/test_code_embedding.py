@@ -44,6 +44,21 @@ def test_reference_is_the_depth_sum_times_the_weight():
     np.testing.assert_allclose(np.array(code_embedding_reference(code, table, weight, 2)), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q,k,d,h", [(31, 1024, 512, 1152), (5, 8, 24, 70)])
+def test_sessions_in_one_call_have_the_bits_of_each_alone(q, k, d, h):
+    """Three sessions' frames (`sessions=3`, each its CFG pair): each session's rows, bit for bit, its
+    own call's, in the C++ op (the kernel on a GPU, composed ops elsewhere) and the Python face."""
+    frames = [_case(q, k, d, h, mx.bfloat16, seed=s) for s in (7, 8, 9)]
+    table, weight = frames[0][1], frames[0][2]
+    codes = mx.concatenate([f[0] for f in frames])
+    for op in (lambda c, **kw: ext.code_embedding(c, table, weight, 2, **kw),
+               lambda c, **kw: code_embedding(c, table, weight, 2, **kw)):
+        together = op(codes, sessions=3)
+        assert together.shape == (6, 1, h)
+        for i, f in enumerate(frames):
+            np.testing.assert_array_equal(np.array(together[2 * i : 2 * i + 2]), np.array(op(f[0])))
+
+
 def test_bad_arguments_are_errors():
     code, table, weight = _case(5, 8, 24, 70, mx.float32, seed=4)
     with pytest.raises(ValueError, match="integer"):
@@ -54,3 +69,5 @@ def test_bad_arguments_are_errors():
         ext.code_embedding(code, table, weight[:, :-1])
     with pytest.raises(ValueError, match="rows"):
         ext.code_embedding(code, table, weight, 0)
+    with pytest.raises(ValueError, match="a session"):
+        ext.code_embedding(code, table, weight, 2, sessions=2)

@@ -13,6 +13,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "cuda/cuda_sources.h"
 #include "jit_sources.h"
@@ -28,12 +29,12 @@ constexpr int kRowsPerWarp = 4;
 
 const CudaSource& source() {
   using P = std::pair<std::string, std::string>;
-  auto inst = [](int d, int h, int q, int kp, int b, const std::string& tw) {
+  auto inst = [](int d, int h, int q, int kp, int b, const std::string& tw, int sessions = 1) {
     return CudaInstance{{"int32_t", "float", tw},
                         {"float"},
                         {P{"D", int_arg(d)}, P{"H", int_arg(h)}, P{"Q", int_arg(q)}, P{"KP", int_arg(kp)},
                          P{"B", int_arg(b)}, P{"ROWS", int_arg(kRowsPerWarp)}, P{"THREADS", int_arg(kThreads)},
-                         P{"TW", type_arg(tw)}}};
+                         P{"TW", type_arg(tw)}, P{"SESSIONS", int_arg(sessions)}}};
   };
   static const CudaSource& src = register_cuda_source({
       "vc_code_embedding",
@@ -43,7 +44,8 @@ const CudaSource& source() {
       "",
       // the published TTS (bfloat16 or float32 weights; for the CFG pair, and one row); a small odd one
       {inst(512, 1152, 31, 1025, 2, "__nv_bfloat16"), inst(512, 1152, 31, 1025, 1, "__nv_bfloat16"),
-       inst(512, 1152, 31, 1025, 2, "float"), inst(24, 70, 5, 9, 2, "float")},
+       inst(512, 1152, 31, 1025, 2, "float"), inst(24, 70, 5, 9, 2, "float"),
+       inst(512, 1152, 31, 1025, 2, "__nv_bfloat16", 8)},  // sessions' frames in one launch
   });
   return src;
 }
@@ -52,15 +54,20 @@ void expect(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("code_embedding: " + what);
 }
 
-// The composed ops (every backend but the CUDA kernel).
+// The composed ops (every backend but the CUDA kernel): each session's frame on its own, as alone.
 mx::array composed(const mx::array& code, const mx::array& table, const mx::array& weight, int rows, int q, int kp,
-                   mx::Stream s) {
-  auto index = mx::add(mx::reshape(mx::astype(code, mx::int32, s), {q}, s),
-                       mx::multiply(mx::arange(q, mx::int32, s), mx::array(kp, mx::int32), s), s);
-  auto depth = mx::sum(mx::take(table, index, 0, s), 0, true, s);                        // [1, D]
-  auto out = mx::matmul(depth, mx::transpose(mx::astype(weight, mx::float32, s), s), s);  // [1, H]
+                   int sessions, mx::Stream s) {
   const int h = weight.shape(0);
-  return mx::broadcast_to(mx::reshape(out, {1, 1, h}, s), {rows, 1, h}, s);
+  auto codes = mx::reshape(mx::astype(code, mx::int32, s), {sessions, q}, s);
+  std::vector<mx::array> frames;
+  for (int i = 0; i < sessions; ++i) {
+    auto one = mx::reshape(mx::slice(codes, {i, 0}, {i + 1, q}, s), {q}, s);
+    auto index = mx::add(one, mx::multiply(mx::arange(q, mx::int32, s), mx::array(kp, mx::int32), s), s);
+    auto depth = mx::sum(mx::take(table, index, 0, s), 0, true, s);                        // [1, D]
+    auto out = mx::matmul(depth, mx::transpose(mx::astype(weight, mx::float32, s), s), s);  // [1, H]
+    frames.push_back(mx::broadcast_to(mx::reshape(out, {1, 1, h}, s), {rows, 1, h}, s));
+  }
+  return sessions == 1 ? frames[0] : mx::concatenate(frames, 0, s);
 }
 
 }  // namespace
@@ -68,10 +75,13 @@ mx::array composed(const mx::array& code, const mx::array& table, const mx::arra
 // code: one frame's Q codes (any shape of Q values; K = the mask); table [Q * KP, D] float32; weight
 // [H, D]. Returns W @ depth sum as [rows, 1, H] (the same row `rows` times).
 mx::array code_embedding(const mx::array& code, const mx::array& table, const mx::array& weight, int rows,
-                         mx::StreamOrDevice s_) {
+                         int sessions, mx::StreamOrDevice s_) {
   expect(code.ndim() >= 1 && mx::issubdtype(code.dtype(), mx::integer), "code must be integer codes");
-  const int q = static_cast<int>(code.size());
-  expect(code.shape(-1) == q, "code must hold one frame (its codes in the last axis, the rest of size 1)");
+  expect(sessions >= 1, "sessions must be at least 1");
+  const int q = code.shape(-1);
+  expect(static_cast<int>(code.size()) == sessions * q,
+         "code must hold one frame a session (its codes in the last axis, " + std::to_string(sessions) +
+             " frames in all)");
   expect(table.ndim() == 2 && table.dtype() == mx::float32 && table.shape(0) % q == 0,
          "table must be float32 [Q * (K + 1), D] for Q = " + std::to_string(q) + " codes");
   expect(weight.ndim() == 2 && weight.shape(1) == table.shape(1) && float_dtype(weight.dtype()),
@@ -80,14 +90,15 @@ mx::array code_embedding(const mx::array& code, const mx::array& table, const mx
   const int kp = table.shape(0) / q, d = table.shape(1), h = weight.shape(0);
   auto s = mx::to_stream(s_);
   if (!(gpu_stream(s) && cuda_build() && code.dtype() == mx::int32 && rows <= 2)) {
-    return composed(code, table, weight, rows, q, kp, s);
+    return composed(code, table, weight, rows, q, kp, sessions, s);
   }
   static auto kernel = make_cuda_kernel(source());
   const int rows_per_block = (kThreads / 32) * kRowsPerWarp;
   const int blocks = (h + rows_per_block - 1) / rows_per_block;
-  return kernel({code, table, weight}, {{rows, 1, h}}, {mx::float32}, {blocks * kThreads, 1, 1}, {kThreads, 1, 1},
+  return kernel({code, table, weight}, {{sessions * rows, 1, h}}, {mx::float32},
+                {sessions * blocks * kThreads, 1, 1}, {kThreads, 1, 1},
                 {{"D", d}, {"H", h}, {"Q", q}, {"KP", kp}, {"B", rows}, {"ROWS", kRowsPerWarp}, {"THREADS", kThreads},
-                 {"TW", weight.dtype()}},
+                 {"TW", weight.dtype()}, {"SESSIONS", sessions}},
                 std::nullopt, false, s)[0];
 }
 

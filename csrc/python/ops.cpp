@@ -180,9 +180,10 @@ void bind_ops(py::module_& m) {
 
   // code_embedding
   m.def("code_embedding", &voicechat::code_embedding, py::arg("code"), py::arg("table"), py::arg("weight"), py::arg("rows") = 1,
-        py::arg("stream") = py::none(),
+        py::arg("sessions") = 1, py::arg("stream") = py::none(),
         "One frame's code embedding: weight @ sum_q table[q * (K + 1) + code[q]] as [rows, 1, H] (the same row "
-        "`rows` times). One CUDA launch on a CUDA stream (int32 codes, 1-2 rows), MLX ops elsewhere.");
+        "`rows` times). sessions=S: code [S, Q], a frame a session -> [S * rows, 1, H], each session's rows as "
+        "alone. One CUDA launch on a CUDA stream (int32 codes, 1-2 rows), MLX ops elsewhere.");
 
   // mog_sample
   m.def("mog_sample", &voicechat::mog_sample, py::arg("y"), py::arg("h"), py::arg("u"), py::arg("noise"), py::arg("mus"),

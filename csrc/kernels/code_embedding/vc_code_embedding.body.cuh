@@ -1,9 +1,13 @@
 // Template args: D (latent), H (out rows), Q (codebooks), KP (table rows a codebook), B (copies of the
-// result: the CFG pair's rows), ROWS (output rows a warp), THREADS, TW (W's type).
+// result: the CFG pair's rows), ROWS (output rows a warp), THREADS, TW (W's type), SESSIONS (frames:
+// block b is session b % SESSIONS of tile b / SESSIONS, reading its Q codes and writing its B rows,
+// each session's block what its launch alone does).
   constexpr int WARPS = THREADS / 32;
   __shared__ float depth[D];
   __shared__ int chosen[Q];
-  for (int i = threadIdx.x; i < Q; i += THREADS) chosen[i] = code[i];
+  const int session = static_cast<int>(blockIdx.x) % SESSIONS;
+  const int tile = static_cast<int>(blockIdx.x) / SESSIONS;
+  for (int i = threadIdx.x; i < Q; i += THREADS) chosen[i] = code[static_cast<size_t>(session) * Q + i];
   __syncthreads();
   // The depth sum, codebook by codebook in order (each block forms all of it: 31 x 2 KB from L2).
   for (int j = threadIdx.x; j < D; j += THREADS) {
@@ -13,7 +17,7 @@
   }
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int first = (blockIdx.x * WARPS + warp) * ROWS;
+  const int first = (tile * WARPS + warp) * ROWS;
   float dot[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) dot[r] = 0.0f;
@@ -31,6 +35,6 @@
     const int n = first + r;
     if (lane == 0 && n < H) {
 #pragma unroll
-      for (int b = 0; b < B; ++b) out[static_cast<size_t>(b) * H + n] = dot[r];
+      for (int b = 0; b < B; ++b) out[(static_cast<size_t>(session) * B + b) * H + n] = dot[r];
     }
   }

@@ -23,7 +23,12 @@ def code_embedding_reference(code: mx.array, table: mx.array, weight: mx.array, 
     return mx.broadcast_to(out, (rows, 1, out.shape[-1]))
 
 
-def code_embedding(code: mx.array, table: mx.array, weight: mx.array, rows: int = 1) -> mx.array:
+def code_embedding(code: mx.array, table: mx.array, weight: mx.array, rows: int = 1, sessions: int = 1) -> mx.array:
+    """`[rows, 1, H]`: the frame's embedding `rows` times; `sessions` S: code `[S, Q]`, a frame a
+    session, `[S * rows, 1, H]` (each session's rows its frame's alone, in one launch on a GPU)."""
     if use_reference() or not on_cuda_gpu():
-        return code_embedding_reference(code, table, weight, rows)
-    return ext.code_embedding(code, table, weight, rows)
+        if sessions == 1:
+            return code_embedding_reference(code, table, weight, rows)
+        frames = code.reshape(sessions, -1)
+        return mx.concatenate([code_embedding_reference(frames[i], table, weight, rows) for i in range(sessions)])
+    return ext.code_embedding(code, table, weight, rows, sessions=sessions)

@@ -149,6 +149,27 @@ def test_input_norm_with_the_projection_equals_the_norm_then_the_layer(rows, bia
     np.testing.assert_allclose(np.array(got), want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("with_y,post", [(True, True), (True, False), (False, False)])
+def test_sessions_of_the_seam_and_projection_have_the_bits_of_each_alone(with_y, post):
+    """`add_rms_norm_linear(..., sessions=3)`: three sessions' CFG pairs in one call (one launch on
+    CUDA); each session's h' and output, bit for bit, its own call's."""
+    import mlx.nn as nn
+
+    from voicechat.kernels.add_rms_norm import add_rms_norm_linear
+    from voicechat.kernels.gemv import use_gemv
+
+    h, y, p, pre = _inputs((6, 1), 1152, seed=21)
+    layer = use_gemv(nn.Linear(1152, 96, bias=False))
+    layer.set_dtype(mx.bfloat16)
+    y, p = (y if with_y else None), (p if post else None)
+    got_h, got = add_rms_norm_linear(h, y, p, pre, 1e-6, layer, sessions=3)
+    for i in range(3):
+        part = slice(2 * i, 2 * i + 2)
+        want_h, want = add_rms_norm_linear(h[part], None if y is None else y[part], p, pre, 1e-6, layer)
+        np.testing.assert_array_equal(np.array(got_h[part]), np.array(want_h))
+        np.testing.assert_array_equal(np.array(got[part]), np.array(want))
+
+
 def test_seam_matvec_refuses_bad_shapes():
     h, y, post, pre = _inputs((2,), 64)
     with pytest.raises(ValueError, match="alike"):
@@ -157,5 +178,7 @@ def test_seam_matvec_refuses_bad_shapes():
         ext.dense_add_norm_matvec(h, y, post[:8], pre, 1e-6, mx.zeros((8, 64)))
     with pytest.raises(ValueError, match="bias"):
         ext.dense_add_norm_matvec(h, y, post, pre, 1e-6, mx.zeros((8, 64)), mx.zeros((3,)))
+    with pytest.raises(ValueError, match="not 3 equal groups"):
+        ext.dense_add_norm_matvec(h, y, post, pre, 1e-6, mx.zeros((8, 64)), sessions=3)
     with pytest.raises(ValueError, match="post needs y"):
         ext.dense_add_norm_matvec(h, None, post, pre, 1e-6, mx.zeros((8, 64)))

@@ -635,9 +635,12 @@ namespace {
 std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const std::optional<mx::array>& y,
                                              const std::optional<mx::array>& post, const mx::array& pre, float eps,
                                              const mx::array& w, const std::optional<mx::array>& bias,
-                                             mx::StreamOrDevice s_) {
+                                             int sessions, mx::StreamOrDevice s_) {
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_add_norm_matvec: weight must be [N, K]");
+  }
+  if (sessions < 1) {
+    throw std::invalid_argument("dense_add_norm_matvec: sessions must be at least 1");
   }
   const int n = w.shape(0), k = w.shape(1);
   if (h.ndim() < 1 || h.shape(-1) != k || (y && y->shape() != h.shape())) {
@@ -653,7 +656,12 @@ std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const std::opti
     throw std::invalid_argument("dense_add_norm_matvec: bias must be [N]");
   }
   auto s = mx::to_stream(s_);
-  const int m = leading_rows(h);
+  const int rows = leading_rows(h);
+  if (rows % sessions != 0) {
+    throw std::invalid_argument("dense_add_norm_matvec: h's " + std::to_string(rows) + " rows are not " +
+                                std::to_string(sessions) + " equal groups (sessions)");
+  }
+  const int m = rows / sessions;  // a session's rows
   const int seam = post ? 0 : y ? 1 : 2;
   const bool f32 = h.dtype() == mx::float32 && (!y || y->dtype() == mx::float32) &&
                    (!post || post->dtype() == mx::float32) && pre.dtype() == mx::float32;
@@ -668,10 +676,11 @@ std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const std::opti
   const Launch l = pick_launch(k * static_cast<int>(w.itemsize()) / 16, n);
   auto outs = kernel(dense_add_norm_source())(
       {h, y ? *y : h, post ? *post : pre, pre, w, bias ? *bias : w},  // flat, as in quantized_matvec
-      {out_shape(h, n), h.shape()}, {mx::float32, mx::float32}, {blocks_for(l, n) * l.threads, 1, 1}, {l.threads, 1, 1},
+      {out_shape(h, n), h.shape()}, {mx::float32, mx::float32}, {sessions * blocks_for(l, n) * l.threads, 1, 1},
+      {l.threads, 1, 1},
       {{"K", k}, {"N", n}, {"M", m}, {"ROWS", l.rows}, {"THREADS", l.threads}, {"HAS_BIAS", bias.has_value()},
        {"SEAM", seam}, {"EPS_BITS", float_bits(eps)}, {"TW", w.dtype()}, {"TB", bias ? bias->dtype() : w.dtype()},
-       {"TO", mx::float32}},
+       {"TO", mx::float32}, {"SESSIONS", sessions}},
       std::nullopt, false, s);
   return {outs[0], seam == 2 ? h : outs[1]};
 }

@@ -334,13 +334,14 @@ const CudaSource& dense_source() {
 const CudaSource& dense_add_norm_source() {
   using P = std::pair<std::string, std::string>;
   auto inst = [](int k, int n, int m, int rows, int threads, bool has_bias, const char* tw, const char* tb,
-                 int seam = 0) {
+                 int seam = 0, int sessions = 1) {
     return CudaInstance{{"float", "float", "float", "float", tw, tb},
                         {"float", "float"},
                         {P{"K", int_arg(k)}, P{"N", int_arg(n)}, P{"M", int_arg(m)}, P{"ROWS", int_arg(rows)},
                          P{"THREADS", int_arg(threads)}, P{"HAS_BIAS", has_bias ? "bool:true" : "bool:false"},
                          P{"SEAM", int_arg(seam)}, P{"EPS_BITS", int_arg(float_bits(1e-6f))},
-                         P{"TW", type_arg(tw)}, P{"TB", type_arg(tb)}, P{"TO", "type:float"}}};
+                         P{"TW", type_arg(tw)}, P{"TB", type_arg(tb)}, P{"TO", "type:float"},
+                         P{"SESSIONS", int_arg(sessions)}}};
   };
   const char* bf = "__nv_bfloat16";
   static const CudaSource& src = register_cuda_source({
@@ -359,6 +360,8 @@ const CudaSource& dense_add_norm_source() {
           inst(1152, 9216, 2, 8, 160, false, bf, bf, 1),
           inst(1152, 9216, 2, 8, 160, false, bf, bf, 2),
           inst(1152, 3456, 2, 8, 160, false, bf, bf, 2),
+          // sessions' CFG pairs in one launch
+          inst(1152, 9216, 2, 8, 160, false, bf, bf, 0, 8),
       },
   });
   return src;

@@ -121,10 +121,12 @@ void bind_ops(py::module_& m) {
         "sessions=S: x's rows are S equal groups of 1-2 rows, each group's output the bits it has alone, "
         "in one launch.");
   m.def("dense_add_norm_matvec", &voicechat::dense_add_norm_matvec, py::arg("h"), py::arg("y").none(true), py::arg("post").none(true), py::arg("pre"),
-        py::arg("eps"), py::arg("w"), py::arg("bias") = py::none(), py::arg("stream") = py::none(),
+        py::arg("eps"), py::arg("w"), py::arg("bias") = py::none(), py::arg("sessions") = 1,
+        py::arg("stream") = py::none(),
         "[out, h'] with h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias): the "
         "sandwich-norm seam and the next dense matvec in one CUDA launch for 1-2 float32 rows; MLX ops elsewhere. "
-        "post=None: h' = h + y; y=None (and post=None): h' = h, the input norm and the product.");
+        "post=None: h' = h + y; y=None (and post=None): h' = h, the input norm and the product. sessions=S: the "
+        "rows are S equal groups of 1-2 in one launch, each group's bits those of its launch alone.");
   m.def("two_head_argmax", &voicechat::two_head_argmax, py::arg("x"), py::arg("head_a"), py::arg("head_b"),
         py::arg("group_size") = 64, py::arg("bits") = 4, py::arg("return_logits") = false,
         py::arg("stream") = py::none(),

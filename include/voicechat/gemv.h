@@ -51,12 +51,13 @@ mlx::core::array dense_matvec(const mlx::core::array& x, const mlx::core::array&
                               int sessions = 1, mlx::core::StreamOrDevice s = {});
 
 // {out, h'}: h' = h + rms_norm(y) * post and out = (rms_norm(h') * pre) @ w.T (+ bias), for 1-2
-// float32 rows h, y [..., C]. post none: h' = h + y; y none (and post none): h' = h.
+// float32 rows h, y [..., C]. post none: h' = h + y; y none (and post none): h' = h. sessions: the
+// rows are that many equal groups of 1-2, in one launch, each group's bits those of its launch alone.
 std::vector<mlx::core::array> dense_add_norm_matvec(const mlx::core::array& h, const std::optional<mlx::core::array>& y,
                                                     const std::optional<mlx::core::array>& post,
                                                     const mlx::core::array& pre, float eps, const mlx::core::array& w,
                                                     const std::optional<mlx::core::array>& bias = std::nullopt,
-                                                    mlx::core::StreamOrDevice s = {});
+                                                    int sessions = 1, mlx::core::StreamOrDevice s = {});
 
 // argmax over both quantized heads, head = {weight, scales, biases}, in one pass: {ids [..., 2]
 // int32} or, with return_logits, {ids, logits_a, logits_b}. On an sm_90 GPU one launch over both

@@ -5,16 +5,22 @@
 // (h' = h: a plain input norm before the product; y and post are not read). Every block forms x (M
 // rows of K floats) in shared memory from h and y (K floats each: small beside its weight rows), then
 // runs the block-layout product over it. eps from EPS_BITS (float bits).
-// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, SEAM, EPS_BITS, TW, TB, TO (h, y, post, pre: float).
-// Its header is block_reduce_header() + dense_header().
+// SESSIONS > 1: h, y, out and h' are SESSIONS groups of M rows; block b is session b % SESSIONS of
+// row tile b / SESSIONS (each session's block what its launch alone does), and the first tile's
+// block of each session writes its h'.
+// Template args: K, N, M, ROWS, THREADS, HAS_BIAS, SEAM, EPS_BITS, TW, TB, TO, SESSIONS (h, y, post,
+// pre: float). Its header is block_reduce_header() + dense_header().
   __shared__ __align__(16) float xs[M * K];
   __shared__ float red[THREADS / 32];
   __shared__ float part[ROWS * M * THREADS];
   __shared__ float total[ROWS * M];
   const float eps = __int_as_float(EPS_BITS);
+  const int session = static_cast<int>(blockIdx.x) % SESSIONS;
+  const int tile = static_cast<int>(blockIdx.x) / SESSIONS;
+  const size_t first_row = static_cast<size_t>(session) * M;
   for (int m = 0; m < M; ++m) {
-    const float* ym = y + static_cast<size_t>(m) * K;
-    const float* hm = h + static_cast<size_t>(m) * K;
+    const float* ym = y + (first_row + m) * K;
+    const float* hm = h + (first_row + m) * K;
     float ss = 0.0f;
     float r_post = 1.0f;
     if constexpr (SEAM == 0) {
@@ -31,14 +37,14 @@
     }
     const float r_pre = rsqrtf(vc_block_sum<THREADS>(ss, red) / static_cast<float>(K) + eps);
     for (int k = threadIdx.x; k < K; k += THREADS) {
-      if (blockIdx.x == 0) h_out[static_cast<size_t>(m) * K + k] = xs[m * K + k];
+      if (tile == 0) h_out[(first_row + m) * K + k] = xs[m * K + k];
       xs[m * K + k] = xs[m * K + k] * r_pre * pre[k];
     }
   }
   __syncthreads();
-  const int row0 = blockIdx.x * ROWS;
+  const int row0 = tile * ROWS;
   const auto tail = vc_gemv::row_tail<ROWS, M, 0, HAS_BIAS>(bias, bias, row0, N);
   float acc[ROWS][M];
   vc_gemv::dense_accumulate<K, M, ROWS, THREADS, 0>(static_cast<const float*>(xs), weight, row0, N, acc, threadIdx.x);
   vc_gemv::block_sum<ROWS * M, THREADS>(&acc[0][0], part, total);
-  vc_gemv::store_rows<ROWS, M, 0, HAS_BIAS>(total, tail, out, row0, N);
+  vc_gemv::store_rows<ROWS, M, 0, HAS_BIAS>(total, tail, out + first_row * N, row0, N);

@@ -74,6 +74,18 @@ def test_guided_seam_equals_reference(c, guidance):
     np.testing.assert_allclose(want, z[:1] + guidance * (z[:1] - z[1:]), rtol=1e-5, atol=1e-5)
 
 
+def test_sessions_guided_pairs_have_the_bits_of_each_pair_alone():
+    """Three sessions' CFG pairs `[6, 1, C]` in one call (one launch on CUDA) -> `[3, 1, C]`: each
+    session's guided row, bit for bit, its own pair's (the C++ op and the Python face)."""
+    h, y, post, pre = _inputs((6, 1), 1152, seed=31)
+    for op in (ext.add_rms_norm_guided, add_rms_norm_guided):
+        together = op(h, y, post, pre, 1e-6, 0.2)
+        assert together.shape == (3, 1, 1152)
+        for i in range(3):
+            alone = op(h[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2], post, pre, 1e-6, 0.2)
+            np.testing.assert_array_equal(np.array(together[i : i + 1]), np.array(alone))
+
+
 def test_guided_seam_needs_the_cfg_pair():
     h, y, post, pre = _inputs((3, 1), 12)
     with pytest.raises(ValueError, match="CFG pair"):

@@ -97,12 +97,15 @@ std::tuple<mx::array, mx::array> add_rms_norm(const mx::array& h, const mx::arra
 }
 
 // The seam over a CFG pair h, y [2, 1, C] (row 0 conditioned, row 1 not), then z0 + g * (z0 - z1):
-// [1, 1, C]. One CUDA launch (float32, g >= 0); MLX ops elsewhere.
+// [1, 1, C]; sessions' pairs [2 S, 1, C] -> [S, 1, C]. One CUDA launch (float32, g >= 0); MLX ops
+// elsewhere.
 mx::array add_rms_norm_guided(const mx::array& h, const mx::array& y, const mx::array& post, const mx::array& pre,
                               float eps, float guidance, mx::StreamOrDevice s_) {
-  if (h.ndim() != 3 || h.shape(0) != 2 || h.shape(1) != 1 || h.shape() != y.shape()) {
-    throw std::invalid_argument("add_rms_norm_guided: h and y must both be [2, 1, C] (the CFG pair)");
+  if (h.ndim() != 3 || h.shape(0) < 2 || h.shape(0) % 2 != 0 || h.shape(1) != 1 || h.shape() != y.shape()) {
+    throw std::invalid_argument("add_rms_norm_guided: h and y must both be [2, 1, C] (the CFG pair), or [2 S, 1, C] "
+                                "(S sessions' pairs)");
   }
+  const int sessions = h.shape(0) / 2;
   const int c = h.shape(-1);
   if (post.shape() != mx::Shape{c} || pre.shape() != mx::Shape{c}) {
     throw std::invalid_argument("add_rms_norm_guided: post and pre must be [C] with C = " + std::to_string(c));
@@ -112,11 +115,12 @@ mx::array add_rms_norm_guided(const mx::array& h, const mx::array& y, const mx::
                            y.dtype() == mx::float32 && post.dtype() == mx::float32 && pre.dtype() == mx::float32;
   if (!kernel_path) {
     auto z = mx::fast::rms_norm(mx::add(h, mx::fast::rms_norm(y, post, eps, s), s), pre, eps, s);
-    auto cond = mx::slice(z, {0, 0, 0}, {1, 1, c}, s), uncond = mx::slice(z, {1, 0, 0}, {2, 1, c}, s);
+    const int n = 2 * sessions;
+    auto cond = mx::slice(z, {0, 0, 0}, {n, 1, c}, {2, 1, 1}, s), uncond = mx::slice(z, {1, 0, 0}, {n, 1, c}, {2, 1, 1}, s);
     return mx::add(cond, mx::multiply(mx::array(guidance), mx::subtract(cond, uncond, s), s), s);
   }
   static auto kernel = make_cuda_kernel(guided_source());
-  return kernel({h, y, post, pre}, {{1, 1, c}}, {mx::float32}, {kThreads, 1, 1}, {kThreads, 1, 1},
+  return kernel({h, y, post, pre}, {{sessions, 1, c}}, {mx::float32}, {sessions * kThreads, 1, 1}, {kThreads, 1, 1},
                 {{"C", c}, {"THREADS", kThreads}, {"EPS_BITS", float_bits(eps)}, {"G_BITS", float_bits(guidance)},
                  {"TH", mx::float32}, {"TY", mx::float32}, {"TW", mx::float32}, {"TO", mx::float32}},
                 std::nullopt, false, s)[0];

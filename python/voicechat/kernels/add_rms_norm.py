@@ -60,16 +60,17 @@ def add_rms_norm_linear(h: mx.array, y: mx.array | None, post: mx.array | None, 
 def add_rms_norm_guided_reference(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,
                                   guidance: float) -> mx.array:
     _, z = _add_norm(h, y, post, pre, eps)
-    cond, uncond = z[:1], z[1:]
+    cond, uncond = z[0::2], z[1::2]  # each session's pair: rows 2s (conditioned) and 2s + 1
     return cond + guidance * (cond - uncond)
 
 
 def add_rms_norm_guided(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,
                         guidance: float) -> mx.array:
     """The seam over a classifier-free-guidance pair `h, y [2, 1, C]` (row 0 conditioned, row 1 not),
-    then `cond + guidance * (cond - uncond)` of its normed output: `[1, 1, C]`. One launch on a CUDA
-    GPU (float32, guidance >= 0); elsewhere the reference (the seam, then the guidance)."""
+    then `cond + guidance * (cond - uncond)` of its normed output: `[1, 1, C]`; sessions' pairs
+    `[2 S, 1, C]` -> `[S, 1, C]`, each its pair's alone. One launch on a CUDA GPU (float32, guidance
+    >= 0); elsewhere the reference (the seam, then the guidance)."""
     if (use_reference() or not on_cuda_gpu() or guidance < 0 or h.shape != y.shape or h.ndim != 3
-            or h.shape[:2] != (2, 1) or any(a.dtype != mx.float32 for a in (h, y, post, pre))):
+            or h.shape[0] % 2 or h.shape[1] != 1 or any(a.dtype != mx.float32 for a in (h, y, post, pre))):
         return add_rms_norm_guided_reference(h, y, post, pre, eps, guidance)
     return ext.add_rms_norm_guided(h, y, post, pre, eps, guidance)

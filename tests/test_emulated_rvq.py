@@ -61,3 +61,27 @@ def test_rvq_cluster_kernel_emulated(emulated, tag, start, count, into):
         want_codes, want_r = rvq_search_reference(residual, books, start, count, norms, row if into else None)
     np.testing.assert_array_equal(codes, np.array(want_codes))
     np.testing.assert_allclose(r_out, np.array(want_r), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tag", list(RVQ_CONFIGS))
+def test_each_row_of_a_launch_has_the_bits_of_its_launch_alone(emulated, tag):
+    """A cluster a row: sessions' rows searched in one launch each get, bit for bit, the codes and
+    residual of their row launched alone (what lets sessions stepped together share the launch)."""
+    books, residual, row, norms = _rvq_inputs(tag, 5)
+    name = f"{tag}_cluster_into"
+    cb = SOURCES["vc_rvq_cluster"]["cluster"]
+    runs = mx.array([2, 5, 2, WIDTH], mx.int32)
+
+    def launch(rows, folder):
+        case = copy.copy(emulated.cases[name])
+        case.inputs = [residual[rows], books, norms, runs, row[rows]]
+        n = rows.stop - rows.start
+        case.outputs = [("float", (n, books.shape[2])), ("int32_t", (n, WIDTH))]
+        case.blocks = n * cb
+        return emulated.run(name, case, folder)
+
+    r_all, codes_all = launch(slice(0, ROWS), f"{tag}_rows_all")
+    for i in range(ROWS):
+        r_i, codes_i = launch(slice(i, i + 1), f"{tag}_rows_{i}")
+        np.testing.assert_array_equal(codes_all[i : i + 1], codes_i)
+        np.testing.assert_array_equal(r_all[i : i + 1].view(np.uint32), r_i.view(np.uint32))

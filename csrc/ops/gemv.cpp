@@ -603,7 +603,7 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   const int m = rows / sessions;  // a session's rows
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && k % 8 == 0 &&
                            float_dtype(x.dtype()) && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype())) &&
-                           kernel_takes(epi, m, n);
+                           kernel_takes(epi, rows, n);
   if (!kernel_path) {
     auto in = gated ? gelu_gate_composed(x, k, s) : x;
     auto y = bias ? mx::addmm(*bias, in, mx::transpose(w, s), 1.0f, 1.0f, s) : mx::matmul(in, mx::transpose(w, s), s);

@@ -104,6 +104,18 @@ const mx::fast::CustomKernelFunction& kernel(const CudaSource& src, int shared_m
 
 int leading_rows(const mx::array& x) { return x.ndim() == 0 ? 0 : static_cast<int>(x.size() / x.shape(-1)); }
 
+// A session's rows: op's input `name` holds `rows`, split into `sessions` equal groups.
+int session_rows(int rows, int sessions, const std::string& op, const std::string& name) {
+  if (sessions < 1) {
+    throw std::invalid_argument(op + ": sessions must be at least 1");
+  }
+  if (rows % sessions != 0) {
+    throw std::invalid_argument(op + ": " + name + "'s " + std::to_string(rows) + " rows are not " +
+                                std::to_string(sessions) + " equal groups (sessions)");
+  }
+  return rows / sessions;
+}
+
 mx::Shape out_shape(const mx::array& x, int n) {
   mx::Shape shape(x.shape().begin(), x.shape().end() - 1);
   shape.push_back(n);
@@ -577,9 +589,6 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_matvec: weight must be [N, K]");
   }
-  if (sessions < 1) {
-    throw std::invalid_argument("dense_matvec: sessions must be at least 1");
-  }
   const int n = w.shape(0), k = w.shape(1);
   const Epilogue epi = make_epilogue(residual, activation, n, "dense_matvec");
   if (!input.empty() && input != "gelu_gate") {
@@ -596,11 +605,7 @@ mx::array dense_matvec(const mx::array& x, const mx::array& w, const std::option
   }
   auto s = mx::to_stream(s_);
   const int rows = leading_rows(x);
-  if (rows % sessions != 0) {
-    throw std::invalid_argument("dense_matvec: x's " + std::to_string(rows) + " rows are not " +
-                                std::to_string(sessions) + " equal groups (sessions)");
-  }
-  const int m = rows / sessions;  // a session's rows
+  const int m = session_rows(rows, sessions, "dense_matvec", "x");
   const bool kernel_path = gpu_stream(s) && cuda_build() && m >= 1 && m <= kMaxRows && k % 8 == 0 &&
                            float_dtype(x.dtype()) && float_dtype(w.dtype()) && (!bias || float_dtype(bias->dtype())) &&
                            kernel_takes(epi, rows, n);
@@ -639,9 +644,6 @@ std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const std::opti
   if (w.ndim() != 2) {
     throw std::invalid_argument("dense_add_norm_matvec: weight must be [N, K]");
   }
-  if (sessions < 1) {
-    throw std::invalid_argument("dense_add_norm_matvec: sessions must be at least 1");
-  }
   const int n = w.shape(0), k = w.shape(1);
   if (h.ndim() < 1 || h.shape(-1) != k || (y && y->shape() != h.shape())) {
     throw std::invalid_argument("dense_add_norm_matvec: h and y must be [..., K] alike with K = " + std::to_string(k));
@@ -656,12 +658,7 @@ std::vector<mx::array> dense_add_norm_matvec(const mx::array& h, const std::opti
     throw std::invalid_argument("dense_add_norm_matvec: bias must be [N]");
   }
   auto s = mx::to_stream(s_);
-  const int rows = leading_rows(h);
-  if (rows % sessions != 0) {
-    throw std::invalid_argument("dense_add_norm_matvec: h's " + std::to_string(rows) + " rows are not " +
-                                std::to_string(sessions) + " equal groups (sessions)");
-  }
-  const int m = rows / sessions;  // a session's rows
+  const int m = session_rows(leading_rows(h), sessions, "dense_add_norm_matvec", "h");
   const int seam = post ? 0 : y ? 1 : 2;
   const bool f32 = h.dtype() == mx::float32 && (!y || y->dtype() == mx::float32) &&
                    (!post || post->dtype() == mx::float32) && pre.dtype() == mx::float32;

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ._native import ext, use_reference
-from .gemv import MAX_ROWS, GemvLinear, on_cuda_gpu
+from .gemv import GemvLinear, gemv_applies, on_cuda_gpu
 
 
 @mx.compile
@@ -43,10 +43,8 @@ def add_rms_norm_linear(h: mx.array, y: mx.array | None, post: mx.array | None, 
     (`ext.dense_add_norm_matvec`); otherwise MLX ops, then the layer. `sessions`: the rows are that
     many equal groups (sessions' CFG pairs), each group's bits those it has alone."""
     given = [a for a in (h, y, post, pre) if a is not None]
-    rows = h.size // h.shape[-1]
-    if (isinstance(layer, GemvLinear) and rows % sessions == 0 and 1 <= rows // sessions <= MAX_ROWS
-            and on_cuda_gpu() and not use_reference()
-            and all(a.dtype == mx.float32 for a in given) and (y is None or y.shape == h.shape)):
+    if (isinstance(layer, GemvLinear) and gemv_applies(h, sessions=sessions) and all(a.dtype == mx.float32 for a in given)
+            and (y is None or y.shape == h.shape)):
         out, h2 = ext.dense_add_norm_matvec(h, y, post, pre, eps, layer["weight"], layer.get("bias"),
                                             sessions=sessions)
         return h2, out

@@ -221,12 +221,13 @@ def two_head_argmax(h, head_a, head_b, return_logits: bool = False, *, stream=No
 
 # --------------------------------------------------------------------------- layers
 
-def gemv_applies(x, quantized: bool = False) -> bool:
+def gemv_applies(x, quantized: bool = False, sessions: int = 1) -> bool:
     """Whether our GEMV layers run their kernels for `x` (an array or `Prenormed`) on a CUDA GPU:
-    1-2 rows for dense weights, 1, 2 or 4 for `quantized` ones."""
+    1-2 rows for dense weights, 1, 2 or 4 for `quantized` ones; with `sessions`, that many a
+    session (x's rows in equal groups)."""
     x = x.weighted if isinstance(x, Prenormed) else x
-    rows = rows_of(x)
-    fits = rows in QUANTIZED_ROWS if quantized else 1 <= rows <= MAX_ROWS
+    rows, left = divmod(rows_of(x), sessions)
+    fits = not left and (rows in QUANTIZED_ROWS if quantized else 1 <= rows <= MAX_ROWS)
     return fits and on_cuda_gpu() and not use_reference()
 
 

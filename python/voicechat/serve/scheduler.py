@@ -7,6 +7,12 @@ as one batch), then one engine tick steps every
 session with a complete frame together (one batched frame), then each session's frames go out. A
 client that sends a minute of audio at once is stepped a frame a round like the others.
 
+A tick costs about the same for one session as for all of them (the batch's weights are read once
+either way), so a round waits for the pieces of the sessions that are streaming (a piece in the
+last two frames, input not ended) while the oldest waiting piece can still make its frame in real
+time: until one frame after it arrived, less the longest of the recent rounds. Clients whose
+pieces arrive a few milliseconds apart then share one tick instead of taking one each.
+
 A conversation's caches grow with its length (docs/live.md: up to 0.4 GB a minute at full size),
 so with `memory_limit` set, the memory in use is checked after every round: past the limit, the
 conversation holding the most ends with `MemoryFull` (its state is freed at once; its client may
@@ -20,6 +26,7 @@ import collections
 import concurrent.futures
 import contextlib
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Callable
@@ -55,6 +62,7 @@ class Work:
     samples: np.ndarray | None = None
     sample_rate: int = 0
     seconds: float = 0.0
+    arrived: float = 0.0  # time.monotonic() when it was queued
 
 
 class SessionHandle:
@@ -70,13 +78,19 @@ class SessionHandle:
         self.live = None  # the EngineSession, made on the scheduler's thread at its first work
         self.closed = False
         self.finishing = False  # its input has ended: the last frames are on their way
+        self.last_push = float("-inf")  # time.monotonic() of its last piece
 
     def push(self, samples: np.ndarray, sample_rate: int) -> None:
         piece = max(1, int(round(FRAME_SECONDS * sample_rate)))
         with self.scheduler.lock:
+            self.last_push = time.monotonic()
             for start in range(0, len(samples), piece):
-                self.work.append(Work("push", samples[start : start + piece], sample_rate))
+                self.work.append(Work("push", samples[start : start + piece], sample_rate, arrived=self.last_push))
             self.scheduler.wake.notify()
+
+    def streaming(self, now: float) -> bool:
+        """Its client is sending audio: a piece in the last two frames, its input not ended."""
+        return not self.closed and not self.finishing and now - self.last_push < 2 * FRAME_SECONDS
 
     def finish(self, seconds: float) -> None:
         with self.scheduler.lock:
@@ -106,6 +120,7 @@ class FrameScheduler:
         self.sessions: list[SessionHandle] = []
         self._calls: collections.deque[tuple[Callable, concurrent.futures.Future]] = collections.deque()
         self._stopping = False
+        self._round_seconds: collections.deque[float] = collections.deque(maxlen=16)  # the recent rounds' times
         self._thread = threading.Thread(target=self._run, name="voicechat-scheduler", daemon=True)
         self._thread.start()
 
@@ -163,9 +178,23 @@ class FrameScheduler:
         with self.lock:
             while not self._stopping and not self._busy():
                 self.wake.wait()
+            self._gather()
             if self._stopping and not any(h.work for h in self.sessions):
                 return None
             return [(handle, handle.work.popleft()) for handle in self.sessions if handle.work]
+
+    def _gather(self) -> None:
+        """Wait (lock held) for the pieces of the streaming sessions that have none queued, while
+        the oldest queued piece can still make its frame in real time (see the module docstring)."""
+        while not self._stopping and not self._calls:
+            now = time.monotonic()
+            if not any(h.streaming(now) and not h.work for h in self.sessions):
+                return
+            oldest = min((h.work[0].arrived for h in self.sessions if h.work), default=now)
+            left = oldest + FRAME_SECONDS - max(self._round_seconds, default=0.0) - now
+            if left <= 0:
+                return
+            self.wake.wait(left)
 
     def _run(self) -> None:
         while True:
@@ -173,27 +202,33 @@ class FrameScheduler:
             if round_ is None:
                 return
             self._run_calls()
-            pushes = []
-            for handle, work in round_:
-                if work.kind == "push" and handle.live is not None and not handle.closed:
-                    pushes.append((handle, work))  # perceived together below
-                else:
-                    self._do(handle, work)
-            if pushes:
-                self._feed(pushes)
-            try:
-                stepped = self.engine.step()
-            except Exception as e:  # a bug: every stepping session ends, the server goes on
-                traceback.print_exc()
-                for handle in list(self.sessions):
-                    if handle.live is not None:
-                        self._fail(handle, e)
-                continue
-            if stepped:
-                for handle in list(self.sessions):
-                    if handle.live is not None:
-                        self._hand_out(handle)
-            self._hold_memory()
+            started = time.monotonic()
+            self._round(round_)
+            self._round_seconds.append(time.monotonic() - started)
+
+    def _round(self, round_: list[tuple[SessionHandle, Work]]) -> None:
+        """The round's pieces fed together, one tick, the frames handed out."""
+        pushes = []
+        for handle, work in round_:
+            if work.kind == "push" and handle.live is not None and not handle.closed:
+                pushes.append((handle, work))  # perceived together below
+            else:
+                self._do(handle, work)
+        if pushes:
+            self._feed(pushes)
+        try:
+            stepped = self.engine.step()
+        except Exception as e:  # a bug: every stepping session ends, the server goes on
+            traceback.print_exc()
+            for handle in list(self.sessions):
+                if handle.live is not None:
+                    self._fail(handle, e)
+            return
+        if stepped:
+            for handle in list(self.sessions):
+                if handle.live is not None:
+                    self._hand_out(handle)
+        self._hold_memory()
 
     def _run_calls(self) -> None:
         while True:

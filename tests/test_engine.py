@@ -63,7 +63,7 @@ def feed_bad(session, rate):
         session.feed(np.zeros(100, np.float32), sample_rate=rate + 1)
 
 
-def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, path_ticks=None, together=None):
+def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, batch_codec=None, path_ticks=None, together=None):
     """Feed every joined session a piece a tick (then finish), one engine step a tick, until all
     are done. Returns ({plan index: (frames, result)}, the batch sizes seen, the engine's ticks);
     `alone` (a list) gets, per tick, the plan index of the session that stepped alone (or None).
@@ -71,7 +71,7 @@ def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, rows=None, pat
     and it gets the chunks perceived in batches."""
     out, frames, sessions, fed, finished = {}, {}, {}, {}, set()
     batches = []
-    with Engine(chat, max_sessions=max_sessions, rows=rows) as engine:
+    with Engine(chat, max_sessions=max_sessions, batch_codec=batch_codec) as engine:
         tick = 0
         while len(finished) < len(plans):
             pieces = []
@@ -150,14 +150,14 @@ def test_each_session_in_a_batch_equals_its_generate(request, inputs, checkpoint
         check_equal(frames, result, expected[i])
 
 
-def test_sessions_speaking_in_turn_equal_their_generate(tiny_checkpoint, inputs):
-    """`rows=False` (a CUDA GPU's default): the LLM's rows step together (in groups of 4), then each
-    session's TTS step and codec frame on its own caches, one after another in a tick; joins, a
-    leaver, bad chunks and a reused slot change nothing of the others."""
+def test_sessions_decoding_in_turn_equal_their_generate(tiny_checkpoint, inputs):
+    """`batch_codec=False` (a CUDA GPU's default): the LLM's and TTS's rows step together, then each
+    session's codec frame runs on its own caches, one after another in a tick; joins, a leaver,
+    bad chunks and a reused slot change nothing of the others."""
     with voicechat.load(tiny_checkpoint) as chat:
         expected = generate_all(chat, inputs, SCHEDULE)
         paths = {}
-        out, batches, ticks = run_schedule(chat, inputs, SCHEDULE, rows=False, path_ticks=paths)
+        out, batches, ticks = run_schedule(chat, inputs, SCHEDULE, batch_codec=False, path_ticks=paths)
     assert max(batches) >= 4 and ticks < sum(r.frames for _, r in out.values())
     assert paths["rows"] > 0 and paths["rows"] + paths["alone"] == ticks
     assert set(out) == set(expected)
@@ -165,8 +165,8 @@ def test_sessions_speaking_in_turn_equal_their_generate(tiny_checkpoint, inputs)
         check_equal(frames, result, expected[i])
 
 
-@pytest.mark.parametrize("rows", [None, False])
-def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, rows):
+@pytest.mark.parametrize("batch_codec", [None, False])
+def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, batch_codec):
     """`feed_many` (a server's round): the chunks of a tick go through perception as one batch,
     the streamed encoders' caches filling or full. Sessions long enough to fill them, joining
     at different ticks, one with half-frame pieces, one with a bad chunk in the same call: each
@@ -182,7 +182,7 @@ def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, row
     with voicechat.load(tiny_checkpoint) as chat:
         expected = generate_all(chat, long_inputs, plans)
         together = []
-        out, batches, _ = run_schedule(chat, long_inputs, plans, rows=rows, together=together)
+        out, batches, _ = run_schedule(chat, long_inputs, plans, batch_codec=batch_codec, together=together)
     assert together[0] >= 20 and max(batches) >= 3
     assert set(out) == set(expected)
     for i, (frames, result) in out.items():
@@ -224,7 +224,7 @@ def test_slots_come_in_buckets_and_the_engine_holds_the_model(tiny_checkpoint):
     assert voicechat.Engine is Engine
     assert [bucket(n) for n in (0, 1, 2, 3, 5, 9, 17, 33, 64, 65, 100)] == [1, 1, 2, 4, 8, 16, 32, 64, 64, 128, 128]
     chat = voicechat.load(tiny_checkpoint)
-    engine = Engine(chat, max_sessions=3, rows=True)
+    engine = Engine(chat, max_sessions=3)
     with pytest.raises(ModelBusy):
         chat.generate(np.zeros(8000, np.float32), sample_rate=16000)
     with pytest.raises(ModelBusy):
@@ -328,17 +328,18 @@ def test_sessions_move_between_stepping_alone_and_the_rows_exactly(tiny_checkpoi
 @pytest.mark.skipif(not on_cuda_gpu(), reason="full size wants a CUDA GPU")
 def test_sessions_at_full_size_on_a_gpu_have_the_bits_they_have_alone(tmp_path, spoken_wav):
     """The contract where rows could round otherwise: at the published shapes (random 4-bit
-    weights), four sessions starting at different points of their input, stepped together (the
-    LLM's rows on our kernels), each give `chat.live`'s ids, codes, transcript and samples bit for bit."""
+    weights), five sessions starting at different points of their input, stepped together (eight
+    slots: the LLM's rows in groups of 4 and the TTS's CFG pairs on our kernels, empty slots among
+    them), each give `chat.live`'s ids, codes, transcript and samples bit for bit."""
     from voicechat.synthetic import random_checkpoint
 
     chat = voicechat.load(random_checkpoint(tmp_path / "full", "full", quantize=4))
     speech = load_audio(spoken_wav, 16000)
     piece = chat.config.input_samples_per_frame
-    inputs = [np.concatenate([np.zeros(3 * piece * i, np.float32), speech[: piece * (16 + 3 * i)]]) for i in range(4)]
+    inputs = [np.concatenate([np.zeros(3 * piece * i, np.float32), speech[: piece * (16 + 3 * i)]]) for i in range(5)]
     expected = [live_alone(chat, x, 16000, None, i, piece) for i, x in enumerate(inputs)]
-    with Engine(chat, max_sessions=4) as engine:
-        sessions = [engine.live(seed=i) for i in range(4)]
+    with Engine(chat, max_sessions=5) as engine:
+        sessions = [engine.live(seed=i) for i in range(5)]
         for pos in range(0, max(x.size for x in inputs), piece):
             engine.feed_many([(s, x[pos : pos + piece], 16000) for s, x in zip(sessions, inputs) if pos < x.size])
             engine.step()

@@ -13,11 +13,12 @@
 Each tick (`step`) runs one timeline frame for every session that has a complete 80 ms of input
 queued. The LLM steps as one batch (`llm.rows.LMGroups`: a row per session, per-session Mamba
 states, attention keys at per-session positions, both heads' argmax per row; `DuplexLM.decode`'s
-own compiled parts, in groups of up to 4 rows). Then, with `rows`, the TTS steps with two rows per
-session (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and generator key) and
-the codec decodes every session's frame as one batch (`codec.push_streams`); without, each
-session's TTS step and codec frame run on its own caches (`FrameLoop.speak`, the single-session
-kernels), every one queued before any is read back. Then each session's text. Perception and the
+own compiled parts, in groups of up to 4 rows). Then the TTS steps with two rows per session
+(`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and generator key; the
+single-session step's graph and kernels over all the sessions at once). With `batch_codec` the
+codec decodes every session's frame as one batch (`codec.push_streams`); without, each session's
+codec frame runs on its own caches, every one queued before any is read back. Then each session's
+text. Perception and the
 transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with `feed_many`
 (a server's round: a chunk for each of several sessions) the streamed encoders run their layers as
 one batch (`stt.conformer.push_streams`: sessions whose chunks complete the same number of frames,
@@ -41,18 +42,19 @@ kept by a select). Slot counts come in buckets (2, 4, 8, ...) so that the compil
 once per bucket and cache capacity, not per session count; the batch shrinks when the highest
 slots free up.
 
-`rows` (default: True except on a CUDA GPU) also batches the TTS and the codec. On a GPU the TTS's
-rows run every kernel face's pure-MLX reference (`kernels._native.reference_ops`: its kernels serve
-one session), which is not bit for bit what a session alone gets there; so a GPU steps each
-session's TTS and codec on its own caches, behind the LLM's batch.
+`batch_codec` (default: True except on a CUDA GPU) decodes the sessions' codec frames as one
+batch. On a CUDA GPU MLX's matmuls and convolutions pick their kernels by the row count, so a
+batch's samples round otherwise than a session's alone (up to ~2e-4): there each session's codec
+frame runs on its own caches.
 
 Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
-so `chat.generate`), whatever its neighbours do and whenever they join or leave, wherever the
-backend computes each row independently of the others: MLX on a CPU (tested), and on a CUDA GPU
-the LLM's rows (our kernels give a row the bits it gets alone at up to 4 rows) with the TTS and
-codec per session (`rows=False`). On a CUDA GPU the perception `feed_many` batches rounds
-otherwise than a session's alone (about 1e-6: MLX's matmul picks its kernel by the row count), so
-there a session's ids equal its generate's unless two of its logits are that close.
+so `chat.generate`), whatever its neighbours do and whenever they join or leave: on a CPU, where
+MLX computes each row independently of the others (tested), and on a CUDA GPU, where our kernels
+give each session's rows the bits they get alone (the LLM's at up to 4 rows a group, the TTS's
+through each kernel's `sessions` grid) and the codec runs per session. On a CUDA GPU the
+perception `feed_many` batches rounds otherwise than a session's alone (about 1e-6: MLX's matmul
+picks its kernel by the row count), so there a session's ids equal its generate's unless two of
+its logits are that close.
 
 The engine holds the `VoiceChat` until closed (`with`, or `close()`), as `chat.sessions()` does:
 meanwhile `generate()` and `live()` raise `ModelBusy`. One thread at a time steps it; every session
@@ -70,7 +72,6 @@ import mlx.core as mx
 import numpy as np
 
 from .codec.codec import push_streams
-from .kernels._native import reference_ops
 from .kernels.gemv import on_cuda_gpu
 from .live import ContextFull, Frame, LiveSession
 from .llm.rows import MAX_KERNEL_ROWS, LMGroups, LMRows
@@ -107,16 +108,17 @@ def bucket(n: int) -> int:
 
 class Engine:
     """Owns a loaded `VoiceChat` and steps its live sessions together (see the module docstring).
-    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it). `rows`: the
-    TTS and codec of two or more sessions step as batched rows too (True) or each session's on its
-    own caches (False); None picks rows except on a CUDA GPU (see the module docstring)."""
+    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it).
+    `batch_codec`: the codec frames of two or more sessions decode as one batch (True) or each
+    session's on its own caches (False); None: batched except on a CUDA GPU (see the module
+    docstring)."""
 
-    def __init__(self, chat, max_sessions: int = 64, *, rows: bool | None = None):
+    def __init__(self, chat, max_sessions: int = 64, *, batch_codec: bool | None = None):
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise InputError(f"max_sessions must be a whole number >= 1, got {max_sessions!r}")
         self.chat = chat
         self.max_sessions = max_sessions
-        self.rows = not on_cuda_gpu() if rows is None else bool(rows)
+        self.batch_codec = not on_cuda_gpu() if batch_codec is None else bool(batch_codec)
         self._lock = threading.RLock()
         self._turn = chat._begin_turn(live=True)
         self._closed = False
@@ -184,7 +186,7 @@ class Engine:
         size = bucket(rows)
         with mx.stream(self.chat._timeline_stream):
             self.lm.resize(size if size > 1 else 0)
-            self.tts.resize(size if size > 1 and self.rows else 0)
+            self.tts.resize(size if size > 1 else 0)
         self.sessions = (self.sessions + [None] * size)[:size]
 
     def _release(self, session: "EngineSession") -> None:
@@ -233,19 +235,15 @@ class Engine:
                 audio[s.slot] = s._queue[0][0]
             self.ticks += 1
             self.path_ticks["rows"] += 1
-            if not self.rows:
-                self.last_tick = self._step_speaking_in_turn(ready, audio, active, started)
-                return len(ready)
             # Timeline position 0 has no TTS step (its codes are zeros).
             speaking = active & (self.lm.positions >= 1)
-            # The LLM's rows take our kernels on a GPU (each row's bits as alone, up to
-            # MAX_KERNEL_ROWS rows a group); the TTS's rows take MLX's own ops there (its kernels
-            # serve one session). On a CPU the kernel faces are the ops (or C++ loops) whose rows
-            # do not depend on each other.
             with mx.stream(chat._timeline_stream):
                 text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
-                with reference_ops(on_cuda_gpu()):
-                    codes = self.tts.step(text, speaking, self._silence)
+                codes = self.tts.step(text, speaking, self._silence)
+            if not self.batch_codec:
+                self.last_tick = self._decode_in_turn(ready, text, function, codes, speaking, started)
+                return len(ready)
+            with mx.stream(chat._timeline_stream):
                 mx.eval(text, function, codes)
                 text, function, codes = np.array(text), np.array(function), np.array(codes)
             times = TickTimes(started, time.perf_counter(), {})
@@ -263,18 +261,15 @@ class Engine:
             self.last_tick = times
             return len(ready)
 
-    def _step_speaking_in_turn(self, ready: list["EngineSession"], audio: list[mx.array], active: np.ndarray,
-                               started: float) -> TickTimes:
-        """The LLM's rows as one batch (per group), then each ready session's TTS step and codec
-        frame on its own caches (`FrameLoop.speak`: the single-session TTS kernels), every one
-        queued before any is read back."""
+    def _decode_in_turn(self, ready: list["EngineSession"], text: mx.array, function: mx.array, codes: mx.array,
+                        speaking: np.ndarray, started: float) -> TickTimes:
+        """The batched step's rows (lazy) through each ready session's codec on its own caches,
+        every frame queued before any is read back."""
         with mx.stream(self.chat._timeline_stream):
-            text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
-            mx.async_eval(text, function)
-            queued = []
-            for s in ready:
-                text_id, function_id = text[s.slot : s.slot + 1], function[s.slot : s.slot + 1]
-                queued.append((s, s._queue_codec(text_id, function_id, s.loop.speak(text_id, function_id))))
+            mx.async_eval(text, function, codes)
+            queued = [(s, s._queue_codec(text[s.slot : s.slot + 1], function[s.slot : s.slot + 1],
+                                         codes[s.slot : s.slot + 1] if speaking[s.slot] else None))
+                      for s in ready]
         return TickTimes(started, *_read_and_deliver(queued))
 
     def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
@@ -321,10 +316,11 @@ class Engine:
         """Trace, on this thread, the streamed encoder's compiled chunk for every batch `feed_many`
         can make of 2 up to `sessions` (default `max_sessions`) sessions: silence through fresh
         streams, a chunk each, one batch a bucket (`bucket`: the batch sizes perception runs as);
-        and the LLM's step for each group size its rows take (2 and 4 rows: `LMGroups`), on rows
-        of their own. A round that first meets a bucket then replays its graph instead of tracing
-        it (and, on a first run, compiling its kernels) while every session waits. Returns the
-        perception buckets traced."""
+        the LLM's step for each group size its rows take (2 and 4 rows: `LMGroups`), on rows of
+        their own; and, while no session is open, the TTS rows' step for each bucket (on empty
+        rows, none active). A round that first meets a bucket then replays its graph instead of
+        tracing it (and, on a first run, compiling its kernels) while every session waits. Returns
+        the perception buckets traced."""
         release_mlx_state_at_thread_exit()
         count = self.max_sessions if sessions is None else sessions
         sizes = sorted({bucket(n) for n in range(2, count + 1)})
@@ -340,6 +336,11 @@ class Engine:
                 for rows in sorted({min(size, MAX_KERNEL_ROWS) for size in sizes}):
                     lm = LMRows(self.chat.listening, rows, self.chat.config.pad_token_id)
                     mx.eval(lm.step(mx.zeros((rows, 1, self._audio_width), mx.float32), np.ones(rows, bool)))
+                if self.open_sessions == 0:
+                    for size in sizes:
+                        self.tts.resize(size)
+                        mx.eval(self.tts.step(mx.zeros(size, mx.int32), np.zeros(size, bool), self._silence))
+                    self.tts.resize(0)
         return len(sizes)
 
     def run(self) -> None:
@@ -414,23 +415,17 @@ class EngineSession(LiveSession):
         self._overflow = False  # input arrived past the context: ContextFull once its frames are out
 
     def _join(self) -> None:
-        """The session's LLM state (and with the engine's `rows`, its TTS state) goes from its loop
-        into its slot's rows."""
+        """The session's LLM and TTS state goes from its loop into its slot's rows."""
         loop, engine = self.loop, self.engine
         with mx.stream(self.chat._timeline_stream):
             engine.lm.insert(self.slot, loop.cache, loop.position, loop.prev_text, loop.prev_function)
-            if engine.rows:
-                engine.tts.insert(self.slot, loop.tts_cache, loop.tts_cache.offset, loop.previous_code, loop.key)
-                loop.tts_cache = None
-        loop.cache = None  # the slot's rows hold the state now
+            engine.tts.insert(self.slot, loop.tts_cache, loop.tts_cache.offset, loop.previous_code, loop.key)
+        loop.cache = loop.tts_cache = None  # the slot's rows hold the state now
 
     def _leave_rows(self) -> None:
         """The session's state goes from its slot's rows back into its loop (it steps alone)."""
         engine, loop = self.engine, self.loop
-        if engine.rows:
-            loop.resume(*engine.lm.take(self.slot), *engine.tts.take(self.slot))
-        else:
-            loop.resume(*engine.lm.take(self.slot), loop.tts_cache, loop.previous_code, loop.key)
+        loop.resume(*engine.lm.take(self.slot), *engine.tts.take(self.slot))
 
     # ------------------------------------------------------------------ API
 
@@ -481,11 +476,9 @@ class EngineSession(LiveSession):
             if self.loop.cache is not None:  # (stepping alone: its own caches)
                 return LiveSession.held_bytes(self)
             share = lambda arrays, rows: sum(int(a.nbytes) for a in arrays) // max(rows, 1)  # noqa: E731
-            tts = share(engine.tts.buffers, engine.slots) if engine.rows else \
-                sum(int(a.nbytes) for a in self.loop.tts_cache.state)
             return {
                 "llm_cache": share(engine.lm.state, engine.slots),
-                "tts_cache": tts,
+                "tts_cache": share(engine.tts.buffers, engine.slots),
                 "encoder_cache": sum(int(a.nbytes) for a in self.perception.state),
                 "ids_and_codes": self._codes.values.nbytes + 8 * (len(self._text_ids) + len(self._function_ids)
                                                                   + len(self._transcript_ids)),

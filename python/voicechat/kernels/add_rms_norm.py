@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ._native import ext, use_reference
-from .gemv import GemvLinear, gemv_applies, on_cuda_gpu
+from .gemv import GemvLinear, gemv_applies, linear, on_cuda_gpu
 
 
 @mx.compile
@@ -50,9 +50,9 @@ def add_rms_norm_linear(h: mx.array, y: mx.array | None, post: mx.array | None, 
         return h2, out
     if post is not None:
         h2, z = add_rms_norm(h, y, post, pre, eps)
-        return h2, layer(z)
+        return h2, linear(layer, z, sessions=sessions)
     h2 = h if y is None else h + y
-    return h2, layer(mx.fast.rms_norm(h2, pre, eps))
+    return h2, linear(layer, mx.fast.rms_norm(h2, pre, eps), sessions=sessions)
 
 
 def add_rms_norm_guided_reference(h: mx.array, y: mx.array, post: mx.array, pre: mx.array, eps: float,

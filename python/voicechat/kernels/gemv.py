@@ -273,12 +273,14 @@ class GemvLinear(nn.Linear):
     def from_linear(cls, layer: nn.Linear) -> "GemvLinear":
         return _same_arrays(cls, layer)
 
-    def __call__(self, x, *, residual=None, squared_relu: bool = False, gated_input: bool = False):
-        """`layer(x)` with the epilogue; `gated_input`: `layer(gelu_gate(x))` (one launch on the kernel path)."""
+    def __call__(self, x, *, residual=None, squared_relu: bool = False, gated_input: bool = False,
+                 sessions: int = 1):
+        """`layer(x)` with the epilogue; `gated_input`: `layer(gelu_gate(x))` (one launch on the kernel
+        path). `sessions`: x's rows are that many equal groups, each with the bits of its product alone."""
         x = resolved(x)
-        if gemv_applies(x):
+        if gemv_applies(x, sessions=sessions):
             return dense_matvec(x, self["weight"], bias=self.get("bias"), residual=residual,
-                                squared_relu=squared_relu, gated_input=gated_input)
+                                squared_relu=squared_relu, gated_input=gated_input, sessions=sessions)
         return _epilogue(super().__call__(gelu_gate(x) if gated_input else x), residual, squared_relu)
 
 
@@ -289,23 +291,26 @@ def fuses_prenormed(layer: nn.Module, x) -> bool:
 
 
 def linear(layer: nn.Module, x, *, residual=None, squared_relu: bool = False, emit_norm: nn.RMSNorm | None = None,
-           gated_input: bool = False):
+           gated_input: bool = False, sessions: int = 1):
     """`layer(x)` then `relu(.)^2` or `+ residual`, fused into the GEMV when `layer` is one of ours
     (composed otherwise: the same ops the kernel path is held to). `x` may be `Prenormed`.
 
     `emit_norm` (with `residual`): returns `(out, Prenormed or None)`, the second `emit_norm(out)`
     left for the next quantized matvec when the kernel formed it (`GemvQuantizedLinear.emit_norm`),
     None when the caller has to apply the norm itself. `gated_input`: `layer(gelu_gate(x))`, the gate
-    formed as our dense GEMV loads x."""
+    formed as our dense GEMV loads x. `sessions` (dense layers): x's rows are that many equal groups
+    (sessions stepped together), each group's bits those of its product alone."""
     if gated_input:
         if isinstance(layer, GemvLinear):
-            return layer(x, residual=residual, squared_relu=squared_relu, gated_input=True)
+            return layer(x, residual=residual, squared_relu=squared_relu, gated_input=True, sessions=sessions)
         return _epilogue(layer(gelu_gate(resolved(x))), residual, squared_relu)
     if emit_norm is not None:
         if isinstance(layer, GemvQuantizedLinear):
             return layer.emit_norm(x, residual, emit_norm)
         return linear(layer, x, residual=residual), None
-    if isinstance(layer, (GemvQuantizedLinear, GemvLinear)):
+    if isinstance(layer, GemvLinear):
+        return layer(x, residual=residual, squared_relu=squared_relu, sessions=sessions)
+    if isinstance(layer, GemvQuantizedLinear):
         return layer(x, residual=residual, squared_relu=squared_relu)
     x = resolved(x)
     return _epilogue(layer(x), residual, squared_relu)

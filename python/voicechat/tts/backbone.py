@@ -40,7 +40,7 @@ from ..cache_growth import grown_capacity
 from ..config import TTSConfig
 from ..kernels._native import use_reference
 from ..kernels.decode_attention import decode_attention, decode_attention_qkv
-from ..kernels.gemv import on_cuda_gpu, stack_linears
+from ..kernels.gemv import linear, on_cuda_gpu, stack_linears
 from ..kernels.qkv_heads import qkv_heads, rope_inv_freq
 from .layers import GatedMLP, OffsetRMSNorm, add_and_norm, add_and_norm_linear, norm_linear
 
@@ -104,31 +104,38 @@ class Attention(nn.Module):
         return q, k, v.astype(mx.float32)
 
     def attend_step(self, q: mx.array, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array,
-                    new: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+                    new: tuple[mx.array, mx.array, mx.array], sessions: int = 1) -> mx.array:
         """One query at `offset` over the whole buffers k, v (`mask`: their slots <= offset), with
         `new = (k, v, slot)`: the new position's key and value, seen in that slot (not yet written
-        there). Our kernel on CUDA, composed MLX ops elsewhere (`kernels.decode_attention`)."""
-        return self.o_proj(decode_attention(q, k, v, offset, self.scale, mask, new=new))
+        there). Our kernel on CUDA (its two launches at any capacity: see `attend_step_from`),
+        composed MLX ops elsewhere (`kernels.decode_attention`)."""
+        out = decode_attention(q, k, v, offset, self.scale, mask, new=new, chunked=True)
+        return linear(self.o_proj, out, sessions=sessions)
 
     def attend_step_from(self, z, qkv, k: mx.array, v: mx.array, offset: mx.array, mask: mx.array, slot: mx.array,
-                         write_cache: bool = False):
+                         write_cache: bool = False, sessions: int = 1):
         """One step from the layer's normed input `z`, or from its stacked q/k/v projection `qkv`
         already made: `(o_proj(attention), new key, new value)`, the new key and value seen in
         `slot` of the buffers k, v. On a CUDA GPU with the stacked projection (`fuses_step`), the
         head norms and RoPE run inside the attention launch (`decode_attention_qkv`): one launch a
         layer fewer; `write_cache` (only then) has that launch store the new key and value in the
-        buffers too."""
+        buffers too. `offset` and `slot` hold one value, or one a row (sessions' rows at their own
+        positions); `sessions`: the rows are that many CFG pairs, each pair's bits its own alone.
+
+        The attention takes its two launches at any capacity (`chunked`): a row's result then does
+        not depend on how many slots the buffers hold, which sessions stepped together need (their
+        buffers have the longest one's capacity), and a session alone gets the same bits."""
         if qkv is None and self._qkv is not None:
-            qkv = self._qkv(z)
+            qkv = linear(self._qkv, z, sessions=sessions)
         if qkv is not None and self.fuses_step():
             out, k_new, v_new = decode_attention_qkv(qkv, self.q_norm.scale, self.k_norm.scale, self._inv_freq,
                                                      self.q_norm.eps, k, v, offset, self.scale, slot, self.n_heads,
-                                                     mask, write_cache=write_cache)
-            return self.o_proj(out), k_new, v_new
+                                                     mask, write_cache=write_cache, chunked=True)
+            return linear(self.o_proj, out, sessions=sessions), k_new, v_new
         if write_cache:
             raise ValueError("write_cache needs the fused CUDA step (Attention.fuses_step)")
         q, k_new, v_new = self.project(z, offset) if qkv is None else self.heads(qkv, offset)
-        return self.attend_step(q, k, v, offset, mask, (k_new, v_new, slot)), k_new, v_new
+        return self.attend_step(q, k, v, offset, mask, (k_new, v_new, slot), sessions), k_new, v_new
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, mask) -> mx.array:
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
@@ -154,21 +161,22 @@ class DecoderLayer(nn.Module):
         return self.self_attn.window
 
     def after_attention(self, h: mx.array, attn_out: mx.array, next_norm: OffsetRMSNorm,
-                        next_qkv=None) -> tuple[mx.array, mx.array]:
+                        next_qkv=None, sessions: int = 1) -> tuple[mx.array, mx.array]:
         """`h + post_attn(attn_out)`, then `+ post_ff(mlp(pre_ff(.)))`: returns the residual stream
         and `next_norm` of it (the next layer's input norm, or the final one), or, given the next
         layer's stacked q/k/v layer `next_qkv`, that layer applied to it. Each norm seam and the
-        projection after it are one launch on a CUDA GPU once stacked (`add_and_norm_linear`)."""
+        projection after it are one launch on a CUDA GPU once stacked (`add_and_norm_linear`).
+        `sessions`: the rows are that many sessions' CFG pairs (one step of each)."""
         mlp = self.mlp
         if mlp._gate_up is not None:
             h, gate_up = add_and_norm_linear(h, attn_out, self.post_attention_layernorm,
-                                             self.pre_feedforward_layernorm, mlp._gate_up)
-            out = mlp.down_from(gate_up)
+                                             self.pre_feedforward_layernorm, mlp._gate_up, sessions)
+            out = mlp.down_from(gate_up, sessions)
         else:
             h, z = add_and_norm(h, attn_out, self.post_attention_layernorm, self.pre_feedforward_layernorm)
             out = mlp(z)
         if next_qkv is not None:
-            return add_and_norm_linear(h, out, self.post_feedforward_layernorm, next_norm, next_qkv)
+            return add_and_norm_linear(h, out, self.post_feedforward_layernorm, next_norm, next_qkv, sessions)
         return add_and_norm(h, out, self.post_feedforward_layernorm, next_norm)
 
 
@@ -302,9 +310,17 @@ def settle(buffers: list[mx.array], pending: tuple[list[mx.array], list[mx.array
 
 
 def write_stacks(buffers: list[mx.array], stacks: list[mx.array], slots: list[mx.array]) -> list[mx.array]:
-    """`stacks[g] [2 * layers of g, B * HK, 1, D]` into slot `slots[g]` of `buffers[g]`, one update each."""
-    return [mx.slice_update(buf, stack, mx.reshape(slot, (1,)), axes=(2,))
-            for buf, stack, slot in zip(buffers, stacks, slots)]
+    """`stacks[g] [2 * layers of g, B * HK, 1, D]` into slot `slots[g]` of `buffers[g]`, one update
+    each: one slot for every batch row, or `[B]` slots, one a row (sessions at their own positions)."""
+    return [_write_slot(buf, stack, slot) for buf, stack, slot in zip(buffers, stacks, slots)]
+
+
+def _write_slot(buffer: mx.array, stack: mx.array, slot: mx.array) -> mx.array:
+    if slot.size == 1:
+        return mx.slice_update(buffer, stack, mx.reshape(slot, (1,)), axes=(2,))
+    per_row = stack.shape[1] // slot.size  # the K/V heads of a batch row
+    index = mx.broadcast_to(mx.repeat(slot, per_row).reshape(1, -1, 1, 1), stack.shape)
+    return mx.put_along_axis(buffer, index, stack, axis=2)
 
 
 def write_step_kv(buffers: list[mx.array], new_kv: list[list[tuple[mx.array, mx.array]]],
@@ -338,10 +354,10 @@ class Backbone(nn.Module):
         """q, k, v of a layer from its normed input z, or from its q/k/v projection already made."""
         return attn.project(z, offset) if qkv is None else attn.heads(qkv, offset)
 
-    def _next(self, layer: DecoderLayer, i: int, h: mx.array, attn_out: mx.array):
+    def _next(self, layer: DecoderLayer, i: int, h: mx.array, attn_out: mx.array, sessions: int = 1):
         """(h, z, qkv) after layer i: z the next norm's output, or qkv the next layer's projection."""
         next_qkv = self._qkv_after(i)
-        h, out = layer.after_attention(h, attn_out, self.norm_after(i), next_qkv)
+        h, out = layer.after_attention(h, attn_out, self.norm_after(i), next_qkv, sessions)
         return (h, None, out) if next_qkv is not None else (h, out, None)
 
     def writes_cache_in_place(self) -> bool:
@@ -397,10 +413,12 @@ class Backbone(nn.Module):
 
     # ------------------------------------------------------------------ one token
 
-    def step_arrays(self, x: mx.array, offset: mx.array, buffers: list[mx.array], pending=None):
+    def step_arrays(self, x: mx.array, offset: mx.array, buffers: list[mx.array], pending=None, sessions: int = 1):
         """Pure function of arrays (compilable): one token `x [B, 1, hidden]` at position
         `offset` (int32 scalar array) with the cache's `buffers` and `pending` writes (see
-        `BackboneCache`); returns `(hidden [B, 1, hidden], buffers', pending')`.
+        `BackboneCache`); returns `(hidden [B, 1, hidden], buffers', pending')`. With `sessions`
+        S > 1, x holds S sessions' CFG pairs (B = 2 S: session s at rows 2s, 2s + 1) and `offset [S]`
+        each session's position; each pair's rows get the bits that pair gets stepped alone.
 
         The previous step's pending writes are settled first (`settle`). Each layer then attends
         over its buffer with the new position's slot holding its new key (the attention takes that
@@ -413,9 +431,11 @@ class Backbone(nn.Module):
             buffers = settle(buffers, pending)
         groups, place = window_groups(self.windows)
         h = x.astype(mx.float32)
+        if sessions > 1:  # a position a row: each session's for both rows of its pair
+            offset = mx.repeat(offset, 2)
         first = self.layers[0]
         if first.self_attn._qkv is not None:  # the input norm and q/k/v in one launch (CUDA)
-            h, qkv = norm_linear(h, first.input_layernorm, first.self_attn._qkv)
+            h, qkv = norm_linear(h, first.input_layernorm, first.self_attn._qkv, sessions=sessions)
             z = None
         else:
             z, qkv = first.input_layernorm(h), None
@@ -427,11 +447,12 @@ class Backbone(nn.Module):
             g, j = place[i]
             capacity = buffers[g].shape[2]
             if capacity not in masks:
-                masks[capacity] = mx.arange(capacity) <= offset
+                masks[capacity] = (mx.arange(capacity) <= offset if sessions == 1
+                                   else (mx.arange(capacity)[None] <= offset[:, None])[:, None, None, :])
             old_k, old_v = layer_kv(buffers[g], j, attn.n_kv_heads)
             out, k, v = attn.attend_step_from(z, qkv, old_k, old_v, offset, masks[capacity], slots[g],
-                                              write_cache=in_place)
-            h, z, qkv = self._next(layer, i, h, out)
+                                              write_cache=in_place, sessions=sessions)
+            h, z, qkv = self._next(layer, i, h, out, sessions)
             new_kv[g].append((k, v))
         if in_place:
             return z, buffers, ([k for kv in new_kv for k, _ in kv], [])

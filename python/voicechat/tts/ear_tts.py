@@ -37,7 +37,7 @@ from .mog_head import MoGHead
 
 from ..kernels._native import use_reference
 from ..kernels.code_embedding import code_embedding
-from ..kernels.gemv import on_cuda_gpu
+from ..kernels.gemv import linear, on_cuda_gpu
 from ..kernels.rvq import codebook_norms, rvq_search
 
 EOS_ID = 2
@@ -62,12 +62,16 @@ class GatedFusion(nn.Module):
     def cfg_pair(self, audio: mx.array, text: mx.array, null_text: mx.array) -> mx.array:
         """This fusion over the CFG batch [(audio, text), (audio, null)] -> [2, T, hidden], the audio
         projected once and the null row's text projection given (`null_text`, made once): the
-        same rows as `__call__` on the concatenated batch, in two launches fewer."""
-        t = mx.where(_CONDITIONED_ROW, self.text_proj(text.astype(mx.float32)), null_text)
-        return self._mix(self._audio(audio), t)
+        same rows as `__call__` on the concatenated batch, in two launches fewer. Sessions stepped
+        together: `audio, text [S, T, hidden]` -> `[2 S, T, hidden]`, session s's pair at rows 2s,
+        2s + 1, each with the bits it has alone."""
+        s, t, h = text.shape
+        projected = linear(self.text_proj, text.astype(mx.float32), sessions=s)
+        pair = mx.where(_CONDITIONED_ROW, projected[:, None], null_text)  # [S, 2, T, hidden]
+        return self._mix(self._audio(audio, s)[:, None], pair).reshape(2 * s, t, h)
 
-    def _audio(self, audio: mx.array) -> mx.array:
-        return self.audio_proj(audio.astype(mx.float32) / self.num_quantizers)
+    def _audio(self, audio: mx.array, sessions: int = 1) -> mx.array:
+        return linear(self.audio_proj, audio.astype(mx.float32) / self.num_quantizers, sessions=sessions)
 
     def _mix(self, a: mx.array, t: mx.array) -> mx.array:
         """The gated sum of the projected audio `a` and text `t`, scaled and normed."""
@@ -225,15 +229,16 @@ class EarTTS(nn.Module):
     def code_embedding(self, code: mx.array) -> mx.array:
         return self.embed_code(self.depthsum(code))
 
-    def frame_code_embedding(self, code: mx.array, rows: int = 1) -> mx.array:
+    def frame_code_embedding(self, code: mx.array, rows: int = 1, sessions: int = 1) -> mx.array:
         """One frame's `code_embedding` (its Q codes in any shape) as `[rows, 1, hidden]` (the same
         row each time): one launch on a CUDA GPU with our GEMV layer (the depth sum and `embed_code`
-        in `kernels.code_embedding`), the same ops as `code_embedding` elsewhere."""
+        in `kernels.code_embedding`), the same ops as `code_embedding` elsewhere. `sessions` S: a
+        frame a session (`[S, Q]`), `[S * rows, 1, hidden]`, each session's rows its frame's alone."""
         self._prepare_weights()
         if self.decode_kernels and on_cuda_gpu() and not use_reference():
-            return code_embedding(code, self._rvq_flat, self.embed_code["weight"], rows)
-        out = self.code_embedding(code.reshape(1, 1, -1))
-        return out if rows == 1 else mx.broadcast_to(out, (rows, *out.shape[1:]))
+            return code_embedding(code, self._rvq_flat, self.embed_code["weight"], rows, sessions=sessions)
+        out = self.code_embedding(code.reshape(sessions, 1, -1))
+        return out if rows == 1 else mx.repeat(out, rows, axis=0)
 
     def condition(self, ids: mx.array, mask: mx.array) -> mx.array:
         """Text conditioning `[B, T, hidden]`: the char encoder where `mask`, flags everywhere."""
@@ -250,22 +255,34 @@ class EarTTS(nn.Module):
     def generate_codes(self, hidden: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
         """Iterative unmasking of one frame: hidden [2, 1, hidden] -> (codes [1, 1, Q] int32, key).
 
-        `key` is the generator state; the new state comes back (`frame_noise`)."""
+        `key` is the generator state; the new state comes back (`frame_noise`). Sessions stepped
+        together: hidden `[2 S, 1, hidden]` (their CFG pairs) and a key a session `[S, 2]` ->
+        `([S, 1, Q], keys [S, 2])`, each session's codes and key those it gets alone."""
         self._prepare_weights()
         cfg, mog = self.cfg, self.mog_head
         q, d = cfg.num_quantizers, cfg.latent_size
-        code = self._all_masked
-        uniforms, normals, key = frame_noise(key, len(self._schedule), mog.num_predictions, d)
+        s = hidden.shape[0] // 2
+        calls = len(self._schedule)
+        if key.ndim == 1:
+            uniforms, normals, key = frame_noise(key, calls, mog.num_predictions, d)
+        else:  # a batch of keys draws, row by row, each key's numbers
+            uniforms, normals, key = mx.vmap(lambda k: frame_noise(k, calls, mog.num_predictions, d))(key)
+        code = self._all_masked if s == 1 else mx.broadcast_to(self._all_masked, (s, q))
+        # The search's kernel takes up to 8 rows with method "auto" (beyond, MLX's matmuls, whose
+        # rows round otherwise); "fused" keeps it at any row count.
+        method = "auto" if s <= 8 else "fused"
         done = 0
         for count, u, noise in zip(self._schedule, uniforms, normals):
             # The MoG head's input is hidden + the embedding of the codes so far (added inside its
             # first launch). All codes are the mask at first, whose embedding is exactly zero.
-            embedded = None if done == 0 else self.frame_code_embedding(code, rows=hidden.shape[0])
-            z = mog.sample(hidden, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale, add=embedded)
+            embedded = None if done == 0 else self.frame_code_embedding(code, rows=2, sessions=s)
+            z = mog.sample(hidden, cfg.guidance_scale, cfg.top_p, u, noise, cfg.noise_scale, add=embedded,
+                           sessions=s)
             # The chosen codes land in their columns of the row (on CUDA the kernels write them there).
-            code, _ = rvq_search(z.reshape(1, d), self.rvq_embs, done, count, self._rvq_norms, into=code)
+            code, _ = rvq_search(z.reshape(s, d), self.rvq_embs, done, count, self._rvq_norms, into=code,
+                                 method=method)
             done += count
-        return code.reshape(1, 1, q), key
+        return code.reshape(s, 1, q), key
 
     # ------------------------------------------------------------------ session API
 
@@ -321,9 +338,14 @@ class EarTTS(nn.Module):
         return codes, key
 
     def _step_graph(self, previous_code, text_id, offset, key, silence, buffers, pending):
+        """One frame of `step`, or of S sessions stepped together (`tts.rows`): previous codes
+        `[S, 1, Q]`, text ids `[S]`, positions `[S]` (one session: a scalar), keys `[S, 2]` (one
+        session: `[2]`) and the buffers of their CFG pairs; each session's codes, key and cache
+        writes are those it gets stepped alone."""
+        s = previous_code.shape[0]
         code = mx.where((text_id == self.eos_id)[:, None, None], silence[None, None, :], previous_code)
-        cond = self._char_table[mx.minimum(text_id, self.vocab_size)][None]  # [1, 1, hidden]
-        x = self.fuse(self.frame_code_embedding(code), cond)
-        hidden, buffers, pending = self.backbone.step_arrays(x, offset, buffers, pending)
+        cond = self._char_table[mx.minimum(text_id, self.vocab_size)][:, None]  # [S, 1, hidden]
+        x = self.fuse(self.frame_code_embedding(code, sessions=s), cond)
+        hidden, buffers, pending = self.backbone.step_arrays(x, offset, buffers, pending, sessions=s)
         codes, key = self.generate_codes(hidden, key)
         return codes, key, buffers, pending, offset + 1  # the next step's position, on the device

@@ -38,21 +38,24 @@ class OffsetRMSNorm(nn.Module):
 
 
 def add_and_norm_linear(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm,
-                        layer) -> tuple[mx.array, mx.array]:
+                        layer, sessions: int = 1) -> tuple[mx.array, mx.array]:
     """`(h', layer(pre(h')))` with `h' = h + post(y)`: the seam and the next projection, one launch
-    on a CUDA GPU for our dense GEMV layers (`kernels.add_rms_norm.add_rms_norm_linear`)."""
+    on a CUDA GPU for our dense GEMV layers (`kernels.add_rms_norm.add_rms_norm_linear`; `sessions`:
+    the rows are that many equal groups, each group's bits those it has alone)."""
     if post.eps != pre.eps:
         h, z = add_and_norm(h, y, post, pre)
-        return h, layer(z)
-    return add_rms_norm_linear(h.astype(mx.float32), y.astype(mx.float32), post.scale, pre.scale, post.eps, layer)
+        return h, linear(layer, z, sessions=sessions)
+    return add_rms_norm_linear(h.astype(mx.float32), y.astype(mx.float32), post.scale, pre.scale, post.eps, layer,
+                               sessions=sessions)
 
 
-def norm_linear(h: mx.array, pre: OffsetRMSNorm, layer, add: mx.array | None = None) -> tuple[mx.array, mx.array]:
+def norm_linear(h: mx.array, pre: OffsetRMSNorm, layer, add: mx.array | None = None,
+                sessions: int = 1) -> tuple[mx.array, mx.array]:
     """`(h', layer(pre(h')))` with `h' = h + add` (or `h`): an input norm and the projection after it,
     one launch on a CUDA GPU for our dense GEMV layers (`kernels.add_rms_norm.add_rms_norm_linear`
-    without post)."""
+    without post; `sessions` as `add_and_norm_linear`'s)."""
     return add_rms_norm_linear(h.astype(mx.float32), None if add is None else add.astype(mx.float32), None,
-                               pre.scale, pre.eps, layer)
+                               pre.scale, pre.eps, layer, sessions=sessions)
 
 
 def add_and_norm_guided(h: mx.array, y: mx.array, post: OffsetRMSNorm, pre: OffsetRMSNorm,
@@ -97,9 +100,9 @@ class GatedMLP(nn.Module):
             return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
         return self.down_from(self._gate_up(x))
 
-    def down_from(self, gate_up: mx.array) -> mx.array:
-        """down_proj(gelu(gate) * up) from the stacked gate/up output."""
-        return linear(self.down_proj, gate_up, gated_input=True)
+    def down_from(self, gate_up: mx.array, sessions: int = 1) -> mx.array:
+        """down_proj(gelu(gate) * up) from the stacked gate/up output (`sessions`: as `linear`'s)."""
+        return linear(self.down_proj, gate_up, gated_input=True, sessions=sessions)
 
 
 def stack_projections(module: nn.Module) -> None:

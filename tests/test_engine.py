@@ -4,6 +4,7 @@ gets alone, whatever its neighbours do and whenever they join or leave."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 
 import numpy as np
 import pytest
@@ -326,7 +327,7 @@ def test_sessions_move_between_stepping_alone_and_the_rows_exactly(tiny_checkpoi
 
 
 @pytest.mark.skipif(not on_cuda_gpu(), reason="full size wants a CUDA GPU")
-def test_sessions_at_full_size_on_a_gpu_have_the_bits_they_have_alone(tmp_path, spoken_wav):
+def test_sessions_at_full_size_on_a_gpu_have_the_bits_they_have_alone(tmp_path):
     """The contract where rows could round otherwise: at the published shapes (random 4-bit
     weights), five sessions starting at different points of their input, stepped together (eight
     slots: the LLM's rows in groups of 4 and the TTS's CFG pairs on our kernels, empty slots among
@@ -334,7 +335,7 @@ def test_sessions_at_full_size_on_a_gpu_have_the_bits_they_have_alone(tmp_path, 
     from voicechat.synthetic import random_checkpoint
 
     chat = voicechat.load(random_checkpoint(tmp_path / "full", "full", quantize=4))
-    speech = load_audio(spoken_wav, 16000)
+    speech = load_audio(str(resources.files("voicechat") / "data" / "question.wav"), 16000)  # (no espeak-ng needed)
     piece = chat.config.input_samples_per_frame
     inputs = [np.concatenate([np.zeros(3 * piece * i, np.float32), speech[: piece * (16 + 3 * i)]]) for i in range(5)]
     expected = [live_alone(chat, x, 16000, None, i, piece) for i, x in enumerate(inputs)]

@@ -439,3 +439,33 @@ def test_a_first_run_precompiles_with_progress_before_serving(tiny_checkpoint, t
     warmed = steps.index("warming up the live path (40 frames of silence)")
     assert warmed > compiled
     assert steps.index("tracing the batched speech encoder and LLM step for up to 3 sessions") > warmed
+
+
+def test_a_round_waits_for_the_streaming_sessions_pieces_while_the_oldest_can_still_be_in_time(chat):
+    """`FrameScheduler.gather_until` at given moments: a round waits for a piece of each session
+    that is streaming (a piece in the last two frames, input not ended) until one frame after the
+    oldest queued piece arrived, less the longest recent round; not for a session that stopped
+    sending or ended its input, nor once that moment has passed."""
+    from voicechat.serve.scheduler import FRAME_SECONDS, FrameScheduler, Work
+
+    scheduler = FrameScheduler(chat, max_sessions=4)
+    try:
+        a = scheduler.open(None, 0, lambda *_: None, lambda *_: None)
+        b = scheduler.open(None, 1, lambda *_: None, lambda *_: None)
+        with scheduler.lock:  # (the scheduler's thread waits for work meanwhile)
+            t = 1000.0
+            a.last_push, b.last_push = t, t - 0.01  # both streaming; a's piece is queued, b's is not
+            a.work.append(Work("push", np.zeros(1280, np.float32), 16000, arrived=t))
+            scheduler._round_seconds.extend([0.02, 0.03])
+            until = t + FRAME_SECONDS - 0.03
+            assert scheduler.gather_until(t + 0.001) == pytest.approx(until)
+            assert scheduler.gather_until(until + 0.001) is None  # a's frame would be late: go
+            b.finishing = True  # b's input has ended: nothing more of it to wait for
+            assert scheduler.gather_until(t + 0.001) is None
+            b.finishing = False
+            assert scheduler.gather_until(t + 2 * FRAME_SECONDS + 0.005) is None  # b stopped sending
+            b.work.append(Work("push", np.zeros(1280, np.float32), 16000, arrived=t + 0.002))
+            assert scheduler.gather_until(t + 0.003) is None  # every streaming session has its piece
+            a.work.clear(), b.work.clear()
+    finally:
+        scheduler.stop()

@@ -10,8 +10,9 @@ client that sends a minute of audio at once is stepped a frame a round like the 
 A tick costs about the same for one session as for all of them (the batch's weights are read once
 either way), so a round waits for the pieces of the sessions that are streaming (a piece in the
 last two frames, input not ended) while the oldest waiting piece can still make its frame in real
-time: until one frame after it arrived, less the longest of the recent rounds. Clients whose
-pieces arrive a few milliseconds apart then share one tick instead of taking one each.
+time: until one frame after it arrived, less the longest of the recent rounds' batched work (feed,
+tick, hand-out; a session's start is not counted). Clients whose pieces arrive a few milliseconds
+apart then share one tick instead of taking one each.
 
 A conversation's caches grow with its length (docs/live.md: up to 0.4 GB a minute at full size),
 so with `memory_limit` set, the memory in use is checked after every round: past the limit, the
@@ -186,15 +187,21 @@ class FrameScheduler:
     def _gather(self) -> None:
         """Wait (lock held) for the pieces of the streaming sessions that have none queued, while
         the oldest queued piece can still make its frame in real time (see the module docstring)."""
-        while not self._stopping and not self._calls:
-            now = time.monotonic()
-            if not any(h.streaming(now) and not h.work for h in self.sessions):
+        while not self._stopping:
+            until = self.gather_until(time.monotonic())
+            if until is None:
                 return
-            oldest = min((h.work[0].arrived for h in self.sessions if h.work), default=now)
-            left = oldest + FRAME_SECONDS - max(self._round_seconds, default=0.0) - now
-            if left <= 0:
-                return
-            self.wake.wait(left)
+            self.wake.wait(until - time.monotonic())
+
+    def gather_until(self, now: float) -> float | None:
+        """When the next round should start at the latest if it waits for more pieces (lock held),
+        or None to start it now: nothing to wait for (no streaming session lacks a piece, or a call
+        is queued), or no time left."""
+        if self._calls or not any(h.streaming(now) and not h.work for h in self.sessions):
+            return None
+        oldest = min((h.work[0].arrived for h in self.sessions if h.work), default=now)
+        until = oldest + FRAME_SECONDS - max(self._round_seconds, default=0.0)
+        return until if until > now else None
 
     def _run(self) -> None:
         while True:
@@ -202,18 +209,23 @@ class FrameScheduler:
             if round_ is None:
                 return
             self._run_calls()
-            started = time.monotonic()
             self._round(round_)
-            self._round_seconds.append(time.monotonic() - started)
 
     def _round(self, round_: list[tuple[SessionHandle, Work]]) -> None:
-        """The round's pieces fed together, one tick, the frames handed out."""
+        """The round's other work (a session's start among it), then its pieces fed together, one
+        tick and the frames handed out: the part whose time `gather_until` allows for."""
         pushes = []
         for handle, work in round_:
             if work.kind == "push" and handle.live is not None and not handle.closed:
                 pushes.append((handle, work))  # perceived together below
             else:
                 self._do(handle, work)
+        started = time.monotonic()
+        self._feed_and_step(pushes)
+        self._round_seconds.append(time.monotonic() - started)
+
+    def _feed_and_step(self, pushes: list[tuple[SessionHandle, Work]]) -> None:
+        """The pieces of open sessions fed together, one engine tick, each session's frames out."""
         if pushes:
             self._feed(pushes)
         try:

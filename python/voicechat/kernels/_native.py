@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 
 import mlx.core as mx  # the extension links the libmlx that mlx.core has loaded
 
@@ -57,22 +55,6 @@ def kernel_launch() -> dict:
     return {"backend": backend, "launch": launch, "own_launch_fallback": fallback}
 
 
-_forced = threading.local()
-
-
 def use_reference() -> bool:
-    """True when VOICECHAT_REFERENCE asks for the pure-MLX reference paths everywhere, or inside
-    `reference_ops()` on this thread."""
-    return getattr(_forced, "on", False) or os.environ.get("VOICECHAT_REFERENCE", "") not in ("", "0", "false", "no")
-
-
-@contextlib.contextmanager
-def reference_ops(enabled: bool = True):
-    """Every kernel face takes its pure-MLX reference on this thread while inside (when
-    `enabled`): the batched engine's many-row steps, which our one-row kernels do not serve."""
-    before = getattr(_forced, "on", False)
-    _forced.on = before or enabled
-    try:
-        yield
-    finally:
-        _forced.on = before
+    """True when VOICECHAT_REFERENCE asks for the pure-MLX reference paths everywhere."""
+    return os.environ.get("VOICECHAT_REFERENCE", "") not in ("", "0", "false", "no")

@@ -88,3 +88,37 @@ def test_sessions_stepped_together_get_the_codes_they_get_alone(request, checkpo
         for mine, theirs in zip(cache.buffers, want_cache.buffers):
             end = min(mine.shape[2], theirs.shape[2], cache.offset)  # the slots written so far
             np.testing.assert_array_equal(np.array(mine[:, :, :end]), np.array(theirs[:, :, :end]))
+
+
+def test_a_row_sitting_out_at_the_end_of_the_buffers_does_not_write_past_them(tiny_checkpoint):
+    """A row without input still runs (its results discarded); its key goes to the slot of its
+    position. When that position is the buffers' capacity and the rows that step are far below
+    it, the buffers must grow for it too, or that key lands past its row: in a neighbour's slots."""
+    chat = voicechat.load(tiny_checkpoint)
+    warmed = _session(chat, 0, 0)[0].offset
+    before = [DEFAULT_CHUNK - 1 - warmed, 3]  # session 0 at position 255: the last slot of the first capacity
+    frames = 6
+    texts = [_text_ids(chat, 10 + s, frames) for s in range(2)]
+    active = np.ones((frames, 2), bool)
+    active[1:4, 0] = False  # then at position 256, session 0 sits out while session 1 steps
+    expected = [_alone(chat, _session(chat, before[s], s), [texts[s][t] for t in range(frames) if active[t, s]])
+                for s in range(2)]
+    with mx.stream(chat._timeline_stream):
+        rows = TTSRows(chat.ear_tts, 2, DEFAULT_CHUNK)
+        for s in range(2):
+            cache, previous, key = _session(chat, before[s], s)
+            rows.insert(s, cache, cache.offset, previous, key)
+        assert rows.positions[0] == DEFAULT_CHUNK - 1
+        got = [[], []]
+        for t in range(frames):
+            text = mx.array(np.array([texts[0][t], texts[1][t]]))
+            codes = np.array(rows.step(text, active[t], chat.speaking.codec_silence_tokens))
+            for s in range(2):
+                if active[t, s]:
+                    got[s].append(codes[s])
+        taken = [rows.take(s)[0] for s in range(2)]
+    for s, (want_codes, _, want_cache) in enumerate(expected):
+        np.testing.assert_array_equal(np.stack(got[s]), np.stack(want_codes), err_msg=f"session {s}")
+        for mine, theirs in zip(taken[s].buffers, want_cache.buffers):
+            end = min(mine.shape[2], theirs.shape[2], want_cache.offset)
+            np.testing.assert_array_equal(np.array(mine[:, :, :end]), np.array(theirs[:, :, :end]))

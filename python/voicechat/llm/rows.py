@@ -167,7 +167,9 @@ class LMRows:
         Returns each row's text and function ids `[S]` (lazy; meaningless for inactive rows).
         Inactive rows keep their state and position (an inactive row's key lands in the slot of its
         next position, which it writes again before any query reads it)."""
-        self._reserve(int(self.positions[active].max(initial=0)) + 1)
+        # Room for every row's position, active or not: an inactive row's key lands in the slot of
+        # its position too (past the buffers, it would land in a neighbour's slots).
+        self._reserve(int(self.positions.max(initial=0)) + 1)
         text, function, _, new_state = self.lm.decode_rows(self.prev_text, audio, self.prev_function,
                                                            mx.array(self.positions), self.layers)
         arrays = iter(new_state)

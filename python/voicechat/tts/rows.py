@@ -123,7 +123,9 @@ class TTSRows:
     def step(self, text: mx.array, active: np.ndarray, silence: mx.array) -> mx.array:
         """One frame for every `active` row from its LLM text id `text [S]`: the codes `[S, Q]`
         (lazy; an inactive row's are its previous codes)."""
-        self.cache.reserve(int(self.positions[active].max(initial=0)) + 1, 2 * self.slots)
+        # Room for every row's position, active or not: an inactive row still writes its key in the
+        # slot of its position (past the buffers, it would land in a neighbour's slots).
+        self.cache.reserve(int(self.positions.max(initial=0)) + 1, 2 * self.slots)
         positions = self._positions_on_device
         if positions is None:
             positions = mx.array(self.positions)

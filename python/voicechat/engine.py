@@ -38,7 +38,8 @@ between ticks (no session's keys are gathered or scattered per frame: that would
 session's whole cache every frame). A session takes the lowest free slot; its system prompt and
 the TTS warmup run alone first (the same code as `chat.live`), then its state is written into the
 slot's rows. Rows of sessions without input in a tick are computed and discarded (their state is
-kept by a select). Slot counts come in buckets (2, 4, 8, ...) so that the compiled steps are traced
+kept by a select; their key still lands in the slot of their position, for which the buffers hold
+room, and which the row writes again before any query reads it). Slot counts come in buckets (2, 4, 8, ...) so that the compiled steps are traced
 once per bucket and cache capacity, not per session count; the batch shrinks when the highest
 slots free up.
 

@@ -5,7 +5,7 @@
 
 For each B, an `Engine` holds B sessions, each fed the bundled spoken question (then silence),
 looped, from its own starting point. A round feeds every session one 80 ms piece
-(`Engine.feed_many`: their perception as one batch, then each session's transcript) and runs one
+(`Engine.feed_many`: their perception as one batch, then their transcripts as one loop) and runs one
 engine tick (the LLM steps of all B sessions as one batch, in groups of 4, then their TTS steps as
 one batch; the codec frames as one batch too with `--batch-codec on`, else each session's on its
 own caches; then each session's text). `--warmup` rounds trace

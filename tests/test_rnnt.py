@@ -8,10 +8,11 @@ import pytest
 
 from voicechat.audio import load_audio
 from voicechat.checkpoint import open_checkpoint
-from voicechat.kernels.rnnt_greedy import emitted_tokens, rnnt_greedy, rnnt_greedy_reference
+from voicechat.kernels.rnnt_greedy import (GreedyState, emitted_tokens, initial_state, rnnt_greedy,
+                                          rnnt_greedy_reference, rnnt_greedy_streams)
 from voicechat.stt.conformer import Perception
-from voicechat.stt.rnnt import (RNNTDecoder, RNNTJoint, greedy_decode, greedy_decode_reference, greedy_table,
-                                loop_weights)
+from voicechat.stt.rnnt import (RNNTDecoder, RNNTJoint, TranscriptStream, greedy_decode, greedy_decode_reference,
+                                greedy_table, loop_weights, push_streams)
 from voicechat.synthetic import make_checkpoint
 from voicechat.tokenizer import decode_pieces
 
@@ -139,6 +140,84 @@ def test_bad_arguments_are_errors():
     args[3] = args[3][:, :4]
     with pytest.raises(ValueError, match="pred_w"):
         rnnt_greedy(*args, 5, 10)
+
+
+# --------------------------------------------------------------------------- several streams at once
+
+def _starts(args, frames_before, seeds):
+    """A start for each stream: the utterance's start (0 frames before), or the state after
+    decoding that many frames of its own."""
+    _, *weights = args
+    starts = []
+    for before, seed in zip(frames_before, seeds):
+        start = initial_state(len(weights[1]), weights[0].shape[1], VOCAB)
+        if before:
+            enc = mx.array(np.random.default_rng(seed + 100).standard_normal((before, args[0].shape[1]), np.float32))
+            _, start = rnnt_greedy(enc, *weights, VOCAB, 6, start=start)
+        starts.append(start)
+    return starts
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("streams", [2, 7])
+def test_streams_decoded_together_get_what_each_gets_alone(dtype, threads, streams):
+    """Streams of different lengths (none, one frame, many), each from a start of its own, in one
+    call: each gets the table, LSTM state and last token of its call alone, bit for bit. Widths
+    that are not a multiple of 8 (44 hidden, 52 joint units) take the dot products' tails."""
+    args = _weights(4, 44, 52, VOCAB, dtype, seed=11, blank_bias=1.0)
+    _, *weights = args
+    rng = np.random.default_rng(streams)
+    frames = [9, 3, 0, 1, 14, 2, 6][:streams]
+    encs = [mx.array(rng.standard_normal((f, 52), np.float32)) for f in frames]
+    starts = _starts(args, [0, 2, 0, 5, 1, 0, 3][:streams], seeds=range(streams))
+    together = rnnt_greedy_streams(encs, *weights, VOCAB, 6, starts, threads=threads)
+    emitted = 0
+    for enc, start, (table, state) in zip(encs, starts, together):
+        alone, alone_state = rnnt_greedy(enc, *weights, VOCAB, 6, threads=1, start=start)
+        np.testing.assert_array_equal(np.array(table), np.array(alone))
+        np.testing.assert_array_equal(np.array(state.lstm), np.array(alone_state.lstm))
+        np.testing.assert_array_equal(np.array(state.last), np.array(alone_state.last))
+        reference, _ = rnnt_greedy_reference(enc, *weights, VOCAB, 6, start)
+        np.testing.assert_array_equal(np.array(table), np.array(reference))
+        emitted += int((np.array(table) >= 0).sum())
+    assert emitted > 10  # many LSTM steps, in several streams at once
+    lasts = {int(np.array(state.last)[0]) for _, state in together[1:]}
+    assert len(lasts) > 1 or streams == 2  # the streams went their own ways
+
+
+def test_streams_need_a_start_each():
+    args = _weights(2, 8, 8, VOCAB, mx.float32, seed=12)
+    enc, *weights = args
+    with pytest.raises(ValueError, match="starts"):
+        rnnt_greedy_streams([enc, enc], *weights, VOCAB, 4, [initial_state(2, 8, VOCAB)])
+
+
+def test_transcript_streams_pushed_together_equal_each_pushed_alone(tiny_checkpoint, encoded):
+    """`push_streams` (a server's round): three transcripts fed pieces of their own, together, give
+    each one's tables and state fed alone."""
+    ckpt, decoder, joint = _load(tiny_checkpoint)
+    weights = loop_weights(decoder, joint)
+    stream = mx.new_stream(mx.cpu)
+
+    def streams():
+        return [TranscriptStream(decoder, joint, VOCAB, 10, stream=stream, weights=weights) for _ in range(3)]
+
+    together, alone = streams(), streams()
+    frames = encoded.shape[1]
+    pieces = [[(0, 3), (3, 4), (4, frames)], [(2, 9), (9, 9), (9, frames)], [(0, frames), (0, 0), (0, 1)]]
+    for step in range(3):
+        parts = [encoded[:, a:b] for a, b in (p[step] for p in pieces)]
+        tables = push_streams(together, parts)
+        for s, part, table in zip(alone, parts, tables):
+            np.testing.assert_array_equal(np.array(table), np.array(s.push(part)))
+    for a, b in zip(together, alone):
+        np.testing.assert_array_equal(np.array(a.state.lstm), np.array(b.state.lstm))
+        assert int(a.state.last[0]) == int(b.state.last[0])
+    assert len({int(s.state.last[0]) for s in together}) > 1
+    other = TranscriptStream(decoder, joint, VOCAB, 10, stream=stream, weights=loop_weights(decoder, joint))
+    with pytest.raises(ValueError, match="share"):
+        push_streams([together[0], other], [encoded, encoded])
 
 
 # --------------------------------------------------------------------------- the loaded modules

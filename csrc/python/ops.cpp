@@ -54,6 +54,13 @@ void bind_ops(py::module_& m) {
         "token [1] (blank: none yet); both default to the utterance's start. Returns [table, state, last]: "
         "decoding frames in pieces, each from the state and last token the one before ended with, gives the "
         "tokens of one call over every frame.");
+  m.def("rnnt_greedy_streams", &voicechat::rnnt_greedy_streams, py::arg("enc_projs"), py::arg("embed"), py::arg("lstm"),
+        py::arg("pred_w"), py::arg("pred_b"), py::arg("out_w"), py::arg("out_b"), py::arg("blank_id"),
+        py::arg("max_symbols"), py::arg("threads") = 0, py::arg("stream") = py::none(),
+        py::arg("states") = std::vector<mlx::core::array>{}, py::arg("lasts") = std::vector<mlx::core::array>{},
+        "rnnt_greedy_from over several streams at once (enc_projs: each stream's [F_i, J]; states, lasts: where "
+        "each starts, or none for all at the utterance's start), one weight pass a step for all of them. Returns "
+        "[table, state, last] of each stream in turn; each stream gets the tokens it gets alone.");
 
   // mamba_scan
   m.def("mamba_scan", &voicechat::mamba_scan, py::arg("x"), py::arg("dt"), py::arg("A_log"), py::arg("B"), py::arg("C"),

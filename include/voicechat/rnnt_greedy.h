@@ -33,4 +33,18 @@ std::vector<mlx::core::array> rnnt_greedy_from(const mlx::core::array& enc_proj,
                                                const std::optional<mlx::core::array>& state = std::nullopt,
                                                const std::optional<mlx::core::array>& last = std::nullopt);
 
+// rnnt_greedy_from over several streams at once (each its own frames enc_projs[i] [F_i, J], state
+// and last token; none: every stream at the utterance's start), one weight pass a step for all
+// of them. Returns {tokens, state, last} of each stream in turn; each stream gets the tokens it
+// gets alone.
+std::vector<mlx::core::array> rnnt_greedy_streams(const std::vector<mlx::core::array>& enc_projs,
+                                                  const mlx::core::array& embed,
+                                                  const std::vector<mlx::core::array>& lstm,
+                                                  const mlx::core::array& pred_w, const mlx::core::array& pred_b,
+                                                  const mlx::core::array& out_w, const mlx::core::array& out_b,
+                                                  int blank_id, int max_symbols, int threads = 0,
+                                                  mlx::core::StreamOrDevice s = {},
+                                                  const std::vector<mlx::core::array>& states = {},
+                                                  const std::vector<mlx::core::array>& lasts = {});
+
 }  // namespace voicechat

@@ -22,8 +22,8 @@ text. Perception and the
 transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with `feed_many`
 (a server's round: a chunk for each of several sessions) the streamed encoders run their layers as
 one batch (`stt.conformer.push_streams`: sessions whose chunks complete the same number of frames,
-wherever each one is, run as a bucket's rows: `warm_batches` traces each bucket ahead), then each
-session's transcript.
+wherever each one is, run as a bucket's rows: `warm_batches` traces each bucket ahead), then their
+transcripts as one CPU loop over all of them (`stt.rnnt.push_streams`).
 
 A session open on its own steps alone (`Engine.alone`): its tick is `chat.live`'s frame, the
 single-session step (`FrameLoop.step`: `DuplexLM.decode`, `EarTTS.step`, with every CUDA kernel
@@ -78,6 +78,7 @@ from .live import ContextFull, Frame, LiveSession
 from .llm.rows import MAX_KERNEL_ROWS, LMGroups, LMRows
 from .session import InputError, _checked_seed
 from .stt.conformer import PerceptionStream, push_streams as push_perception
+from .stt.rnnt import push_streams as push_transcripts
 from .tts.backbone import DEFAULT_CHUNK
 from .tts.rows import TTSRows
 from .tts_thread import release_mlx_state_at_thread_exit
@@ -289,7 +290,8 @@ class Engine:
         """`session.feed(chunk, sample_rate)` for every `(session, chunk, sample_rate)` (one chunk a
         session), with their perception as one batch (`stt.conformer.push_streams`: the streamed
         encoders whose chunks complete the same number of frames run their layers together, one
-        compiled graph for all).
+        compiled graph for all), and their transcripts as one loop (`stt.rnnt.push_streams`: the
+        transcript weights read once a step for all the sessions).
         Returns the sessions whose chunk was refused, with the error (each of them unchanged);
         the others' frames are queued for `step`."""
         release_mlx_state_at_thread_exit()
@@ -308,9 +310,12 @@ class Engine:
             with mx.stream(self.chat._timeline_stream):
                 perceived, together = push_perception([s.perception for s, _ in accepted], [x for _, x in accepted],
                                                       rows=bucket)
+                heard = [i for i, (projected, _) in enumerate(perceived) if projected.shape[1]]
+                tables = dict(zip(heard, push_transcripts([accepted[i][0].transcript for i in heard],
+                                                          [perceived[i][1] for i in heard])))
             self.perceived_together += together
-            for (session, _), (projected, encoded) in zip(accepted, perceived):
-                session._queue_frames(projected, encoded)
+            for i, ((session, _), (projected, encoded)) in enumerate(zip(accepted, perceived)):
+                session._queue_frames(projected, encoded, table=tables.get(i))
             return refused
 
     def warm_batches(self, sessions: int | None = None) -> int:
@@ -509,13 +514,15 @@ class EngineSession(LiveSession):
         self._queue_frames(projected, encoded, end)
         return []
 
-    def _queue_frames(self, projected: mx.array, encoded: mx.array, end: bool = False) -> None:
-        """A chunk's perceived frames through the transcript, queued for the ticks."""
+    def _queue_frames(self, projected: mx.array, encoded: mx.array, end: bool = False,
+                      table: mx.array | None = None) -> None:
+        """A chunk's perceived frames through the transcript (unless `table`, their transcript
+        table, is given), queued for the ticks."""
         with mx.stream(self.chat._timeline_stream):
             count = projected.shape[1]
             # Queued, not waited for: the tick's steps are built while the device runs perception.
             if count:
-                table = _TranscriptRows(self.transcript.push(encoded))
+                table = _TranscriptRows(self.transcript.push(encoded) if table is None else table)
                 room = self.limit - self.prompt_frames - self.frames - len(self._queue)
                 for i in range(min(count, room)):
                     self._queue.append([projected[:, i : i + 1], (table, i), False])

@@ -138,6 +138,36 @@ def rnnt_greedy(
     return table, GreedyState(state, last)
 
 
+def rnnt_greedy_streams(
+    enc_projs: Sequence[mx.array],
+    embed: mx.array,
+    lstm: LstmWeights,
+    pred_w: mx.array,
+    pred_b: mx.array,
+    out_w: mx.array,
+    out_b: mx.array,
+    blank_id: int,
+    max_symbols: int,
+    starts: Sequence[GreedyState],
+    stream: mx.Stream | None = None,
+    threads: int = 0,
+) -> list[tuple[mx.array, GreedyState]]:
+    """`rnnt_greedy(..., start=starts[i])` of every stream's frames `enc_projs[i]` `[F_i, J]`, as
+    one C++ call: each pass of the loop runs the prediction network for every stream that emitted
+    and a joint query for every stream still decoding, reading each weight row once for all of
+    them. Each stream gets the table and state it gets alone (the same dot products; tested)."""
+    if len(enc_projs) != len(starts):
+        raise ValueError(f"rnnt_greedy_streams: {len(enc_projs)} streams' frames but {len(starts)} starts")
+    if use_reference():
+        return [rnnt_greedy_reference(e, embed, lstm, pred_w, pred_b, out_w, out_b, blank_id, max_symbols, start)
+                for e, start in zip(enc_projs, starts)]
+    flat = [w for layer in lstm for w in layer]
+    out = ext.rnnt_greedy_streams(list(enc_projs), embed, flat, pred_w, pred_b, out_w, out_b, int(blank_id),
+                                  int(max_symbols), threads=int(threads), stream=stream,
+                                  states=[s.lstm for s in starts], lasts=[s.last for s in starts])
+    return [(out[i], GreedyState(out[i + 1], out[i + 2])) for i in range(0, len(out), 3)]
+
+
 def emitted_tokens(table: mx.array) -> list[int]:
     """The `[F, max_symbols]` table as one id list in emission order."""
     ids = np.array(table).reshape(-1)

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..config import DecoderConfig, JointConfig
-from ..kernels.rnnt_greedy import GreedyState, emitted_tokens, initial_state, rnnt_greedy
+from ..kernels.rnnt_greedy import GreedyState, emitted_tokens, initial_state, rnnt_greedy, rnnt_greedy_streams
 
 
 class PredictionRNN(nn.Module):
@@ -156,6 +156,27 @@ class TranscriptStream:
                                         w.pred_b, w.out_w, w.out_b, self.blank_id, self.max_symbols,
                                         stream=self.stream, start=self.state)
         return table
+
+
+def push_streams(streams: list[TranscriptStream], encoded: list[mx.array]) -> list[mx.array]:
+    """`streams[i].push(encoded[i])` for every stream, as one loop over all of them
+    (`rnnt_greedy_streams`: the weights read once a step for every stream): the same tables and
+    states as each push alone. The streams share one model's weights, blank, `max_symbols` and
+    CPU stream."""
+    if not streams:
+        return []
+    first = streams[0]
+    if any(s.weights is not first.weights or s.stream is not first.stream for s in streams):
+        raise ValueError("push_streams: the transcript streams must share their weights and CPU stream")
+    w = first.weights
+    projected = [_encoder_projection(e, s.joint) for s, e in zip(streams, encoded)]
+    out = rnnt_greedy_streams(projected, w.embed, w.lstm, w.pred_w, w.pred_b, w.out_w, w.out_b, first.blank_id,
+                              first.max_symbols, [s.state for s in streams], stream=first.stream)
+    tables = []
+    for s, (table, state) in zip(streams, out):
+        s.state = state
+        tables.append(table)
+    return tables
 
 
 def greedy_decode(

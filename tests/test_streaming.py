@@ -174,11 +174,51 @@ def test_perception_streams_pushed_together_equal_each_pushed_alone(chat, long_i
         batched.append(ran_together)
         for a, b in zip(together, alone):
             assert a.frames == b.frames
-            for x, y in zip(a.state, b.state):
-                same_frames(np.array(x), np.array(y))
+    for a, b in zip(together, alone):  # (each stream's own caches, out of the batch)
+        for x, y in zip(a.caches, b.caches):
+            for u, v in zip(x.state, y.state):
+                same_frames(np.array(u), np.array(v))
     # the three 80 ms streams (two of them filling their caches) batch at every tick, the 40 ms
     # one with them every second tick, until the later streams' input ends
     assert batched[:10] == [4, 3] * 5 and min(batched) >= 2, str(batched)
+
+
+def test_a_batch_of_the_same_streams_runs_on_its_rows_as_they_are(chat, long_input):
+    """Three streams batched tick after tick keep their caches as the batch's rows (not stacked
+    again each tick); one of them pushed alone in between takes its own caches out, and the next
+    batch stacks them again. Every chunk's frames and the final caches are each stream's alone."""
+    perception = chat.listening.perception
+    starts = [0, 20 * 1280, 62 * 1280]
+    together = [PerceptionStream(perception) for _ in starts]
+    alone = [PerceptionStream(perception) for _ in starts]
+    for stream_pair, start in zip(zip(together, alone), starts):
+        for stream in stream_pair:
+            for at in range(0, start, 1280):
+                mx.eval(stream.push(long_input[at : at + 1280]), stream.state)
+    held = []
+    for tick in range(12):
+        chunks = [long_input[a + tick * 1280 :][:1280] for a in starts]
+        if tick == 6:  # the second stream alone this tick, the others together
+            got = [together[1].push(chunks[1])]
+            pair, _ = push_streams([together[0], together[2]], [chunks[0], chunks[2]], rows=lambda m: m + 1)
+            got = [pair[0], got[0], pair[1]]
+        else:
+            got, ran_together = push_streams(together, chunks, rows=lambda m: m + 1)
+            assert ran_together == 3, (tick, [g[0].shape for g in got])
+        mx.eval(got, [s.state for s in together])
+        held.append(together[0]._batch.caches)
+        for stream, chunk, (projected, encoded) in zip(alone, chunks, got):
+            want = stream.push(chunk)
+            mx.eval(want, stream.state)
+            same_frames(np.array(projected), np.array(want[0]))
+            same_frames(np.array(encoded), np.array(want[1]))
+    assert all(held[t] is held[t + 1] for t in (0, 1, 2, 3, 4, 8, 9, 10))  # the same rows, run as they are
+    assert held[5] is not held[6] and held[6] is not held[7]  # restacked after the composition changed
+    for a, b in zip(together, alone):
+        assert a.state_nbytes == b.state_nbytes
+        for x, y in zip(a.caches, b.caches):
+            for u, v in zip(x.state, y.state):
+                same_frames(np.array(u), np.array(v))
 
 
 # --------------------------------------------------------------------------- RNNT

@@ -485,7 +485,7 @@ class EngineSession(LiveSession):
             return {
                 "llm_cache": share(engine.lm.state, engine.slots),
                 "tts_cache": share(engine.tts.buffers, engine.slots),
-                "encoder_cache": sum(int(a.nbytes) for a in self.perception.state),
+                "encoder_cache": self.perception.state_nbytes,
                 "ids_and_codes": self._codes.values.nbytes + 8 * (len(self._text_ids) + len(self._function_ids)
                                                                   + len(self._transcript_ids)),
                 "output_audio": sum(int(a.nbytes) for a in self._audio),

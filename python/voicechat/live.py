@@ -189,7 +189,7 @@ class LiveSession:
             return {
                 "llm_cache": arrays(self.loop.cache.state) if self.loop.cache is not None else 0,
                 "tts_cache": arrays(self.loop.tts_cache.state),
-                "encoder_cache": arrays(self.perception.state),
+                "encoder_cache": self.perception.state_nbytes,
                 "ids_and_codes": self._codes.values.nbytes + 8 * (len(self._text_ids) + len(self._function_ids)
                                                                   + len(self._transcript_ids)),
                 "output_audio": arrays(self._audio),

@@ -491,6 +491,22 @@ class EncoderLayerCache:
         return [self.keys, self.values, self.conv]
 
 
+class _BatchCaches:
+    """The layer caches of the streams one `push_streams` batch ran, as that batch's rows
+    (`members`: the stream of each row, padding rows included). They stay stacked between chunks:
+    the next batch of the same rows runs on them as they are, and a stream's own caches are
+    sliced out only when it runs otherwise (alone, or in another batch)."""
+
+    def __init__(self, members: list["PerceptionStream"], caches: list[EncoderLayerCache]):
+        self.members, self.caches = members, caches
+
+    def arrays(self) -> list[mx.array]:
+        return [a for c in self.caches for a in c.state]
+
+    def row_of(self, stream: "PerceptionStream") -> int:
+        return self.members.index(stream)
+
+
 class PerceptionStream:
     """`Perception` (log-mel, encoder, projection) of a 16 kHz signal given a chunk at a time:
     `push(samples)` returns what those samples completed, `finish()` the rest (the frames that
@@ -520,14 +536,33 @@ class PerceptionStream:
             width = (width - 3) // 2 + 1 + CausalSubsampling.LEFT + CausalSubsampling.RIGHT
         d, k = cfg.encoder.d_model, cfg.encoder.conv_kernel_size
         self.left = left
-        self.caches = [EncoderLayerCache(mx.zeros((1, heads, left, d // heads)), mx.zeros((1, heads, left, d // heads)),
-                                         mx.zeros((1, k - 1, d))) for _ in enc.layers]
+        self._caches = [EncoderLayerCache(mx.zeros((1, heads, left, d // heads)), mx.zeros((1, heads, left, d // heads)),
+                                          mx.zeros((1, k - 1, d))) for _ in enc.layers]
+        self._batch: _BatchCaches | None = None  # where the caches are while they are a batch's rows
         self.frames = 0  # encoder frames returned so far
 
     @property
+    def caches(self) -> list[EncoderLayerCache]:
+        """Each layer's cache, this stream's own (taken out of the batch that holds them, if one does)."""
+        if self._batch is not None:
+            row = self._batch.row_of(self)
+            self._caches = [EncoderLayerCache(*(a[row : row + 1] for a in c.state)) for c in self._batch.caches]
+            self._batch = None
+        return self._caches
+
+    @property
     def state(self) -> list[mx.array]:
-        """Every array carried between chunks (to evaluate after a chunk)."""
-        return self.subsampling.pending + [a for c in self.caches for a in c.state]
+        """Every array carried between chunks (to evaluate after a chunk; a batch's rows whole)."""
+        caches = self._batch.arrays() if self._batch is not None else [a for c in self._caches for a in c.state]
+        return self.subsampling.pending + caches
+
+    @property
+    def state_nbytes(self) -> int:
+        """The bytes this stream holds between chunks (its share of a batch's rows)."""
+        pending = sum(int(a.nbytes) for a in self.subsampling.pending)
+        if self._batch is not None:
+            return pending + sum(int(a.nbytes) for a in self._batch.arrays()) // len(self._batch.members)
+        return pending + sum(int(a.nbytes) for c in self._caches for a in c.state)
 
     def push(self, samples: np.ndarray) -> tuple[mx.array, mx.array]:
         """16 kHz mono float32 samples -> `(projected [1, k, output_dim], encoded [1, k, d_model])`
@@ -586,15 +621,21 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray],
         together += len(members)
         first = streams[members[0]]
         batch = members + [members[0]] * ((rows(len(members)) if rows else len(members)) - len(members))
-        caches = [EncoderLayerCache(*(mx.concatenate([streams[i].caches[layer].state[j] for i in batch])
-                                      for j in range(3))) for layer in range(len(first.caches))]
-        starts = mx.array([streams[i].key_start for i in batch], mx.int32)
+        order = [streams[i] for i in batch]
+        held = first._batch
+        if held is not None and len(held.members) == len(order) and all(a is b for a, b in zip(held.members, order)) \
+                and all(s._batch is held for s in order):
+            caches = held.caches  # the last batch's rows, as they are
+        else:
+            caches = [EncoderLayerCache(*(mx.concatenate([s.caches[layer].state[j] for s in order]) for j in range(3)))
+                      for layer in range(len(first.perception.encoder.layers))]
+        starts = mx.array([s.key_start for s in order], mx.int32)
         x = first.perception.encoder.stream(mx.concatenate([xs[i] for i in batch]), caches, starts)
         projected, encoded = first.perception.project(x)
+        held = _BatchCaches(order, caches)
         for row, i in enumerate(members):
             stream = streams[i]
-            for own, batched in zip(stream.caches, caches):
-                own.keys, own.values, own.conv = (a[row : row + 1] for a in batched.state)
+            stream._batch = held
             stream.frames += count
             out[i] = (projected[row : row + 1], encoded[row : row + 1])
     return out, together

@@ -266,28 +266,27 @@ __attribute__((target("avx2,f16c"))) void add_rows_avx2(const Matrix& m, int r0,
 }
 #endif
 
-// y_i[r] += W[r] . x_i for rows [r0, r1) and every stream i, each dot product as `dot` makes it.
-void add_rows(const Matrix& m, int r0, int r1, const std::vector<const float*>& x, const std::vector<float*>& y) {
-  if (x.empty() || r1 <= r0) return;
+template <typename W>
+void add_rows_of(const Matrix& m, int r0, int r1, const std::vector<const float*>& x, const std::vector<float*>& y) {
 #ifdef VOICECHAT_AVX2
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   if (avx2 && x.size() > 1) {  // (one stream: row by row measured faster, its weights streaming from memory)
-    if (m.dtype == mx::bfloat16) {
-      add_rows_avx2<uint16_t>(m, r0, r1, x, y);
-    } else if (m.dtype == mx::float16) {
-      add_rows_avx2<mx::float16_t>(m, r0, r1, x, y);
-    } else {
-      add_rows_avx2<float>(m, r0, r1, x, y);
-    }
+    add_rows_avx2<W>(m, r0, r1, x, y);
     return;
   }
 #endif
+  add_rows_generic<W>(m, r0, r1, x, y);
+}
+
+// y_i[r] += W[r] . x_i for rows [r0, r1) and every stream i, each dot product as `dot` makes it.
+void add_rows(const Matrix& m, int r0, int r1, const std::vector<const float*>& x, const std::vector<float*>& y) {
+  if (x.empty() || r1 <= r0) return;
   if (m.dtype == mx::bfloat16) {
-    add_rows_generic<uint16_t>(m, r0, r1, x, y);
+    add_rows_of<uint16_t>(m, r0, r1, x, y);
   } else if (m.dtype == mx::float16) {
-    add_rows_generic<mx::float16_t>(m, r0, r1, x, y);
+    add_rows_of<mx::float16_t>(m, r0, r1, x, y);
   } else {
-    add_rows_generic<float>(m, r0, r1, x, y);
+    add_rows_of<float>(m, r0, r1, x, y);
   }
 }
 

@@ -598,9 +598,11 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray],
                  rows: Callable[[int], int] | None = None) -> tuple[list[tuple[mx.array, mx.array]], int]:
     """`streams[i].push(chunks[i])` for every stream (all of one `Perception`), with the layers and
     the projection of the streams whose chunks complete the same number of frames run as one
-    batch, wherever each stream is (its key start in the batch's): their caches stacked, one
-    compiled graph for all of them (the launches of one stream's chunk), each stream's rows and
-    caches then taken back. Row by row it is each stream's own arithmetic (on a CPU, bit for bit:
+    batch, wherever each stream is (its key start in the batch's): their caches stacked (or, for
+    the same streams in the same rows as the last batch, that batch's caches as they are), one
+    compiled graph for all of them (the launches of one stream's chunk), each stream's output rows
+    taken back and its caches left as the batch's rows (`PerceptionStream.caches` takes them out
+    when it runs otherwise). Row by row it is each stream's own arithmetic (on a CPU, bit for bit:
     tested). `rows(m)`: the rows a batch of m streams runs as (>= m; the first stream's rows
     again fill the rest, their results unused), so that the compiled graph is traced for a few
     batch sizes, not every count. Returns the outputs and how many streams ran in a batch of two

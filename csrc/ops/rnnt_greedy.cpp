@@ -58,6 +58,14 @@ inline float load(const uint16_t* p, int64_t i) {  // bfloat16: the high half of
 }
 inline float load(const mx::float16_t* p, int64_t i) { return static_cast<float>(p[i]); }
 
+// A dot product's end: the eight partial sums `acc` added up, then the products from `d` to `n`.
+template <typename W>
+inline float dot_finish(const float* acc, const float* x, const W* w, int64_t d, int64_t n) {
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; d < n; ++d) sum += x[d] * load(w, d);
+  return sum;
+}
+
 // Eight independent partial sums, so the compiler can vectorize the loop. (Interleaving several
 // rows' or streams' sums in one loop, or GCC's generic vector types, measured slower: the compiler
 // then spills the partial sums.)
@@ -68,9 +76,7 @@ inline float dot(const float* x, const W* w, int n) {
   for (; d + 8 <= n; d += 8) {
     for (int t = 0; t < 8; ++t) acc[t] += x[d + t] * load(w, d + t);
   }
-  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; d < n; ++d) sum += x[d] * load(w, d);
-  return sum;
+  return dot_finish(acc, x, w, d, n);
 }
 
 struct Matrix {  // a row-contiguous [rows, cols] weight of dtype float32, bfloat16 or float16
@@ -257,10 +263,7 @@ __attribute__((target("avx2,f16c"))) void add_rows_avx2(const Matrix& m, int r0,
     _mm256_storeu_ps(lanes[2], a2);
     _mm256_storeu_ps(lanes[3], a3);
     for (int k = 0; k < k_count; ++k) {
-      const float* a = lanes[k];
-      float sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-      for (int64_t d = body; d < cols; ++d) sum += xs[k][d] * load(ws[k], d);
-      *out[k] += sum;
+      *out[k] += dot_finish(lanes[k], xs[k], ws[k], body, cols);
     }
   }
 }

@@ -150,12 +150,7 @@ class TranscriptStream:
 
     def push(self, encoded: mx.array) -> mx.array:
         """The lazy `[F, max_symbols]` table of these frames (`encoded [1, F, d_model]`)."""
-        w = self.weights
-        projected = _encoder_projection(encoded, self.joint)
-        table, self.state = rnnt_greedy(projected, w.embed, w.lstm, w.pred_w,
-                                        w.pred_b, w.out_w, w.out_b, self.blank_id, self.max_symbols,
-                                        stream=self.stream, start=self.state)
-        return table
+        return push_streams([self], [encoded])[0]
 
 
 def push_streams(streams: list[TranscriptStream], encoded: list[mx.array]) -> list[mx.array]:

@@ -21,7 +21,7 @@ from voicechat.stt.conformer import (
     relative_positions,
     subsampled_length,
 )
-from voicechat.stt.mel import hann_window, log_mel, mel_filterbank, num_frames, preemphasis
+from voicechat.stt.mel import hann_window, log_mel, mel_filterbank, num_frames, preemphasis, preemphasis_host
 from voicechat.synthetic import make_checkpoint, tiny_config
 
 CFG = PreprocessorConfig()
@@ -114,6 +114,20 @@ def test_preemphasis_keeps_the_first_sample():
     impulse[0] = 1.0
     np.testing.assert_allclose(np.array(log_mel(mx.array(impulse), CFG))[0], log_mel_f64(impulse),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_preemphasis_on_the_host_has_the_devices_bits():
+    """A live session's chunks are preemphasized with numpy: the same float32 multiply and subtract
+    as `preemphasis`, so the same bits, with and without the sample before the chunk."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(1283) * rng.uniform(0.01, 1.0)).astype(np.float32)
+    previous = np.array([rng.standard_normal()], np.float32)
+    np.testing.assert_array_equal(preemphasis_host(x, 0.97), np.array(preemphasis(mx.array(x), 0.97)))
+    np.testing.assert_array_equal(preemphasis_host(x, 0.97, previous),
+                                  np.array(preemphasis(mx.array(x), 0.97, mx.array(previous))))
+    # and each is the float64 formula to float32 rounding
+    exact = x.astype(np.float64) - 0.97 * np.concatenate([previous, x[:-1]]).astype(np.float64)
+    np.testing.assert_allclose(preemphasis_host(x, 0.97, previous), exact, rtol=0, atol=1e-6)
 
 
 def test_log_mel_matches_float64_numpy_on_speech(speech):

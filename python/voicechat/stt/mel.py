@@ -75,6 +75,14 @@ def preemphasis(x: mx.array, coeff: float, previous: mx.array | None = None) -> 
     return x - coeff * mx.concatenate([previous, x[:-1]])
 
 
+def preemphasis_host(x: np.ndarray, coeff: float, previous: np.ndarray | None = None) -> np.ndarray:
+    """`preemphasis` of float32 samples on the host: the same float32 multiply, then subtract, so
+    the same bits, without a round trip to the device (a live session's every chunk)."""
+    before = x[:-1] if previous is None else np.concatenate([previous, x[:-1]])
+    rest = (x[1:] if previous is None else x) - np.float32(coeff) * before
+    return rest if previous is not None else np.concatenate([x[:1], rest])
+
+
 def log_mel(
     audio: mx.array,
     cfg: PreprocessorConfig,
@@ -126,7 +134,7 @@ class StreamingLogMel:
         self.pad = cfg.n_fft // 2
         self.samples = 0  # input samples so far
         self.frames = 0  # frames returned so far
-        self._previous: mx.array | None = None  # the last input sample (preemphasis of the next chunk)
+        self._previous: np.ndarray | None = None  # the last input sample (preemphasis of the next chunk)
         self._head = np.zeros(0, np.float32)  # preemphasized samples while the left reflection is not known
         self._padded: np.ndarray | None = None  # the padded signal from frame `frames`' first sample on
         self._tail = np.zeros(0, np.float32)  # the last pad + 1 preemphasized samples (the right reflection)
@@ -136,9 +144,8 @@ class StreamingLogMel:
         samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         if samples.size == 0:
             return self._empty()
-        x = mx.array(samples)
-        emphasized = np.array(preemphasis(x, self.cfg.preemph, self._previous))
-        self._previous = x[-1:]
+        emphasized = preemphasis_host(samples, self.cfg.preemph, self._previous)
+        self._previous = samples[-1:].copy()
         self.samples += samples.size
         self._tail = np.concatenate([self._tail, emphasized])[-(self.pad + 1):]
         if self._padded is None:

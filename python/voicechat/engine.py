@@ -314,8 +314,11 @@ class Engine:
                 tables = dict(zip(heard, push_transcripts([accepted[i][0].transcript for i in heard],
                                                           [perceived[i][1] for i in heard])))
             self.perceived_together += together
+            pending = []
             for i, ((session, _), (projected, encoded)) in enumerate(zip(accepted, perceived)):
-                session._queue_frames(projected, encoded, table=tables.get(i))
+                pending += session._queue_frames(projected, encoded, table=tables.get(i))
+            with mx.stream(self.chat._timeline_stream):
+                mx.async_eval(pending)
             return refused
 
     def warm_batches(self, sessions: int | None = None) -> int:
@@ -388,14 +391,13 @@ def _read_and_deliver(queued: list[tuple["EngineSession", tuple]]) -> tuple[floa
 
 
 class _TranscriptRows:
-    """A chunk's transcript table `[frames, max_symbols]`: queued on its CPU stream at once, read
-    back at its first frame's delivery, so that the transcript loops of a round's chunks run while
-    the ticks use the GPU instead of before them."""
+    """A chunk's transcript table `[frames, max_symbols]`: queued on its CPU stream with the chunk's
+    perception, read back at its first frame's delivery, so that the transcript loops of a round's
+    chunks run while the ticks use the GPU instead of before them."""
 
     def __init__(self, table: mx.array):
         self._table: mx.array | None = table
         self._rows: np.ndarray | None = None
-        mx.async_eval(table)
 
     def row(self, i: int) -> np.ndarray:
         if self._rows is None:
@@ -511,31 +513,33 @@ class EngineSession(LiveSession):
         """16 kHz samples through perception and the transcript; the frames they complete queued."""
         with mx.stream(self.chat._timeline_stream):
             projected, encoded = self._perceive(samples, end, count_input)
-        self._queue_frames(projected, encoded, end)
+            mx.async_eval(self._queue_frames(projected, encoded, end))
         return []
 
     def _queue_frames(self, projected: mx.array, encoded: mx.array, end: bool = False,
-                      table: mx.array | None = None) -> None:
+                      table: mx.array | None = None) -> list[mx.array]:
         """A chunk's perceived frames through the transcript (unless `table`, their transcript
-        table, is given), queued for the ticks."""
+        table, is given), queued for the ticks. Returns what the caller evaluates (`mx.async_eval`:
+        queued, not waited for, so that the tick's steps are built while the device runs
+        perception; a round's sessions in one call)."""
+        pending = list(self.perception.state)
         with mx.stream(self.chat._timeline_stream):
             count = projected.shape[1]
-            # Queued, not waited for: the tick's steps are built while the device runs perception.
             if count:
-                table = _TranscriptRows(self.transcript.push(encoded) if table is None else table)
+                table = self.transcript.push(encoded) if table is None else table
+                rows = _TranscriptRows(table)
                 room = self.limit - self.prompt_frames - self.frames - len(self._queue)
                 for i in range(min(count, room)):
-                    self._queue.append([projected[:, i : i + 1], (table, i), False])
-                mx.async_eval(*self.perception.state, *[entry[0] for entry in self._queue])
+                    self._queue.append([projected[:, i : i + 1], (rows, i), False])
+                pending += [table, *(entry[0] for entry in self._queue)]
                 if count > room:
                     self._overflow = True
-            else:
-                mx.async_eval(*self.perception.state)
         if end:
             if self._queue:
                 self._queue[-1][2] = True
             else:
                 self._end()
+        return pending
 
     def _deliver(self, text_id: int, function_id: int, codes: np.ndarray, audio: np.ndarray | None) -> None:
         """This session's frame of a tick (its samples decoded in the tick's codec batch, or here

@@ -102,23 +102,30 @@ def log_mel(
     x = preemphasis(x, cfg.preemph)
     # Reflect without repeating the edge sample: x[pad:0:-1] ... x[-2:-pad-2:-1].
     x = mx.concatenate([x[1 : pad + 1][::-1], x, x[-pad - 1 : -1][::-1]])
-    return _log_mel_frames(x, num_frames(n, cfg), cfg, filterbank, window)
+    return _log_mel_frames(x, num_frames(n, cfg), cfg, *_frame_operands(cfg, filterbank, window))
 
 
-def _log_mel_frames(padded: mx.array, frames: int, cfg: PreprocessorConfig, filterbank: mx.array | None,
-                    window: mx.array | None) -> mx.array:
-    """Log-mel `[1, frames, features]` of the frames starting every hop from `padded[0]` (the
-    preemphasized, reflect-padded signal from some frame's first sample on)."""
-    strided = mx.as_strided(padded, shape=(frames, cfg.n_fft), strides=(cfg.hop_length, 1))
+def _frame_operands(cfg: PreprocessorConfig, filterbank: mx.array | None,
+                    window: mx.array | None) -> tuple[mx.array, mx.array]:
+    """The filterbank `[features, bins]` and the window zero-padded to `n_fft`, float32, as
+    `_log_mel_frames` reads them (defaults: the formula's own)."""
     if window is None:
         window = mx.array(hann_window(cfg.win_length))
     left = (cfg.n_fft - window.shape[0]) // 2
     window = mx.pad(window.astype(mx.float32), (left, cfg.n_fft - window.shape[0] - left))
-    spec = mx.fft.rfft(strided * window, axis=-1)
-    power = mx.square(mx.real(spec)) + mx.square(mx.imag(spec))
     if filterbank is None:
         filterbank = mx.array(mel_filterbank(cfg.sample_rate, cfg.n_fft, cfg.features))
-    fb = filterbank.astype(mx.float32).reshape(-1, cfg.n_fft // 2 + 1)
+    return filterbank.astype(mx.float32).reshape(-1, cfg.n_fft // 2 + 1), window
+
+
+def _log_mel_frames(padded: mx.array, frames: int, cfg: PreprocessorConfig, fb: mx.array,
+                    window: mx.array) -> mx.array:
+    """Log-mel `[1, frames, features]` of the frames starting every hop from `padded[0]` (the
+    preemphasized, reflect-padded signal from some frame's first sample on); `fb` and `window`:
+    `_frame_operands`."""
+    strided = mx.as_strided(padded, shape=(frames, cfg.n_fft), strides=(cfg.hop_length, 1))
+    spec = mx.fft.rfft(strided * window, axis=-1)
+    power = mx.square(mx.real(spec)) + mx.square(mx.imag(spec))
     mel = power @ fb.T
     return mx.log(mel + cfg.log_zero_guard_value)[None]
 
@@ -130,7 +137,10 @@ class StreamingLogMel:
     same samples). Holds less than one frame's span of samples between calls (plus the chunk)."""
 
     def __init__(self, cfg: PreprocessorConfig, filterbank: mx.array | None = None, window: mx.array | None = None):
-        self.cfg, self.filterbank, self.window = cfg, filterbank, window
+        self.cfg = cfg
+        # Made once, not in every chunk's graph (a pad and a cast a chunk otherwise).
+        self._operands = _frame_operands(cfg, filterbank, window)
+        mx.eval(self._operands)
         self.pad = cfg.n_fft // 2
         self.samples = 0  # input samples so far
         self.frames = 0  # frames returned so far
@@ -175,7 +185,7 @@ class StreamingLogMel:
     def _frames(self, count: int) -> mx.array:
         if count <= 0:
             return self._empty()
-        out = _log_mel_frames(mx.array(self._padded), count, self.cfg, self.filterbank, self.window)
+        out = _log_mel_frames(mx.array(self._padded), count, self.cfg, *self._operands)
         self._padded = self._padded[count * self.cfg.hop_length :]
         self.frames += count
         return out

@@ -13,7 +13,7 @@ from voicechat.checkpoint import load_weights, open_checkpoint, subtree, to_mlx_
 from voicechat.codec import AudioCodec, istft, stft
 from voicechat.codec.codec import (_downsample, _upsample, conv_matrix, decode_context, decode_windows,
                                    transposed_conv_matrix)
-from voicechat.codec.stft import istft_reference, stft_reference
+from voicechat.codec.stft import StreamingISTFT, istft_reference, stft_reference, windowed_frames_in_order
 from voicechat.config import CodecConfig, VoiceChatConfig
 from voicechat.synthetic import make_checkpoint, tiny_config
 
@@ -60,15 +60,21 @@ def _numpy_stft(wave: np.ndarray) -> np.ndarray:
     return np.concatenate([spec.real, spec.imag], axis=-1)
 
 
-def _numpy_istft(features: np.ndarray) -> np.ndarray:
-    """The formula with numpy: irfft, clip to +-window, window, overlap-add, / max(env, 1e-10), trim 6."""
+def _numpy_windowed_frames(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """irfft of each frame, clipped to +-window, times the window (float64), and the window."""
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(16) / 16)
     f = features.astype(np.float64)
     spec = f[..., :9] + 1j * f[..., 9:]
     spec[..., 0] = spec[..., 0].real  # imag of DC and Nyquist forced to zero
     spec[..., 8] = spec[..., 8].real
     framed = np.fft.irfft(spec, n=16, axis=-1)
-    framed = np.clip(framed, -window, window) * window
+    return np.clip(framed, -window, window) * window, window
+
+
+def _numpy_istft(features: np.ndarray) -> np.ndarray:
+    """The formula with numpy: irfft, clip to +-window, window, overlap-add, / max(env, 1e-10), trim 6."""
+    framed, window = _numpy_windowed_frames(features)
+    f = features
     frames = f.shape[1]
     out = np.zeros((f.shape[0], (frames - 1) * 4 + 16))
     env = np.zeros(out.shape[1])
@@ -95,6 +101,18 @@ def test_istft_matches_the_formula_with_clipping(frames):
     assert expected.shape == (2, 4 * frames)
     for fn in (istft, istft_reference):
         np.testing.assert_allclose(np.array(fn(mx.array(features))), expected, atol=2e-6)
+
+
+def test_the_streams_inverse_dft_in_order_matches_the_formula():
+    """The streamed decoder's inverse DFT (a multiply-add a basis row, elementwise, so that a batch
+    of sessions gives each its bits alone) is the formula, clip included."""
+    features = np.random.default_rng(11).normal(0, 3, (3, 7, 18)).astype(np.float32)
+    window, inverse = StreamingISTFT(16, 4).bases()
+    got = np.array(windowed_frames_in_order(mx.array(features), window, inverse))
+    np.testing.assert_allclose(got, _numpy_windowed_frames(features)[0], atol=2e-6)
+    # each frame alone is its rows of the batch, bit for bit
+    np.testing.assert_array_equal(np.array(windowed_frames_in_order(mx.array(features[1:2, 3:4]), window, inverse)),
+                                  got[1:2, 3:4])
 
 
 @pytest.mark.parametrize("n", [1764, 1764 * 3, 1000])
@@ -142,6 +160,24 @@ def test_prvq_recovers_the_codes_of_an_exact_sum_and_decodes_exactly(codec):
     np.testing.assert_array_equal(np.array(model.prvq.decode_reference(codes)), latent)
     # The codes decode to exactly the waveform of the latent they came from.
     np.testing.assert_array_equal(np.array(model.decode(codes)), np.array(model.decode_latent(mx.array(latent))))
+
+
+def test_codewords_add_in_codebook_order(codec):
+    """`codewords_sum` adds the picked codewords q = 0, 1, ... as the reference does (so a row's
+    latent is the same arithmetic in a batch of any size): equal bit for bit on means whose sums
+    round, and to a float64 sum."""
+    cfg = codec.config
+    rng = np.random.default_rng(4)
+    books = [rng.normal(0, 1, (cfg.codebook_size, cfg.latent_dim)).astype(np.float32) for _ in range(cfg.num_quantizers)]
+    model = AudioCodec(cfg)
+    model.update({"prvq": {"mus_list": [mx.array(b) for b in books]}})
+    codes = _random_codes(cfg, 3, 4, seed=8)
+    got = np.array(model.prvq.decode(codes))
+    np.testing.assert_array_equal(got, np.array(model.prvq.decode_reference(codes)))
+    chosen = np.array(codes)
+    exact = sum(books[q].astype(np.float64)[chosen[:, q]] for q in range(cfg.num_quantizers))
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(np.array(model.prvq.decode(codes[1:2, :, 2:3])), got[1:2, 2:3])
 
 
 def test_prvq_uses_only_the_given_leading_codebooks(codec):

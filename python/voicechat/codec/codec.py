@@ -51,7 +51,7 @@ from ..config import CodecConfig
 from ..held import evaluate_held, held, hold
 from ..kernels import use_reference
 from ..kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
-from .stft import StreamingISTFT, istft, istft_reference, stft, stft_reference, windowed_frames
+from .stft import StreamingISTFT, istft, istft_reference, stft, stft_reference, windowed_frames_in_order
 from .stft import padding as stft_padding
 
 MAX_MAGNITUDE = 100.0
@@ -73,10 +73,21 @@ def _convnext_padded(padded, operands):
     for j in range(1, k):
         h = h + padded[:, j : j + t] * taps[j]
     h = mx.fast.layer_norm(h, ln_w, ln_b, LAYER_NORM_EPS)
-    # the frames as matmul rows: a [B, T, C] operand costs a Flatten and an Unflatten a matmul
     b, _, c = h.shape
-    h = nn.gelu(h.reshape(b * t, c) @ w1_t + b1)
-    return x + (h @ w2_t + b2).reshape(b, t, c)
+    h = nn.gelu(each_row_matmul(h, w1_t) + b1)
+    return x + (each_row_matmul(h.reshape(b, t, -1), w2_t) + b2).reshape(b, t, c)
+
+
+def each_row_matmul(x: mx.array, matrix: mx.array) -> mx.array:
+    """`x [B, T, C]` times `matrix [C, N]` as `[B * T, N]` (the frames as matmul rows: a [B, T, C]
+    operand costs a Flatten and an Unflatten a matmul), one matmul for each of the B rows. A GPU
+    picks a matmul's kernel by its row count, so B streams as one matmul would round otherwise
+    than each stream alone; a row's own matmul is its alone arithmetic (a batch of sessions'
+    codec frames gives each one its own samples bit for bit)."""
+    b, t, c = x.shape
+    if b == 1:
+        return x.reshape(t, c) @ matrix
+    return mx.concatenate([x[i] @ matrix for i in range(b)])
 
 
 @mx.compile
@@ -179,7 +190,7 @@ def _downsample(x: mx.array, matrix: mx.array, k: int) -> mx.array:
     """Conv1d with kernel = stride = k, no padding, no bias, as one matmul (`matrix`: `conv_matrix`
     of its float32 weight): [B, T, C] -> [B, T/k, out]."""
     b, t, c = x.shape
-    return (x.reshape(b * (t // k), k * c) @ matrix).reshape(b, t // k, matrix.shape[1])
+    return each_row_matmul(x.reshape(b, t // k, k * c), matrix).reshape(b, t // k, matrix.shape[1])
 
 
 def _upsample(x: mx.array, matrix: mx.array, k: int) -> mx.array:
@@ -187,7 +198,7 @@ def _upsample(x: mx.array, matrix: mx.array, k: int) -> mx.array:
     float32 weight): each input frame becomes k output frames."""
     b, t, c = x.shape
     out = matrix.shape[1] // k
-    y = x.reshape(b * t, c) @ matrix  # [B * T, out * k], index o * k + j
+    y = each_row_matmul(x, matrix)  # [B * T, out * k], index o * k + j
     return y.reshape(b, t, out, k).transpose(0, 1, 3, 2).reshape(b, t * k, out)
 
 
@@ -308,9 +319,15 @@ def check_codes(codes: mx.array, book: mx.array) -> None:
 
 def codewords_sum(book: mx.array, codes: mx.array) -> mx.array:
     """The sum of the codewords `codes [B, Q', T]` pick from the first Q' codebooks of `book [Q, K,
-    D]`: latent [B, T, D]."""
+    D]`: latent [B, T, D]. Added in codebook order (q = 0, 1, ...) as elementwise adds, so every
+    row's sum is the same arithmetic in a batch of any size (a reduction's kernel may split the
+    sum otherwise by shape)."""
     q = mx.arange(codes.shape[1])[None, :, None]
-    return book[q, codes.astype(mx.int32)].sum(axis=1)
+    picked = book[q, codes.astype(mx.int32)]  # [B, Q', T, D]
+    latent = picked[:, 0]
+    for i in range(1, picked.shape[1]):
+        latent = latent + picked[:, i]
+    return latent
 
 
 class PRVQ(nn.Module):
@@ -572,7 +589,7 @@ def _stream_graph(codec: AudioCodec, codes: mx.array, book: mx.array, contexts: 
     contexts (what `_stream_frames` compiles)."""
     contexts = list(contexts)
     features = codec.decoder(codewords_sum(book, codes), contexts, operands)
-    return windowed_frames(_spectrum(features), window, inverse), contexts
+    return windowed_frames_in_order(_spectrum(features), window, inverse), contexts
 
 
 def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],

@@ -110,6 +110,17 @@ def windowed_frames(features, window, inverse):
 _windowed_frames_compiled = mx.compile(windowed_frames)
 
 
+def windowed_frames_in_order(features, window, inverse):
+    """`windowed_frames` with the inverse DFT as one multiply-add a basis row, in order (k = 0, 1,
+    ...): elementwise, so a frame's samples are the same arithmetic in a batch of any size (a
+    GPU picks a matmul's kernel by its row count). The streamed decoder's, whose batches of
+    sessions give each one its samples alone."""
+    framed = features[..., 0:1] * inverse[0]
+    for k in range(1, inverse.shape[0]):
+        framed = framed + features[..., k : k + 1] * inverse[k]
+    return mx.clip(framed, -window, window) * window
+
+
 @mx.compile
 def _synthesize(features, window, inverse, envelope, hop: int):
     batch, frames, _ = features.shape

@@ -10,6 +10,7 @@ import pytest
 import voicechat
 from voicechat.audio import load_audio
 from voicechat.codec.codec import DecoderStream
+from voicechat.codec.codec import push_streams as codec_push_streams
 from voicechat.codec.stft import StreamingISTFT, _envelope, envelope_at, istft
 from voicechat.config import PreprocessorConfig
 from voicechat.kernels.gemv import on_cuda_gpu
@@ -261,6 +262,42 @@ def test_decoder_stream_equals_decode(chat, frames, sizes):
     out = _streamed(lambda c: stream.push(mx.array(c)), stream.finish, np.array(codes), sizes, axis=2)
     assert out[0].shape[1] == sizes[0] * 1764 - 6 and out[-1].shape[1] == 6  # the 6-sample lag
     np.testing.assert_allclose(np.concatenate(out, axis=1), np.array(codec.decode(codes)), rtol=0, atol=AUDIO_ATOL)
+
+
+def test_decoder_streams_pushed_together_equal_each_pushed_alone(chat):
+    """`codec.push_streams` (an engine's tick): three decoder streams at different points, batched
+    frame after frame with padding rows, keep their contexts as the batch's rows (not stacked again
+    each frame); one pushed alone in between takes its own out, and the next batch stacks them
+    again. Every frame's samples and the final contexts are each stream's alone, bit for bit on
+    any device (each row its own matmul, the sums in order)."""
+    codec = chat.speaking.audio_codec
+    rng = np.random.default_rng(5)
+    starts = [0, 3, 7]
+    together = [DecoderStream(codec) for _ in starts]
+    alone = [DecoderStream(codec) for _ in starts]
+    for pair, start in zip(zip(together, alone), starts):
+        lead = mx.array(rng.integers(0, 52, (1, 31, start)).astype(np.int32)) if start else None
+        for stream in pair:
+            if lead is not None:
+                stream.push(lead)
+    held = []
+    for frame in range(8):
+        codes = rng.integers(0, 52, (3, 31, 1)).astype(np.int32)
+        if frame == 4:  # the second stream alone this frame, the others together
+            middle = together[1].push(mx.array(codes[1:2]))[0]
+            pair = codec_push_streams([together[0], together[2]], mx.array(codes[[0, 2]]), rows=lambda m: m + 1)
+            got = [pair[0], middle, pair[1]]
+        else:
+            got = codec_push_streams(together, mx.array(codes), rows=lambda m: m + 1)
+        held.append(together[0]._batch)
+        for stream, code, samples in zip(alone, codes, got):
+            np.testing.assert_array_equal(samples, stream.push(mx.array(code[None]))[0])
+    assert all(held[t] is held[t + 1] for t in (0, 1, 2, 5, 6))  # the same rows, run as they are
+    assert held[3] is not held[4] and held[4] is not held[5]  # stacked again after the composition changed
+    for a, b in zip(together, alone):
+        for x, y in zip(a.contexts, b.contexts):
+            np.testing.assert_array_equal(np.array(x), np.array(y))
+        np.testing.assert_array_equal(a.finish(), b.finish())
 
 
 def test_streaming_istft_equals_istft():

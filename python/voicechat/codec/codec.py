@@ -42,6 +42,7 @@ quantizer's weights float32 for good (`VoiceChat._stream_in_float32`).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -554,10 +555,25 @@ class DecoderStream:
     def __init__(self, codec: AudioCodec, batch: int = 1):
         self.codec = codec
         cfg = codec.config
-        self.contexts = [mx.zeros((batch, cfg.block_kernel_size - 1, layer.dwconv.weight.shape[0]), mx.float32)
-                         for layer in codec.decoder.layers if isinstance(layer, ConvNeXtBlock)]
+        self._contexts = [mx.zeros((batch, cfg.block_kernel_size - 1, layer.dwconv.weight.shape[0]), mx.float32)
+                          for layer in codec.decoder.layers if isinstance(layer, ConvNeXtBlock)]
+        self._batch: _BatchContexts | None = None  # where the contexts are while they are a batch's rows
         self.istft = StreamingISTFT(cfg.n_fft, cfg.hop_length)
         self.frames = 0
+
+    @property
+    def contexts(self) -> list[mx.array]:
+        """Each ConvNeXt block's last k - 1 input frames, this stream's own (taken out of the batch
+        that holds them, if one does)."""
+        if self._batch is not None:
+            row = self._batch.members.index(self)
+            self._contexts = [c[row : row + 1] for c in self._batch.contexts]
+            self._batch = None
+        return self._contexts
+
+    @contexts.setter
+    def contexts(self, value: list[mx.array]) -> None:
+        self._contexts, self._batch = value, None
 
     def push(self, codes: mx.array) -> np.ndarray:
         """codes [B, Q, T] (no control codes) -> the final samples `[B, n]` float32 (n = 1764 T,
@@ -608,18 +624,45 @@ def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],
     return framed, contexts
 
 
-def push_streams(streams: list[DecoderStream], codes: mx.array) -> list[np.ndarray]:
+class _BatchContexts:
+    """The block contexts of the streams one `push_streams` batch ran, as that batch's rows
+    (`members`: the stream of each row, padding rows included). They stay stacked between frames:
+    the next batch of the same rows runs on them as they are, and a stream's own contexts are
+    sliced out only when it runs otherwise."""
+
+    def __init__(self, members: list[DecoderStream], contexts: list[mx.array]):
+        self.members, self.contexts = members, contexts
+
+
+def push_streams(streams: list[DecoderStream], codes: mx.array,
+                 rows: Callable[[int], int] | None = None) -> list[np.ndarray]:
     """`streams[i].push(codes[i : i + 1])` for every stream (batch 1 each, of one codec), run as one
-    batch: the decoder on all rows with their caches stacked, each stream's caches and overlap-add
-    then taken back. Returns each stream's samples `[n]`."""
+    batch: the decoder on all rows with their contexts stacked (or, for the same streams in the
+    same rows as the last batch, that batch's contexts as they are), each stream's overlap-add
+    then taken on the host and its contexts left as the batch's rows. Row by row it is each
+    stream's own arithmetic, bit for bit (`each_row_matmul`, `codewords_sum`,
+    `windowed_frames_in_order`). `rows(m)`: the rows a batch of m streams runs as (>= m; the first
+    stream's rows again fill the rest, their results unused), so that the compiled step is traced
+    for a few batch sizes, not every count. Returns each stream's samples `[n]`."""
     codec = streams[0].codec
-    contexts = [mx.concatenate([s.contexts[j] for s in streams]) for j in range(len(streams[0].contexts))]
+    count = len(streams)
+    order = streams + [streams[0]] * ((rows(count) if rows else count) - count)
+    batch = streams[0]._batch
+    if batch is not None and len(batch.members) == len(order) and all(a is b for a, b in zip(batch.members, order)) \
+            and all(s._batch is batch for s in order):
+        contexts = batch.contexts  # the last batch's rows, as they are
+    else:
+        contexts = [mx.concatenate([s.contexts[j] for s in order]) for j in range(len(streams[0].contexts))]
+        batch = _BatchContexts(order, contexts)
+    if len(order) > count:
+        codes = mx.concatenate([codes, mx.broadcast_to(codes[:1], (len(order) - count, *codes.shape[1:]))])
     framed, contexts = _stream_frames(codec, codes, contexts, streams[0].istft)
     mx.eval(framed, contexts)
     framed = np.array(framed)
+    batch.contexts = contexts
     out = []
     for i, stream in enumerate(streams):
-        stream.contexts = [c[i : i + 1] for c in contexts]
+        stream._batch = batch
         stream.frames += codes.shape[2]
         out.append(stream.istft.add(framed[i : i + 1])[0])
     return out

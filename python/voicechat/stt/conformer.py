@@ -131,9 +131,11 @@ class CausalSubsampling(nn.Module):
         return self.project(x)
 
     def stream(self, x: mx.array, state: "SubsamplingState", end: bool = False) -> mx.array:
-        """The output frames that the new input frames `x [1, n, feat]` complete (all of them when
+        """The output frames that the new input frames `x [B, n, feat]` complete (all of them when
         `end`: the right zero pad then stands for the input's end). Stage output o reads its input
-        frames 2o - 2 .. 2o; `state` keeps, per stage, those from the next output's first on."""
+        frames 2o - 2 .. 2o; `state` keeps, per stage, those from the next output's first on (B
+        rows: streams at the same point of their stage inputs, each row its own arithmetic)."""
+        rows = x.shape[0]
         x = x[..., None]
         for i in range(self.STAGES):
             pending = mx.concatenate([state.pending[i], self._pad(x, (0, 0))], axis=1)
@@ -142,11 +144,11 @@ class CausalSubsampling(nn.Module):
             count = max(0, (pending.shape[1] - 1) // 2)  # outputs whose three taps are all here
             state.pending[i] = pending[:, 2 * count :]
             if count == 0:  # (a conv of no output frames is not an op MLX takes; later stages may still end)
-                x = mx.zeros((1, 0, (pending.shape[2] - 3) // 2 + 1, self.conv[0].weight.shape[0]), mx.float32)
+                x = mx.zeros((rows, 0, (pending.shape[2] - 3) // 2 + 1, self.conv[0].weight.shape[0]), mx.float32)
             else:
                 x = self.stage(i, pending[:, : 2 * count + 1])
         if x.shape[1] == 0:  # no projection of zero rows: MLX-CUDA's addmm divides by the row count
-            return mx.zeros((1, 0, self.out.weight.shape[0]), mx.float32)
+            return mx.zeros((rows, 0, self.out.weight.shape[0]), mx.float32)
         return self.project(x)
 
 
@@ -607,7 +609,7 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray],
     again fill the rest, their results unused), so that the compiled graph is traced for a few
     batch sizes, not every count. Returns the outputs and how many streams ran in a batch of two
     or more."""
-    xs = [stream._subsampled(stream.mel.push(chunk), False) for stream, chunk in zip(streams, chunks)]
+    xs = _frontend_rows(streams, chunks)
     out: list[tuple[mx.array, mx.array] | None] = [None] * len(streams)
     groups: dict[int, list[int]] = {}
     for i, (stream, x) in enumerate(zip(streams, xs)):
@@ -641,3 +643,30 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray],
             stream.frames += count
             out[i] = (projected[row : row + 1], encoded[row : row + 1])
     return out, together
+
+
+def _frontend_rows(streams: list[PerceptionStream], chunks: list[np.ndarray]) -> list[mx.array]:
+    """Each stream's chunk through the log-mel and the subsampling (`_subsampled(mel.push(chunk))`),
+    the streams at the same point (spans of one length, stage inputs of one shape: a server's
+    sessions fed 80 ms at a time) as one batch, each row its own arithmetic. Returns each
+    stream's subsampled frames `[1, n, d_model]` (lazy); their subsampling states move on."""
+    spans = [stream.mel.take(chunk) for stream, chunk in zip(streams, chunks)]
+    groups: dict[tuple, list[int]] = {}
+    for i, (stream, span) in enumerate(zip(streams, spans)):
+        key = (0 if span is None else span.size, *(p.shape for p in stream.subsampling.pending))
+        groups.setdefault(key, []).append(i)
+    xs: list[mx.array | None] = [None] * len(streams)
+    for (length, *_), members in groups.items():
+        first = streams[members[0]]
+        if length == 0 or len(members) == 1:
+            for i in members:
+                xs[i] = streams[i]._subsampled(streams[i].mel._frames_of_span(spans[i]), False)
+            continue
+        mel = first.mel.frames_of(np.stack([spans[i] for i in members]))
+        state = SubsamplingState([mx.concatenate([streams[i].subsampling.pending[k] for i in members])
+                                  for k in range(CausalSubsampling.STAGES)])
+        x = first.perception.encoder.pre_encode.stream(mel, state)
+        for row, i in enumerate(members):
+            streams[i].subsampling.pending = [p[row : row + 1] for p in state.pending]
+            xs[i] = x[row : row + 1]
+    return xs

@@ -102,7 +102,7 @@ def log_mel(
     x = preemphasis(x, cfg.preemph)
     # Reflect without repeating the edge sample: x[pad:0:-1] ... x[-2:-pad-2:-1].
     x = mx.concatenate([x[1 : pad + 1][::-1], x, x[-pad - 1 : -1][::-1]])
-    return _log_mel_frames(x, num_frames(n, cfg), cfg, *_frame_operands(cfg, filterbank, window))
+    return _log_mel_frames(x, num_frames(n, cfg), cfg, *_frame_operands(cfg, filterbank, window))[None]
 
 
 def _frame_operands(cfg: PreprocessorConfig, filterbank: mx.array | None,
@@ -120,14 +120,19 @@ def _frame_operands(cfg: PreprocessorConfig, filterbank: mx.array | None,
 
 def _log_mel_frames(padded: mx.array, frames: int, cfg: PreprocessorConfig, fb: mx.array,
                     window: mx.array) -> mx.array:
-    """Log-mel `[1, frames, features]` of the frames starting every hop from `padded[0]` (the
+    """Log-mel `[frames, features]` of the frames starting every hop from `padded[0]` (the
     preemphasized, reflect-padded signal from some frame's first sample on); `fb` and `window`:
     `_frame_operands`."""
     strided = mx.as_strided(padded, shape=(frames, cfg.n_fft), strides=(cfg.hop_length, 1))
-    spec = mx.fft.rfft(strided * window, axis=-1)
+    return _log_mel_of(strided, cfg, fb, window)
+
+
+def _log_mel_of(framed: mx.array, cfg: PreprocessorConfig, fb: mx.array, window: mx.array) -> mx.array:
+    """Log-mel `[N, features]` of the frames `framed [N, n_fft]`, each row its own arithmetic."""
+    spec = mx.fft.rfft(framed * window, axis=-1)
     power = mx.square(mx.real(spec)) + mx.square(mx.imag(spec))
     mel = power @ fb.T
-    return mx.log(mel + cfg.log_zero_guard_value)[None]
+    return mx.log(mel + cfg.log_zero_guard_value)
 
 
 class StreamingLogMel:
@@ -151,9 +156,15 @@ class StreamingLogMel:
 
     def push(self, samples: np.ndarray) -> mx.array:
         """Mono float32 samples -> the log-mel frames `[1, k, features]` they completed (k >= 0)."""
+        return self._frames_of_span(self.take(samples))
+
+    def take(self, samples: np.ndarray) -> np.ndarray | None:
+        """`push` on the host: the samples held, and the padded span of the frames they completed
+        (`[(k - 1) * hop + n_fft]`, None for none) for `frames_of`. Several streams' spans of one
+        length make their frames in one batch."""
         samples = np.ascontiguousarray(samples, dtype=np.float32).reshape(-1)
         if samples.size == 0:
-            return self._empty()
+            return None
         emphasized = preemphasis_host(samples, self.cfg.preemph, self._previous)
         self._previous = samples[-1:].copy()
         self.samples += samples.size
@@ -161,12 +172,21 @@ class StreamingLogMel:
         if self._padded is None:
             self._head = np.concatenate([self._head, emphasized])
             if self._head.size <= self.pad:
-                return self._empty()
+                return None
             self._padded = np.concatenate([self._head[1 : self.pad + 1][::-1], self._head])
             self._head = np.zeros(0, np.float32)
         else:
             self._padded = np.concatenate([self._padded, emphasized])
-        return self._frames(self._available(self._padded.size))
+        return self._span(self._available(self._padded.size))
+
+    def frames_of(self, spans: np.ndarray) -> mx.array:
+        """The log-mel frames `[B, k, features]` of `take`'s spans `[B, (k - 1) * hop + n_fft]`
+        (of streams with this one's config and filterbank), each row its own arithmetic."""
+        # The frames cut on the host: one matrix of every row's frames, the matmul's rows.
+        framed = np.lib.stride_tricks.sliding_window_view(spans, self.cfg.n_fft, axis=1)[:, :: self.cfg.hop_length]
+        rows, count = framed.shape[:2]
+        mel = _log_mel_of(mx.array(framed.reshape(rows * count, -1)), self.cfg, *self._operands)
+        return mel[None] if rows == 1 else mel.reshape(rows, count, -1)
 
     def finish(self) -> mx.array:
         """The frames that need the end of the signal: `1 + samples // hop` in all."""
@@ -174,21 +194,26 @@ class StreamingLogMel:
             raise ValueError(f"audio of {self.samples} samples is too short for the {self.cfg.n_fft}-point "
                              f"frontend (need > {self.pad})")
         self._padded = np.concatenate([self._padded, self._tail[:-1][::-1]])
-        out = self._frames(num_frames(self.samples, self.cfg) - self.frames)
+        span = self._span(num_frames(self.samples, self.cfg) - self.frames)
         self._padded = np.zeros(0, np.float32)
-        return out
+        return self._frames_of_span(span)
 
     def _available(self, length: int) -> int:
         """Whole frames in `length` padded samples from the next frame's first sample."""
         return max(0, (length - self.cfg.n_fft) // self.cfg.hop_length + 1)
 
-    def _frames(self, count: int) -> mx.array:
+    def _span(self, count: int) -> np.ndarray | None:
+        """The padded samples of the next `count` frames (taken: the held samples move on)."""
         if count <= 0:
-            return self._empty()
-        out = _log_mel_frames(mx.array(self._padded), count, self.cfg, *self._operands)
-        self._padded = self._padded[count * self.cfg.hop_length :]
+            return None
+        hop = self.cfg.hop_length
+        span = self._padded[: (count - 1) * hop + self.cfg.n_fft]
+        self._padded = self._padded[count * hop :]
         self.frames += count
-        return out
+        return span
+
+    def _frames_of_span(self, span: np.ndarray | None) -> mx.array:
+        return self._empty() if span is None else self.frames_of(span[None])
 
     def _empty(self) -> mx.array:
         return mx.zeros((1, 0, self.cfg.features), mx.float32)

@@ -7,8 +7,7 @@ For each B, an `Engine` holds B sessions, each fed the bundled spoken question (
 looped, from its own starting point. A round feeds every session one 80 ms piece
 (`Engine.feed_many`: their perception as one batch, then their transcripts as one loop) and runs one
 engine tick (the LLM steps of all B sessions as one batch, in groups of 4, then their TTS steps as
-one batch; the codec frames as one batch too with `--batch-codec on`, else each session's on its
-own caches; then each session's text). `--warmup` rounds trace
+one batch, their codec frames as one batch, then each session's text). `--warmup` rounds trace
 the compiled steps for the bucket; `--rounds` rounds are measured. Reported per B:
 
 - `round_ms` p50 / p95: one round, feeds and tick: the wall time of one 80 ms frame for all B
@@ -65,13 +64,13 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def measure(chat, batch: int, rounds: int, warmup: int, headroom_ms: float, batch_codec: bool | None = None) -> dict:
+def measure(chat, batch: int, rounds: int, warmup: int, headroom_ms: float) -> dict:
     loop = conversation()
     mx.eval(mx.zeros(1))
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     round_ms, tick_ms, model_ms, latency_ms = [], [], [], []
-    with Engine(chat, max_sessions=batch, batch_codec=batch_codec) as engine:
+    with Engine(chat, max_sessions=batch) as engine:
         sessions = [engine.live(seed=i) for i in range(batch)]
         offsets = [(i * 7 * PIECE) % len(loop) for i in range(batch)]  # sessions at different points
         for r in range(warmup + rounds):
@@ -93,10 +92,10 @@ def measure(chat, batch: int, rounds: int, warmup: int, headroom_ms: float, batc
             latency_ms += [1e3 * (done - fed[s]) for s, done in tick.delivered.items()]
         active = mx.get_active_memory()
         peak = mx.get_peak_memory()
-        slots, codec_batched = engine.slots, engine.batch_codec
+        slots = engine.slots
     p95 = percentile(round_ms, 95)
     return {
-        "batch": batch, "slots": slots, "batch_codec": codec_batched, "rounds": rounds,
+        "batch": batch, "slots": slots, "rounds": rounds,
         "round_ms_p50": percentile(round_ms, 50), "round_ms_p95": p95,
         "tick_ms_p50": percentile(tick_ms, 50), "model_ms_p50": percentile(model_ms, 50),
         "latency_ms_p50": percentile(latency_ms, 50), "latency_ms_p95": percentile(latency_ms, 95),
@@ -127,12 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=40, help="measured rounds per B (default 40)")
     p.add_argument("--warmup", type=int, default=16, help="rounds first, not measured (default 16)")
     p.add_argument("--headroom-ms", type=float, default=20.0, help="real time: round p95 + this < 80 ms (default 20)")
-    p.add_argument("--batch-codec", choices=["auto", "on", "off"], default="auto",
-                   help="how sessions' codec frames decode: the engine's default for this device (auto), as one "
-                        "batch (on) or each on its own caches (off)")
     p.add_argument("--json", default=None, help="write the settings and rows here")
     args = p.parse_args(argv)
-    codec_mode = {"auto": None, "on": True, "off": False}[args.batch_codec]
     default = "1,2,4,8,16,32,64" if args.size == "full" else "1,2,4,8,16"
     batches = [int(b) for b in (args.batches or default).split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
@@ -143,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info), flush=True)
         rows = []
         for batch in batches:
-            rows.append(measure(chat, batch, args.rounds, args.warmup, args.headroom_ms, codec_mode))
+            rows.append(measure(chat, batch, args.rounds, args.warmup, args.headroom_ms))
             print(json.dumps(rows[-1]), flush=True)
         chat.close()
     print(table(rows))

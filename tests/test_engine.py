@@ -64,7 +64,7 @@ def feed_bad(session, rate):
         session.feed(np.zeros(100, np.float32), sample_rate=rate + 1)
 
 
-def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, batch_codec=None, path_ticks=None, together=None):
+def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, together=None):
     """Feed every joined session a piece a tick (then finish), one engine step a tick, until all
     are done. Returns ({plan index: (frames, result)}, the batch sizes seen, the engine's ticks);
     `alone` (a list) gets, per tick, the plan index of the session that stepped alone (or None).
@@ -72,7 +72,7 @@ def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, batch_codec=No
     and it gets the chunks perceived in batches."""
     out, frames, sessions, fed, finished = {}, {}, {}, {}, set()
     batches = []
-    with Engine(chat, max_sessions=max_sessions, batch_codec=batch_codec) as engine:
+    with Engine(chat, max_sessions=max_sessions) as engine:
         tick = 0
         while len(finished) < len(plans):
             pieces = []
@@ -122,8 +122,6 @@ def run_schedule(chat, inputs, plans, max_sessions=8, alone=None, batch_codec=No
         ticks = engine.ticks
         if together is not None:
             together.append(engine.perceived_together)
-        if path_ticks is not None:
-            path_ticks.update(engine.path_ticks)
     return out, batches, ticks
 
 
@@ -151,23 +149,7 @@ def test_each_session_in_a_batch_equals_its_generate(request, inputs, checkpoint
         check_equal(frames, result, expected[i])
 
 
-def test_sessions_decoding_in_turn_equal_their_generate(tiny_checkpoint, inputs):
-    """`batch_codec=False` (a CUDA GPU's default): the LLM's and TTS's rows step together, then each
-    session's codec frame runs on its own caches, one after another in a tick; joins, a leaver,
-    bad chunks and a reused slot change nothing of the others."""
-    with voicechat.load(tiny_checkpoint) as chat:
-        expected = generate_all(chat, inputs, SCHEDULE)
-        paths = {}
-        out, batches, ticks = run_schedule(chat, inputs, SCHEDULE, batch_codec=False, path_ticks=paths)
-    assert max(batches) >= 4 and ticks < sum(r.frames for _, r in out.values())
-    assert paths["rows"] > 0 and paths["rows"] + paths["alone"] == ticks
-    assert set(out) == set(expected)
-    for i, (frames, result) in out.items():
-        check_equal(frames, result, expected[i])
-
-
-@pytest.mark.parametrize("batch_codec", [None, False])
-def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, batch_codec):
+def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs):
     """`feed_many` (a server's round): the chunks of a tick go through perception as one batch,
     the streamed encoders' caches filling or full. Sessions long enough to fill them, joining
     at different ticks, one with half-frame pieces, one with a bad chunk in the same call: each
@@ -183,7 +165,7 @@ def test_sessions_fed_together_equal_their_generate(tiny_checkpoint, inputs, bat
     with voicechat.load(tiny_checkpoint) as chat:
         expected = generate_all(chat, long_inputs, plans)
         together = []
-        out, batches, _ = run_schedule(chat, long_inputs, plans, batch_codec=batch_codec, together=together)
+        out, batches, _ = run_schedule(chat, long_inputs, plans, together=together)
     assert together[0] >= 20 and max(batches) >= 3
     assert set(out) == set(expected)
     for i, (frames, result) in out.items():
@@ -331,7 +313,8 @@ def test_sessions_at_full_size_on_a_gpu_have_the_bits_they_have_alone(tmp_path):
     """The contract where rows could round otherwise: at the published shapes (random 4-bit
     weights), five sessions starting at different points of their input, stepped together (eight
     slots: the LLM's rows in groups of 4 and the TTS's CFG pairs on our kernels, empty slots among
-    them), each give `chat.live`'s ids, codes, transcript and samples bit for bit."""
+    them; the codec frames as one batch), each give `chat.live`'s ids, codes, transcript and
+    samples bit for bit."""
     from voicechat.synthetic import random_checkpoint
 
     chat = voicechat.load(random_checkpoint(tmp_path / "full", "full", quantize=4))

@@ -15,10 +15,9 @@ queued. The LLM steps as one batch (`llm.rows.LMGroups`: a row per session, per-
 states, attention keys at per-session positions, both heads' argmax per row; `DuplexLM.decode`'s
 own compiled parts, in groups of up to 4 rows). Then the TTS steps with two rows per session
 (`tts.rows.TTSRows`: each session's CFG pair, its own keys, position and generator key; the
-single-session step's graph and kernels over all the sessions at once). With `batch_codec` the
-codec decodes every session's frame as one batch (`codec.push_streams`); without, each session's
-codec frame runs on its own caches, every one queued before any is read back. Then each session's
-text. Perception and the
+single-session step's graph and kernels over all the sessions at once). Then the codec decodes
+every session's frame as one batch (`codec.push_streams`: each row its own matmuls, so each
+session's samples are its own alone on any device), and each session's text. Perception and the
 transcript run as input arrives: per session with `feed`, as in a `LiveSession`; with `feed_many`
 (a server's round: a chunk for each of several sessions) the streamed encoders run their layers as
 one batch (`stt.conformer.push_streams`: sessions whose chunks complete the same number of frames,
@@ -43,19 +42,14 @@ room, and which the row writes again before any query reads it). Slot counts com
 once per bucket and cache capacity, not per session count; the batch shrinks when the highest
 slots free up.
 
-`batch_codec` (default: True except on a CUDA GPU) decodes the sessions' codec frames as one
-batch. On a CUDA GPU MLX's matmuls and convolutions pick their kernels by the row count, so a
-batch's samples round otherwise than a session's alone (up to ~2e-4): there each session's codec
-frame runs on its own caches.
-
 Exactness: a session's ids, codes, transcript and audio are those it gets alone (`chat.live`, and
 so `chat.generate`), whatever its neighbours do and whenever they join or leave: on a CPU, where
 MLX computes each row independently of the others (tested), and on a CUDA GPU, where our kernels
 give each session's rows the bits they get alone (the LLM's at up to 4 rows a group, the TTS's
-through each kernel's `sessions` grid) and the codec runs per session. On a CUDA GPU the
-perception `feed_many` batches rounds otherwise than a session's alone (about 1e-6: MLX's matmul
-picks its kernel by the row count), so there a session's ids equal its generate's unless two of
-its logits are that close.
+through each kernel's `sessions` grid), and the codec runs each session's matmuls on its own rows.
+On a CUDA GPU the perception `feed_many` batches rounds otherwise than a session's alone (about
+1e-6: MLX's matmuls and convolutions pick their kernels by the row count), so there a session's
+ids equal its generate's unless two of its logits are that close.
 
 The engine holds the `VoiceChat` until closed (`with`, or `close()`), as `chat.sessions()` does:
 meanwhile `generate()` and `live()` raise `ModelBusy`. One thread at a time steps it; every session
@@ -72,9 +66,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .codec.codec import push_streams
-from .kernels.gemv import on_cuda_gpu
-from .live import ContextFull, Frame, LiveSession
+from .codec.codec import queue_streams as queue_codec, take_streams as take_codec
+from .live import ContextFull, Frame, LiveSession, _decodable_codes
 from .llm.rows import MAX_KERNEL_ROWS, LMGroups, LMRows
 from .session import InputError, _checked_seed
 from .stt.conformer import PerceptionStream, push_streams as push_perception
@@ -110,17 +103,13 @@ def bucket(n: int) -> int:
 
 class Engine:
     """Owns a loaded `VoiceChat` and steps its live sessions together (see the module docstring).
-    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it).
-    `batch_codec`: the codec frames of two or more sessions decode as one batch (True) or each
-    session's on its own caches (False); None: batched except on a CUDA GPU (see the module
-    docstring)."""
+    `max_sessions`: the most sessions open at once (`live` raises `EngineFull` past it)."""
 
-    def __init__(self, chat, max_sessions: int = 64, *, batch_codec: bool | None = None):
+    def __init__(self, chat, max_sessions: int = 64):
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise InputError(f"max_sessions must be a whole number >= 1, got {max_sessions!r}")
         self.chat = chat
         self.max_sessions = max_sessions
-        self.batch_codec = not on_cuda_gpu() if batch_codec is None else bool(batch_codec)
         self._lock = threading.RLock()
         self._turn = chat._begin_turn(live=True)
         self._closed = False
@@ -242,11 +231,12 @@ class Engine:
             with mx.stream(chat._timeline_stream):
                 text, function = self.lm.step(mx.concatenate(audio, axis=0), active)
                 codes = self.tts.step(text, speaking, self._silence)
-            if not self.batch_codec:
-                self.last_tick = self._decode_in_turn(ready, text, function, codes, speaking, started)
-                return len(ready)
-            with mx.stream(chat._timeline_stream):
-                mx.eval(text, function, codes)
+                # The codec batch is queued behind the step (its codes never leave the device), so
+                # its launches overlap the step's run; position 0 decodes zero codes, as alone.
+                heard = mx.where(mx.array(speaking)[:, None], codes, 0)[mx.array([s.slot for s in ready])]
+                framed = queue_codec([s.decoder for s in ready], _decodable_codes(
+                    heard[:, :, None], chat.speaking.control_codes, self._silence), rows=bucket)
+                mx.async_eval(text, function, codes, framed, ready[0].decoder._batch.contexts)
                 text, function, codes = np.array(text), np.array(function), np.array(codes)
             times = TickTimes(started, time.perf_counter(), {})
             # Read by slot before any frame is handed out: a session that ends frees its slot, and
@@ -254,25 +244,13 @@ class Engine:
             ids = [(int(text[s.slot]), int(function[s.slot])) for s in ready]
             frame_codes = [codes[s.slot] if speaking[s.slot] else self._zero_codes for s in ready]
             with mx.stream(chat._timeline_stream):
-                decodable = np.stack([s._decodable(c) for s, c in zip(ready, frame_codes)])
-                audio = push_streams([s.decoder for s in ready], mx.array(decodable[:, :, None]))
+                audio = take_codec([s.decoder for s in ready], framed)
             for s, (text_id, function_id), c, samples in zip(ready, ids, frame_codes, audio):
                 s.host_syncs += 1
                 s._deliver(text_id, function_id, c, samples)
                 times.delivered[s] = time.perf_counter()
             self.last_tick = times
             return len(ready)
-
-    def _decode_in_turn(self, ready: list["EngineSession"], text: mx.array, function: mx.array, codes: mx.array,
-                        speaking: np.ndarray, started: float) -> TickTimes:
-        """The batched step's rows (lazy) through each ready session's codec on its own caches,
-        every frame queued before any is read back."""
-        with mx.stream(self.chat._timeline_stream):
-            mx.async_eval(text, function, codes)
-            queued = [(s, s._queue_codec(text[s.slot : s.slot + 1], function[s.slot : s.slot + 1],
-                                         codes[s.slot : s.slot + 1] if speaking[s.slot] else None))
-                      for s in ready]
-        return TickTimes(started, *_read_and_deliver(queued))
 
     def _step_in_turn(self, ready: list["EngineSession"]) -> tuple[float, dict]:
         """Each ready session's frame as `chat.live` makes it (`FrameLoop.step` with the

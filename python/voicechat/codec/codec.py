@@ -637,13 +637,22 @@ class _BatchContexts:
 def push_streams(streams: list[DecoderStream], codes: mx.array,
                  rows: Callable[[int], int] | None = None) -> list[np.ndarray]:
     """`streams[i].push(codes[i : i + 1])` for every stream (batch 1 each, of one codec), run as one
-    batch: the decoder on all rows with their contexts stacked (or, for the same streams in the
-    same rows as the last batch, that batch's contexts as they are), each stream's overlap-add
-    then taken on the host and its contexts left as the batch's rows. Row by row it is each
-    stream's own arithmetic, bit for bit (`each_row_matmul`, `codewords_sum`,
-    `windowed_frames_in_order`). `rows(m)`: the rows a batch of m streams runs as (>= m; the first
-    stream's rows again fill the rest, their results unused), so that the compiled step is traced
-    for a few batch sizes, not every count. Returns each stream's samples `[n]`."""
+    batch (`queue_streams`, then `take_streams`). Returns each stream's samples `[n]`."""
+    framed = queue_streams(streams, codes, rows)
+    mx.eval(framed, streams[0]._batch.contexts)
+    return take_streams(streams, framed)
+
+
+def queue_streams(streams: list[DecoderStream], codes: mx.array,
+                  rows: Callable[[int], int] | None = None) -> mx.array:
+    """The decoder on every stream's code frames `codes [len(streams), Q, T]` as one batch, lazy:
+    their contexts stacked (or, for the same streams in the same rows as the last batch, that
+    batch's contexts as they are) and left as the batch's rows (`DecoderStream.contexts` takes a
+    stream's out when it runs otherwise). Row by row it is each stream's own arithmetic, bit for
+    bit (`each_row_matmul`, `codewords_sum`, `windowed_frames_in_order`). `rows(m)`: the rows a
+    batch of m streams runs as (>= m; the first stream's rows again fill the rest, their results
+    unused), so that the compiled step is traced for a few batch sizes, not every count. Returns
+    the windowed frames for `take_streams`, once evaluated (with the contexts: `_batch.contexts`)."""
     codec = streams[0].codec
     count = len(streams)
     order = streams + [streams[0]] * ((rows(count) if rows else count) - count)
@@ -656,13 +665,14 @@ def push_streams(streams: list[DecoderStream], codes: mx.array,
         batch = _BatchContexts(order, contexts)
     if len(order) > count:
         codes = mx.concatenate([codes, mx.broadcast_to(codes[:1], (len(order) - count, *codes.shape[1:]))])
-    framed, contexts = _stream_frames(codec, codes, contexts, streams[0].istft)
-    mx.eval(framed, contexts)
-    framed = np.array(framed)
-    batch.contexts = contexts
-    out = []
-    for i, stream in enumerate(streams):
+    framed, batch.contexts = _stream_frames(codec, codes, contexts, streams[0].istft)
+    for stream in streams:
         stream._batch = batch
         stream.frames += codes.shape[2]
-        out.append(stream.istft.add(framed[i : i + 1])[0])
-    return out
+    return framed
+
+
+def take_streams(streams: list[DecoderStream], framed: mx.array) -> list[np.ndarray]:
+    """`queue_streams`' frames read back: each stream's final samples `[n]` (its overlap-add)."""
+    framed = np.array(framed)
+    return [stream.istft.add(framed[i : i + 1])[0] for i, stream in enumerate(streams)]

@@ -96,6 +96,27 @@ def test_streaming_log_mel_equals_the_whole_signals(kind):
     assert out[-1].shape[1] == 1 + len(x) // 160 - before_end
 
 
+def test_log_mel_frames_of_several_streams_at_once_equal_each_alone():
+    """`take` then `frames_of` on the spans of several streams at the same point (a server round):
+    each row is the frames its stream makes alone, bit for bit on the CPU, and their log-mel."""
+    cfg = PreprocessorConfig()
+    rng = np.random.default_rng(9)
+    signals = [(rng.standard_normal(1280 * 6) * scale).astype(np.float32) for scale in (0.01, 0.1, 0.5)]
+    with mx.stream(mx.cpu):
+        together = [StreamingLogMel(cfg) for _ in signals]
+        alone = [StreamingLogMel(cfg) for _ in signals]
+        for at in range(0, 1280 * 6, 1280):
+            spans = [s.take(x[at : at + 1280]) for s, x in zip(together, signals)]
+            assert len({span.size for span in spans}) == 1
+            rows = np.array(together[0].frames_of(np.stack(spans)))
+            for row, stream, x in zip(rows, alone, signals):
+                np.testing.assert_array_equal(row, np.array(stream.push(x[at : at + 1280]))[0])
+        for stream, x in zip(together, signals):  # and the last frames, at the end, the whole signal's
+            whole, made = np.array(log_mel(mx.array(x), cfg))[0], stream.frames
+            assert made == alone[0].frames
+            np.testing.assert_array_equal(np.array(stream.finish())[0], whole[made:])
+
+
 def test_streaming_log_mel_refuses_what_log_mel_refuses():
     stream = StreamingLogMel(PreprocessorConfig())
     assert stream.push(np.ones(256, np.float32)).shape == (1, 0, 128)

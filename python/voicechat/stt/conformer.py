@@ -660,7 +660,7 @@ def _frontend_rows(streams: list[PerceptionStream], chunks: list[np.ndarray]) ->
         first = streams[members[0]]
         if length == 0 or len(members) == 1:
             for i in members:
-                xs[i] = streams[i]._subsampled(streams[i].mel._frames_of_span(spans[i]), False)
+                xs[i] = streams[i]._subsampled(streams[i].mel.frames_of_span(spans[i]), False)
             continue
         mel = first.mel.frames_of(np.stack([spans[i] for i in members]))
         state = SubsamplingState([mx.concatenate([streams[i].subsampling.pending[k] for i in members])

@@ -156,7 +156,7 @@ class StreamingLogMel:
 
     def push(self, samples: np.ndarray) -> mx.array:
         """Mono float32 samples -> the log-mel frames `[1, k, features]` they completed (k >= 0)."""
-        return self._frames_of_span(self.take(samples))
+        return self.frames_of_span(self.take(samples))
 
     def take(self, samples: np.ndarray) -> np.ndarray | None:
         """`push` on the host: the samples held, and the padded span of the frames they completed
@@ -196,7 +196,7 @@ class StreamingLogMel:
         self._padded = np.concatenate([self._padded, self._tail[:-1][::-1]])
         span = self._span(num_frames(self.samples, self.cfg) - self.frames)
         self._padded = np.zeros(0, np.float32)
-        return self._frames_of_span(span)
+        return self.frames_of_span(span)
 
     def _available(self, length: int) -> int:
         """Whole frames in `length` padded samples from the next frame's first sample."""
@@ -212,7 +212,8 @@ class StreamingLogMel:
         self.frames += count
         return span
 
-    def _frames_of_span(self, span: np.ndarray | None) -> mx.array:
+    def frames_of_span(self, span: np.ndarray | None) -> mx.array:
+        """`frames_of` one stream's span `[1, k, features]` (none for None: `take` completed none)."""
         return self._empty() if span is None else self.frames_of(span[None])
 
     def _empty(self) -> mx.array:

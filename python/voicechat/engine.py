@@ -234,9 +234,9 @@ class Engine:
                 # The codec batch is queued behind the step (its codes never leave the device), so
                 # its launches overlap the step's run; position 0 decodes zero codes, as alone.
                 heard = mx.where(mx.array(speaking)[:, None], codes, 0)[mx.array([s.slot for s in ready])]
-                framed = queue_codec([s.decoder for s in ready], _decodable_codes(
+                framed, contexts = queue_codec([s.decoder for s in ready], _decodable_codes(
                     heard[:, :, None], chat.speaking.control_codes, self._silence), rows=bucket)
-                mx.async_eval(text, function, codes, framed, ready[0].decoder._batch.contexts)
+                mx.async_eval(text, function, codes, framed, contexts)
                 text, function, codes = np.array(text), np.array(function), np.array(codes)
             times = TickTimes(started, time.perf_counter(), {})
             # Read by slot before any frame is handed out: a session that ends frees its slot, and

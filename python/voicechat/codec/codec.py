@@ -50,6 +50,7 @@ import mlx.nn as nn
 
 from ..config import CodecConfig
 from ..held import evaluate_held, held, hold
+from ..stacked_rows import StackedRows, padded
 from ..kernels import use_reference
 from ..kernels.rvq import codebook_norms, rvq_search, rvq_search_reference
 from .stft import StreamingISTFT, istft, istft_reference, stft, stft_reference, windowed_frames_in_order
@@ -566,7 +567,7 @@ class DecoderStream:
         """Each ConvNeXt block's last k - 1 input frames, this stream's own (taken out of the batch
         that holds them, if one does)."""
         if self._batch is not None:
-            row = self._batch.members.index(self)
+            row = self._batch.row_of(self)
             self._contexts = [c[row : row + 1] for c in self._batch.contexts]
             self._batch = None
         return self._contexts
@@ -624,27 +625,26 @@ def _stream_frames(codec: AudioCodec, codes: mx.array, contexts: list[mx.array],
     return framed, contexts
 
 
-class _BatchContexts:
-    """The block contexts of the streams one `push_streams` batch ran, as that batch's rows
-    (`members`: the stream of each row, padding rows included). They stay stacked between frames:
-    the next batch of the same rows runs on them as they are, and a stream's own contexts are
-    sliced out only when it runs otherwise."""
+class _BatchContexts(StackedRows):
+    """The block contexts of the streams one `queue_streams` batch ran, as that batch's rows, kept
+    stacked between frames (`StackedRows`)."""
 
     def __init__(self, members: list[DecoderStream], contexts: list[mx.array]):
-        self.members, self.contexts = members, contexts
+        super().__init__(members)
+        self.contexts = contexts
 
 
 def push_streams(streams: list[DecoderStream], codes: mx.array,
                  rows: Callable[[int], int] | None = None) -> list[np.ndarray]:
     """`streams[i].push(codes[i : i + 1])` for every stream (batch 1 each, of one codec), run as one
     batch (`queue_streams`, then `take_streams`). Returns each stream's samples `[n]`."""
-    framed = queue_streams(streams, codes, rows)
-    mx.eval(framed, streams[0]._batch.contexts)
+    framed, contexts = queue_streams(streams, codes, rows)
+    mx.eval(framed, contexts)
     return take_streams(streams, framed)
 
 
 def queue_streams(streams: list[DecoderStream], codes: mx.array,
-                  rows: Callable[[int], int] | None = None) -> mx.array:
+                  rows: Callable[[int], int] | None = None) -> tuple[mx.array, list[mx.array]]:
     """The decoder on every stream's code frames `codes [len(streams), Q, T]` as one batch, lazy:
     their contexts stacked (or, for the same streams in the same rows as the last batch, that
     batch's contexts as they are) and left as the batch's rows (`DecoderStream.contexts` takes a
@@ -652,13 +652,13 @@ def queue_streams(streams: list[DecoderStream], codes: mx.array,
     bit (`each_row_matmul`, `codewords_sum`, `windowed_frames_in_order`). `rows(m)`: the rows a
     batch of m streams runs as (>= m; the first stream's rows again fill the rest, their results
     unused), so that the compiled step is traced for a few batch sizes, not every count. Returns
-    the windowed frames for `take_streams`, once evaluated (with the contexts: `_batch.contexts`)."""
+    the windowed frames, for `take_streams` once evaluated, and the contexts (lazy: evaluate them
+    with the frames)."""
     codec = streams[0].codec
     count = len(streams)
-    order = streams + [streams[0]] * ((rows(count) if rows else count) - count)
+    order = padded(streams, rows)
     batch = streams[0]._batch
-    if batch is not None and len(batch.members) == len(order) and all(a is b for a, b in zip(batch.members, order)) \
-            and all(s._batch is batch for s in order):
+    if batch is not None and batch.holds(order):
         contexts = batch.contexts  # the last batch's rows, as they are
     else:
         contexts = [mx.concatenate([s.contexts[j] for s in order]) for j in range(len(streams[0].contexts))]
@@ -669,7 +669,7 @@ def queue_streams(streams: list[DecoderStream], codes: mx.array,
     for stream in streams:
         stream._batch = batch
         stream.frames += codes.shape[2]
-    return framed
+    return framed, batch.contexts
 
 
 def take_streams(streams: list[DecoderStream], framed: mx.array) -> list[np.ndarray]:

@@ -36,6 +36,7 @@ from ..config import AudioConfig, ConfigError, EncoderConfig, PreprocessorConfig
 from ..held import evaluate_held, held, hold
 from ..kernels.gemv import stack_linears
 from ..kernels.rel_pos_attention import position_window, rel_pos_attention
+from ..stacked_rows import StackedRows, padded
 from .mel import StreamingLogMel, hann_window, log_mel, mel_filterbank
 
 LAYER_NORM_EPS = 1e-5
@@ -493,20 +494,16 @@ class EncoderLayerCache:
         return [self.keys, self.values, self.conv]
 
 
-class _BatchCaches:
-    """The layer caches of the streams one `push_streams` batch ran, as that batch's rows
-    (`members`: the stream of each row, padding rows included). They stay stacked between chunks:
-    the next batch of the same rows runs on them as they are, and a stream's own caches are
-    sliced out only when it runs otherwise (alone, or in another batch)."""
+class _BatchCaches(StackedRows):
+    """The layer caches of the streams one `push_streams` batch ran, as that batch's rows, kept
+    stacked between chunks (`StackedRows`)."""
 
     def __init__(self, members: list["PerceptionStream"], caches: list[EncoderLayerCache]):
-        self.members, self.caches = members, caches
+        super().__init__(members)
+        self.caches = caches
 
     def arrays(self) -> list[mx.array]:
         return [a for c in self.caches for a in c.state]
-
-    def row_of(self, stream: "PerceptionStream") -> int:
-        return self.members.index(stream)
 
 
 class PerceptionStream:
@@ -624,11 +621,10 @@ def push_streams(streams: list[PerceptionStream], chunks: list[np.ndarray],
             continue
         together += len(members)
         first = streams[members[0]]
-        batch = members + [members[0]] * ((rows(len(members)) if rows else len(members)) - len(members))
+        batch = padded(members, rows)
         order = [streams[i] for i in batch]
         held = first._batch
-        if held is not None and len(held.members) == len(order) and all(a is b for a, b in zip(held.members, order)) \
-                and all(s._batch is held for s in order):
+        if held is not None and held.holds(order):
             caches = held.caches  # the last batch's rows, as they are
         else:
             caches = [EncoderLayerCache(*(mx.concatenate([s.caches[layer].state[j] for s in order]) for j in range(3)))
